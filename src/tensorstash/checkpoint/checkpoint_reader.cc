@@ -1,0 +1,390 @@
+#include "tensorstash/checkpoint/checkpoint_reader.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "tensorstash/array/chunk_grid.h"
+#include "tensorstash/array/convert.h"
+#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/engine/read_plan.h"
+#include "tensorstash/format/chunk_codec.h"
+#include "tensorstash/util/byte_limiter.h"
+#include "tensorstash/util/crc32c.h"
+#include "tensorstash/util/thread_pool.h"
+
+namespace tensorstash {
+namespace {
+
+int DefaultThreads() {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::clamp(2 * cores, 4, 32);
+}
+
+// One chunk needed by one request.
+struct Piece {
+  size_t request;
+  const IndexEntry* entry;
+  Box chunk_box;
+  Box region;  // chunk_box ∩ request box
+};
+
+}  // namespace
+
+struct CheckpointReader::Impl {
+  KvStore* kv;
+  std::string dir;
+  std::string item_dir;
+  ReaderOptions options;
+  CommitRecord commit;
+  TreeFile tree;
+  ChunkIndex index;
+  std::map<std::string, size_t, std::less<>> array_by_path;
+  std::vector<size_t> entries_begin;  // per array: first entry; entries_begin[n] = end
+  std::vector<uint64_t> stored_bytes;
+  std::vector<std::unique_ptr<ReadableFile>> files;
+  std::vector<Status> file_errors;  // per data file: missing / truncated
+  std::unique_ptr<ThreadPool> pool;
+
+  Status Load();
+  std::string FileKey(uint32_t file_id) const {
+    return StrCat(item_dir, "/", index.files[file_id].name);
+  }
+  std::string ChunkWhat(const IndexEntry& e) const {
+    const ArrayMetadata& a = tree.arrays[e.array_id];
+    return StrCat("chunk ", a.grid.ChunkName(static_cast<int64_t>(e.chunk)), " of array '",
+                        a.path, "' (file '", FileKey(e.file_id), "', offset ", e.offset, ", ",
+                        e.length, " bytes)");
+  }
+  const IndexEntry* FindEntry(size_t array_id, int64_t chunk) const {
+    auto begin = index.entries.begin() + entries_begin[array_id];
+    auto end = index.entries.begin() + entries_begin[array_id + 1];
+    auto it = std::lower_bound(begin, end, static_cast<uint64_t>(chunk),
+                               [](const IndexEntry& e, uint64_t c) { return e.chunk < c; });
+    return it != end && it->chunk == static_cast<uint64_t>(chunk) ? &*it : nullptr;
+  }
+  Status CheckCrc(const IndexEntry& e, const char* data) const {
+    if (!options.verify_checksums) return OkStatus();
+    const uint32_t crc = Crc32c(data, e.length);
+    if (crc != e.crc32c) {
+      return DataLossError(StrCat("CRC-32C mismatch in ", ChunkWhat(e), ": stored ", Hex32(e.crc32c), ", computed ", Hex32(crc)));
+    }
+    return OkStatus();
+  }
+  Status ReadFile(uint32_t file_id, uint64_t offset, uint64_t length, void* dest) const {
+    if (!file_errors[file_id].ok()) return file_errors[file_id];
+    return files[file_id]->ReadAt(offset, length, dest);
+  }
+};
+
+CheckpointReader::CheckpointReader(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CheckpointReader::~CheckpointReader() = default;
+
+Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, std::string dir,
+                                                                 ReaderOptions options) {
+  TS_RETURN_IF_ERROR(ValidateKey(dir));
+  auto impl = std::make_unique<Impl>();
+  impl->kv = kv;
+  impl->dir = std::move(dir);
+  impl->item_dir = ItemDir(impl->dir, kStateItem);
+  impl->options = options;
+  if (impl->options.io_threads <= 0) impl->options.io_threads = DefaultThreads();
+  TS_RETURN_IF_ERROR(impl->Load());
+  impl->pool = std::make_unique<ThreadPool>(impl->options.io_threads);
+  return std::unique_ptr<CheckpointReader>(new CheckpointReader(std::move(impl)));
+}
+
+Status CheckpointReader::Impl::Load() {
+  // COMMIT first: without it the step does not exist, whatever else is in the folder.
+  const std::string commit_key = StrCat(dir, "/", kCommitFileName);
+  Result<std::string> commit_text = kv->Read(commit_key);
+  if (absl::IsNotFound(commit_text.status())) {
+    TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, kv->List(dir + "/"));
+    if (keys.empty()) {
+      return NotFoundError(StrCat("no checkpoint step '", dir, "' in ", kv->Describe()));
+    }
+    return FailedPreconditionError(StrCat(
+        "step '", dir, "' has no COMMIT record: it is incomplete (a save that is still running "
+        "or that crashed) and cannot be read"));
+  }
+  TS_RETURN_IF_ERROR(commit_text.status());
+  TS_ASSIGN_OR_RETURN(commit, DecodeCommitRecord(*commit_text, commit_key));
+  auto item_it = commit.items.find(kStateItem);
+  if (item_it == commit.items.end()) {
+    return DataLossError(StrCat("commit record '", commit_key, "' lists no \"state\" item"));
+  }
+  const CommitItem& item = item_it->second;
+
+  auto read_checked = [&](std::string_view name, uint64_t size,
+                          uint32_t crc) -> Result<std::string> {
+    const std::string key = StrCat(item_dir, "/", name);
+    Result<std::string> bytes = kv->Read(key);
+    if (absl::IsNotFound(bytes.status())) {
+      return DataLossError(StrCat("'", key, "' is missing from a committed step"));
+    }
+    TS_RETURN_IF_ERROR(bytes.status());
+    if (bytes->size() != size || Crc32c(*bytes) != crc) {
+      return DataLossError(StrCat(
+          "'", key, "' does not match its commit record (", bytes->size(), " bytes, expected ",
+          size, "; or its CRC-32C differs): the file is damaged or was replaced"));
+    }
+    return bytes;
+  };
+  TS_ASSIGN_OR_RETURN(std::string tree_json, read_checked(kTreeFileName, item.tree_size, item.tree_crc32c));
+  TS_ASSIGN_OR_RETURN(tree, DecodeTreeJson(tree_json, StrCat(item_dir, "/", kTreeFileName)));
+  TS_ASSIGN_OR_RETURN(std::string index_bytes, read_checked(kIndexFileName, item.index_size, item.index_crc32c));
+  TS_ASSIGN_OR_RETURN(index, DecodeIndex(index_bytes, StrCat(item_dir, "/", kIndexFileName)));
+
+  // The index must describe exactly the chunks of the arrays in tree.json.
+  const size_t n = tree.arrays.size();
+  const std::string index_key = StrCat(item_dir, "/", kIndexFileName);
+  entries_begin.assign(n + 1, 0);
+  stored_bytes.assign(n, 0);
+  std::vector<int64_t> counts(n, 0);
+  for (const IndexEntry& e : index.entries) {
+    if (e.array_id >= n) {
+      return DataLossError(StrCat("chunk index '", index_key, "' names array ",
+                                              e.array_id, " but tree.json has ", n));
+    }
+    const ArrayMetadata& a = tree.arrays[e.array_id];
+    if (e.chunk >= static_cast<uint64_t>(a.grid.NumChunks()) ||
+        !a.grid.ChunkExists(static_cast<int64_t>(e.chunk))) {
+      return DataLossError(StrCat("chunk index '", index_key, "' lists chunk ",
+                                              e.chunk, " that array '", a.path, "' does not have"));
+    }
+    const uint64_t raw = a.grid.ChunkBox(static_cast<int64_t>(e.chunk)).num_elements() * ItemSize(a.dtype);
+    if ((a.codec == Codec::kNone && e.length != raw) || e.length > MaxEncodedSize(a.codec, raw)) {
+      return DataLossError(StrCat("chunk index '", index_key, "': ", ChunkWhat(e),
+                                              " has the wrong stored size for ", raw, " raw bytes"));
+    }
+    ++counts[e.array_id];
+    stored_bytes[e.array_id] += e.length;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (counts[i] != tree.arrays[i].grid.NumStoredChunks()) {
+      return DataLossError(StrCat(
+          "chunk index '", index_key, "' holds ", counts[i], " chunks of array '",
+          tree.arrays[i].path, "', which has ", tree.arrays[i].grid.NumStoredChunks()));
+    }
+    entries_begin[i + 1] = entries_begin[i] + counts[i];
+    array_by_path[tree.arrays[i].path] = i;
+  }
+
+  // Open every data file now: a missing or truncated file is found before any read.
+  files.resize(index.files.size());
+  file_errors.resize(index.files.size());
+  for (uint32_t f = 0; f < index.files.size(); ++f) {
+    const std::string key = FileKey(f);
+    Result<std::unique_ptr<ReadableFile>> file = kv->OpenForRead(key);
+    if (absl::IsNotFound(file.status())) {
+      file_errors[f] = DataLossError(StrCat("data file '", key, "' is missing"));
+    } else if (!file.ok()) {
+      file_errors[f] = file.status();
+    } else if ((*file)->size() < index.files[f].size) {
+      file_errors[f] = DataLossError(StrCat(
+          "data file '", key, "' is truncated: ", (*file)->size(), " bytes, the index says ",
+          index.files[f].size));
+    } else {
+      files[f] = std::move(*file);
+    }
+    if (!file_errors[f].ok() && !options.open_damaged) return file_errors[f];
+  }
+  return OkStatus();
+}
+
+const std::string& CheckpointReader::dir() const { return impl_->dir; }
+const CommitRecord& CheckpointReader::commit_record() const { return impl_->commit; }
+const TreeNode& CheckpointReader::tree() const { return impl_->tree.root; }
+const std::vector<ArrayMetadata>& CheckpointReader::arrays() const { return impl_->tree.arrays; }
+const ChunkIndex& CheckpointReader::index() const { return impl_->index; }
+uint64_t CheckpointReader::StoredBytes(size_t array_id) const {
+  return impl_->stored_bytes.at(array_id);
+}
+
+Result<const ArrayMetadata*> CheckpointReader::FindArray(std::string_view path) const {
+  auto it = impl_->array_by_path.find(path);
+  if (it == impl_->array_by_path.end()) {
+    return NotFoundError(
+        StrCat("no array '", path, "' in checkpoint '", impl_->dir, "'"));
+  }
+  return &impl_->tree.arrays[it->second];
+}
+
+Status CheckpointReader::Read(const ReadRequest& request, ReadStats* stats) {
+  return ReadMany({request}, stats);
+}
+
+Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats) {
+  Impl& s = *impl_;
+  std::vector<Piece> pieces;
+  std::vector<ChunkRead> chunk_reads;
+  ReadStats local;
+  for (size_t r = 0; r < requests.size(); ++r) {
+    const ReadRequest& req = requests[r];
+    TS_ASSIGN_OR_RETURN(const ArrayMetadata* a, FindArray(req.path));
+    const size_t array_id = s.array_by_path.find(req.path)->second;
+    const std::string what = StrCat("read of array '", a->path, "'");
+    if (req.box.rank() != a->grid.rank()) {
+      return InvalidArgumentError(StrCat(what, ": box ", req.box.ToString(), " has rank ",
+                                                     req.box.rank(), " but the array has rank ",
+                                                     a->grid.rank()));
+    }
+    TS_RETURN_IF_ERROR(ValidateBox(req.box, ItemSize(req.dtype), what));
+    if (!CanConvert(a->dtype, req.dtype)) {
+      return InvalidArgumentError(StrCat(what, ": cannot convert stored ",
+                                                     DTypeName(a->dtype), " to ", DTypeName(req.dtype)));
+    }
+    if (req.box.empty()) continue;
+    if (req.dest == nullptr) return InvalidArgumentError(StrCat(what, ": no destination"));
+    const size_t out_item = ItemSize(req.dtype);
+    if (!Box::FromShape(a->shape()).Contains(req.box)) {
+      // Zeros where the box reaches past the stored shape.
+      std::memset(req.dest, 0, req.box.num_elements() * out_item);
+    }
+    Status missing;
+    a->grid.ForEachChunkIntersecting(req.box, [&](int64_t chunk, const Box& chunk_box) {
+      const IndexEntry* entry = s.FindEntry(array_id, chunk);
+      if (entry == nullptr) {
+        missing = DataLossError(StrCat("chunk ", a->grid.ChunkName(chunk), " of array '",
+                                                   a->path, "' is not in the index"));
+        return;
+      }
+      Piece piece{r, entry, chunk_box, Intersect(chunk_box, req.box)};
+      ChunkRead read{entry->file_id, entry->offset, entry->length, nullptr, pieces.size()};
+      if (a->codec == Codec::kNone && a->dtype == req.dtype && piece.region == chunk_box &&
+          IsContiguousIn(chunk_box, req.box)) {
+        read.direct_dest = static_cast<char*>(req.dest) + ByteOffsetIn(chunk_box, req.box, out_item);
+      }
+      pieces.push_back(std::move(piece));
+      chunk_reads.push_back(read);
+    });
+    TS_RETURN_IF_ERROR(missing);
+  }
+
+  std::vector<ReadRequestPlan> plans =
+      PlanReadRequests(std::move(chunk_reads), s.options.coalesce_gap_bytes, s.options.max_request_bytes);
+  ByteLimiter limiter(s.options.max_inflight_bytes);
+  std::mutex stats_mutex;
+  TaskGroup group(s.pool.get());
+  for (const ReadRequestPlan& each : plans) {
+    group.Run([&, plan_ptr = &each]() -> Status {
+      const ReadRequestPlan& plan = *plan_ptr;
+      if (plan.direct_dest != nullptr) {
+        TS_RETURN_IF_ERROR(s.ReadFile(plan.file_id, plan.offset, plan.length, plan.direct_dest));
+        for (const ChunkRead& c : plan.chunks) TS_RETURN_IF_ERROR(s.CheckCrc(*pieces[c.tag].entry, c.direct_dest));
+        std::lock_guard<std::mutex> lock(stats_mutex);
+        local.bytes_read += plan.length;
+        ++local.requests;
+        local.direct_chunks += plan.chunks.size();
+        return OkStatus();
+      }
+      // Staged: the span, plus room to decode the largest chunk when the codec needs it.
+      uint64_t decode_room = 0;
+      for (const ChunkRead& c : plan.chunks) {
+        const Piece& p = pieces[c.tag];
+        const ArrayMetadata& a = s.tree.arrays[p.entry->array_id];
+        if (a.codec != Codec::kNone) {
+          decode_room = std::max<uint64_t>(decode_room, p.chunk_box.num_elements() * ItemSize(a.dtype));
+        }
+      }
+      ByteReservation reservation(&limiter, plan.length + decode_room);
+      std::unique_ptr<char[]> span(new char[plan.length]);
+      std::unique_ptr<char[]> decoded(decode_room > 0 ? new char[decode_room] : nullptr);
+      TS_RETURN_IF_ERROR(s.ReadFile(plan.file_id, plan.offset, plan.length, span.get()));
+      for (const ChunkRead& c : plan.chunks) {
+        const Piece& p = pieces[c.tag];
+        const IndexEntry& e = *p.entry;
+        const ArrayMetadata& a = s.tree.arrays[e.array_id];
+        const ReadRequest& req = requests[p.request];
+        const char* stored = span.get() + (e.offset - plan.offset);
+        TS_RETURN_IF_ERROR(s.CheckCrc(e, stored));
+        const char* raw = stored;
+        if (a.codec != Codec::kNone) {
+          const uint64_t raw_size = p.chunk_box.num_elements() * ItemSize(a.dtype);
+          TS_RETURN_IF_ERROR(DecodeChunk(a.codec, std::string_view(stored, e.length), decoded.get(),
+                                         raw_size, s.ChunkWhat(e)));
+          raw = decoded.get();
+        }
+        TS_RETURN_IF_ERROR(CopyBox(p.region, a.dtype, raw, p.chunk_box, req.dtype, req.dest, req.box,
+                                   StrCat("array '", a.path, "'")));
+      }
+      std::lock_guard<std::mutex> lock(stats_mutex);
+      local.bytes_read += plan.length;
+      ++local.requests;
+      local.staged_chunks += plan.chunks.size();
+      return OkStatus();
+    });
+  }
+  Status status = group.Wait();
+  local.peak_staging_bytes = limiter.peak();
+  if (stats != nullptr) *stats = local;
+  return status;
+}
+
+Result<std::vector<BadChunk>> CheckpointReader::Verify(
+    const std::function<void(uint64_t, uint64_t)>& progress) {
+  Impl& s = *impl_;
+  std::vector<ChunkRead> reads;
+  uint64_t total = 0;
+  for (size_t i = 0; i < s.index.entries.size(); ++i) {
+    const IndexEntry& e = s.index.entries[i];
+    reads.push_back({e.file_id, e.offset, e.length, nullptr, i});
+    total += e.length;
+  }
+  std::vector<ReadRequestPlan> plans =
+      PlanReadRequests(std::move(reads), s.options.coalesce_gap_bytes, s.options.max_request_bytes);
+  ByteLimiter limiter(s.options.max_inflight_bytes);
+  std::mutex mutex;
+  std::vector<BadChunk> bad;
+  uint64_t done = 0;
+  auto report = [&](const IndexEntry& e, const Status& error) {
+    const ArrayMetadata& a = s.tree.arrays[e.array_id];
+    bad.push_back({a.path, a.grid.ChunkName(static_cast<int64_t>(e.chunk)), s.FileKey(e.file_id),
+                   std::string(error.message())});
+  };
+  {
+    TaskGroup group(s.pool.get());
+    for (const ReadRequestPlan& each : plans) {
+      group.Run([&, plan_ptr = &each]() -> Status {
+        const ReadRequestPlan& plan = *plan_ptr;
+        ByteReservation reservation(&limiter, plan.length);
+        std::unique_ptr<char[]> span(new char[plan.length]);
+        Status read = s.ReadFile(plan.file_id, plan.offset, plan.length, span.get());
+        std::vector<std::pair<const IndexEntry*, Status>> results;
+        for (const ChunkRead& c : plan.chunks) {
+          const IndexEntry& e = s.index.entries[c.tag];
+          Status status = read;
+          if (status.ok()) {
+            const uint32_t crc = Crc32c(span.get() + (e.offset - plan.offset), e.length);
+            if (crc != e.crc32c) {
+              status = DataLossError(StrCat("CRC-32C mismatch in ", s.ChunkWhat(e), ": stored ",
+                                              Hex32(e.crc32c), ", computed ", Hex32(crc)));
+            }
+          }
+          const ArrayMetadata& a = s.tree.arrays[e.array_id];
+          if (status.ok() && a.codec != Codec::kNone) {
+            const uint64_t raw = a.grid.ChunkBox(static_cast<int64_t>(e.chunk)).num_elements() * ItemSize(a.dtype);
+            std::unique_ptr<char[]> out(new char[raw]);
+            status = DecodeChunk(a.codec, std::string_view(span.get() + (e.offset - plan.offset), e.length),
+                                 out.get(), raw, s.ChunkWhat(e));
+          }
+          if (!status.ok()) results.emplace_back(&e, status);
+        }
+        std::lock_guard<std::mutex> lock(mutex);
+        for (auto& [e, status] : results) report(*e, status);
+        done += plan.length;
+        if (progress) progress(done, total);
+        return OkStatus();
+      });
+    }
+    TS_RETURN_IF_ERROR(group.Wait());
+  }
+  std::sort(bad.begin(), bad.end(), [](const BadChunk& a, const BadChunk& b) {
+    return std::tie(a.array_path, a.chunk) < std::tie(b.array_path, b.chunk);
+  });
+  return bad;
+}
+
+}  // namespace tensorstash

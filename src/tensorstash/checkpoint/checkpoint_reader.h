@@ -1,0 +1,110 @@
+// CheckpointReader: opens one committed step and reads any box of any array from it.
+//
+// Open reads COMMIT, tree.json and the chunk index (never array data) and checks them against
+// each other. Reads fill a caller buffer laid out over the requested box (C order), converting
+// the dtype if asked and filling zeros where the box reaches past the stored shape. Only stored
+// chunks that meet the box are read; neighbouring chunks of a file are fetched in one request;
+// a chunk that lands on a contiguous run of the destination is read straight into it. Every
+// chunk's CRC-32C is checked unless turned off; a mismatch is DataLoss naming the file, the
+// array and the chunk.
+//
+// Thread-safety: after Open, all const methods and Read/ReadMany may be called from several
+// threads at once.
+#ifndef TENSORSTASH_CHECKPOINT_CHECKPOINT_READER_H_
+#define TENSORSTASH_CHECKPOINT_CHECKPOINT_READER_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tensorstash/array/box.h"
+#include "tensorstash/format/commit_record.h"
+#include "tensorstash/format/index_format.h"
+#include "tensorstash/format/tree.h"
+#include "tensorstash/kvstore/kvstore.h"
+#include "tensorstash/util/status.h"
+
+namespace tensorstash {
+
+struct ReaderOptions {
+  bool verify_checksums = true;
+  // Cap on bytes held in staging buffers (chunks that cannot be read in place).
+  uint64_t max_inflight_bytes = uint64_t{256} << 20;
+  // Reader threads; 0 picks a default from the number of cores.
+  int io_threads = 0;
+  // Neighbouring chunks separated by at most this many unused bytes are read in one request.
+  uint64_t coalesce_gap_bytes = 64 << 10;
+  // Upper bound of one coalesced request.
+  uint64_t max_request_bytes = uint64_t{32} << 20;
+  // Open even when data files are missing or truncated; reads of their chunks then fail. For
+  // `verify`, which reports every damaged chunk instead of stopping at the first file.
+  bool open_damaged = false;
+};
+
+struct ReadRequest {
+  std::string path;  // array path
+  Box box;           // region of the array to read (may reach past its shape: zeros there)
+  DType dtype;       // element type of `dest` (a cast when it differs from the stored dtype)
+  void* dest;        // box.num_elements() elements of `dtype`, C order
+};
+
+struct ReadStats {
+  uint64_t bytes_read = 0;  // stored bytes fetched from storage
+  uint64_t requests = 0;    // storage read calls
+  uint64_t direct_chunks = 0;  // chunks read straight into the destination
+  uint64_t staged_chunks = 0;  // chunks read through a staging buffer
+  uint64_t peak_staging_bytes = 0;
+};
+
+struct BadChunk {
+  std::string array_path;
+  std::string chunk;  // grid coordinates, "[0, 3]"
+  std::string file;   // data file key
+  std::string error;
+};
+
+class CheckpointReader {
+ public:
+  // Opens the step folder `dir` of `kv`. NotFound if it does not exist; FailedPrecondition if it
+  // has no COMMIT (an incomplete or crashed save); DataLoss if COMMIT, tree.json or the index is
+  // corrupt or inconsistent (missing or truncated data files included); Unimplemented for a
+  // newer format version.
+  static Result<std::unique_ptr<CheckpointReader>> Open(KvStore* kv, std::string dir,
+                                                        ReaderOptions options = {});
+  ~CheckpointReader();
+
+  const std::string& dir() const;
+  const CommitRecord& commit_record() const;
+  const TreeNode& tree() const;
+  const std::vector<ArrayMetadata>& arrays() const;
+  // NotFound naming the path when there is no such array.
+  Result<const ArrayMetadata*> FindArray(std::string_view path) const;
+  // Bytes stored for array `array_id` (sum of its chunks' stored lengths).
+  uint64_t StoredBytes(size_t array_id) const;
+  const ChunkIndex& index() const;
+
+  // Reads one request. InvalidArgument for an unknown path (NotFound), a rank mismatch, a
+  // negative origin or an unsupported cast; DataLoss for corrupt chunks. On error the
+  // destination holds unspecified data.
+  Status Read(const ReadRequest& request, ReadStats* stats = nullptr);
+  // Reads several requests in parallel under one byte cap; first error wins.
+  Status ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats = nullptr);
+
+  // Reads every stored chunk and checks its CRC-32C (and that it decodes). Returns the bad
+  // chunks (empty when all are good); a non-OK status only when verification itself could not
+  // run. `progress(done_bytes, total_bytes)` is called from time to time.
+  Result<std::vector<BadChunk>> Verify(
+      const std::function<void(uint64_t, uint64_t)>& progress = nullptr);
+
+ private:
+  struct Impl;
+  explicit CheckpointReader(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tensorstash
+
+#endif  // TENSORSTASH_CHECKPOINT_CHECKPOINT_READER_H_

@@ -1,0 +1,527 @@
+// The commit protocol.
+//
+// Every process runs the same steps; the coordinator's key-value store carries what they must
+// agree on, under keys "tensorstash/<dir>/<operation id>/...".
+//
+//  1. Process 0 prepares the step: it refuses a complete step unless `overwrite`, removes an
+//     incomplete leftover of the same name, and picks the folder to write into. With a backend
+//     that can rename (POSIX) that is a temporary "<dir>.tmp-<nonce>"; without rename it is <dir>
+//     itself (any old COMMIT removed first, so the step is invisible while it is rewritten). It
+//     publishes the folder (or its error) as "workdir".
+//  2. Each process publishes, per array, the gcd of its shard boundaries ("cells/<p>"), and
+//     every process merges all of them into the same chunk grid per array.
+//  3. Each process writes its chunks into its own data files "state/data/<p>-<seq>.dat", syncs
+//     them, writes its index part "state/index.part-<p>" (processes > 0), and publishes its
+//     status ("status/<p>").
+//  4. Process 0 waits for every status. If all are OK it merges the index parts, checks that
+//     every chunk of every array was written exactly once, writes state/index and
+//     state/tree.json, syncs them, and writes COMMIT last (with the CRC-32C of both files).
+//     With rename it then renames the temporary folder to <dir> and syncs the parent folder: the
+//     step appears whole, or not at all. It publishes the outcome ("result"), and removes the
+//     folder on failure.
+//  5. Processes > 0 wait for "result" and return it.
+// A crash at any point leaves either the previous state or a folder without COMMIT (or a
+// ".tmp-" folder), which readers refuse and `tensorstash ls` shows as incomplete.
+
+#include "tensorstash/checkpoint/checkpoint_writer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "tensorstash/array/chunk_grid.h"
+#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/coordination/single_process_coordinator.h"
+#include "tensorstash/engine/data_file_set.h"
+#include "tensorstash/format/chunk_codec.h"
+#include "tensorstash/format/commit_record.h"
+#include "tensorstash/format/index_format.h"
+#include "tensorstash/util/byte_limiter.h"
+#include "tensorstash/util/crc32c.h"
+#include "tensorstash/util/thread_pool.h"
+
+namespace tensorstash {
+namespace {
+
+struct ArrayEntry {
+  ArraySpec spec;
+  std::vector<ShardData> shards;
+  ChunkGrid grid;
+};
+
+struct ChunkTask {
+  uint32_t array_id;
+  int64_t chunk;
+  Box chunk_box;
+  const ShardData* shard;
+  bool preallocated = false;
+  DataFileSet::Location location{};
+};
+
+// Statuses cross process boundaries as "<code>|<message>".
+std::string EncodeStatus(const Status& status) {
+  return StrCat(static_cast<int>(status.code()), "|", status.message());
+}
+Status DecodeStatus(std::string_view text) {
+  const size_t bar = text.find('|');
+  int code = 0;
+  if (bar == std::string_view::npos || !ParseInt(text.substr(0, bar), &code)) {
+    return InternalError(StrCat("malformed status from another process: ", text));
+  }
+  return Status(static_cast<absl::StatusCode>(code), std::string(text.substr(bar + 1)));
+}
+
+std::string RandomNonce() {
+  std::random_device device;
+  std::mt19937_64 gen(device() ^ static_cast<uint64_t>(
+                                      std::chrono::steady_clock::now().time_since_epoch().count()));
+  return StrCat(Hex32(static_cast<uint32_t>(gen())), Hex32(static_cast<uint32_t>(gen())));
+}
+
+int DefaultThreads() {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::clamp(2 * cores, 4, 32);
+}
+
+// Gcd vectors of all arrays, one process's view: "g,g,g;g,g;..." (one group per array).
+std::string EncodeGcds(const std::vector<std::vector<int64_t>>& gcds) {
+  std::vector<std::string> groups;
+  for (const auto& g : gcds) groups.push_back(StrJoin(g, ","));
+  return StrCat(gcds.size(), ":", StrJoin(groups, ";"));
+}
+Status MergeGcds(std::string_view text, std::vector<std::vector<int64_t>>* gcds, int from) {
+  auto bad = [&] {
+    return InvalidArgumentError(StrCat(
+        "process ", from, " described a different set of arrays; every process must add the "
+        "same arrays in the same order"));
+  };
+  const size_t colon = text.find(':');
+  size_t count = 0;
+  if (colon == std::string_view::npos || !ParseInt(text.substr(0, colon), &count) ||
+      count != gcds->size()) {
+    return bad();
+  }
+  if (count == 0) return OkStatus();
+  std::vector<std::string_view> groups = StrSplit(text.substr(colon + 1), ';');
+  if (groups.size() != count) return bad();
+  for (size_t a = 0; a < count; ++a) {
+    std::vector<int64_t> other;
+    if (!groups[a].empty()) {
+      for (std::string_view v : StrSplit(groups[a], ',')) {
+        int64_t x;
+        if (!ParseInt(v, &x)) return bad();
+        other.push_back(x);
+      }
+    }
+    if (other.size() != (*gcds)[a].size()) return bad();
+    (*gcds)[a] = MergeBoundaryGcds((*gcds)[a], other);
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+struct CheckpointWriter::Impl {
+  KvStore* kv;
+  std::string dir;
+  WriterOptions options;
+  Coordinator* coordinator;
+  SingleProcessCoordinator own_coordinator;
+  std::vector<ArrayEntry> arrays;
+  std::optional<TreeNode> tree;
+  bool commit_started = false;
+
+  std::string key_prefix;  // for coordinator keys of this commit
+  std::string work_dir;    // where files are written (temporary folder, or dir)
+  std::string nonce;
+
+  Result<std::string> PrepareStepFolder();
+  Status AgreeOnGrids();
+  Status WriteLocal(ChunkIndex* local, WriteStats* stats);
+  Status WriteTask(const ChunkTask& task, DataFileSet* files, ByteLimiter* limiter,
+                   std::mutex* mutex, std::vector<IndexEntry>* entries, WriteStats* stats);
+  Status MergeAndCommit(ChunkIndex local);
+  void RemoveWorkDir();
+};
+
+CheckpointWriter::CheckpointWriter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CheckpointWriter::~CheckpointWriter() = default;
+
+Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(KvStore* kv, std::string dir,
+                                                                   WriterOptions options,
+                                                                   Coordinator* coordinator) {
+  TS_RETURN_IF_ERROR(ValidateKey(dir));
+  if (IsTemporaryStepName(dir)) {
+    return InvalidArgumentError(
+        StrCat("step folder '", dir, "' uses a name reserved for temporary folders"));
+  }
+  if (options.target_chunk_bytes <= 0 || options.target_data_file_bytes <= 0) {
+    return InvalidArgumentError("target_chunk_bytes and target_data_file_bytes must be > 0");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->kv = kv;
+  impl->dir = std::move(dir);
+  impl->options = options;
+  impl->coordinator = coordinator != nullptr ? coordinator : &impl->own_coordinator;
+  if (impl->options.io_threads <= 0) impl->options.io_threads = DefaultThreads();
+  return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
+}
+
+Status CheckpointWriter::AddArray(ArraySpec spec, std::vector<ShardData> shards) {
+  const std::string what = StrCat("array '", spec.path, "'");
+  if (impl_->commit_started) return FailedPreconditionError("Commit was already called");
+  TS_RETURN_IF_ERROR(SplitArrayPath(spec.path).status());
+  if (static_cast<int>(spec.dtype) >= kNumDTypes) {
+    return InvalidArgumentError(StrCat(what, ": invalid dtype"));
+  }
+  const size_t item = ItemSize(spec.dtype);
+  TS_RETURN_IF_ERROR(ValidateBox(Box::FromShape(spec.shape), item, what));
+  const Box whole = Box::FromShape(spec.shape);
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const ShardData& shard = shards[i];
+    const std::string shard_what = StrCat(what, " shard ", i);
+    TS_RETURN_IF_ERROR(ValidateBox(shard.box, item, shard_what));
+    if (!whole.Contains(shard.box)) {
+      return InvalidArgumentError(StrCat(shard_what, " box ", shard.box.ToString(),
+                                                     " lies outside the shape ", whole.ToString()));
+    }
+    if (shard.data == nullptr && !shard.box.empty()) {
+      return InvalidArgumentError(StrCat(shard_what, " has no data"));
+    }
+    if (shard.num_replicas < 1 || shard.replica_id < 0 || shard.replica_id >= shard.num_replicas) {
+      return InvalidArgumentError(StrCat(shard_what, ": replica id ", shard.replica_id,
+                                                     " of ", shard.num_replicas));
+    }
+  }
+  for (const ArrayEntry& existing : impl_->arrays) {
+    if (existing.spec.path == spec.path) {
+      return InvalidArgumentError(StrCat(what, " was added twice"));
+    }
+  }
+  impl_->arrays.push_back({std::move(spec), std::move(shards), {}});
+  return OkStatus();
+}
+
+void CheckpointWriter::SetTree(TreeNode root) { impl_->tree = std::move(root); }
+
+Status CheckpointWriter::Commit(WriteStats* stats) {
+  Impl& s = *impl_;
+  if (s.commit_started) return FailedPreconditionError("Commit was already called");
+  s.commit_started = true;
+  const auto start = std::chrono::steady_clock::now();
+  WriteStats local_stats;
+  Coordinator& c = *s.coordinator;
+  const auto timeout = s.options.coordination_timeout;
+  s.key_prefix = StrCat("tensorstash/", s.dir, "/", c.NextOperationId(), "/");
+
+  // 1. Process 0 prepares the folder.
+  if (c.process_index() == 0) {
+    Result<std::string> work_dir = s.PrepareStepFolder();
+    TS_RETURN_IF_ERROR(c.KeyValueSet(
+        s.key_prefix + "workdir",
+        work_dir.ok() ? StrCat("+", *work_dir) : EncodeStatus(work_dir.status())));
+    if (!work_dir.ok()) return work_dir.status();
+    s.work_dir = *work_dir;
+  } else {
+    TS_ASSIGN_OR_RETURN(std::string value, c.KeyValueGet(s.key_prefix + "workdir", timeout));
+    if (value.empty() || value[0] != '+') {
+      return Annotate(DecodeStatus(value), "process 0 could not prepare the step");
+    }
+    s.work_dir = value.substr(1);
+  }
+
+  // 2-3. Agree on chunk grids, write this process's chunks.
+  TS_RETURN_IF_ERROR(s.AgreeOnGrids());
+  ChunkIndex local;
+  Status written = s.WriteLocal(&local, &local_stats);
+  TS_RETURN_IF_ERROR(c.KeyValueSet(StrCat(s.key_prefix, "status/", c.process_index()),
+                                   EncodeStatus(written)));
+
+  Status result;
+  if (c.process_index() == 0) {
+    // 4. Gather every status, then commit or clean up.
+    result = written;
+    for (int p = 1; p < c.process_count() && result.ok(); ++p) {
+      Result<std::string> status = c.KeyValueGet(StrCat(s.key_prefix, "status/", p), timeout);
+      result = status.ok() ? Annotate(DecodeStatus(*status), StrCat("process ", p))
+                           : status.status();
+    }
+    if (result.ok()) result = s.MergeAndCommit(std::move(local));
+    if (!result.ok()) s.RemoveWorkDir();
+    TS_RETURN_IF_ERROR(c.KeyValueSet(s.key_prefix + "result", EncodeStatus(result)));
+  } else {
+    // 5. Wait for process 0's verdict.
+    TS_ASSIGN_OR_RETURN(std::string value, c.KeyValueGet(s.key_prefix + "result", timeout));
+    result = written.ok() ? DecodeStatus(value) : written;
+  }
+  local_stats.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (stats != nullptr) *stats = local_stats;
+  return result;
+}
+
+Result<std::string> CheckpointWriter::Impl::PrepareStepFolder() {
+  const std::string commit_key = StrCat(dir, "/", kCommitFileName);
+  Result<uint64_t> commit_size = kv->Size(commit_key);
+  const bool complete = commit_size.ok();
+  if (!complete && !absl::IsNotFound(commit_size.status())) return commit_size.status();
+  if (complete && !options.overwrite) {
+    return AlreadyExistsError(StrCat(
+        "step '", dir, "' already exists in ", kv->Describe(),
+        " and is complete; pass overwrite to replace it"));
+  }
+  nonce = RandomNonce();
+  if (kv->SupportsRename()) {
+    // An incomplete folder of the same name can only be a leftover; it is never read.
+    if (!complete) TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
+    const std::string temp = StrCat(dir, kTempMarker, nonce);
+    TS_RETURN_IF_ERROR(kv->DeletePrefix(temp + "/"));
+    return temp;
+  }
+  // Without rename the step is rewritten in place; removing COMMIT first makes it invisible.
+  if (complete) TS_RETURN_IF_ERROR(kv->Delete(commit_key));
+  TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
+  return dir;
+}
+
+Status CheckpointWriter::Impl::AgreeOnGrids() {
+  std::vector<std::vector<int64_t>> gcds;
+  gcds.reserve(arrays.size());
+  for (const ArrayEntry& a : arrays) {
+    std::vector<Box> boxes;
+    for (const ShardData& shard : a.shards) boxes.push_back(shard.box);
+    gcds.push_back(ShardBoundaryGcd(a.spec.shape, boxes));
+  }
+  Coordinator& c = *coordinator;
+  if (c.process_count() > 1) {
+    TS_RETURN_IF_ERROR(c.KeyValueSet(StrCat(key_prefix, "cells/", c.process_index()),
+                                     EncodeGcds(gcds)));
+    const std::vector<std::vector<int64_t>> mine = gcds;
+    for (int p = 0; p < c.process_count(); ++p) {
+      if (p == c.process_index()) continue;
+      TS_ASSIGN_OR_RETURN(std::string other,
+                          c.KeyValueGet(StrCat(key_prefix, "cells/", p),
+                                        options.coordination_timeout));
+      TS_RETURN_IF_ERROR(MergeGcds(other, &gcds, p));
+    }
+  }
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    ArrayEntry& a = arrays[i];
+    const int64_t target =
+        a.spec.target_chunk_bytes > 0 ? a.spec.target_chunk_bytes : options.target_chunk_bytes;
+    a.grid = ChooseChunkGrid(a.spec.shape, FinishCellShape(a.spec.shape, gcds[i]),
+                             ItemSize(a.spec.dtype), target);
+    TS_RETURN_IF_ERROR(
+        ValidateChunkGrid(a.grid, ItemSize(a.spec.dtype), StrCat("array '", a.spec.path, "'")));
+  }
+  return OkStatus();
+}
+
+Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) {
+  Coordinator& c = *coordinator;
+  // Plan: which chunks this process writes, from which shard.
+  std::vector<ChunkTask> tasks;
+  for (uint32_t id = 0; id < arrays.size(); ++id) {
+    const ArrayEntry& a = arrays[id];
+    for (const ShardData& shard : a.shards) {
+      if (shard.box.empty()) continue;
+      if (!options.split_replicated_writes && shard.replica_id != 0) continue;
+      int64_t sequence = 0;
+      Status aligned;
+      a.grid.ForEachChunkIntersecting(shard.box, [&](int64_t chunk, const Box& chunk_box) {
+        if (!shard.box.Contains(chunk_box)) {
+          aligned = InternalError(StrCat("array '", a.spec.path, "': chunk ",
+                                                     chunk_box.ToString(), " straddles shards"));
+        }
+        const int writer = options.split_replicated_writes
+                               ? static_cast<int>(sequence % shard.num_replicas) : 0;
+        ++sequence;
+        if (writer == shard.replica_id) tasks.push_back({id, chunk, chunk_box, &shard});
+      });
+      TS_RETURN_IF_ERROR(aligned);
+    }
+  }
+
+  DataFileSet files(kv, ItemDir(work_dir, kStateItem), c.process_index(),
+                    static_cast<uint64_t>(options.target_data_file_bytes));
+  // Uncompressed chunks get their places up front, in array and chunk order, so that the
+  // chunks of an array lie side by side and readers can fetch neighbours in one request.
+  std::sort(tasks.begin(), tasks.end(), [](const ChunkTask& x, const ChunkTask& y) {
+    return std::tie(x.array_id, x.chunk) < std::tie(y.array_id, y.chunk);
+  });
+  for (ChunkTask& task : tasks) {
+    const ArrayEntry& a = arrays[task.array_id];
+    if (a.spec.codec != Codec::kNone) continue;
+    const uint64_t raw = task.chunk_box.num_elements() * ItemSize(a.spec.dtype);
+    TS_ASSIGN_OR_RETURN(task.location, files.Allocate(raw));
+    task.preallocated = true;
+  }
+
+  ThreadPool pool(options.io_threads);
+  ByteLimiter limiter(options.max_inflight_bytes);
+  std::mutex mutex;
+  std::vector<IndexEntry> entries;
+  entries.reserve(tasks.size());
+  {
+    TaskGroup group(&pool);
+    for (const ChunkTask& task : tasks) {
+      group.Run([&, task_ptr = &task] {
+        return WriteTask(*task_ptr, &files, &limiter, &mutex, &entries, stats);
+      });
+    }
+    TS_RETURN_IF_ERROR(group.Wait());
+  }
+  TS_RETURN_IF_ERROR(files.Finish(options.sync, &local->files));
+  stats->data_files = local->files.size();
+  local->entries = std::move(entries);
+  if (c.process_index() > 0) {
+    // Process 0 merges the other processes' parts.
+    TS_ASSIGN_OR_RETURN(std::string part, EncodeIndex(*local));
+    const std::string key = StrCat(ItemDir(work_dir, kStateItem), "/", kIndexFileName,
+                                         ".part-", c.process_index());
+    TS_RETURN_IF_ERROR(kv->Write(key, part));
+    if (options.sync) TS_RETURN_IF_ERROR(kv->Sync(key));
+  }
+  return OkStatus();
+}
+
+Status CheckpointWriter::Impl::WriteTask(const ChunkTask& task, DataFileSet* files,
+                                         ByteLimiter* limiter, std::mutex* mutex,
+                                         std::vector<IndexEntry>* entries, WriteStats* stats) {
+  const ArrayEntry& a = arrays[task.array_id];
+  const ShardData& shard = *task.shard;
+  const size_t item = ItemSize(a.spec.dtype);
+  const uint64_t raw_size = task.chunk_box.num_elements() * item;
+  const bool contiguous = IsContiguousIn(task.chunk_box, shard.box);
+  const char* raw = static_cast<const char*>(shard.data) + ByteOffsetIn(task.chunk_box, shard.box, item);
+
+  // Staging is needed to gather a non-contiguous chunk and to hold compressed bytes; a
+  // contiguous uncompressed chunk goes straight from the caller's buffer to the file.
+  uint64_t staging = (contiguous ? 0 : raw_size) + (a.spec.codec == Codec::kNone ? 0 : MaxEncodedSize(a.spec.codec, raw_size));
+  ByteReservation reservation(limiter, staging);
+  std::unique_ptr<char[]> gathered;
+  if (!contiguous) {
+    gathered.reset(new char[raw_size]);
+    TS_RETURN_IF_ERROR(CopyBox(task.chunk_box, a.spec.dtype, shard.data, shard.box, a.spec.dtype,
+                               gathered.get(), task.chunk_box, a.spec.path));
+    raw = gathered.get();
+  }
+  std::string encoded;
+  std::string_view stored(raw, raw_size);
+  if (a.spec.codec != Codec::kNone) {
+    TS_RETURN_IF_ERROR(EncodeChunk(a.spec.codec, a.spec.zstd_level, stored, &encoded));
+    stored = encoded;
+  }
+  const uint32_t crc = Crc32c(stored);
+  DataFileSet::Location location = task.location;
+  if (!task.preallocated) {
+    TS_ASSIGN_OR_RETURN(location, files->Allocate(stored.size()));
+  }
+  TS_RETURN_IF_ERROR(Annotate(files->Write(location, stored.data(), stored.size()),
+                              StrCat("writing chunk ", a.grid.ChunkName(task.chunk),
+                                           " of array '", a.spec.path, "'")));
+  std::lock_guard<std::mutex> lock(*mutex);
+  entries->push_back({task.array_id, location.file_id, static_cast<uint64_t>(task.chunk),
+                      location.offset, stored.size(), crc});
+  stats->raw_bytes += raw_size;
+  stats->stored_bytes += stored.size();
+  ++stats->chunks;
+  return OkStatus();
+}
+
+Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local) {
+  Coordinator& c = *coordinator;
+  const std::string item_dir = ItemDir(work_dir, kStateItem);
+  ChunkIndex merged = std::move(local);
+  for (int p = 1; p < c.process_count(); ++p) {
+    const std::string key = StrCat(item_dir, "/", kIndexFileName, ".part-", p);
+    TS_ASSIGN_OR_RETURN(std::string bytes, kv->Read(key));
+    TS_ASSIGN_OR_RETURN(ChunkIndex part, DecodeIndex(bytes, key));
+    const uint32_t base = static_cast<uint32_t>(merged.files.size());
+    for (DataFileInfo& f : part.files) merged.files.push_back(std::move(f));
+    for (IndexEntry e : part.entries) {
+      e.file_id += base;
+      merged.entries.push_back(e);
+    }
+    TS_RETURN_IF_ERROR(kv->Delete(key));
+  }
+
+  // Every chunk of every array must have been written exactly once.
+  std::vector<int64_t> counts(arrays.size(), 0);
+  for (const IndexEntry& e : merged.entries) ++counts[e.array_id];
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    const int64_t expected = arrays[i].grid.NumStoredChunks();
+    if (counts[i] < expected) {
+      return InvalidArgumentError(StrCat(
+          "array '", arrays[i].spec.path, "': only ", counts[i], " of ", expected,
+          " chunks were written; the shards given by all processes do not cover the array"));
+    }
+  }
+  TS_ASSIGN_OR_RETURN(std::string index_bytes, EncodeIndex(merged));
+
+  TreeFile tree_file;
+  for (const ArrayEntry& a : arrays) {
+    tree_file.arrays.push_back(
+        {a.spec.path, a.spec.dtype, a.grid, a.spec.codec, a.spec.codec == Codec::kZstd ? a.spec.zstd_level : 0});
+  }
+  if (tree.has_value()) {
+    tree_file.root = *tree;
+  } else {
+    TS_ASSIGN_OR_RETURN(tree_file.root, TreeFromArrayPaths(tree_file.arrays));
+  }
+  TS_ASSIGN_OR_RETURN(std::string tree_json, EncodeTreeJson(tree_file));
+  // A caller-supplied tree is checked by the same rules a reader applies.
+  TS_RETURN_IF_ERROR(
+      Annotate(DecodeTreeJson(tree_json, "tree being written").status(), "invalid tree"));
+
+  const std::string index_key = StrCat(item_dir, "/", kIndexFileName);
+  const std::string tree_key = StrCat(item_dir, "/", kTreeFileName);
+  TS_RETURN_IF_ERROR(kv->Write(index_key, index_bytes));
+  TS_RETURN_IF_ERROR(kv->Write(tree_key, tree_json));
+  if (options.sync) {
+    TS_RETURN_IF_ERROR(kv->Sync(index_key));
+    TS_RETURN_IF_ERROR(kv->Sync(tree_key));
+  }
+
+  CommitRecord record;
+  record.created_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                               std::chrono::system_clock::now().time_since_epoch()).count();
+  record.process_count = c.process_count();
+  CommitItem& item = record.items[kStateItem];
+  item.tree_crc32c = Crc32c(tree_json);
+  item.tree_size = tree_json.size();
+  item.index_crc32c = Crc32c(index_bytes);
+  item.index_size = index_bytes.size();
+  for (const DataFileInfo& f : merged.files) item.data_bytes += f.size;
+  item.num_arrays = arrays.size();
+  const std::string commit_key = StrCat(work_dir, "/", kCommitFileName);
+  TS_RETURN_IF_ERROR(kv->Write(commit_key, EncodeCommitRecord(record)));
+  if (options.sync) {
+    TS_RETURN_IF_ERROR(kv->Sync(commit_key));
+    TS_RETURN_IF_ERROR(kv->SyncDirectory(work_dir));
+  }
+  if (work_dir == dir) return OkStatus();  // no rename: COMMIT written last was the commit
+
+  // Rename the finished folder into place. An existing complete step (overwrite) is moved
+  // aside first and removed after.
+  std::string old_dir;
+  if (kv->Size(StrCat(dir, "/", kCommitFileName)).ok()) {
+    old_dir = StrCat(dir, ".old-", nonce);
+    TS_RETURN_IF_ERROR(kv->RenameDirectory(dir, old_dir));
+  }
+  TS_RETURN_IF_ERROR(kv->RenameDirectory(work_dir, dir));
+  if (options.sync) TS_RETURN_IF_ERROR(kv->SyncDirectory(ParentKey(dir)));
+  if (!old_dir.empty()) TS_RETURN_IF_ERROR(kv->DeletePrefix(old_dir + "/"));
+  return OkStatus();
+}
+
+void CheckpointWriter::Impl::RemoveWorkDir() {
+  if (work_dir.empty()) return;
+  // Best effort: a leftover is harmless (never read) and removed by later saves.
+  (void)kv->DeletePrefix(work_dir + "/");
+}
+
+}  // namespace tensorstash

@@ -1,0 +1,113 @@
+// CheckpointWriter: saves a set of sharded arrays (and a pytree around them) as one step.
+//
+// Each process of a job creates a writer for the same step folder, adds every array of the
+// checkpoint with the shards it holds, and calls Commit. Only replica 0 of a shard is written,
+// unless `split_replicated_writes` is on, in which case the chunks of a replicated shard are
+// divided among its replicas so that all of them write. Chunks are written in parallel, under a
+// cap on the bytes held in staging buffers. Commit returns when the step is durable and visible,
+// or with an error, in which case nothing new is visible and committed steps are untouched.
+// The commit protocol is explained at the top of checkpoint_writer.cc.
+//
+//   CheckpointWriter::Create(&kv, "0000001000", {}) -> writer
+//   writer->AddArray({"params/w", DType::kFloat32, {1024, 512}}, {{box, data, replica, n}})
+//   writer->Commit()
+//
+// Thread-safety: one thread uses a writer. The shard buffers must stay valid and unchanged
+// until Commit returns.
+#ifndef TENSORSTASH_CHECKPOINT_CHECKPOINT_WRITER_H_
+#define TENSORSTASH_CHECKPOINT_CHECKPOINT_WRITER_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tensorstash/array/box.h"
+#include "tensorstash/array/dtype.h"
+#include "tensorstash/coordination/coordinator.h"
+#include "tensorstash/format/tree.h"
+#include "tensorstash/kvstore/kvstore.h"
+#include "tensorstash/util/status.h"
+
+namespace tensorstash {
+
+struct WriterOptions {
+  // Shards larger than this are cut into several chunks of at most this size.
+  int64_t target_chunk_bytes = int64_t{8} << 20;
+  // A data file is closed and the next one started once it reaches this size.
+  int64_t target_data_file_bytes = int64_t{1} << 30;
+  // Cap on bytes held in staging buffers (gathers of non-contiguous chunks, compression).
+  uint64_t max_inflight_bytes = uint64_t{256} << 20;
+  // Writer threads; 0 picks a default from the number of cores.
+  int io_threads = 0;
+  // fsync data and metadata before the commit (turn off only for benchmarks and scratch).
+  bool sync = true;
+  // Divide the chunks of a replicated shard among its replicas.
+  bool split_replicated_writes = true;
+  // Replace an existing complete step instead of failing with AlreadyExists.
+  bool overwrite = false;
+  // How long to wait for the other processes at each step of the protocol.
+  std::chrono::milliseconds coordination_timeout = std::chrono::minutes(30);
+};
+
+struct ArraySpec {
+  std::string path;  // array path (see format/tree.h for escaping)
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  Codec codec = Codec::kNone;
+  int zstd_level = 3;
+  int64_t target_chunk_bytes = 0;  // 0: WriterOptions::target_chunk_bytes
+};
+
+// One shard this process holds: the elements of `box` in C order, in the array's dtype.
+struct ShardData {
+  Box box;
+  const void* data = nullptr;
+  int replica_id = 0;    // 0 .. num_replicas - 1
+  int num_replicas = 1;  // how many devices hold this same box
+};
+
+struct WriteStats {
+  uint64_t raw_bytes = 0;     // bytes of array data this process wrote (before the codec)
+  uint64_t stored_bytes = 0;  // bytes this process wrote to data files
+  uint64_t chunks = 0;        // chunks this process wrote
+  uint64_t data_files = 0;    // data files this process wrote
+  double seconds = 0;         // wall time of Commit
+};
+
+class CheckpointWriter {
+ public:
+  // `dir` is the step folder's key in `kv` (e.g. "run1/0000001000"). `coordinator` may be null
+  // for a single-process job; it must outlive the writer. Fails with InvalidArgument for a bad
+  // key or options.
+  static Result<std::unique_ptr<CheckpointWriter>> Create(KvStore* kv, std::string dir,
+                                                          WriterOptions options = {},
+                                                          Coordinator* coordinator = nullptr);
+  ~CheckpointWriter();
+
+  // Adds an array and this process's shards of it (possibly none). Every process must add the
+  // same arrays in the same order. InvalidArgument naming the array for a bad path, shape,
+  // shard box outside the shape, null data, or replica ids out of range.
+  Status AddArray(ArraySpec spec, std::vector<ShardData> shards);
+
+  // Replaces the default tree (nested dicts built from the array paths). Array leaves refer to
+  // arrays by the order of AddArray calls. Checked at Commit.
+  void SetTree(TreeNode root);
+
+  // Writes this process's chunks, then runs the commit protocol with the other processes.
+  // On success the step is complete and durable (with `sync`). On failure returns the first
+  // error of any process (every process returns an error), and the step is not visible.
+  // AlreadyExists when the step is already complete and !overwrite. May be called once.
+  Status Commit(WriteStats* stats = nullptr);
+
+ private:
+  struct Impl;
+  explicit CheckpointWriter(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tensorstash
+
+#endif  // TENSORSTASH_CHECKPOINT_CHECKPOINT_WRITER_H_

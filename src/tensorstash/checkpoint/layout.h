@@ -1,0 +1,35 @@
+// Names of the files and folders of a step, shared by the writer, the reader and the CLI
+// (docs/format.md, "Layout").
+#ifndef TENSORSTASH_CHECKPOINT_LAYOUT_H_
+#define TENSORSTASH_CHECKPOINT_LAYOUT_H_
+
+#include <string>
+#include <string_view>
+
+#include "absl/strings/str_cat.h"
+
+namespace tensorstash {
+
+inline constexpr char kStateItem[] = "state";
+inline constexpr char kTreeFileName[] = "tree.json";
+inline constexpr char kIndexFileName[] = "index";
+// A step folder being written (or left by a crash) is named "<step>.tmp-<nonce>".
+inline constexpr char kTempMarker[] = ".tmp-";
+
+inline std::string ItemDir(std::string_view step_dir, std::string_view item) {
+  return StrCat(step_dir, "/", item);
+}
+// True for folder names that are never complete steps.
+inline bool IsTemporaryStepName(std::string_view name) {
+  return name.find(kTempMarker) != std::string_view::npos ||
+         name.find(".old-") != std::string_view::npos;
+}
+// The parent key of `key` ("" for a top-level key).
+inline std::string ParentKey(std::string_view key) {
+  const size_t slash = key.rfind('/');
+  return slash == std::string_view::npos ? std::string() : std::string(key.substr(0, slash));
+}
+
+}  // namespace tensorstash
+
+#endif  // TENSORSTASH_CHECKPOINT_LAYOUT_H_

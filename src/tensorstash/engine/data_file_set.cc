@@ -1,0 +1,64 @@
+#include "tensorstash/engine/data_file_set.h"
+
+namespace tensorstash {
+
+struct DataFileSet::File {
+  std::string name;  // relative to the item folder
+  std::unique_ptr<WritableFile> handle;
+  uint64_t size = 0;
+};
+
+DataFileSet::DataFileSet(KvStore* kv, std::string item_dir, int process_index,
+                         uint64_t target_file_bytes)
+    : kv_(kv),
+      item_dir_(std::move(item_dir)),
+      process_index_(process_index),
+      target_file_bytes_(target_file_bytes == 0 ? 1 : target_file_bytes) {}
+
+DataFileSet::~DataFileSet() {
+  for (auto& file : files_) {
+    if (file->handle) (void)file->handle->Close();
+  }
+}
+
+Result<DataFileSet::Location> DataFileSet::Allocate(uint64_t length) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (files_.empty() || (files_.back()->size >= target_file_bytes_ && files_.back()->size > 0)) {
+    auto file = std::make_unique<File>();
+    file->name = StrCat("data/", process_index_, "-", files_.size(), ".dat");
+    TS_ASSIGN_OR_RETURN(file->handle, kv_->OpenForWrite(StrCat(item_dir_, "/", file->name)));
+    files_.push_back(std::move(file));
+  }
+  File& file = *files_.back();
+  uint64_t offset = file.size;
+  if (length >= kAlignChunksFrom) offset = (offset + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment;
+  file.size = offset + length;
+  return Location{static_cast<uint32_t>(files_.size() - 1), offset};
+}
+
+Status DataFileSet::Write(const Location& where, const void* data, size_t size) {
+  WritableFile* handle;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    handle = files_.at(where.file_id)->handle.get();
+  }
+  if (handle == nullptr) return FailedPreconditionError("data file already closed");
+  return handle->WriteAt(where.offset, data, size);
+}
+
+Status DataFileSet::Finish(bool sync, std::vector<DataFileInfo>* files) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  files->clear();
+  for (auto& file : files_) {
+    if (!file->handle) return FailedPreconditionError("data files already finished");
+    if (sync) TS_RETURN_IF_ERROR(file->handle->Sync());
+    TS_RETURN_IF_ERROR(file->handle->Close());
+    file->handle.reset();
+    files->push_back({file->name, file->size});
+  }
+  // The files' directory entries must be durable too.
+  if (sync && !files_.empty()) TS_RETURN_IF_ERROR(kv_->SyncDirectory(StrCat(item_dir_, "/data")));
+  return OkStatus();
+}
+
+}  // namespace tensorstash

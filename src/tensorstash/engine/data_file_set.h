@@ -1,0 +1,56 @@
+// DataFileSet: the data files one process writes for one checkpoint item, and where in them
+// each chunk goes.
+//
+// Files are named "data/<process>-<seq>.dat" and rolled once they reach a target size. Chunks of
+// 64 KiB or more start at 4 KiB boundaries (so later readers can use O_DIRECT). Allocate() hands
+// out disjoint byte ranges; the caller writes there with Write() from any thread.
+//
+// Thread-safety: all methods are thread-safe.
+#ifndef TENSORSTASH_ENGINE_DATA_FILE_SET_H_
+#define TENSORSTASH_ENGINE_DATA_FILE_SET_H_
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tensorstash/format/index_format.h"
+#include "tensorstash/kvstore/kvstore.h"
+#include "tensorstash/util/status.h"
+
+namespace tensorstash {
+
+inline constexpr uint64_t kChunkAlignment = 4096;
+inline constexpr uint64_t kAlignChunksFrom = 64 * 1024;
+
+class DataFileSet {
+ public:
+  // `item_dir` is the key of the item folder ("<step>.tmp-x/state").
+  DataFileSet(KvStore* kv, std::string item_dir, int process_index, uint64_t target_file_bytes);
+  ~DataFileSet();
+
+  struct Location {
+    uint32_t file_id;
+    uint64_t offset;
+  };
+  // Reserves `length` bytes; opens the next file when the current one is full.
+  Result<Location> Allocate(uint64_t length);
+  Status Write(const Location& where, const void* data, size_t size);
+  // Syncs (when `sync`) and closes every file; fills `files` (names relative to the item folder,
+  // sizes as allocated). Further calls fail.
+  Status Finish(bool sync, std::vector<DataFileInfo>* files);
+
+ private:
+  struct File;
+  KvStore* kv_;
+  std::string item_dir_;
+  int process_index_;
+  uint64_t target_file_bytes_;
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<File>> files_;
+};
+
+}  // namespace tensorstash
+
+#endif  // TENSORSTASH_ENGINE_DATA_FILE_SET_H_

@@ -1,0 +1,64 @@
+// The binary chunk index of one checkpoint item: which bytes of which data file hold each chunk.
+//
+// Layout (docs/format.md, "index"): a 32-byte header, a table of data files, fixed 40-byte
+// entries sorted by (array, chunk), and a 16-byte footer with a CRC-32C of everything before it.
+// All integers are little-endian. EncodeIndex and DecodeIndex are exact inverses.
+//
+// Thread-safety: pure functions.
+#ifndef TENSORSTASH_FORMAT_INDEX_FORMAT_H_
+#define TENSORSTASH_FORMAT_INDEX_FORMAT_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tensorstash/util/status.h"
+
+namespace tensorstash {
+
+inline constexpr char kIndexMagic[8] = {'T', 'S', 'I', 'N', 'D', 'E', 'X', '\0'};
+inline constexpr char kIndexFooterMagic[8] = {'T', 'S', 'I', 'X', 'E', 'N', 'D', '\0'};
+inline constexpr uint16_t kIndexMajorVersion = 1;
+inline constexpr uint16_t kIndexMinorVersion = 0;
+inline constexpr size_t kIndexHeaderSize = 32;
+inline constexpr size_t kIndexEntrySize = 40;
+inline constexpr size_t kIndexFooterSize = 16;
+inline constexpr uint32_t kMaxDataFiles = 1 << 20;
+inline constexpr size_t kMaxDataFileNameSize = 1024;
+
+struct DataFileInfo {
+  std::string name;  // key relative to the item folder, "data/<process>-<seq>.dat"
+  uint64_t size = 0;  // bytes the writer wrote; a shorter file is truncated
+  bool operator==(const DataFileInfo&) const = default;
+};
+
+struct IndexEntry {
+  uint32_t array_id = 0;  // position in tree.json's "arrays"
+  uint32_t file_id = 0;   // position in the data file table
+  uint64_t chunk = 0;     // linear chunk index in the array's ChunkGrid
+  uint64_t offset = 0;    // byte offset in the data file
+  uint64_t length = 0;    // stored bytes (after the codec)
+  uint32_t crc32c = 0;    // CRC-32C of the stored bytes
+  bool operator==(const IndexEntry&) const = default;
+};
+
+struct ChunkIndex {
+  std::vector<DataFileInfo> files;
+  std::vector<IndexEntry> entries;  // sorted by (array_id, chunk), no duplicates
+};
+
+// Serializes `index`. Entries are sorted by the encoder; InvalidArgument when two entries name
+// the same (array, chunk) or a file_id is out of range.
+Result<std::string> EncodeIndex(ChunkIndex index);
+
+// Parses and checks an encoded index read from `where` (named in errors). Checks magic, CRC,
+// sizes, version (a newer major version is Unimplemented and says which versions this reader
+// supports), file names, sort order and duplicates, file_id range, and that each entry's
+// [offset, offset + length) lies inside its file's recorded size and overlaps no other entry.
+// Every violation is DataLoss naming `where` and the offending entry.
+Result<ChunkIndex> DecodeIndex(std::string_view bytes, std::string_view where);
+
+}  // namespace tensorstash
+
+#endif  // TENSORSTASH_FORMAT_INDEX_FORMAT_H_

@@ -1,0 +1,98 @@
+// KvStore: bytes by key, the storage layer under every checkpoint.
+//
+// A key is a relative, '/'-separated path ("step/state/index"). Keys are checked by
+// ValidateKey: empty segments, "." and "..", a leading '/', and NUL bytes are InvalidArgument.
+// Backends (file/, memory/) implement this interface; kvstore_conformance_test.cc runs one suite
+// of tests against each of them.
+//
+// The API is synchronous; the engine supplies the parallelism. All methods are thread-safe: any
+// number of threads may call one KvStore at once. A WritableFile / ReadableFile may be used by
+// several threads at once for disjoint byte ranges.
+#ifndef TENSORSTASH_KVSTORE_KVSTORE_H_
+#define TENSORSTASH_KVSTORE_KVSTORE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tensorstash/util/status.h"
+
+namespace tensorstash {
+
+// Checks one key. OK, or InvalidArgument quoting the key and saying what is wrong.
+Status ValidateKey(std::string_view key);
+// Like ValidateKey, but also accepts "" (the whole store), as used for prefixes.
+Status ValidatePrefix(std::string_view prefix);
+
+// A file opened for positional writes. Created empty (truncating an existing object).
+class WritableFile {
+ public:
+  virtual ~WritableFile() = default;
+  // Writes all of `data` at `offset`, growing the object as needed. On failure (including a
+  // short write that cannot be completed) returns non-OK naming the key and offset.
+  virtual Status WriteAt(uint64_t offset, const void* data, size_t size) = 0;
+  // Makes every byte written so far durable (fsync). Memory backend: marks it synced.
+  virtual Status Sync() = 0;
+  // Releases the file. Further calls are FailedPrecondition. Called by the destructor if needed.
+  virtual Status Close() = 0;
+};
+
+// A file opened for positional reads.
+class ReadableFile {
+ public:
+  virtual ~ReadableFile() = default;
+  // Size of the object in bytes at the time it was opened.
+  virtual uint64_t size() const = 0;
+  // Reads exactly `size` bytes at `offset` into `dest`. A range that reaches past the end of
+  // the object is DataLoss ("... truncated ..."), naming the key, offset and size.
+  virtual Status ReadAt(uint64_t offset, size_t size, void* dest) const = 0;
+};
+
+class KvStore {
+ public:
+  virtual ~KvStore() = default;
+
+  // A short description for messages, e.g. "file:/data/ckpt" or "memory".
+  virtual std::string Describe() const = 0;
+
+  // Reads the whole object. NotFound if it does not exist.
+  virtual Result<std::string> Read(std::string_view key) = 0;
+  // Reads exactly `size` bytes at `offset` into `dest` (DataLoss if the object is shorter).
+  virtual Status ReadRange(std::string_view key, uint64_t offset, size_t size, void* dest) = 0;
+  // Size in bytes; NotFound if the object does not exist.
+  virtual Result<uint64_t> Size(std::string_view key) = 0;
+  virtual Result<std::unique_ptr<ReadableFile>> OpenForRead(std::string_view key) = 0;
+
+  // Replaces the object with `value`. Parent "directories" are created as needed. The write is
+  // not durable until Sync(key). File backend: written to a temporary name and renamed, so a
+  // reader never sees a torn object.
+  virtual Status Write(std::string_view key, std::string_view value) = 0;
+  // Creates (or truncates) an object for positional writes.
+  virtual Result<std::unique_ptr<WritableFile>> OpenForWrite(std::string_view key) = 0;
+
+  // Keys that start with `prefix`, sorted. A prefix that names a "directory" should end in '/'.
+  virtual Result<std::vector<std::string>> List(std::string_view prefix) = 0;
+  // Deletes one object; NotFound if absent.
+  virtual Status Delete(std::string_view key) = 0;
+  // Deletes every key under `prefix` (and, for the file backend, the emptied directories,
+  // including the directory named by `prefix` itself when it ends in '/'). Missing is OK.
+  virtual Status DeletePrefix(std::string_view prefix) = 0;
+
+  // Whether RenameDirectory is available and atomic.
+  virtual bool SupportsRename() const = 0;
+  // Atomically moves every key under `from` + "/" to `to` + "/". `to` must not exist
+  // (AlreadyExists otherwise). Unimplemented when !SupportsRename().
+  virtual Status RenameDirectory(std::string_view from, std::string_view to) = 0;
+
+  // Makes the object durable: fsync of the file and of its parent directory.
+  virtual Status Sync(std::string_view key) = 0;
+  // Makes the directory entry list of `dir` durable (fsync of the directory; "" = the root).
+  virtual Status SyncDirectory(std::string_view dir) = 0;
+};
+
+}  // namespace tensorstash
+
+#endif  // TENSORSTASH_KVSTORE_KVSTORE_H_

@@ -1,0 +1,22 @@
+// CRC-32C (Castagnoli), the checksum stored with every chunk and every index.
+//
+// Backed by ISA-L's crc32_iscsi (hardware-accelerated). Thread-safe.
+#ifndef TENSORSTASH_UTIL_CRC32C_H_
+#define TENSORSTASH_UTIL_CRC32C_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace tensorstash {
+
+// Returns the CRC-32C of `data[0, size)`, continuing from `crc` (the CRC of the bytes before;
+// 0 to start). Crc32c("123456789") == 0xE3069283.
+uint32_t Crc32c(const void* data, size_t size, uint32_t crc = 0);
+inline uint32_t Crc32c(std::string_view data, uint32_t crc = 0) {
+  return Crc32c(data.data(), data.size(), crc);
+}
+
+}  // namespace tensorstash
+
+#endif  // TENSORSTASH_UTIL_CRC32C_H_

@@ -1,0 +1,76 @@
+#include "tensorstash/util/thread_pool.h"
+
+#include <utility>
+
+namespace tensorstash {
+
+ThreadPool::ThreadPool(int num_threads) {
+  if (num_threads < 1) num_threads = 1;
+  workers_.reserve(num_threads);
+  for (int i = 0; i < num_threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (auto& worker : workers_) worker.join();
+}
+
+void ThreadPool::Schedule(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
+void ThreadPool::WorkerLoop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping and drained
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();
+  }
+}
+
+TaskGroup::~TaskGroup() { (void)Wait(); }
+
+void TaskGroup::Run(std::function<Status()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++pending_;
+  }
+  pool_->Schedule([this, task = std::move(task)] {
+    Status status;
+    if (!failed()) status = task();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!status.ok() && first_error_.ok()) first_error_ = std::move(status);
+    if (--pending_ == 0) done_cv_.notify_all();
+  });
+}
+
+void TaskGroup::Fail(Status status) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!status.ok() && first_error_.ok()) first_error_ = std::move(status);
+}
+
+bool TaskGroup::failed() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return !first_error_.ok();
+}
+
+Status TaskGroup::Wait() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_cv_.wait(lock, [this] { return pending_ == 0; });
+  return first_error_;
+}
+
+}  // namespace tensorstash
