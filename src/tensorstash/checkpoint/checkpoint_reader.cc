@@ -220,6 +220,10 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
   Impl& s = *impl_;
   std::vector<Piece> pieces;
   std::vector<ChunkRead> chunk_reads;
+  // A stored chunk needed by several requests (resharding, replication) is read once: its
+  // ChunkRead's tag indexes `targets`, the pieces it feeds.
+  std::vector<std::vector<size_t>> targets;
+  std::map<const IndexEntry*, size_t> staged_target_of;
   ReadStats local;
   for (size_t r = 0; r < requests.size(); ++r) {
     const ReadRequest& req = requests[r];
@@ -252,13 +256,21 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
         return;
       }
       Piece piece{r, entry, chunk_box, Intersect(chunk_box, req.box)};
-      ChunkRead read{entry->file_id, entry->offset, entry->length, nullptr, pieces.size()};
-      if (a->codec == Codec::kNone && a->dtype == req.dtype && piece.region == chunk_box &&
-          IsContiguousIn(chunk_box, req.box)) {
-        read.direct_dest = static_cast<char*>(req.dest) + ByteOffsetIn(chunk_box, req.box, out_item);
-      }
+      const bool direct = a->codec == Codec::kNone && a->dtype == req.dtype &&
+                          piece.region == chunk_box && IsContiguousIn(chunk_box, req.box);
       pieces.push_back(std::move(piece));
-      chunk_reads.push_back(read);
+      if (direct) {
+        char* dest = static_cast<char*>(req.dest) + ByteOffsetIn(chunk_box, req.box, out_item);
+        chunk_reads.push_back({entry->file_id, entry->offset, entry->length, dest, targets.size()});
+        targets.push_back({pieces.size() - 1});
+        return;
+      }
+      auto [it, inserted] = staged_target_of.emplace(entry, targets.size());
+      if (inserted) {
+        chunk_reads.push_back({entry->file_id, entry->offset, entry->length, nullptr, targets.size()});
+        targets.emplace_back();
+      }
+      targets[it->second].push_back(pieces.size() - 1);
     });
     TS_RETURN_IF_ERROR(missing);
   }
@@ -273,7 +285,9 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
       const ReadRequestPlan& plan = *plan_ptr;
       if (plan.direct_dest != nullptr) {
         TS_RETURN_IF_ERROR(s.ReadFile(plan.file_id, plan.offset, plan.length, plan.direct_dest));
-        for (const ChunkRead& c : plan.chunks) TS_RETURN_IF_ERROR(s.CheckCrc(*pieces[c.tag].entry, c.direct_dest));
+        for (const ChunkRead& c : plan.chunks) {
+          TS_RETURN_IF_ERROR(s.CheckCrc(*pieces[targets[c.tag].front()].entry, c.direct_dest));
+        }
         std::lock_guard<std::mutex> lock(stats_mutex);
         local.bytes_read += plan.length;
         ++local.requests;
@@ -283,7 +297,7 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
       // Staged: the span, plus room to decode the largest chunk when the codec needs it.
       uint64_t decode_room = 0;
       for (const ChunkRead& c : plan.chunks) {
-        const Piece& p = pieces[c.tag];
+        const Piece& p = pieces[targets[c.tag].front()];
         const ArrayMetadata& a = s.tree.arrays[p.entry->array_id];
         if (a.codec != Codec::kNone) {
           decode_room = std::max<uint64_t>(decode_room, p.chunk_box.num_elements() * ItemSize(a.dtype));
@@ -294,21 +308,24 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
       std::unique_ptr<char[]> decoded(decode_room > 0 ? new char[decode_room] : nullptr);
       TS_RETURN_IF_ERROR(s.ReadFile(plan.file_id, plan.offset, plan.length, span.get()));
       for (const ChunkRead& c : plan.chunks) {
-        const Piece& p = pieces[c.tag];
-        const IndexEntry& e = *p.entry;
+        const Piece& first = pieces[targets[c.tag].front()];
+        const IndexEntry& e = *first.entry;
         const ArrayMetadata& a = s.tree.arrays[e.array_id];
-        const ReadRequest& req = requests[p.request];
         const char* stored = span.get() + (e.offset - plan.offset);
         TS_RETURN_IF_ERROR(s.CheckCrc(e, stored));
         const char* raw = stored;
         if (a.codec != Codec::kNone) {
-          const uint64_t raw_size = p.chunk_box.num_elements() * ItemSize(a.dtype);
+          const uint64_t raw_size = first.chunk_box.num_elements() * ItemSize(a.dtype);
           TS_RETURN_IF_ERROR(DecodeChunk(a.codec, std::string_view(stored, e.length), decoded.get(),
                                          raw_size, s.ChunkWhat(e)));
           raw = decoded.get();
         }
-        TS_RETURN_IF_ERROR(CopyBox(p.region, a.dtype, raw, p.chunk_box, req.dtype, req.dest, req.box,
-                                   StrCat("array '", a.path, "'")));
+        for (size_t piece_index : targets[c.tag]) {
+          const Piece& p = pieces[piece_index];
+          const ReadRequest& req = requests[p.request];
+          TS_RETURN_IF_ERROR(CopyBox(p.region, a.dtype, raw, p.chunk_box, req.dtype, req.dest,
+                                     req.box, StrCat("array '", a.path, "'")));
+        }
       }
       std::lock_guard<std::mutex> lock(stats_mutex);
       local.bytes_read += plan.length;

@@ -1,0 +1,14 @@
+# The two commands of the README's quick start, and a few conveniences.
+.PHONY: demo test build clean
+
+demo:  ## the main job: example save/restore, then tensorstash ls/inspect/verify
+	scripts/run_demo.sh
+
+test:  ## every test (installs what it needs first)
+	scripts/run_tests.sh
+
+build:
+	scripts/setup.sh build
+
+clean:
+	rm -rf build demo_checkpoints

@@ -1,0 +1,83 @@
+// `tensorstash inspect CKPT`: what a step holds, read from its metadata only.
+#include <iostream>
+
+#include "commands.h"
+#include "common.h"
+#include "nlohmann/json.hpp"
+#include "tensorstash/checkpoint/checkpoint_reader.h"
+
+namespace tensorstash::cli {
+namespace {
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  return StrCat("(", StrJoin(shape, ", "), shape.size() == 1 ? ",)" : ")");
+}
+
+int RunInspect(const std::string& path, bool as_json) {
+  Result<StepLocation> location = OpenStepPath(path);
+  if (!location.ok()) return Fail(location.status());
+  ReaderOptions options;
+  options.open_damaged = true;  // inspect reads metadata only; damaged data is verify's business
+  Result<std::unique_ptr<CheckpointReader>> reader =
+      CheckpointReader::Open(location->kv.get(), location->key, options);
+  if (!reader.ok()) return Fail(reader.status());
+  const CheckpointReader& r = **reader;
+  uint64_t total = 0;
+  for (size_t i = 0; i < r.arrays().size(); ++i) total += r.StoredBytes(i);
+
+  if (as_json) {
+    nlohmann::json doc;
+    doc["path"] = path;
+    doc["created_unix_ms"] = r.commit_record().created_unix_ms;
+    doc["process_count"] = r.commit_record().process_count;
+    doc["stored_bytes"] = total;
+    doc["data_files"] = r.index().files.size();
+    nlohmann::json arrays = nlohmann::json::array();
+    for (size_t i = 0; i < r.arrays().size(); ++i) {
+      const ArrayMetadata& a = r.arrays()[i];
+      arrays.push_back({{"path", a.path},
+                        {"dtype", std::string(DTypeName(a.dtype))},
+                        {"shape", a.shape()},
+                        {"chunk_shape", a.grid.chunk_shape},
+                        {"cell_shape", a.grid.cell_shape},
+                        {"chunks", a.grid.NumStoredChunks()},
+                        {"stored_bytes", r.StoredBytes(i)},
+                        {"codec", std::string(CodecName(a.codec))}});
+    }
+    doc["arrays"] = std::move(arrays);
+    std::cout << doc.dump(2) << "\n";
+    return 0;
+  }
+  std::printf("checkpoint %s\n", path.c_str());
+  std::printf("  created %s by %d process(es); %zu arrays, %s in %zu data file(s)\n\n",
+              HumanTime(r.commit_record().created_unix_ms).c_str(), r.commit_record().process_count,
+              r.arrays().size(), HumanBytes(total).c_str(), r.index().files.size());
+  size_t path_width = 4;
+  for (const ArrayMetadata& a : r.arrays()) path_width = std::max(path_width, a.path.size());
+  path_width = std::min<size_t>(path_width, 60);
+  std::printf("%-*s  %-13s %-20s %-20s %7s %12s  %s\n", static_cast<int>(path_width), "PATH",
+              "DTYPE", "SHAPE", "CHUNK", "CHUNKS", "STORED", "CODEC");
+  for (size_t i = 0; i < r.arrays().size(); ++i) {
+    const ArrayMetadata& a = r.arrays()[i];
+    std::printf("%-*s  %-13s %-20s %-20s %7lld %12s  %s\n", static_cast<int>(path_width), a.path.c_str(),
+                std::string(DTypeName(a.dtype)).c_str(), ShapeText(a.shape()).c_str(),
+                ShapeText(a.grid.chunk_shape).c_str(),
+                static_cast<long long>(a.grid.NumStoredChunks()), HumanBytes(r.StoredBytes(i)).c_str(),
+                std::string(CodecName(a.codec)).c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+void AddInspectCommand(CLI::App& app, int* exit_code) {
+  auto* cmd = app.add_subcommand(
+      "inspect", "Show the arrays of a step: path, dtype, shape, chunk shape, stored bytes, codec");
+  auto path = std::make_shared<std::string>();
+  auto as_json = std::make_shared<bool>(false);
+  cmd->add_option("CKPT", *path, "A step folder (e.g. ckpts/0000001000)")->required();
+  cmd->add_flag("--json", *as_json, "Print JSON for machines");
+  cmd->callback([path, as_json, exit_code] { *exit_code = RunInspect(*path, *as_json); });
+}
+
+}  // namespace tensorstash::cli

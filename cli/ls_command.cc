@@ -1,0 +1,66 @@
+// `tensorstash ls ROOT`: the steps under a checkpoint root, complete or not.
+#include <iostream>
+#include <map>
+
+#include "commands.h"
+#include "common.h"
+#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/format/commit_record.h"
+
+namespace tensorstash::cli {
+namespace {
+
+struct StepRow {
+  uint64_t bytes = 0;
+  bool has_commit = false;
+};
+
+int RunLs(const std::string& root) {
+  Result<std::unique_ptr<FileKvStore>> kv = FileKvStore::Open(root, /*create=*/false);
+  if (!kv.ok()) return Fail(kv.status());
+  Result<std::vector<std::string>> keys = (*kv)->List("");
+  if (!keys.ok()) return Fail(keys.status());
+  std::map<std::string, StepRow> steps;
+  for (const std::string& key : *keys) {
+    const size_t slash = key.find('/');
+    if (slash == std::string::npos) continue;  // a loose file, not a step
+    const std::string step = key.substr(0, slash);
+    StepRow& row = steps[step];
+    if (Result<uint64_t> size = (*kv)->Size(key); size.ok()) row.bytes += *size;
+    if (key.substr(slash + 1) == kCommitFileName) row.has_commit = true;
+  }
+  std::printf("%-28s %-11s %12s  %s\n", "STEP", "STATUS", "SIZE", "CREATED");
+  for (const auto& [step, row] : steps) {
+    std::string status = "incomplete";
+    std::string created = "-";
+    if (IsTemporaryStepName(step)) {
+      status = "temporary";
+    } else if (row.has_commit) {
+      const std::string commit_key = StrCat(step, "/", kCommitFileName);
+      Result<std::string> text = (*kv)->Read(commit_key);
+      Result<CommitRecord> record =
+          text.ok() ? DecodeCommitRecord(*text, commit_key) : Result<CommitRecord>(text.status());
+      if (record.ok()) {
+        status = "complete";
+        created = HumanTime(record->created_unix_ms);
+      } else {
+        status = "damaged";
+      }
+    }
+    std::printf("%-28s %-11s %12s  %s\n", step.c_str(), status.c_str(), HumanBytes(row.bytes).c_str(),
+                created.c_str());
+  }
+  if (steps.empty()) std::printf("(no steps under %s)\n", root.c_str());
+  return 0;
+}
+
+}  // namespace
+
+void AddLsCommand(CLI::App& app, int* exit_code) {
+  auto* cmd = app.add_subcommand("ls", "List the steps under a checkpoint root: complete or not, size, time");
+  auto root = std::make_shared<std::string>();
+  cmd->add_option("ROOT", *root, "Folder holding step folders")->required();
+  cmd->callback([root, exit_code] { *exit_code = RunLs(*root); });
+}
+
+}  // namespace tensorstash::cli

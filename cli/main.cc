@@ -1,0 +1,15 @@
+// tensorstash: list, inspect and verify checkpoints.
+#include <CLI/CLI.hpp>
+
+#include "commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"tensorstash: inspect and verify tensorstash checkpoints"};
+  app.require_subcommand(1);
+  int exit_code = 0;
+  tensorstash::cli::AddLsCommand(app, &exit_code);
+  tensorstash::cli::AddInspectCommand(app, &exit_code);
+  tensorstash::cli::AddVerifyCommand(app, &exit_code);
+  CLI11_PARSE(app, argc, argv);
+  return exit_code;
+}

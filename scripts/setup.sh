@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs what tensorstash needs to build and test, idempotently: Debian packages (only the
+# missing ones), a Python virtual environment for the cross-check tests, and the CMake build.
+# Usage: scripts/setup.sh [build-dir]   (default: build)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${1:-build}
+
+DEB_PACKAGES=(
+  build-essential cmake ninja-build pkg-config python3-venv
+  libabsl-dev libzstd-dev nlohmann-json3-dev libisal-dev liburing-dev libcli11-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+)
+missing=()
+for pkg in "${DEB_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# Python reference libraries (numpy, ml_dtypes) for the dtype cross-check tests.
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  python3 -m venv .venv
+fi
+if ! .venv/bin/python -c "import numpy, ml_dtypes" 2>/dev/null; then
+  echo "setup: installing numpy and ml_dtypes into .venv"
+  .venv/bin/pip install -q --disable-pip-version-check numpy ml_dtypes
+fi
+
+GENERATOR=()
+command -v ninja >/dev/null && GENERATOR=(-G Ninja)
+if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
+  cmake -S . -B "$BUILD_DIR" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DTENSORSTASH_PYTHON="$PWD/.venv/bin/python"
+fi
+cmake --build "$BUILD_DIR" -j "$(nproc)"

@@ -1,0 +1,96 @@
+#include "tensorstash/kvstore/kvstore.h"
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+namespace tensorstash {
+namespace {
+
+// Keys become paths under the file backend's root, so the limits are Linux's PATH_MAX and
+// NAME_MAX. Checking them here gives every backend the same answer; otherwise a key that works
+// in memory would fail only once it reaches the disk.
+constexpr size_t kMaxKeyLength = 4096;
+constexpr size_t kMaxSegmentLength = 255;
+// A rejected 4 KiB key is quoted only in part: the message has to stay readable in a log.
+constexpr size_t kMaxQuotedLength = 200;
+
+// Escapes '"', '\\' and non-printable bytes ("a\x00b"), so that a key with control bytes stays
+// legible in a message.
+std::string Escape(std::string_view text) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(text.size());
+  for (const char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (c == '"' || c == '\\') {
+      out.push_back('\\');
+      out.push_back(c);
+    } else if (byte < 0x20 || byte >= 0x7f) {
+      out += "\\x";
+      out.push_back(kHex[byte >> 4]);
+      out.push_back(kHex[byte & 0xf]);
+    } else {
+      out.push_back(c);
+    }
+  }
+  return out;
+}
+
+std::string Quote(std::string_view text) {
+  if (text.size() > kMaxQuotedLength) {
+    return StrCat("\"", Escape(text.substr(0, kMaxQuotedLength)), "\"... (", text.size(),
+                  " bytes)");
+  }
+  return StrCat("\"", Escape(text), "\"");
+}
+
+Status Invalid(std::string_view what, std::string_view original, std::string_view problem) {
+  return InvalidArgumentError(StrCat("invalid ", what, " ", Quote(original), ": ", problem));
+}
+
+// Checks `original` as a key, or as a prefix when `is_prefix` (one trailing '/' allowed).
+Status CheckPath(std::string_view what, std::string_view original, bool is_prefix) {
+  if (original.empty()) return Invalid(what, original, "empty");
+  if (original.size() > kMaxKeyLength) {
+    return Invalid(what, original, StrCat("longer than ", kMaxKeyLength, " bytes"));
+  }
+  if (original.find('\0') != std::string_view::npos) {
+    return Invalid(what, original, "contains a NUL byte");
+  }
+  if (original.front() == '/') return Invalid(what, original, "must be relative (leading '/')");
+  std::string_view path = original;
+  if (is_prefix) {
+    // "step/" names a directory; what is left must itself be a well-formed key.
+    if (path.back() == '/') path.remove_suffix(1);
+  } else if (path.back() == '/') {
+    return Invalid(what, original, "ends in '/'");
+  }
+  size_t start = 0;
+  while (true) {
+    size_t end = path.find('/', start);
+    if (end == std::string_view::npos) end = path.size();
+    const std::string_view segment = path.substr(start, end - start);
+    if (segment.empty()) return Invalid(what, original, "empty segment");
+    if (segment == "." || segment == "..") {
+      return Invalid(what, original, StrCat("'", segment, "' segment"));
+    }
+    if (segment.size() > kMaxSegmentLength) {
+      return Invalid(what, original, StrCat("segment longer than ", kMaxSegmentLength, " bytes"));
+    }
+    if (end == path.size()) break;
+    start = end + 1;
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Status ValidateKey(std::string_view key) { return CheckPath("key", key, /*is_prefix=*/false); }
+
+Status ValidatePrefix(std::string_view prefix) {
+  if (prefix.empty()) return OkStatus();
+  return CheckPath("prefix", prefix, /*is_prefix=*/true);
+}
+
+}  // namespace tensorstash

@@ -1,0 +1,601 @@
+// One suite of KvStore behaviour, run against every backend: what the engine may rely on.
+#include <stdlib.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tensorstash/kvstore/file/file_kvstore.h"
+#include "tensorstash/kvstore/kvstore.h"
+#include "tensorstash/kvstore/memory/memory_kvstore.h"
+
+namespace tensorstash {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+
+#define TS_EXPECT_OK(expr) EXPECT_EQ(::absl::OkStatus(), (expr))
+#define TS_ASSERT_OK(expr) ASSERT_EQ(::absl::OkStatus(), (expr))
+
+struct Backend {
+  std::string name;
+  // Makes a fresh, empty store; `scratch_dir` is an empty directory it may use.
+  std::function<std::unique_ptr<KvStore>(const std::string& scratch_dir)> make;
+};
+
+std::vector<Backend> Backends() {
+  return {
+      {"File",
+       [](const std::string& scratch_dir) -> std::unique_ptr<KvStore> {
+         Result<std::unique_ptr<FileKvStore>> store = FileKvStore::Open(scratch_dir + "/root");
+         if (!store.ok()) {
+           ADD_FAILURE() << store.status();
+           return nullptr;
+         }
+         return *std::move(store);
+       }},
+      {"Memory", [](const std::string&) { return std::make_unique<MemoryKvStore>(); }},
+      {"MemoryNoRename",
+       [](const std::string&) {
+         return std::make_unique<MemoryKvStore>(/*supports_rename=*/false);
+       }},
+  };
+}
+
+class KvStoreConformanceTest : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override {
+    std::string dir = ::testing::TempDir() + "kvstore_conformance_XXXXXX";
+    ASSERT_NE(::mkdtemp(dir.data()), nullptr) << std::strerror(errno);
+    scratch_dir_ = dir;
+    store_ = GetParam().make(scratch_dir_);
+    ASSERT_NE(store_, nullptr);
+  }
+
+  void TearDown() override {
+    store_.reset();
+    std::error_code ignored;
+    std::filesystem::remove_all(scratch_dir_, ignored);
+  }
+
+  void Put(std::string_view key, std::string_view value) {
+    ASSERT_EQ(absl::OkStatus(), store_->Write(key, value)) << key;
+  }
+
+  std::string Get(std::string_view key) {
+    Result<std::string> value = store_->Read(key);
+    EXPECT_EQ(absl::OkStatus(), value.status()) << key;
+    return value.ok() ? *value : std::string();
+  }
+
+  std::vector<std::string> ListOrDie(std::string_view prefix) {
+    Result<std::vector<std::string>> keys = store_->List(prefix);
+    EXPECT_EQ(absl::OkStatus(), keys.status()) << prefix;
+    return keys.ok() ? *keys : std::vector<std::string>();
+  }
+
+  // Keys for the List and Delete tests, written out of order.
+  void PutTree() {
+    for (const char* key : {"b", "a/c", "ab", "a/b2/y/z", "a/b1", "a/b2/x"}) Put(key, key);
+  }
+
+  std::string scratch_dir_;
+  std::unique_ptr<KvStore> store_;
+};
+
+std::string Pattern(size_t size, uint32_t seed) {
+  std::string bytes(size, '\0');
+  std::mt19937 random(seed);
+  for (char& c : bytes) c = static_cast<char>(random());
+  return bytes;
+}
+
+TEST_P(KvStoreConformanceTest, DescribeIsNotEmpty) { EXPECT_FALSE(store_->Describe().empty()); }
+
+TEST_P(KvStoreConformanceTest, WriteThenRead) {
+  Put("top", "value");
+  Put("a/b/c", "nested");
+  EXPECT_EQ(Get("top"), "value");
+  EXPECT_EQ(Get("a/b/c"), "nested");
+}
+
+TEST_P(KvStoreConformanceTest, EmptyAndBinaryValues) {
+  Put("empty", "");
+  EXPECT_EQ(Get("empty"), "");
+  const std::string binary = Pattern(3 << 20, 1) + std::string("\0\0\xff", 3);
+  Put("binary", binary);
+  EXPECT_EQ(Get("binary"), binary);
+}
+
+TEST_P(KvStoreConformanceTest, OverwriteReplacesWholeValue) {
+  Put("k", "a long first value");
+  Put("k", "short");
+  EXPECT_EQ(Get("k"), "short");
+  EXPECT_EQ(*store_->Size("k"), 5u);
+}
+
+TEST_P(KvStoreConformanceTest, LongestSegmentWorks) {
+  const std::string key = "dir/" + std::string(255, 'x');
+  Put(key, "v");
+  EXPECT_EQ(Get(key), "v");
+  EXPECT_THAT(ListOrDie("dir/"), ElementsAre(key));
+}
+
+TEST_P(KvStoreConformanceTest, ReadRangeInside) {
+  Put("k", "0123456789");
+  char buffer[4] = {};
+  TS_ASSERT_OK(store_->ReadRange("k", 3, 4, buffer));
+  EXPECT_EQ(std::string_view(buffer, 4), "3456");
+  TS_ASSERT_OK(store_->ReadRange("k", 6, 4, buffer));
+  EXPECT_EQ(std::string_view(buffer, 4), "6789");
+  TS_EXPECT_OK(store_->ReadRange("k", 10, 0, buffer));
+  TS_EXPECT_OK(store_->ReadRange("k", 0, 0, nullptr));
+}
+
+TEST_P(KvStoreConformanceTest, ReadRangePastEndIsTruncated) {
+  Put("dir/k", "0123456789");
+  char buffer[16] = {};
+  for (const auto& [offset, size] : std::vector<std::pair<uint64_t, size_t>>{
+           {8, 4}, {10, 1}, {0, 11}, {11, 0}, {uint64_t{1} << 62, 4}, {~uint64_t{0}, 1}}) {
+    const Status status = store_->ReadRange("dir/k", offset, size, buffer);
+    EXPECT_TRUE(absl::IsDataLoss(status)) << offset << "+" << size << ": " << status;
+    EXPECT_THAT(MessageOf(status), HasSubstr("truncated"));
+    EXPECT_THAT(MessageOf(status), HasSubstr("dir/k"));
+  }
+}
+
+TEST_P(KvStoreConformanceTest, Size) {
+  Put("a/k", std::string(1234, 'z'));
+  Put("a/empty", "");
+  EXPECT_EQ(*store_->Size("a/k"), 1234u);
+  EXPECT_EQ(*store_->Size("a/empty"), 0u);
+}
+
+TEST_P(KvStoreConformanceTest, MissingKeysAreNotFound) {
+  Put("present/x", "1");
+  char buffer[1];
+  for (std::string_view key : {"missing", "present/missing", "missing/deeper/key"}) {
+    SCOPED_TRACE(key);
+    Status status = store_->Read(key).status();
+    EXPECT_TRUE(absl::IsNotFound(status)) << status;
+    EXPECT_THAT(MessageOf(status), HasSubstr(key));
+    EXPECT_TRUE(absl::IsNotFound(store_->ReadRange(key, 0, 1, buffer)));
+    EXPECT_TRUE(absl::IsNotFound(store_->ReadRange(key, 0, 0, buffer)));
+    EXPECT_TRUE(absl::IsNotFound(store_->Size(key).status()));
+    EXPECT_TRUE(absl::IsNotFound(store_->OpenForRead(key).status()));
+    EXPECT_TRUE(absl::IsNotFound(store_->Delete(key)));
+    EXPECT_TRUE(absl::IsNotFound(store_->Sync(key)));
+  }
+  // A key below an object is not there either.
+  EXPECT_TRUE(absl::IsNotFound(store_->Read("present/x/y").status()));
+}
+
+TEST_P(KvStoreConformanceTest, DirectoryIsNotAnObject) {
+  Put("dir/sub/k", "v");
+  char buffer[1];
+  for (std::string_view key : {"dir", "dir/sub"}) {
+    SCOPED_TRACE(key);
+    EXPECT_TRUE(absl::IsNotFound(store_->Read(key).status()));
+    EXPECT_TRUE(absl::IsNotFound(store_->ReadRange(key, 0, 1, buffer)));
+    EXPECT_TRUE(absl::IsNotFound(store_->Size(key).status()));
+    EXPECT_TRUE(absl::IsNotFound(store_->OpenForRead(key).status()));
+    EXPECT_TRUE(absl::IsNotFound(store_->Delete(key)));
+    EXPECT_TRUE(absl::IsNotFound(store_->Sync(key)));
+    // Nor can it become one while it holds keys.
+    Status status = store_->Write(key, "x");
+    EXPECT_TRUE(absl::IsFailedPrecondition(status)) << status;
+    EXPECT_THAT(MessageOf(status), HasSubstr(key));
+    EXPECT_TRUE(absl::IsFailedPrecondition(store_->OpenForWrite(key).status()));
+  }
+  EXPECT_EQ(Get("dir/sub/k"), "v");
+}
+
+TEST_P(KvStoreConformanceTest, NoKeyBelowAnObject) {
+  Put("obj", "v");
+  Status status = store_->Write("obj/child", "x");
+  EXPECT_TRUE(absl::IsFailedPrecondition(status)) << status;
+  EXPECT_THAT(MessageOf(status), HasSubstr("obj/child"));
+  EXPECT_TRUE(absl::IsFailedPrecondition(store_->OpenForWrite("obj/a/b").status()));
+  EXPECT_EQ(Get("obj"), "v");
+}
+
+TEST_P(KvStoreConformanceTest, OpenForWriteOutOfOrder) {
+  Result<std::unique_ptr<WritableFile>> file = store_->OpenForWrite("d/e/f");
+  TS_ASSERT_OK(file.status());
+  TS_ASSERT_OK((*file)->WriteAt(6, "world", 5));
+  TS_ASSERT_OK((*file)->WriteAt(0, "hello ", 6));
+  TS_ASSERT_OK((*file)->Sync());
+  TS_ASSERT_OK((*file)->Close());
+  EXPECT_EQ(Get("d/e/f"), "hello world");
+}
+
+TEST_P(KvStoreConformanceTest, OpenForWriteGapReadsAsZeros) {
+  Result<std::unique_ptr<WritableFile>> file = store_->OpenForWrite("gap");
+  TS_ASSERT_OK(file.status());
+  TS_ASSERT_OK((*file)->WriteAt(4, "x", 1));
+  TS_ASSERT_OK((*file)->Close());
+  EXPECT_EQ(Get("gap"), std::string("\0\0\0\0x", 5));
+}
+
+TEST_P(KvStoreConformanceTest, OpenForWriteIsVisibleBeforeClose) {
+  Result<std::unique_ptr<WritableFile>> file = store_->OpenForWrite("live");
+  TS_ASSERT_OK(file.status());
+  EXPECT_EQ(Get("live"), "");
+  TS_ASSERT_OK((*file)->WriteAt(0, "abc", 3));
+  EXPECT_EQ(Get("live"), "abc");
+}
+
+TEST_P(KvStoreConformanceTest, OpenForWriteTruncatesExisting) {
+  Put("k", "old contents");
+  Result<std::unique_ptr<WritableFile>> file = store_->OpenForWrite("k");
+  TS_ASSERT_OK(file.status());
+  TS_ASSERT_OK((*file)->WriteAt(0, "new", 3));
+  TS_ASSERT_OK((*file)->Close());
+  EXPECT_EQ(Get("k"), "new");
+}
+
+TEST_P(KvStoreConformanceTest, ClosedWritableFileIsFailedPrecondition) {
+  Result<std::unique_ptr<WritableFile>> file = store_->OpenForWrite("k");
+  TS_ASSERT_OK(file.status());
+  TS_ASSERT_OK((*file)->Close());
+  EXPECT_TRUE(absl::IsFailedPrecondition((*file)->WriteAt(0, "x", 1)));
+  EXPECT_TRUE(absl::IsFailedPrecondition((*file)->Sync()));
+  EXPECT_TRUE(absl::IsFailedPrecondition((*file)->Close()));
+  // Destroying an open file closes it; the bytes stay.
+  file = store_->OpenForWrite("k2");
+  TS_ASSERT_OK(file.status());
+  TS_ASSERT_OK((*file)->WriteAt(0, "kept", 4));
+  file = absl::UnknownError("dropped");
+  EXPECT_EQ(Get("k2"), "kept");
+}
+
+TEST_P(KvStoreConformanceTest, ConcurrentWriteAtFromSeveralThreads) {
+  constexpr size_t kChunk = 64 << 10;
+  constexpr int kThreads = 8;
+  constexpr int kChunksPerThread = 8;
+  const std::string expected = Pattern(kChunk * kThreads * kChunksPerThread, 7);
+  Result<std::unique_ptr<WritableFile>> file = store_->OpenForWrite("chunks/all");
+  TS_ASSERT_OK(file.status());
+  WritableFile* writable = file->get();
+  std::vector<std::thread> threads;
+  std::vector<Status> results(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      // Thread t writes chunks t, t + kThreads, ..., last first.
+      for (int i = kChunksPerThread - 1; i >= 0; --i) {
+        const size_t offset = (static_cast<size_t>(i) * kThreads + t) * kChunk;
+        Status status = writable->WriteAt(offset, expected.data() + offset, kChunk);
+        if (!status.ok()) results[t] = status;
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (const Status& status : results) TS_EXPECT_OK(status);
+  TS_ASSERT_OK(writable->Sync());
+  TS_ASSERT_OK(writable->Close());
+  EXPECT_TRUE(Get("chunks/all") == expected);
+  TS_EXPECT_OK(store_->Sync("chunks/all"));
+}
+
+TEST_P(KvStoreConformanceTest, ConcurrentWritesIntoNewDirectories) {
+  constexpr int kThreads = 8;
+  std::vector<std::thread> threads;
+  std::vector<Status> results(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 20; ++i) {
+        const std::string key = "new/dir" + std::to_string(i) + "/k" + std::to_string(t);
+        Status status = store_->Write(key, key);
+        if (status.ok()) status = store_->Sync(key);
+        if (status.ok()) status = store_->Read(key).status();
+        if (!status.ok()) results[t] = status;
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (const Status& status : results) TS_EXPECT_OK(status);
+  EXPECT_EQ(ListOrDie("new/").size(), 20u * kThreads);
+}
+
+TEST_P(KvStoreConformanceTest, OpenForReadAndReadAt) {
+  const std::string value = Pattern(100000, 3);
+  Put("r/k", value);
+  Result<std::unique_ptr<ReadableFile>> file = store_->OpenForRead("r/k");
+  TS_ASSERT_OK(file.status());
+  EXPECT_EQ((*file)->size(), value.size());
+  std::string buffer(1000, '\0');
+  TS_ASSERT_OK((*file)->ReadAt(5000, 1000, buffer.data()));
+  EXPECT_EQ(buffer, value.substr(5000, 1000));
+  TS_ASSERT_OK((*file)->ReadAt(value.size() - 1000, 1000, buffer.data()));
+  EXPECT_EQ(buffer, value.substr(value.size() - 1000));
+  TS_EXPECT_OK((*file)->ReadAt(value.size(), 0, buffer.data()));
+
+  Status status = (*file)->ReadAt(value.size() - 10, 11, buffer.data());
+  EXPECT_TRUE(absl::IsDataLoss(status)) << status;
+  EXPECT_THAT(MessageOf(status), HasSubstr("truncated"));
+  EXPECT_THAT(MessageOf(status), HasSubstr("r/k"));
+
+  // Several threads may read one file at once.
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(4, 0);
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::string local(997, '\0');
+      for (size_t offset = static_cast<size_t>(t) * 11; offset + local.size() <= value.size();
+           offset += 3001) {
+        if (!(*file)->ReadAt(offset, local.size(), local.data()).ok() ||
+            local != value.substr(offset, local.size())) {
+          ++mismatches[t];
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_THAT(mismatches, ElementsAre(0, 0, 0, 0));
+}
+
+TEST_P(KvStoreConformanceTest, ReadableFileKeepsOldObjectAfterWrite) {
+  Put("k", "first");
+  Result<std::unique_ptr<ReadableFile>> file = store_->OpenForRead("k");
+  TS_ASSERT_OK(file.status());
+  Put("k", "second!");
+  char buffer[5];
+  TS_ASSERT_OK((*file)->ReadAt(0, 5, buffer));
+  EXPECT_EQ(std::string_view(buffer, 5), "first");
+  EXPECT_EQ(Get("k"), "second!");
+}
+
+TEST_P(KvStoreConformanceTest, ListEverythingSorted) {
+  PutTree();
+  EXPECT_THAT(ListOrDie(""), ElementsAre("a/b1", "a/b2/x", "a/b2/y/z", "a/c", "ab", "b"));
+}
+
+TEST_P(KvStoreConformanceTest, ListDirectoryPrefix) {
+  PutTree();
+  EXPECT_THAT(ListOrDie("a/"), ElementsAre("a/b1", "a/b2/x", "a/b2/y/z", "a/c"));
+  EXPECT_THAT(ListOrDie("a/b2/"), ElementsAre("a/b2/x", "a/b2/y/z"));
+  EXPECT_THAT(ListOrDie("a/b2/y/"), ElementsAre("a/b2/y/z"));
+}
+
+TEST_P(KvStoreConformanceTest, ListPrefixThatIsNotADirectoryBoundary) {
+  PutTree();
+  EXPECT_THAT(ListOrDie("a"), ElementsAre("a/b1", "a/b2/x", "a/b2/y/z", "a/c", "ab"));
+  EXPECT_THAT(ListOrDie("a/b"), ElementsAre("a/b1", "a/b2/x", "a/b2/y/z"));
+  EXPECT_THAT(ListOrDie("a/b2"), ElementsAre("a/b2/x", "a/b2/y/z"));
+  EXPECT_THAT(ListOrDie("a/b2/y/z"), ElementsAre("a/b2/y/z"));
+  EXPECT_THAT(ListOrDie("a/c"), ElementsAre("a/c"));
+}
+
+TEST_P(KvStoreConformanceTest, ListNothingMatches) {
+  PutTree();
+  EXPECT_THAT(ListOrDie("zz"), IsEmpty());
+  EXPECT_THAT(ListOrDie("zz/"), IsEmpty());
+  EXPECT_THAT(ListOrDie("a/b1/"), IsEmpty());  // An object, not a directory.
+  EXPECT_THAT(ListOrDie("a/q/r/"), IsEmpty());
+}
+
+TEST_P(KvStoreConformanceTest, ListShowsObjectsBeingWritten) {
+  PutTree();
+  Result<std::unique_ptr<WritableFile>> file = store_->OpenForWrite("a/open");
+  TS_ASSERT_OK(file.status());
+  EXPECT_THAT(ListOrDie("a/o"), ElementsAre("a/open"));
+}
+
+TEST_P(KvStoreConformanceTest, Delete) {
+  PutTree();
+  TS_ASSERT_OK(store_->Delete("a/b1"));
+  EXPECT_TRUE(absl::IsNotFound(store_->Read("a/b1").status()));
+  EXPECT_TRUE(absl::IsNotFound(store_->Delete("a/b1")));
+  TS_ASSERT_OK(store_->Delete("b"));
+  EXPECT_THAT(ListOrDie(""), ElementsAre("a/b2/x", "a/b2/y/z", "a/c", "ab"));
+}
+
+TEST_P(KvStoreConformanceTest, DeletePrefixThatIsNotADirectoryBoundary) {
+  PutTree();
+  TS_ASSERT_OK(store_->DeletePrefix("a/b"));
+  EXPECT_THAT(ListOrDie(""), ElementsAre("a/c", "ab", "b"));
+  TS_ASSERT_OK(store_->DeletePrefix("a"));
+  EXPECT_THAT(ListOrDie(""), ElementsAre("b"));
+}
+
+TEST_P(KvStoreConformanceTest, DeletePrefixDirectory) {
+  PutTree();
+  TS_ASSERT_OK(store_->DeletePrefix("a/b2/"));
+  EXPECT_THAT(ListOrDie(""), ElementsAre("a/b1", "a/c", "ab", "b"));
+  TS_ASSERT_OK(store_->DeletePrefix("a/"));
+  EXPECT_THAT(ListOrDie(""), ElementsAre("ab", "b"));
+  // "a" is gone, so it can now hold an object.
+  Put("a", "object");
+  EXPECT_EQ(Get("a"), "object");
+}
+
+TEST_P(KvStoreConformanceTest, DeletePrefixDoesNotTouchAnObjectNamedLikeTheDirectory) {
+  PutTree();
+  TS_ASSERT_OK(store_->DeletePrefix("a/b1/"));
+  TS_ASSERT_OK(store_->DeletePrefix("b/"));
+  EXPECT_THAT(ListOrDie(""), ElementsAre("a/b1", "a/b2/x", "a/b2/y/z", "a/c", "ab", "b"));
+}
+
+TEST_P(KvStoreConformanceTest, DeletePrefixMissingIsOk) {
+  PutTree();
+  TS_EXPECT_OK(store_->DeletePrefix("missing/"));
+  TS_EXPECT_OK(store_->DeletePrefix("missing"));
+  TS_EXPECT_OK(store_->DeletePrefix("a/q/r/"));
+  EXPECT_EQ(ListOrDie("").size(), 6u);
+}
+
+TEST_P(KvStoreConformanceTest, DeletePrefixEverything) {
+  PutTree();
+  TS_ASSERT_OK(store_->DeletePrefix(""));
+  EXPECT_THAT(ListOrDie(""), IsEmpty());
+  Put("again", "v");
+  EXPECT_THAT(ListOrDie(""), ElementsAre("again"));
+}
+
+TEST_P(KvStoreConformanceTest, RenameDirectory) {
+  Put("steps/tmp.1/x", "x");
+  Put("steps/tmp.1/y/z", "z");
+  Put("steps/tmp.10/other", "o");
+  if (!store_->SupportsRename()) {
+    Status status = store_->RenameDirectory("steps/tmp.1", "steps/1");
+    EXPECT_TRUE(absl::IsUnimplemented(status)) << status;
+    EXPECT_THAT(ListOrDie(""),
+                ElementsAre("steps/tmp.1/x", "steps/tmp.1/y/z", "steps/tmp.10/other"));
+    return;
+  }
+  TS_ASSERT_OK(store_->RenameDirectory("steps/tmp.1", "steps/1"));
+  EXPECT_THAT(ListOrDie(""), ElementsAre("steps/1/x", "steps/1/y/z", "steps/tmp.10/other"));
+  EXPECT_EQ(Get("steps/1/y/z"), "z");
+  EXPECT_TRUE(absl::IsNotFound(store_->Read("steps/tmp.1/x").status()));
+  // The target's parents are created.
+  TS_ASSERT_OK(store_->RenameDirectory("steps/1", "archive/2024/1"));
+  EXPECT_THAT(ListOrDie("archive/"), ElementsAre("archive/2024/1/x", "archive/2024/1/y/z"));
+  TS_EXPECT_OK(store_->SyncDirectory("archive/2024"));
+}
+
+TEST_P(KvStoreConformanceTest, RenameDirectoryErrors) {
+  Put("u/1", "u");
+  Put("v/1", "v");
+  Put("obj", "o");
+  if (!store_->SupportsRename()) {
+    EXPECT_TRUE(absl::IsUnimplemented(store_->RenameDirectory("u", "w")));
+    return;
+  }
+  Status status = store_->RenameDirectory("u", "v");
+  EXPECT_TRUE(absl::IsAlreadyExists(status)) << status;
+  EXPECT_THAT(MessageOf(status), HasSubstr("v"));
+  EXPECT_TRUE(absl::IsAlreadyExists(store_->RenameDirectory("u", "obj")));
+  EXPECT_TRUE(absl::IsAlreadyExists(store_->RenameDirectory("u", "u")));
+  status = store_->RenameDirectory("missing", "w");
+  EXPECT_TRUE(absl::IsNotFound(status)) << status;
+  EXPECT_THAT(MessageOf(status), HasSubstr("missing"));
+  EXPECT_TRUE(absl::IsNotFound(store_->RenameDirectory("obj", "w")));
+  EXPECT_TRUE(absl::IsInvalidArgument(store_->RenameDirectory("u", "u/inner")));
+  EXPECT_TRUE(absl::IsFailedPrecondition(store_->RenameDirectory("u", "obj/inner")));
+  EXPECT_THAT(ListOrDie(""), ElementsAre("obj", "u/1", "v/1"));
+  EXPECT_EQ(Get("v/1"), "v");
+}
+
+TEST_P(KvStoreConformanceTest, OpenFilesSurviveRename) {
+  if (!store_->SupportsRename()) GTEST_SKIP() << "store has no RenameDirectory";
+  Result<std::unique_ptr<WritableFile>> file = store_->OpenForWrite("tmp/data");
+  TS_ASSERT_OK(file.status());
+  TS_ASSERT_OK((*file)->WriteAt(0, "before", 6));
+  TS_ASSERT_OK(store_->RenameDirectory("tmp", "final"));
+  TS_ASSERT_OK((*file)->WriteAt(6, "+after", 6));
+  TS_ASSERT_OK((*file)->Close());
+  EXPECT_EQ(Get("final/data"), "before+after");
+}
+
+TEST_P(KvStoreConformanceTest, Sync) {
+  Put("s/k", "v");
+  TS_EXPECT_OK(store_->Sync("s/k"));
+  TS_EXPECT_OK(store_->SyncDirectory(""));
+  TS_EXPECT_OK(store_->SyncDirectory("s"));
+  TS_EXPECT_OK(store_->SyncDirectory("s/"));
+  EXPECT_TRUE(absl::IsNotFound(store_->Sync("s/missing")));
+  EXPECT_TRUE(absl::IsNotFound(store_->SyncDirectory("never")));
+  EXPECT_TRUE(absl::IsNotFound(store_->SyncDirectory("never/")));
+}
+
+std::vector<std::string> InvalidKeys() {
+  return {"",
+          "/abs",
+          "a//b",
+          "a/./b",
+          "./a",
+          "../x",
+          "a/..",
+          "..",
+          ".",
+          std::string("a\0b", 3),
+          "a/",
+          "/",
+          std::string(4097, 'k'),
+          "a/" + std::string(256, 's')};
+}
+
+// Invalid prefixes: the invalid keys, less "" and a trailing '/', which name directories.
+std::vector<std::string> InvalidPrefixes() {
+  return {"/abs",
+          "a//b",
+          "a/./b",
+          "./a",
+          "../x",
+          "a/..",
+          "..",
+          ".",
+          "/",
+          "a//",
+          "../",
+          "a/../",
+          std::string("a\0b", 3),
+          std::string(4097, 'k')};
+}
+
+TEST_P(KvStoreConformanceTest, InvalidKeysAreRejectedByEveryMethod) {
+  Put("valid/k", "v");
+  char buffer[1];
+  for (const std::string& key : InvalidKeys()) {
+    SCOPED_TRACE(testing::PrintToString(key));
+    EXPECT_TRUE(absl::IsInvalidArgument(ValidateKey(key)));
+    const Status status = store_->Read(key).status();
+    EXPECT_TRUE(absl::IsInvalidArgument(status)) << status;
+    EXPECT_TRUE(absl::IsInvalidArgument(store_->ReadRange(key, 0, 1, buffer)));
+    EXPECT_TRUE(absl::IsInvalidArgument(store_->Size(key).status()));
+    EXPECT_TRUE(absl::IsInvalidArgument(store_->OpenForRead(key).status()));
+    EXPECT_TRUE(absl::IsInvalidArgument(store_->Write(key, "x")));
+    EXPECT_TRUE(absl::IsInvalidArgument(store_->OpenForWrite(key).status()));
+    EXPECT_TRUE(absl::IsInvalidArgument(store_->Delete(key)));
+    EXPECT_TRUE(absl::IsInvalidArgument(store_->Sync(key)));
+    EXPECT_TRUE(absl::IsInvalidArgument(store_->RenameDirectory(key, "valid2")));
+    EXPECT_TRUE(absl::IsInvalidArgument(store_->RenameDirectory("valid", key)));
+  }
+  for (const std::string& prefix : InvalidPrefixes()) {
+    SCOPED_TRACE(testing::PrintToString(prefix));
+    EXPECT_TRUE(absl::IsInvalidArgument(ValidatePrefix(prefix)));
+    EXPECT_TRUE(absl::IsInvalidArgument(store_->List(prefix).status()));
+    EXPECT_TRUE(absl::IsInvalidArgument(store_->DeletePrefix(prefix)));
+    EXPECT_TRUE(absl::IsInvalidArgument(store_->SyncDirectory(prefix)));
+  }
+  // Nothing was created or removed.
+  EXPECT_THAT(ListOrDie(""), ElementsAre("valid/k"));
+}
+
+TEST_P(KvStoreConformanceTest, InvalidKeyMessageQuotesTheKey) {
+  Status status = store_->Read("a//b").status();
+  EXPECT_THAT(MessageOf(status), HasSubstr("\"a//b\""));
+  EXPECT_THAT(MessageOf(status), HasSubstr("empty segment"));
+  status = store_->Read(std::string("a\0b", 3)).status();
+  EXPECT_THAT(MessageOf(status), HasSubstr("\"a\\x00b\""));
+}
+
+TEST_P(KvStoreConformanceTest, ValidPrefixesAndKeys) {
+  for (std::string_view prefix : {"", "a", "a/", "a/b", "a/b/", "a.b/..c", "...", ".hidden/"}) {
+    TS_EXPECT_OK(ValidatePrefix(prefix)) << prefix;
+    TS_EXPECT_OK(store_->List(prefix).status()) << prefix;
+  }
+  for (std::string_view key : {"a", "a/b", "...", ".hidden", "a/.b", "a b/c\td"}) {
+    TS_EXPECT_OK(ValidateKey(key)) << key;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, KvStoreConformanceTest, ::testing::ValuesIn(Backends()),
+                         [](const ::testing::TestParamInfo<Backend>& param_info) {
+                           return param_info.param.name;
+                         });
+
+}  // namespace
+}  // namespace tensorstash

@@ -1,0 +1,309 @@
+// MemoryKvStore: a sorted map from key to shared object, under one mutex.
+//
+// Objects are shared_ptrs so that open files outlive Write/Delete/RenameDirectory of their key,
+// as open descriptors outlive rename and unlink. Each object has its own mutex for its bytes:
+// several threads write one object at once through a WritableFile, and copying a large object
+// out should not stall the whole store. Lock order: the store's mutex_, then an object's.
+//
+// The map is sorted, so a prefix is a contiguous range: List, DeletePrefix and RenameDirectory
+// walk from lower_bound(prefix) while keys still start with it.
+#include "tensorstash/kvstore/memory/memory_kvstore.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace tensorstash {
+
+struct MemoryKvStore::Object {
+  std::mutex mutex;
+  std::string data;  // Guarded by mutex.
+};
+
+namespace {
+
+using Object = MemoryKvStore::Object;
+
+Status Truncated(std::string_view key, uint64_t offset, size_t size, uint64_t object_size) {
+  return DataLossError(StrCat("read of '", key, "' truncated: wanted ", size, " bytes at offset ",
+                              offset, ", object has ", object_size, " bytes"));
+}
+
+// Copies [offset, offset + size) of `object` into `dest`, or DataLoss if it is not all there.
+Status CopyOut(Object& object, std::string_view key, uint64_t offset, size_t size, void* dest) {
+  std::lock_guard<std::mutex> lock(object.mutex);
+  const uint64_t object_size = object.data.size();
+  if (offset > object_size || size > object_size - offset) {
+    return Truncated(key, offset, size, object_size);
+  }
+  if (size > 0) std::memcpy(dest, object.data.data() + offset, size);
+  return OkStatus();
+}
+
+class MemoryWritableFile final : public WritableFile {
+ public:
+  MemoryWritableFile(std::shared_ptr<Object> object, std::string key)
+      : object_(std::move(object)), key_(std::move(key)) {}
+
+  Status WriteAt(uint64_t offset, const void* data, size_t size) override {
+    TS_RETURN_IF_ERROR(CheckOpen("write"));
+    std::lock_guard<std::mutex> lock(object_->mutex);
+    std::string& bytes = object_->data;
+    if (offset > bytes.max_size() || size > bytes.max_size() - offset) {
+      return ResourceExhaustedError(StrCat("write ", size, " bytes at offset ", offset, " of '",
+                                           key_, "' failed: object too large"));
+    }
+    const size_t end = static_cast<size_t>(offset) + size;
+    // Growing zero-fills any gap, as a file hole reads back as zeros.
+    if (end > bytes.size()) bytes.resize(end);
+    if (size > 0) std::memcpy(bytes.data() + offset, data, size);
+    return OkStatus();
+  }
+
+  Status Sync() override { return CheckOpen("sync"); }
+
+  Status Close() override {
+    TS_RETURN_IF_ERROR(CheckOpen("close"));
+    closed_.store(true, std::memory_order_release);
+    return OkStatus();
+  }
+
+ private:
+  Status CheckOpen(std::string_view operation) const {
+    if (!closed_.load(std::memory_order_acquire)) return OkStatus();
+    return FailedPreconditionError(StrCat(operation, " '", key_, "' failed: file already closed"));
+  }
+
+  const std::shared_ptr<Object> object_;
+  const std::string key_;
+  std::atomic<bool> closed_{false};
+};
+
+class MemoryReadableFile final : public ReadableFile {
+ public:
+  MemoryReadableFile(std::shared_ptr<Object> object, std::string key, uint64_t size)
+      : object_(std::move(object)), key_(std::move(key)), size_(size) {}
+
+  uint64_t size() const override { return size_; }
+
+  Status ReadAt(uint64_t offset, size_t size, void* dest) const override {
+    return CopyOut(*object_, key_, offset, size, dest);
+  }
+
+ private:
+  const std::shared_ptr<Object> object_;
+  const std::string key_;
+  const uint64_t size_;
+};
+
+}  // namespace
+
+MemoryKvStore::MemoryKvStore(bool supports_rename) : supports_rename_(supports_rename) {}
+
+MemoryKvStore::~MemoryKvStore() = default;
+
+std::string MemoryKvStore::Describe() const {
+  return supports_rename_ ? "memory" : "memory (no rename)";
+}
+
+Result<std::shared_ptr<Object>> MemoryKvStore::FindLocked(std::string_view key,
+                                                          std::string_view operation) const {
+  const auto it = objects_.find(key);
+  if (it != objects_.end()) return it->second;
+  if (IsDirectoryLocked(key)) {
+    return NotFoundError(StrCat(operation, " '", key, "' failed: is a directory, not an object"));
+  }
+  return NotFoundError(StrCat(operation, " '", key, "' failed: no such object"));
+}
+
+bool MemoryKvStore::IsDirectoryLocked(std::string_view dir) const {
+  const std::string prefix = StrCat(dir, "/");
+  const auto it = objects_.lower_bound(prefix);
+  return it != objects_.end() && it->first.starts_with(prefix);
+}
+
+Status MemoryKvStore::CheckCanHoldObjectLocked(std::string_view key,
+                                               std::string_view operation) const {
+  for (size_t slash = key.find('/'); slash != std::string_view::npos;
+       slash = key.find('/', slash + 1)) {
+    if (objects_.find(key.substr(0, slash)) != objects_.end()) {
+      return FailedPreconditionError(StrCat(
+          operation, " '", key, "' failed: a parent of the key is an object, not a directory"));
+    }
+  }
+  if (IsDirectoryLocked(key)) {
+    return FailedPreconditionError(
+        StrCat(operation, " '", key, "' failed: a directory of that name exists"));
+  }
+  return OkStatus();
+}
+
+Result<std::string> MemoryKvStore::Read(std::string_view key) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  std::shared_ptr<Object> object;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TS_ASSIGN_OR_RETURN(object, FindLocked(key, "read"));
+  }
+  std::lock_guard<std::mutex> lock(object->mutex);
+  return object->data;
+}
+
+Status MemoryKvStore::ReadRange(std::string_view key, uint64_t offset, size_t size, void* dest) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  std::shared_ptr<Object> object;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TS_ASSIGN_OR_RETURN(object, FindLocked(key, "read range"));
+  }
+  return CopyOut(*object, key, offset, size, dest);
+}
+
+Result<uint64_t> MemoryKvStore::Size(std::string_view key) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  std::shared_ptr<Object> object;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TS_ASSIGN_OR_RETURN(object, FindLocked(key, "size"));
+  }
+  std::lock_guard<std::mutex> lock(object->mutex);
+  return static_cast<uint64_t>(object->data.size());
+}
+
+Result<std::unique_ptr<ReadableFile>> MemoryKvStore::OpenForRead(std::string_view key) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  std::shared_ptr<Object> object;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TS_ASSIGN_OR_RETURN(object, FindLocked(key, "open for read"));
+  }
+  uint64_t size;
+  {
+    std::lock_guard<std::mutex> lock(object->mutex);
+    size = object->data.size();
+  }
+  return std::make_unique<MemoryReadableFile>(std::move(object), std::string(key), size);
+}
+
+Status MemoryKvStore::Write(std::string_view key, std::string_view value) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  // Copy before locking: a large value should not hold up other threads.
+  auto object = std::make_shared<Object>();
+  object->data.assign(value);
+  std::lock_guard<std::mutex> lock(mutex_);
+  TS_RETURN_IF_ERROR(CheckCanHoldObjectLocked(key, "write"));
+  const auto it = objects_.find(key);
+  if (it != objects_.end()) {
+    it->second = std::move(object);
+  } else {
+    objects_.emplace(std::string(key), std::move(object));
+  }
+  return OkStatus();
+}
+
+Result<std::unique_ptr<WritableFile>> MemoryKvStore::OpenForWrite(std::string_view key) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  std::shared_ptr<Object> object;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TS_RETURN_IF_ERROR(CheckCanHoldObjectLocked(key, "open for write"));
+    const auto it = objects_.find(key);
+    if (it != objects_.end()) {
+      // Truncated in place, like O_TRUNC: whoever has it open sees it emptied.
+      object = it->second;
+      std::lock_guard<std::mutex> object_lock(object->mutex);
+      object->data.clear();
+    } else {
+      object = std::make_shared<Object>();
+      objects_.emplace(std::string(key), object);
+    }
+  }
+  return std::make_unique<MemoryWritableFile>(std::move(object), std::string(key));
+}
+
+Result<std::vector<std::string>> MemoryKvStore::List(std::string_view prefix) {
+  TS_RETURN_IF_ERROR(ValidatePrefix(prefix));
+  std::vector<std::string> keys;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = objects_.lower_bound(prefix);
+       it != objects_.end() && it->first.starts_with(prefix); ++it) {
+    keys.push_back(it->first);
+  }
+  return keys;
+}
+
+Status MemoryKvStore::Delete(std::string_view key) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = objects_.find(key);
+  if (it == objects_.end()) return FindLocked(key, "delete").status();
+  objects_.erase(it);
+  return OkStatus();
+}
+
+Status MemoryKvStore::DeletePrefix(std::string_view prefix) {
+  TS_RETURN_IF_ERROR(ValidatePrefix(prefix));
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto end = objects_.lower_bound(prefix);
+  while (end != objects_.end() && end->first.starts_with(prefix)) ++end;
+  objects_.erase(objects_.lower_bound(prefix), end);
+  return OkStatus();
+}
+
+Status MemoryKvStore::RenameDirectory(std::string_view from, std::string_view to) {
+  TS_RETURN_IF_ERROR(ValidateKey(from));
+  TS_RETURN_IF_ERROR(ValidateKey(to));
+  const std::string operation = StrCat("rename directory '", from, "' to '", to, "'");
+  if (!supports_rename_) {
+    return UnimplementedError(
+        StrCat(operation, " failed: this memory store was made without rename support"));
+  }
+  if (to.size() > from.size() && to.starts_with(from) && to[from.size()] == '/') {
+    return InvalidArgumentError(StrCat(operation, " failed: target is inside the source"));
+  }
+  const std::string from_prefix = StrCat(from, "/");
+  const std::string to_prefix = StrCat(to, "/");
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto first = objects_.lower_bound(from_prefix);
+  if (first == objects_.end() || !first->first.starts_with(from_prefix)) {
+    return NotFoundError(StrCat(operation, " failed: no such directory"));
+  }
+  if (objects_.find(to) != objects_.end() || IsDirectoryLocked(to)) {
+    return AlreadyExistsError(StrCat(operation, " failed: target exists"));
+  }
+  TS_RETURN_IF_ERROR(CheckCanHoldObjectLocked(to, operation));
+  // Re-key the nodes rather than copy them, so open files keep sharing the same objects.
+  std::vector<ObjectMap::node_type> moved;
+  while (first != objects_.end() && first->first.starts_with(from_prefix)) {
+    moved.push_back(objects_.extract(first++));
+  }
+  for (ObjectMap::node_type& node : moved) {
+    node.key() = StrCat(to_prefix, std::string_view(node.key()).substr(from_prefix.size()));
+    objects_.insert(std::move(node));
+  }
+  return OkStatus();
+}
+
+Status MemoryKvStore::Sync(std::string_view key) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  std::lock_guard<std::mutex> lock(mutex_);
+  return FindLocked(key, "sync").status();
+}
+
+Status MemoryKvStore::SyncDirectory(std::string_view dir) {
+  TS_RETURN_IF_ERROR(ValidatePrefix(dir));
+  if (!dir.empty() && dir.back() == '/') dir.remove_suffix(1);
+  if (dir.empty()) return OkStatus();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (IsDirectoryLocked(dir)) return OkStatus();
+  return NotFoundError(StrCat("sync directory '", dir, "' failed: no such directory"));
+}
+
+}  // namespace tensorstash

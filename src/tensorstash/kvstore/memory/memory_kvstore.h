@@ -1,0 +1,74 @@
+// MemoryKvStore: a KvStore kept in memory, for tests and for staging small checkpoints.
+//
+// It behaves like FileKvStore where tests can observe it: a key cannot be both an object and a
+// "directory" (a prefix of other keys followed by '/'); a WritableFile writes into the stored
+// object, so readers see its bytes at once; OpenForWrite truncates an existing object in place,
+// while Write replaces it (open readers and writers keep the old one, as with rename). Nothing
+// is lost on a "crash", so Sync and SyncDirectory only check that their target exists.
+//
+// Thread-safe, as KvStore requires. RenameDirectory is atomic: it happens under the store's lock.
+#ifndef TENSORSTASH_KVSTORE_MEMORY_MEMORY_KVSTORE_H_
+#define TENSORSTASH_KVSTORE_MEMORY_MEMORY_KVSTORE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tensorstash/kvstore/kvstore.h"
+#include "tensorstash/util/status.h"
+
+namespace tensorstash {
+
+class MemoryKvStore final : public KvStore {
+ public:
+  // With `supports_rename` false, SupportsRename() is false and RenameDirectory is
+  // Unimplemented, like an object store; tests use it to exercise the engine's other commit path.
+  explicit MemoryKvStore(bool supports_rename = true);
+  ~MemoryKvStore() override;
+  MemoryKvStore(const MemoryKvStore&) = delete;
+  MemoryKvStore& operator=(const MemoryKvStore&) = delete;
+
+  std::string Describe() const override;
+  Result<std::string> Read(std::string_view key) override;
+  Status ReadRange(std::string_view key, uint64_t offset, size_t size, void* dest) override;
+  Result<uint64_t> Size(std::string_view key) override;
+  Result<std::unique_ptr<ReadableFile>> OpenForRead(std::string_view key) override;
+  Status Write(std::string_view key, std::string_view value) override;
+  Result<std::unique_ptr<WritableFile>> OpenForWrite(std::string_view key) override;
+  Result<std::vector<std::string>> List(std::string_view prefix) override;
+  Status Delete(std::string_view key) override;
+  Status DeletePrefix(std::string_view prefix) override;
+  bool SupportsRename() const override { return supports_rename_; }
+  Status RenameDirectory(std::string_view from, std::string_view to) override;
+  Status Sync(std::string_view key) override;
+  Status SyncDirectory(std::string_view dir) override;
+
+  // One stored object; open files share it (defined in the .cc).
+  struct Object;
+
+ private:
+  using ObjectMap = std::map<std::string, std::shared_ptr<Object>, std::less<>>;
+
+  // The object at `key`, or NotFound naming `operation`. Requires mutex_.
+  Result<std::shared_ptr<Object>> FindLocked(std::string_view key,
+                                             std::string_view operation) const;
+  // FailedPrecondition if `key` cannot hold an object: a prefix of it is an object, or it is a
+  // directory of other keys. Requires mutex_.
+  Status CheckCanHoldObjectLocked(std::string_view key, std::string_view operation) const;
+  // Whether some key starts with `dir` + "/". Requires mutex_.
+  bool IsDirectoryLocked(std::string_view dir) const;
+
+  const bool supports_rename_;
+  mutable std::mutex mutex_;
+  ObjectMap objects_;  // Guarded by mutex_.
+};
+
+}  // namespace tensorstash
+
+#endif  // TENSORSTASH_KVSTORE_MEMORY_MEMORY_KVSTORE_H_
