@@ -83,6 +83,7 @@ Result<ChunkIndex> DecodeIndex(std::string_view bytes, std::string_view where) {
   if (std::memcmp(footer + 8, kIndexFooterMagic, sizeof(kIndexFooterMagic)) != 0) {
     return Corrupt(where, "bad footer magic (truncated?)");
   }
+  if (GetLE32(footer + 4) != 0) return Corrupt(where, "reserved footer bytes are not zero");
   const size_t body_size = bytes.size() - kIndexFooterSize;
   const uint32_t stored_crc = GetLE32(footer);
   const uint32_t actual_crc = Crc32c(bytes.data(), body_size);

@@ -1,0 +1,150 @@
+#include "tensorstash/format/tree.h"
+
+#include <cmath>
+#include <functional>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace tensorstash {
+namespace {
+
+using ::testing::HasSubstr;
+using Kind = TreeNode::Kind;
+
+ArrayMetadata Array(std::string path, std::vector<int64_t> shape) {
+  ArrayMetadata a;
+  a.path = std::move(path);
+  a.grid = {shape, shape, shape};
+  for (auto& v : a.grid.cell_shape) v = std::max<int64_t>(v, 1);
+  a.grid.chunk_shape = a.grid.cell_shape;
+  return a;
+}
+
+TreeNode Leaf(Kind kind) {
+  TreeNode n;
+  n.kind = kind;
+  return n;
+}
+
+TEST(TreeTest, PathEscapingRoundTrips) {
+  EXPECT_EQ(EscapePathKey("a/b~c"), "a~1b~0c");
+  EXPECT_EQ(SplitArrayPath("opt/mu/layer~10").value(), (std::vector<std::string>{"opt", "mu", "layer/0"}));
+  EXPECT_EQ(SplitArrayPath("").value(), (std::vector<std::string>{""}));
+  EXPECT_FALSE(SplitArrayPath("a~2").ok());
+  EXPECT_FALSE(SplitArrayPath("a~").ok());
+  for (std::string key : {"", "~", "/", "~1", "a/b/c", "ü/ñ"}) {
+    EXPECT_EQ(SplitArrayPath(EscapePathKey(key)).value(), std::vector<std::string>{key});
+  }
+}
+
+TEST(TreeTest, TreeFromPathsBuildsNestedDicts) {
+  std::vector<ArrayMetadata> arrays = {Array("params/w", {2}), Array("params/b", {2}), Array("step", {})};
+  TreeNode root = TreeFromArrayPaths(arrays).value();
+  ASSERT_EQ(root.kind, Kind::kDict);
+  ASSERT_EQ(root.entries.size(), 2u);
+  EXPECT_EQ(root.entries[0].first, "params");
+  EXPECT_EQ(root.entries[0].second.entries[1].second.array_id, 1);
+  EXPECT_FALSE(TreeFromArrayPaths({Array("a", {1}), Array("a/b", {1})}).ok());
+  EXPECT_FALSE(TreeFromArrayPaths({Array("a/b", {1}), Array("a", {1})}).ok());
+  EXPECT_FALSE(TreeFromArrayPaths({Array("a", {1}), Array("a", {1})}).ok());
+}
+
+TEST(TreeTest, EveryKindSurvivesARoundTrip) {
+  TreeFile tree;
+  tree.arrays = {Array("weird/k~1ey", {3, 0}), Array("s", {})};
+  tree.arrays[0].dtype = DType::kBfloat16;
+  tree.arrays[0].codec = Codec::kZstd;
+  tree.arrays[0].zstd_level = 5;
+  TreeNode root = TreeNode::Dict();
+  TreeNode list = Leaf(Kind::kList);
+  list.items.push_back(TreeNode::Array(0));
+  list.items.push_back(Leaf(Kind::kNone));
+  TreeNode tuple = Leaf(Kind::kTuple);
+  TreeNode i = Leaf(Kind::kInt);
+  i.int_value = "-123456789012345678901234567890";
+  TreeNode f = Leaf(Kind::kFloat);
+  f.float_value = 0.1;
+  TreeNode nan = Leaf(Kind::kFloat);
+  nan.float_value = NAN;
+  TreeNode inf = Leaf(Kind::kFloat);
+  inf.float_value = -INFINITY;
+  TreeNode b = Leaf(Kind::kBool);
+  b.bool_value = true;
+  TreeNode s = Leaf(Kind::kString);
+  s.string_value = "héllo \"quoted\"\n";
+  TreeNode bytes = Leaf(Kind::kBytes);
+  bytes.string_value = std::string("\0\xff\x01", 3);
+  for (TreeNode* leaf : {&i, &f, &nan, &inf, &b, &s, &bytes}) tuple.items.push_back(*leaf);
+  root.entries.emplace_back("a/b~c", list);
+  root.entries.emplace_back("", tuple);
+  root.entries.emplace_back("ключ", TreeNode::Array(1));
+  tree.root = root;
+
+  std::string json = EncodeTreeJson(tree).value();
+  TreeFile back = DecodeTreeJson(json, "tree.json").value();
+  ASSERT_EQ(back.arrays.size(), 2u);
+  EXPECT_EQ(back.arrays[0].path, "weird/k~1ey");
+  EXPECT_EQ(back.arrays[0].dtype, DType::kBfloat16);
+  EXPECT_EQ(back.arrays[0].codec, Codec::kZstd);
+  EXPECT_EQ(back.arrays[0].zstd_level, 5);
+  EXPECT_EQ(back.arrays[0].grid.shape, (std::vector<int64_t>{3, 0}));
+  ASSERT_EQ(back.root.entries.size(), 3u);
+  EXPECT_EQ(back.root.entries[0].first, "a/b~c");
+  EXPECT_EQ(back.root.entries[1].first, "");
+  EXPECT_EQ(back.root.entries[2].first, "ключ");
+  const TreeNode& t = back.root.entries[1].second;
+  ASSERT_EQ(t.kind, Kind::kTuple);
+  EXPECT_EQ(t.items[0].int_value, i.int_value);
+  EXPECT_EQ(t.items[1].float_value, 0.1);
+  EXPECT_TRUE(std::isnan(t.items[2].float_value));
+  EXPECT_EQ(t.items[3].float_value, -INFINITY);
+  EXPECT_TRUE(t.items[4].bool_value);
+  EXPECT_EQ(t.items[5].string_value, s.string_value);
+  EXPECT_EQ(t.items[6].string_value, bytes.string_value);
+  EXPECT_EQ(back.root.entries[0].second.items[1].kind, Kind::kNone);
+  EXPECT_EQ(EncodeTreeJson(back).value(), json);
+}
+
+TEST(TreeTest, InvalidUtf8IsAnErrorNotACrash) {
+  TreeFile tree;
+  tree.root = TreeNode::Dict();
+  tree.root.entries.emplace_back(std::string("\xff\xfe"), Leaf(Kind::kNone));
+  EXPECT_EQ(EncodeTreeJson(tree).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(TreeTest, BadDocumentsAreDataLossNamingTheFile) {
+  TreeFile tree;
+  tree.arrays = {Array("w", {4})};
+  tree.root = TreeNode::Dict();
+  tree.root.entries.emplace_back("w", TreeNode::Array(0));
+  const std::string good = EncodeTreeJson(tree).value();
+  auto expect_bad = [](const std::string& text, const char* needle) {
+    Result<TreeFile> r = DecodeTreeJson(text, "step/state/tree.json");
+    ASSERT_FALSE(r.ok()) << needle;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr("step/state/tree.json"));
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr(needle));
+  };
+  // Edits one field of the good document.
+  auto edit = [&](const std::function<void(nlohmann::json&)>& change) {
+    nlohmann::json j = nlohmann::json::parse(good);
+    change(j);
+    return j.dump();
+  };
+  expect_bad("{", "not a JSON object");
+  expect_bad(std::string(1000000, '[') + std::string(1000000, ']'), "nested too deeply");
+  expect_bad(edit([](auto& j) { j["arrays"][0]["dtype"] = "float33"; }), "float33");
+  expect_bad(edit([](auto& j) { j["tree"]["entries"][0][1]["array"] = 7; }), "refers to array 7");
+  expect_bad(edit([](auto& j) { j["arrays"][0]["codec"] = 5; }), "tree.json");
+  expect_bad(edit([](auto& j) { j["arrays"][0]["shape"] = {-4}; }), "extent -4");
+  expect_bad(edit([](auto& j) { j["tree"]["entries"].push_back(j["tree"]["entries"][0]); }), "duplicate");
+  expect_bad(edit([](auto& j) { j["tree"]["entries"][0][0] = "v"; j["tree"]["entries"].push_back({"w", {{"kind", "array"}, {"array", 0}}}); }),
+             "referenced 2 times");
+  Result<TreeFile> newer = DecodeTreeJson(edit([](auto& j) { j["version"][0] = 2; }), "t");
+  EXPECT_EQ(newer.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(newer.status().message()), HasSubstr("version 2"));
+}
+
+}  // namespace
+}  // namespace tensorstash

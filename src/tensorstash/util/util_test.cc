@@ -1,0 +1,100 @@
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "tensorstash/util/byte_limiter.h"
+#include "tensorstash/util/crc32c.h"
+#include "tensorstash/util/status.h"
+#include "tensorstash/util/str_util.h"
+#include "tensorstash/util/thread_pool.h"
+
+namespace tensorstash {
+namespace {
+
+TEST(Crc32cTest, StandardCheckValueAndChaining) {
+  EXPECT_EQ(Crc32c("123456789"), 0xE3069283u);
+  EXPECT_EQ(Crc32c(""), 0u);
+  EXPECT_EQ(Crc32c(std::string_view("56789"), Crc32c("1234")), 0xE3069283u);
+  std::string zeros(32, '\0');
+  EXPECT_EQ(Crc32c(zeros), 0x8A9136AAu);  // RFC 3720 test vector
+}
+
+TEST(StatusTest, ErrnoMappingNamesThePath) {
+  Status s = ErrnoToStatus(ENOENT, "open", "/x/y");
+  EXPECT_TRUE(absl::IsNotFound(s));
+  EXPECT_NE(std::string(s.message()).find("/x/y"), std::string::npos);
+  EXPECT_TRUE(absl::IsResourceExhausted(ErrnoToStatus(ENOSPC, "write", "f")));
+  EXPECT_EQ(Annotate(InvalidArgumentError("bad"), "array 'w'").message(), "array 'w': bad");
+  EXPECT_TRUE(Annotate(OkStatus(), "x").ok());
+}
+
+TEST(StrUtilTest, CatJoinSplitParse) {
+  std::string_view view = "v";
+  EXPECT_EQ(StrCat("a", 1, view, '-', uint64_t{7}, std::string("s")), "a1v-7s");
+  EXPECT_EQ(StrJoin(std::vector<int>{1, 2, 3}, ", "), "1, 2, 3");
+  EXPECT_EQ(StrSplit("a,,b", ',').size(), 3u);
+  int64_t x;
+  EXPECT_TRUE(ParseInt("-42", &x));
+  EXPECT_EQ(x, -42);
+  EXPECT_FALSE(ParseInt("4x", &x));
+  EXPECT_FALSE(ParseInt("", &x));
+  EXPECT_EQ(Hex32(0xab), "000000ab");
+}
+
+TEST(ThreadPoolTest, TaskGroupReturnsFirstErrorAndSkipsTheRest) {
+  ThreadPool pool(4);
+  std::atomic<int> ran{0};
+  TaskGroup group(&pool);
+  group.Run([&] {
+    ++ran;
+    return DataLossError("first");
+  });
+  group.Wait().IgnoreError();
+  for (int i = 0; i < 100; ++i) group.Run([&] {
+      ++ran;
+      return OkStatus();
+    });
+  Status status = group.Wait();
+  EXPECT_EQ(status.message(), "first");
+  EXPECT_EQ(ran.load(), 1);  // later tasks of a failed group are skipped
+}
+
+TEST(ThreadPoolTest, RunsEverything) {
+  ThreadPool pool(3);
+  std::atomic<int> sum{0};
+  TaskGroup group(&pool);
+  for (int i = 1; i <= 1000; ++i) group.Run([&, i] {
+      sum += i;
+      return OkStatus();
+    });
+  EXPECT_TRUE(group.Wait().ok());
+  EXPECT_EQ(sum.load(), 500500);
+}
+
+TEST(ByteLimiterTest, CapIsNeverExceededAndOversizeRequestsRunAlone) {
+  ByteLimiter limiter(100);
+  ThreadPool pool(8);
+  std::atomic<uint64_t> held{0}, max_held{0};
+  TaskGroup group(&pool);
+  for (int i = 0; i < 200; ++i) {
+    const uint64_t bytes = (i % 7 == 0) ? 250 : 30;  // some larger than the cap
+    group.Run([&, bytes] {
+      ByteReservation reservation(&limiter, bytes);
+      const uint64_t now = held += bytes;
+      uint64_t prev = max_held.load();
+      while (now > prev && !max_held.compare_exchange_weak(prev, now)) {
+      }
+      if (bytes > 100 && now != bytes) return InternalError("oversize request did not run alone");
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      held -= bytes;
+      return OkStatus();
+    });
+  }
+  ASSERT_TRUE(group.Wait().ok());
+  EXPECT_LE(max_held.load(), 250u);
+  EXPECT_LE(limiter.peak(), 250u);
+}
+
+}  // namespace
+}  // namespace tensorstash
