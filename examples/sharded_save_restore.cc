@@ -7,10 +7,11 @@
 // replicated; every restored buffer is checked bit for bit, and the achieved speeds are printed
 // next to a plain sequential write and read of a file of the same size.
 //
-//   sharded_save_restore --root /tmp/ckpts --size-mib 1024 [--fsync]
+//   sharded_save_restore --root /tmp/ckpts --size-mib 1024 [--runs 5] [--fsync]
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -119,10 +120,55 @@ void MeasureRawFile(const std::string& path, uint64_t bytes, bool fsync_file, do
   }
   ::close(fd);
   *read_gbs = bytes / Seconds(start) / 1e9;
-  std::filesystem::remove(path);
 }
 
-int Run(const std::string& root, int64_t size_mib, bool fsync, int64_t step) {
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Layout {
+  const char* name;
+  int rows, cols;
+};
+
+// Restores every array onto `layout`; returns seconds, or a negative value on failure.
+double Restore(CheckpointReader& reader, const std::vector<ArrayDef>& arrays, const Layout& layout,
+               bool check, uint64_t* bytes_out, ReadStats* stats) {
+  std::vector<std::vector<char>> restored;
+  std::vector<ReadRequest> requests;
+  uint64_t bytes = 0;
+  restored.reserve(arrays.size() * kDevices);
+  for (const ArrayDef& a : arrays) {
+    for (int d = 0; d < kDevices; ++d) {
+      Box box = layout.rows * layout.cols == 1 ? Box::FromShape(a.spec.shape)
+                                               : DeviceBox(a.spec.shape, layout.rows, layout.cols, d);
+      restored.emplace_back(box.num_elements() * ItemSize(a.spec.dtype));
+      bytes += restored.back().size();
+      requests.push_back({a.spec.path, box, a.spec.dtype, restored.back().data()});
+    }
+  }
+  auto start = std::chrono::steady_clock::now();
+  Status read = reader.ReadMany(requests, stats);
+  const double seconds = Seconds(start);
+  if (!read.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(read.message()).c_str());
+    return -1;
+  }
+  if (check) {
+    for (size_t r = 0; r < requests.size(); ++r) {
+      if (MakeBuffer(arrays[r / kDevices], requests[r].box) != restored[r]) {
+        std::fprintf(stderr, "MISMATCH: array %s on device %zu of layout %s\n",
+                     requests[r].path.c_str(), r % kDevices, layout.name);
+        return -1;
+      }
+    }
+  }
+  *bytes_out = bytes;
+  return seconds;
+}
+
+int Run(const std::string& root, int64_t size_mib, bool fsync, int64_t step, int runs) {
   // Four matrices hold the bulk; the small arrays show other dtypes, ranks and codecs.
   const int64_t rows = std::max<int64_t>(8, size_mib * 32);  // rows of 2048 float32 = 8 KiB
   std::vector<ArrayDef> arrays = {
@@ -142,98 +188,100 @@ int Run(const std::string& root, int64_t size_mib, bool fsync, int64_t step) {
   std::printf("tensorstash example: %zu arrays, %.1f MiB, sharded over %d devices as a 2x4 mesh\n",
               arrays.size(), total_bytes / 1048576.0, kDevices);
 
-  // Shards as the devices of a 2x4 mesh hold them.
+  // Shards as the devices of a 2x4 mesh hold them, each in its own buffer.
   std::vector<std::vector<std::vector<char>>> device_buffers(arrays.size());
-  Result<std::unique_ptr<FileKvStore>> kv = FileKvStore::Open(root);
-  if (!kv.ok()) {
-    std::fprintf(stderr, "error: %s\n", std::string(kv.status().message()).c_str());
-    return 2;
-  }
-  WriterOptions write_options;
-  write_options.sync = fsync;
-  char step_name[32];
-  std::snprintf(step_name, sizeof(step_name), "%010lld", static_cast<long long>(step));
-  // A rerun replaces the step; removing it first keeps that cost out of the timed save.
-  (void)(*kv)->DeletePrefix(std::string(step_name) + "/");
-  auto writer = CheckpointWriter::Create(kv->get(), step_name, write_options);
-  if (!writer.ok()) return std::fprintf(stderr, "error: %s\n", std::string(writer.status().message()).c_str()), 2;
+  std::vector<std::vector<ShardData>> shards(arrays.size());
   for (size_t i = 0; i < arrays.size(); ++i) {
-    std::vector<ShardData> shards;
     for (int d = 0; d < kDevices; ++d) {
       Box box = DeviceBox(arrays[i].spec.shape, 2, 4, d);
       device_buffers[i].push_back(MakeBuffer(arrays[i], box));
       ShardData shard{box, device_buffers[i].back().data(), 0, 1};
       ReplicaOf(arrays[i].spec.shape, 2, 4, d, &shard.replica_id, &shard.num_replicas);
-      shards.push_back(shard);
+      shards[i].push_back(shard);
     }
-    Status added = (*writer)->AddArray(arrays[i].spec, std::move(shards));
-    if (!added.ok()) return std::fprintf(stderr, "error: %s\n", std::string(added.message()).c_str()), 2;
   }
-  WriteStats stats;
-  auto start = std::chrono::steady_clock::now();
-  Status committed = (*writer)->Commit(&stats);
-  const double save_seconds = Seconds(start);
-  if (!committed.ok()) return std::fprintf(stderr, "error: %s\n", std::string(committed.message()).c_str()), 2;
-  const double save_gbs = total_bytes / save_seconds / 1e9;
-  std::printf("saved    %s/%s: %.1f MiB stored in %llu chunks, %llu data file(s), %.3f s, %.2f GB/s%s\n",
-              root.c_str(), step_name, stats.stored_bytes / 1048576.0,
-              static_cast<unsigned long long>(stats.chunks),
-              static_cast<unsigned long long>(stats.data_files), save_seconds, save_gbs,
-              fsync ? " (with fsync)" : " (page cache, no fsync)");
-  device_buffers.clear();
+  Result<std::unique_ptr<FileKvStore>> kv = FileKvStore::Open(root);
+  if (!kv.ok()) return std::fprintf(stderr, "error: %s\n", std::string(kv.status().message()).c_str()), 2;
+  char step_name[32];
+  std::snprintf(step_name, sizeof(step_name), "%010lld", static_cast<long long>(step));
 
+  // Each run: a plain file write and read of the same size (the yardstick), a save, and a
+  // restore onto the same layout. sync() before each timed phase flushes earlier dirty pages so
+  // that every phase starts from the same state of the page cache. Medians are reported.
+  std::vector<double> raw_write, raw_read, save, restore;
+  WriteStats stats;
+  const std::string probe = StrCat(root, "/.raw_speed_probe");
+  // Each timed write starts from the same state: the previous step and probe file removed and
+  // everything flushed (writeback of earlier dirty pages throttles writers on this kind of
+  // machine, so a write that follows another big write would be measured slower).
+  auto clean_slate = [&] {
+    (void)(*kv)->DeletePrefix(std::string(step_name) + "/");
+    std::filesystem::remove(probe);
+    ::sync();
+  };
+  for (int run = 0; run < runs; ++run) {
+    double w = 0, r = 0;
+    // The order alternates run by run so that neither side always goes first.
+    const bool probe_first = run % 2 == 0;
+    if (probe_first) {
+      clean_slate();
+      MeasureRawFile(probe, total_bytes, fsync, &w, &r);
+    }
+    clean_slate();
+    WriterOptions write_options;
+    write_options.sync = fsync;
+    auto writer = CheckpointWriter::Create(kv->get(), step_name, write_options);
+    if (!writer.ok()) return std::fprintf(stderr, "error: %s\n", std::string(writer.status().message()).c_str()), 2;
+    for (size_t i = 0; i < arrays.size(); ++i) {
+      Status added = (*writer)->AddArray(arrays[i].spec, shards[i]);
+      if (!added.ok()) return std::fprintf(stderr, "error: %s\n", std::string(added.message()).c_str()), 2;
+    }
+    Status committed = (*writer)->Commit(&stats);
+    if (!committed.ok()) return std::fprintf(stderr, "error: %s\n", std::string(committed.message()).c_str()), 2;
+    save.push_back(total_bytes / stats.seconds / 1e9);
+    ::sync();
+    if (!probe_first) {
+      std::filesystem::remove(probe);
+      ::sync();
+      MeasureRawFile(probe, total_bytes, fsync, &w, &r);
+    }
+    raw_write.push_back(w);
+    raw_read.push_back(r);
+    auto reader = CheckpointReader::Open(kv->get(), step_name);
+    if (!reader.ok()) return std::fprintf(stderr, "error: %s\n", std::string(reader.status().message()).c_str()), 2;
+    uint64_t bytes = 0;
+    ReadStats read_stats;
+    const double seconds = Restore(**reader, arrays, {"2x4", 2, 4}, /*check=*/run == 0, &bytes, &read_stats);
+    if (seconds < 0) return 1;
+    restore.push_back(bytes / seconds / 1e9);
+    std::printf("run %d: raw write %.2f GB/s, save %.2f GB/s; raw read %.2f GB/s, restore (2x4) %.2f GB/s\n",
+                run + 1, w, save.back(), r, restore.back());
+  }
+  device_buffers.clear();
+  std::filesystem::remove(probe);
+  std::printf("saved    %s/%s: %.1f MiB in %llu chunks, %llu data file(s)%s\n", root.c_str(), step_name,
+              stats.stored_bytes / 1048576.0, static_cast<unsigned long long>(stats.chunks),
+              static_cast<unsigned long long>(stats.data_files),
+              fsync ? " (with fsync)" : " (page cache, no fsync)");
+
+  // Restores onto other layouts, each checked bit for bit.
   auto reader = CheckpointReader::Open(kv->get(), step_name);
   if (!reader.ok()) return std::fprintf(stderr, "error: %s\n", std::string(reader.status().message()).c_str()), 2;
-  struct Layout {
-    const char* name;
-    int rows, cols;
-  };
-  double first_restore_gbs = 0;
   for (const Layout& layout : {Layout{"2x4", 2, 4}, Layout{"4x2", 4, 2}, Layout{"1x8", 1, 8},
-                              Layout{"replicated", 1, 1}}) {
-    std::vector<std::vector<std::vector<char>>> restored(arrays.size());
-    std::vector<ReadRequest> requests;
+                               Layout{"replicated", 1, 1}}) {
     uint64_t bytes = 0;
-    for (size_t i = 0; i < arrays.size(); ++i) {
-      const size_t item = ItemSize(arrays[i].spec.dtype);
-      for (int d = 0; d < kDevices; ++d) {
-        Box box = layout.rows * layout.cols == 1 ? Box::FromShape(arrays[i].spec.shape)
-                                                 : DeviceBox(arrays[i].spec.shape, layout.rows, layout.cols, d);
-        restored[i].emplace_back(box.num_elements() * item);
-        bytes += restored[i].back().size();
-        requests.push_back({arrays[i].spec.path, box, arrays[i].spec.dtype, restored[i].back().data()});
-      }
-    }
     ReadStats read_stats;
-    start = std::chrono::steady_clock::now();
-    Status read = (*reader)->ReadMany(requests, &read_stats);
-    const double seconds = Seconds(start);
-    if (!read.ok()) return std::fprintf(stderr, "error: %s\n", std::string(read.message()).c_str()), 2;
-    // Bit-for-bit check against the generator.
-    size_t r = 0;
-    for (size_t i = 0; i < arrays.size(); ++i) {
-      for (int d = 0; d < kDevices; ++d, ++r) {
-        std::vector<char> expected = MakeBuffer(arrays[i], requests[r].box);
-        if (expected != restored[i][d]) {
-          std::fprintf(stderr, "MISMATCH: array %s on device %d of layout %s\n",
-                       arrays[i].spec.path.c_str(), d, layout.name);
-          return 1;
-        }
-      }
-    }
-    const double gbs = bytes / seconds / 1e9;
-    if (first_restore_gbs == 0) first_restore_gbs = gbs;
-    std::printf("restored as %-10s %.1f MiB onto %d devices in %.3f s, %.2f GB/s; %llu direct + %llu staged chunks; bit-for-bit OK\n",
-                layout.name, bytes / 1048576.0, kDevices, seconds, gbs,
+    const double seconds = Restore(**reader, arrays, layout, /*check=*/true, &bytes, &read_stats);
+    if (seconds < 0) return 1;
+    std::printf("restored as %-10s %7.1f MiB onto %d devices in %.3f s, %5.2f GB/s; %llu direct + %llu staged chunks; bit-for-bit OK\n",
+                layout.name, bytes / 1048576.0, kDevices, seconds, bytes / seconds / 1e9,
                 static_cast<unsigned long long>(read_stats.direct_chunks),
                 static_cast<unsigned long long>(read_stats.staged_chunks));
   }
-
-  double raw_write = 0, raw_read = 0;
-  MeasureRawFile(root + "/.raw_speed_probe", total_bytes, fsync, &raw_write, &raw_read);
-  std::printf("raw file on the same filesystem: write %.2f GB/s, read %.2f GB/s\n", raw_write, raw_read);
-  std::printf("tensorstash vs raw: save %.0f%%, restore (2x4, as saved) %.0f%%\n", 100 * save_gbs / raw_write,
-              100 * first_restore_gbs / raw_read);
+  std::printf("medians over %d runs: save %.2f GB/s = %.0f%% of raw write (%.2f GB/s); "
+              "restore %.2f GB/s = %.0f%% of raw read (%.2f GB/s)\n",
+              runs, Median(save), 100 * Median(save) / Median(raw_write), Median(raw_write),
+              Median(restore), 100 * Median(restore) / Median(raw_read), Median(raw_read));
   return 0;
 }
 
@@ -242,6 +290,7 @@ int Run(const std::string& root, int64_t size_mib, bool fsync, int64_t step) {
 int main(int argc, char** argv) {
   std::string root = "demo_checkpoints";
   int64_t size_mib = 1024, step = 1000;
+  int runs = 5;
   bool fsync = false;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -251,12 +300,14 @@ int main(int argc, char** argv) {
       size_mib = std::stoll(argv[++i]);
     } else if (arg == "--step" && i + 1 < argc) {
       step = std::stoll(argv[++i]);
+    } else if (arg == "--runs" && i + 1 < argc) {
+      runs = std::max(1, std::stoi(argv[++i]));
     } else if (arg == "--fsync") {
       fsync = true;
     } else {
-      std::printf("usage: %s [--root DIR] [--size-mib N] [--step N] [--fsync]\n", argv[0]);
+      std::printf("usage: %s [--root DIR] [--size-mib N] [--step N] [--runs N] [--fsync]\n", argv[0]);
       return arg == "--help" || arg == "-h" ? 0 : 2;
     }
   }
-  return Run(root, size_mib, fsync, step);
+  return Run(root, size_mib, fsync, step, runs);
 }

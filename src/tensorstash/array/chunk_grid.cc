@@ -131,13 +131,15 @@ Status ValidateChunkGrid(const ChunkGrid& grid, size_t item_size, std::string_vi
   int64_t chunks = 1, chunk_elements = 1;
   for (int d = 0; d < r; ++d) {
     const int64_t s = grid.cell_shape[d], c = grid.chunk_shape[d];
-    if (s < 1 || c < 1 || c > s) {
+    if (s < 1 || c < 1 || c > s || s > std::max<int64_t>(grid.shape[d], 1)) {
       return InvalidArgumentError(StrCat(
           what, ": dimension ", d, " has cell extent ", s, " and chunk extent ", c,
-          " (need 1 <= chunk <= cell)"));
+          " (need 1 <= chunk <= cell <= max(extent, 1))"));
     }
-    const int64_t extent = grid.GridExtent(d);
-    if (__builtin_mul_overflow(chunks, extent, &chunks) || chunks > kMaxChunksPerArray) {
+    // GridExtent's product cannot overflow here: cells <= extent and chunks per cell <= cell.
+    int64_t extent;
+    if (__builtin_mul_overflow(CeilDiv(grid.shape[d], s), CeilDiv(s, c), &extent) ||
+        __builtin_mul_overflow(chunks, extent, &chunks) || chunks > kMaxChunksPerArray) {
       return InvalidArgumentError(
           StrCat(what, ": more than 2^40 chunks"));
     }

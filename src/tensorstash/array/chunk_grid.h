@@ -8,8 +8,9 @@
 // read in parallel.
 //
 // Chunks are numbered along each dimension k = cell * chunks_per_cell + j, and linearly in
-// row-major order over the per-dimension counts. A chunk whose start is past the array's end
-// (possible only when a dimension has extent 0) does not exist.
+// row-major order over the per-dimension counts. When the last cell of a dimension is clipped,
+// its trailing chunks may start past the array's end: those chunks do not exist (are never
+// stored). A dimension of extent 0 has no cells and so no chunks.
 //
 // Thread-safety: value type.
 #ifndef TENSORSTASH_ARRAY_CHUNK_GRID_H_

@@ -17,7 +17,7 @@ TEST(ChunkGridTest, ChunksTileTheArray) {
     ChunkGrid grid;
     for (int d = 0; d < rank; ++d) {
       grid.shape.push_back(rng() % 10);
-      grid.cell_shape.push_back(1 + rng() % 6);
+      grid.cell_shape.push_back(1 + rng() % std::max<int64_t>(1, std::min<int64_t>(6, grid.shape.back())));
       grid.chunk_shape.push_back(1 + rng() % grid.cell_shape.back());
     }
     ASSERT_TRUE(ValidateChunkGrid(grid, 4, "x").ok());

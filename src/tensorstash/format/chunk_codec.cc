@@ -35,7 +35,9 @@ Status DecodeChunk(Codec codec, std::string_view stored, void* dest, size_t raw_
     return OkStatus();
   }
   const unsigned long long declared = ZSTD_getFrameContentSize(stored.data(), stored.size());
-  if (declared == ZSTD_CONTENTSIZE_ERROR || declared != raw_size) {
+  const size_t frame_size = ZSTD_findFrameCompressedSize(stored.data(), stored.size());
+  if (declared == ZSTD_CONTENTSIZE_ERROR || declared != raw_size || ZSTD_isError(frame_size) ||
+      frame_size != stored.size()) {
     return DataLossError(StrCat(what, ": zstd frame is malformed or of the wrong size"));
   }
   const size_t n = ZSTD_decompress(dest, raw_size, stored.data(), stored.size());

@@ -20,7 +20,8 @@ Result<CommitRecord> DecodeImpl(std::string_view text, std::string_view where) {
     return bad("missing \"format\": \"tensorstash/commit\"");
   }
   const json& version = doc["version"];
-  if (!version.is_array() || version.size() != 2 || !version[0].is_number_integer()) {
+  if (!version.is_array() || version.size() != 2 || !version[0].is_number_integer() ||
+      !version[1].is_number_integer()) {
     return bad("missing or malformed \"version\"");
   }
   if (version[0].get<int64_t>() != kCommitMajorVersion) {
@@ -39,13 +40,25 @@ Result<CommitRecord> DecodeImpl(std::string_view text, std::string_view where) {
     if (!ValidateKey(name).ok() || name.find('/') != std::string::npos) {
       return bad(StrCat("invalid item name \"", name, "\""));
     }
+    // Unsigned fields must hold unsigned numbers in range (get<> would silently wrap).
+    auto field = [&](const char* key, uint64_t max, uint64_t* out) -> Status {
+      const json& v = item.at(key);
+      if (!v.is_number_unsigned() || v.get<uint64_t>() > max) {
+        return bad(StrCat("item \"", name, "\": \"", key, "\" is not a number in range"));
+      }
+      *out = v.get<uint64_t>();
+      return OkStatus();
+    };
     CommitItem c;
-    c.tree_crc32c = item.at("tree_crc32c").get<uint32_t>();
-    c.tree_size = item.at("tree_size").get<uint64_t>();
-    c.index_crc32c = item.at("index_crc32c").get<uint32_t>();
-    c.index_size = item.at("index_size").get<uint64_t>();
-    c.data_bytes = item.at("data_bytes").get<uint64_t>();
-    c.num_arrays = item.at("num_arrays").get<uint64_t>();
+    uint64_t tree_crc = 0, index_crc = 0;
+    TS_RETURN_IF_ERROR(field("tree_crc32c", UINT32_MAX, &tree_crc));
+    TS_RETURN_IF_ERROR(field("tree_size", UINT64_MAX, &c.tree_size));
+    TS_RETURN_IF_ERROR(field("index_crc32c", UINT32_MAX, &index_crc));
+    TS_RETURN_IF_ERROR(field("index_size", UINT64_MAX, &c.index_size));
+    TS_RETURN_IF_ERROR(field("data_bytes", UINT64_MAX, &c.data_bytes));
+    TS_RETURN_IF_ERROR(field("num_arrays", UINT64_MAX, &c.num_arrays));
+    c.tree_crc32c = static_cast<uint32_t>(tree_crc);
+    c.index_crc32c = static_cast<uint32_t>(index_crc);
     record.items[name] = c;
   }
   return record;

@@ -90,6 +90,9 @@ Result<ChunkIndex> DecodeIndex(std::string_view bytes, std::string_view where) {
   if (stored_crc != actual_crc) {
     return Corrupt(where, StrCat("CRC-32C mismatch (stored ", Hex32(stored_crc), ", computed ", Hex32(actual_crc), ")"));
   }
+  if (GetLE32(bytes.data() + 12) != 0 || GetLE32(bytes.data() + 20) != 0) {
+    return Corrupt(where, "reserved header fields are not zero");
+  }
   const uint32_t num_files = GetLE32(bytes.data() + 16);
   const uint64_t num_entries = GetLE64(bytes.data() + 24);
   if (num_files > kMaxDataFiles) {
@@ -112,6 +115,10 @@ Result<ChunkIndex> DecodeIndex(std::string_view bytes, std::string_view where) {
     pos += 8;
     if (!ValidateKey(file.name).ok() || file.name.rfind("data/", 0) != 0) {
       return Corrupt(where, StrCat("data file ", i, " has an invalid name"));
+    }
+    for (const DataFileInfo& earlier : index.files) {
+      // Two ids for one file would let chunks alias each other past the overlap check.
+      if (earlier.name == file.name) return Corrupt(where, StrCat("data file '", file.name, "' listed twice"));
     }
     index.files.push_back(std::move(file));
   }

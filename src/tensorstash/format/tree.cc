@@ -1,5 +1,6 @@
 #include "tensorstash/format/tree.h"
 
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -42,12 +43,12 @@ bool Base64Decode(const std::string& text, std::string* out) {
   return absl::Base64Unescape(absl::string_view(text.data(), text.size()), out);
 }
 
+// Shortest text that parses back to the same double, independent of the process locale;
+// "nan", "-nan", "inf" and "-inf" for the special values.
 std::string FormatFloat(double v) {
-  if (std::isnan(v)) return "nan";
-  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
-  char buf[40];
-  std::snprintf(buf, sizeof(buf), "%.17g", v);
-  return buf;
+  char buf[64];
+  auto result = std::to_chars(buf, buf + sizeof(buf), v);
+  return std::string(buf, result.ptr);
 }
 
 json NodeToJson(const TreeNode& node) {
@@ -190,9 +191,8 @@ class Decoder {
       node.kind = Kind::kFloat;
       if (!j.contains("value") || !j["value"].is_string()) return Error("float leaf without \"value\"");
       const std::string text = j["value"].get<std::string>();
-      char* end = nullptr;
-      node.float_value = std::strtod(text.c_str(), &end);
-      if (text.empty() || end != text.c_str() + text.size()) {
+      auto parsed = std::from_chars(text.data(), text.data() + text.size(), node.float_value);
+      if (text.empty() || parsed.ec != std::errc() || parsed.ptr != text.data() + text.size()) {
         return Error(StrCat("float leaf with value \"", text, "\""));
       }
     } else if (kind == "bool") {
@@ -219,16 +219,34 @@ class Decoder {
   std::string where_;
 };
 
-Status CheckArrayRefs(const TreeNode& node, std::vector<int>* refs, const Decoder& decoder) {
+// Counts the leaves that refer to each array, and checks that an array's path is the path of
+// its leaf (so a path always says where the array sits in the tree). `path` is null at the root.
+Status CheckArrayRefs(const TreeNode& node, const std::string* path,
+                      const std::vector<ArrayMetadata>& arrays, std::vector<int>* refs,
+                      const Decoder& decoder) {
+  const std::string here = path == nullptr ? std::string() : *path;
   if (node.kind == Kind::kArray) {
     if (node.array_id < 0 || node.array_id >= static_cast<int64_t>(refs->size())) {
       return decoder.Error(StrCat("array leaf refers to array ", node.array_id, " of ",
-                                        refs->size()));
+                                  refs->size()));
+    }
+    if (arrays[node.array_id].path != here) {
+      return decoder.Error(StrCat("array '", arrays[node.array_id].path,
+                                  "' sits in the tree at path '", here, "'"));
     }
     ++(*refs)[node.array_id];
   }
-  for (const auto& entry : node.entries) TS_RETURN_IF_ERROR(CheckArrayRefs(entry.second, refs, decoder));
-  for (const auto& item : node.items) TS_RETURN_IF_ERROR(CheckArrayRefs(item, refs, decoder));
+  auto child = [&](std::string_view segment) {
+    return path == nullptr ? std::string(segment) : StrCat(*path, "/", segment);
+  };
+  for (const auto& [key, value] : node.entries) {
+    const std::string child_path = child(EscapePathKey(key));
+    TS_RETURN_IF_ERROR(CheckArrayRefs(value, &child_path, arrays, refs, decoder));
+  }
+  for (size_t i = 0; i < node.items.size(); ++i) {
+    const std::string child_path = child(std::to_string(i));
+    TS_RETURN_IF_ERROR(CheckArrayRefs(node.items[i], &child_path, arrays, refs, decoder));
+  }
   return OkStatus();
 }
 
@@ -327,7 +345,8 @@ namespace {
 
 Result<TreeFile> DecodeTreeJsonImpl(std::string_view text, std::string_view where) {
   Decoder decoder(where);
-  if (JsonDepth(text) > kMaxTreeDepth + 8) return decoder.Error("nested too deeply");
+  // A dict level takes three JSON levels ({"entries": [[key, node]]}).
+  if (JsonDepth(text) > 3 * kMaxTreeDepth + 8) return decoder.Error("nested too deeply");
   json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded() || !doc.is_object()) return decoder.Error("not a JSON object");
   if (doc.value("format", std::string()) != kTreeFormatName) {
@@ -357,7 +376,7 @@ Result<TreeFile> DecodeTreeJsonImpl(std::string_view text, std::string_view wher
   if (!doc.contains("tree")) return decoder.Error("no \"tree\"");
   TS_ASSIGN_OR_RETURN(tree.root, decoder.Node(doc["tree"], 0));
   std::vector<int> refs(tree.arrays.size(), 0);
-  TS_RETURN_IF_ERROR(CheckArrayRefs(tree.root, &refs, decoder));
+  TS_RETURN_IF_ERROR(CheckArrayRefs(tree.root, nullptr, tree.arrays, &refs, decoder));
   for (size_t i = 0; i < refs.size(); ++i) {
     if (refs[i] != 1) {
       return decoder.Error(StrCat("array '", tree.arrays[i].path, "' is referenced ",

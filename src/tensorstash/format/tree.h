@@ -7,7 +7,8 @@
 //
 // Array paths name arrays in APIs and messages: the keys from the root to the leaf joined by
 // '/', each key escaped as in JSON Pointer (RFC 6901: '~' -> "~0", '/' -> "~1"), list and tuple
-// positions as decimal numbers. "opt/mu/layer~10" is key "layer/0" under "mu" under "opt".
+// positions as decimal numbers. "opt/mu/layer~10" is key "layer/0" under "mu" under "opt". An
+// array's path MUST be the path of its leaf; DecodeTreeJson checks it.
 //
 // Thread-safety: value types and pure functions.
 #ifndef TENSORSTASH_FORMAT_TREE_H_
