@@ -85,6 +85,13 @@ CheckpointReader::~CheckpointReader() = default;
 Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, std::string dir,
                                                                  ReaderOptions options) {
   TS_RETURN_IF_ERROR(ValidateKey(dir));
+  // "<step>.tmp-<nonce>" may hold a COMMIT (a save that crashed between writing COMMIT and the
+  // rename into place) and "<step>.old-<nonce>" a replaced step: neither is a committed step.
+  if (IsTemporaryStepName(dir)) {
+    return FailedPreconditionError(StrCat(
+        "'", dir, "' is the temporary folder of a save (running, failed or crashed) or of a "
+        "replaced step, not a committed step; it cannot be read"));
+  }
   auto impl = std::make_unique<Impl>();
   impl->kv = kv;
   impl->dir = std::move(dir);
@@ -275,8 +282,33 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
     TS_RETURN_IF_ERROR(missing);
   }
 
-  std::vector<ReadRequestPlan> plans =
-      PlanReadRequests(std::move(chunk_reads), s.options.coalesce_gap_bytes, s.options.max_request_bytes);
+  // Direct requests read into the caller's buffers. Staged ones hold their span plus room to
+  // decode one chunk under the byte cap, so they are coalesced only up to what fits in it
+  // (otherwise one coalesced span could blow through the cap; a single chunk still goes alone).
+  std::vector<ChunkRead> direct_reads, staged_reads;
+  uint64_t max_decode_room = 0;
+  for (ChunkRead& c : chunk_reads) {
+    if (c.direct_dest != nullptr) {
+      direct_reads.push_back(c);
+      continue;
+    }
+    const Piece& p = pieces[targets[c.tag].front()];
+    const ArrayMetadata& a = s.tree.arrays[p.entry->array_id];
+    if (a.codec != Codec::kNone) {
+      max_decode_room = std::max<uint64_t>(max_decode_room,
+                                           p.chunk_box.num_elements() * ItemSize(a.dtype));
+    }
+    staged_reads.push_back(c);
+  }
+  const uint64_t cap = std::max<uint64_t>(1, s.options.max_inflight_bytes);
+  const uint64_t staged_limit = std::min<uint64_t>(
+      s.options.max_request_bytes, cap > max_decode_room ? cap - max_decode_room : 1);
+  std::vector<ReadRequestPlan> plans = PlanReadRequests(
+      std::move(direct_reads), s.options.coalesce_gap_bytes, s.options.max_request_bytes);
+  for (ReadRequestPlan& plan :
+       PlanReadRequests(std::move(staged_reads), s.options.coalesce_gap_bytes, staged_limit)) {
+    plans.push_back(std::move(plan));
+  }
   ByteLimiter limiter(s.options.max_inflight_bytes);
   std::mutex stats_mutex;
   TaskGroup group(s.pool.get());
@@ -350,8 +382,11 @@ Result<std::vector<BadChunk>> CheckpointReader::Verify(
     reads.push_back({e.file_id, e.offset, e.length, nullptr, i});
     total += e.length;
   }
-  std::vector<ReadRequestPlan> plans =
-      PlanReadRequests(std::move(reads), s.options.coalesce_gap_bytes, s.options.max_request_bytes);
+  // Spans are staged under the byte cap: coalesce only up to what fits in it.
+  std::vector<ReadRequestPlan> plans = PlanReadRequests(
+      std::move(reads), s.options.coalesce_gap_bytes,
+      std::min<uint64_t>(s.options.max_request_bytes,
+                         std::max<uint64_t>(1, s.options.max_inflight_bytes)));
   ByteLimiter limiter(s.options.max_inflight_bytes);
   std::mutex mutex;
   std::vector<BadChunk> bad;

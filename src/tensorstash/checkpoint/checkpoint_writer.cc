@@ -8,17 +8,19 @@
 //     that can rename (POSIX) that is a temporary "<dir>.tmp-<nonce>"; without rename it is <dir>
 //     itself (any old COMMIT removed first, so the step is invisible while it is rewritten). It
 //     publishes the folder (or its error) as "workdir".
-//  2. Each process publishes, per array, the gcd of its shard boundaries ("cells/<p>"), and
-//     every process merges all of them into the same chunk grid per array.
+//  2. Each process publishes, per array, the gcd of its shard boundaries and a digest of the
+//     array's spec ("cells/<p>"). Every process checks that all digests agree (else every
+//     process fails with InvalidArgument) and merges the gcds into the same chunk grid per array.
 //  3. Each process writes its chunks into its own data files "state/data/<p>-<seq>.dat", syncs
 //     them, writes its index part "state/index.part-<p>" (processes > 0), and publishes its
 //     status ("status/<p>").
-//  4. Process 0 waits for every status. If all are OK it merges the index parts, checks that
-//     every chunk of every array was written exactly once, writes state/index and
-//     state/tree.json, syncs them, and writes COMMIT last (with the CRC-32C of both files).
-//     With rename it then renames the temporary folder to <dir> and syncs the parent folder: the
-//     step appears whole, or not at all. It publishes the outcome ("result"), and removes the
-//     folder on failure.
+//  4. Process 0 waits for every status (all of them, even after an error, so that it never
+//     removes the folder while another process still writes into it). If all are OK it merges
+//     the index parts, checks that every chunk of every array was written exactly once, writes
+//     state/index and state/tree.json, syncs them, and writes COMMIT last (with the CRC-32C of
+//     both files). With rename it then renames the temporary folder to <dir> and syncs the
+//     parent folder: the step appears whole, or not at all. It publishes the outcome
+//     ("result"), and removes the folder on failure.
 //  5. Processes > 0 wait for "result" and return it.
 // A crash at any point leaves either the previous state or a folder without COMMIT (or a
 // ".tmp-" folder), which readers refuse and `tensorstash ls` shows as incomplete.
@@ -120,6 +122,16 @@ Status MergeGcds(std::string_view text, std::vector<std::vector<int64_t>>* gcds,
     (*gcds)[a] = MergeBoundaryGcds((*gcds)[a], other);
   }
   return OkStatus();
+}
+
+// A digest of everything about an array that every process must agree on: what tree.json will
+// say about it, and the chunk size target that shapes its grid. Processes that disagree would
+// write chunks that do not fit the committed metadata.
+std::string ArrayDigest(const ArraySpec& spec, int64_t target_chunk_bytes) {
+  return Hex32(Crc32c(StrCat(spec.path, '\0', DTypeName(spec.dtype), '\0',
+                             StrJoin(spec.shape, ","), '\0', CodecName(spec.codec), '\0',
+                             spec.codec == Codec::kZstd ? spec.zstd_level : 0, '\0',
+                             target_chunk_bytes)));
 }
 
 }  // namespace
@@ -243,11 +255,15 @@ Status CheckpointWriter::Commit(WriteStats* stats) {
   Status result;
   if (c.process_index() == 0) {
     // 4. Gather every status, then commit or clean up.
+    // Every status is awaited, even after an error: the folder may only be removed once no
+    // process writes into it any more. The first error is the result.
     result = written;
-    for (int p = 1; p < c.process_count() && result.ok(); ++p) {
+    for (int p = 1; p < c.process_count(); ++p) {
       Result<std::string> status = c.KeyValueGet(StrCat(s.key_prefix, "status/", p), timeout);
-      result = status.ok() ? Annotate(DecodeStatus(*status), StrCat("process ", p))
-                           : status.status();
+      Status process_status = status.ok()
+                                  ? Annotate(DecodeStatus(*status), StrCat("process ", p))
+                                  : status.status();
+      if (result.ok()) result = process_status;
     }
     if (result.ok()) result = s.MergeAndCommit(std::move(local));
     if (!result.ok()) s.RemoveWorkDir();
@@ -289,29 +305,53 @@ Result<std::string> CheckpointWriter::Impl::PrepareStepFolder() {
 
 Status CheckpointWriter::Impl::AgreeOnGrids() {
   std::vector<std::vector<int64_t>> gcds;
+  std::vector<std::string> digests;
   gcds.reserve(arrays.size());
+  auto target_of = [&](const ArrayEntry& a) {
+    return a.spec.target_chunk_bytes > 0 ? a.spec.target_chunk_bytes : options.target_chunk_bytes;
+  };
   for (const ArrayEntry& a : arrays) {
     std::vector<Box> boxes;
     for (const ShardData& shard : a.shards) boxes.push_back(shard.box);
     gcds.push_back(ShardBoundaryGcd(a.spec.shape, boxes));
+    digests.push_back(ArrayDigest(a.spec, target_of(a)));
   }
   Coordinator& c = *coordinator;
   if (c.process_count() > 1) {
+    // "<gcds>#<digest>,<digest>,...": the digests make processes that describe an array
+    // differently (path, dtype, shape, codec, chunk size) fail here, each of them.
     TS_RETURN_IF_ERROR(c.KeyValueSet(StrCat(key_prefix, "cells/", c.process_index()),
-                                     EncodeGcds(gcds)));
-    const std::vector<std::vector<int64_t>> mine = gcds;
+                                     StrCat(EncodeGcds(gcds), "#", StrJoin(digests, ","))));
     for (int p = 0; p < c.process_count(); ++p) {
       if (p == c.process_index()) continue;
       TS_ASSIGN_OR_RETURN(std::string other,
                           c.KeyValueGet(StrCat(key_prefix, "cells/", p),
                                         options.coordination_timeout));
-      TS_RETURN_IF_ERROR(MergeGcds(other, &gcds, p));
+      const size_t hash = other.find('#');
+      const std::string_view other_gcds = std::string_view(other).substr(0, hash);
+      TS_RETURN_IF_ERROR(MergeGcds(other_gcds, &gcds, p));
+      const std::vector<std::string_view> other_digests =
+          hash == std::string::npos || arrays.empty()
+              ? std::vector<std::string_view>()
+              : StrSplit(std::string_view(other).substr(hash + 1), ',');
+      if (other_digests.size() != digests.size()) {
+        return InvalidArgumentError(StrCat(
+            "process ", p, " described a different set of arrays; every process must add the "
+            "same arrays in the same order"));
+      }
+      for (size_t i = 0; i < digests.size(); ++i) {
+        if (other_digests[i] != digests[i]) {
+          return InvalidArgumentError(StrCat(
+              "array '", arrays[i].spec.path, "' (number ", i, ") is described differently by "
+              "process ", c.process_index(), " and process ", p, " (path, dtype, shape, codec or "
+              "chunk size); every process must add the same arrays in the same order"));
+        }
+      }
     }
   }
   for (size_t i = 0; i < arrays.size(); ++i) {
     ArrayEntry& a = arrays[i];
-    const int64_t target =
-        a.spec.target_chunk_bytes > 0 ? a.spec.target_chunk_bytes : options.target_chunk_bytes;
+    const int64_t target = target_of(a);
     a.grid = ChooseChunkGrid(a.spec.shape, FinishCellShape(a.spec.shape, gcds[i]),
                              ItemSize(a.spec.dtype), target);
     TS_RETURN_IF_ERROR(
@@ -473,9 +513,11 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local) {
     TS_ASSIGN_OR_RETURN(tree_file.root, TreeFromArrayPaths(tree_file.arrays));
   }
   TS_ASSIGN_OR_RETURN(std::string tree_json, EncodeTreeJson(tree_file));
-  // A caller-supplied tree is checked by the same rules a reader applies.
-  TS_RETURN_IF_ERROR(
-      Annotate(DecodeTreeJson(tree_json, "tree being written").status(), "invalid tree"));
+  // A caller-supplied tree is checked by the same rules a reader applies. The decoder reports
+  // DataLoss (it is meant for stored bytes); here the caller's input is wrong.
+  if (Status checked = DecodeTreeJson(tree_json, "tree being written").status(); !checked.ok()) {
+    return InvalidArgumentError(StrCat("invalid tree: ", checked.message()));
+  }
 
   const std::string index_key = StrCat(item_dir, "/", kIndexFileName);
   const std::string tree_key = StrCat(item_dir, "/", kTreeFileName);
@@ -512,9 +554,15 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local) {
     old_dir = StrCat(dir, ".old-", nonce);
     TS_RETURN_IF_ERROR(kv->RenameDirectory(dir, old_dir));
   }
-  TS_RETURN_IF_ERROR(kv->RenameDirectory(work_dir, dir));
+  if (Status moved = kv->RenameDirectory(work_dir, dir); !moved.ok()) {
+    // Put the replaced step back: a failed save leaves the committed step as it was.
+    if (!old_dir.empty()) (void)kv->RenameDirectory(old_dir, dir);
+    return moved;
+  }
   if (options.sync) TS_RETURN_IF_ERROR(kv->SyncDirectory(ParentKey(dir)));
-  if (!old_dir.empty()) TS_RETURN_IF_ERROR(kv->DeletePrefix(old_dir + "/"));
+  // The new step is committed; removing the replaced one is best effort (a leftover ".old-"
+  // folder is never read), and its failure must not report the save as failed.
+  if (!old_dir.empty()) (void)kv->DeletePrefix(old_dir + "/");
   return OkStatus();
 }
 

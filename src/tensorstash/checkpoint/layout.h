@@ -6,7 +6,7 @@
 #include <string>
 #include <string_view>
 
-#include "absl/strings/str_cat.h"
+#include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
 

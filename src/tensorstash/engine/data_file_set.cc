@@ -1,5 +1,7 @@
 #include "tensorstash/engine/data_file_set.h"
 
+#include <algorithm>
+
 namespace tensorstash {
 
 struct DataFileSet::File {
@@ -9,11 +11,12 @@ struct DataFileSet::File {
 };
 
 DataFileSet::DataFileSet(KvStore* kv, std::string item_dir, int process_index,
-                         uint64_t target_file_bytes)
+                         uint64_t target_file_bytes, int lanes)
     : kv_(kv),
       item_dir_(std::move(item_dir)),
       process_index_(process_index),
-      target_file_bytes_(target_file_bytes == 0 ? 1 : target_file_bytes) {}
+      target_file_bytes_(target_file_bytes == 0 ? 1 : target_file_bytes),
+      lane_file_(std::max(1, lanes), -1) {}
 
 DataFileSet::~DataFileSet() {
   for (auto& file : files_) {
@@ -21,19 +24,25 @@ DataFileSet::~DataFileSet() {
   }
 }
 
-Result<DataFileSet::Location> DataFileSet::Allocate(uint64_t length) {
+Result<DataFileSet::Location> DataFileSet::Allocate(uint64_t length, int lane) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (files_.empty() || (files_.back()->size >= target_file_bytes_ && files_.back()->size > 0)) {
+  int& current = lane_file_[static_cast<size_t>(lane) % lane_file_.size()];
+  if (current < 0 || files_[current]->size >= target_file_bytes_) {
+    if (files_.size() >= kMaxDataFiles) {
+      return ResourceExhaustedError(StrCat("more than ", kMaxDataFiles,
+                                           " data files; raise target_data_file_bytes"));
+    }
     auto file = std::make_unique<File>();
     file->name = StrCat("data/", process_index_, "-", files_.size(), ".dat");
     TS_ASSIGN_OR_RETURN(file->handle, kv_->OpenForWrite(StrCat(item_dir_, "/", file->name)));
     files_.push_back(std::move(file));
+    current = static_cast<int>(files_.size() - 1);
   }
-  File& file = *files_.back();
+  File& file = *files_[current];
   uint64_t offset = file.size;
   if (length >= kAlignChunksFrom) offset = (offset + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment;
   file.size = offset + length;
-  return Location{static_cast<uint32_t>(files_.size() - 1), offset};
+  return Location{static_cast<uint32_t>(current), offset};
 }
 
 Status DataFileSet::Write(const Location& where, const void* data, size_t size) {

@@ -5,6 +5,10 @@
 // 64 KiB or more start at 4 KiB boundaries (so later readers can use O_DIRECT). Allocate() hands
 // out disjoint byte ranges; the caller writes there with Write() from any thread.
 //
+// Allocation goes through `lanes`, each with its own current file: buffered writes into one
+// file are serialized by the filesystem (one inode lock), so a big save writes a few files at
+// once to use more than one core.
+//
 // Thread-safety: all methods are thread-safe.
 #ifndef TENSORSTASH_ENGINE_DATA_FILE_SET_H_
 #define TENSORSTASH_ENGINE_DATA_FILE_SET_H_
@@ -27,15 +31,17 @@ inline constexpr uint64_t kAlignChunksFrom = 64 * 1024;
 class DataFileSet {
  public:
   // `item_dir` is the key of the item folder ("<step>.tmp-x/state").
-  DataFileSet(KvStore* kv, std::string item_dir, int process_index, uint64_t target_file_bytes);
+  DataFileSet(KvStore* kv, std::string item_dir, int process_index, uint64_t target_file_bytes,
+              int lanes = 1);
   ~DataFileSet();
 
   struct Location {
     uint32_t file_id;
     uint64_t offset;
   };
-  // Reserves `length` bytes; opens the next file when the current one is full.
-  Result<Location> Allocate(uint64_t length);
+  // Reserves `length` bytes in lane `lane % lanes`; opens the lane's next file when its current
+  // one is full. ResourceExhausted past the format's limit on data files.
+  Result<Location> Allocate(uint64_t length, int lane = 0);
   Status Write(const Location& where, const void* data, size_t size);
   // Syncs (when `sync`) and closes every file; fills `files` (names relative to the item folder,
   // sizes as allocated). Further calls fail.
@@ -49,6 +55,7 @@ class DataFileSet {
   uint64_t target_file_bytes_;
   std::mutex mutex_;
   std::vector<std::unique_ptr<File>> files_;
+  std::vector<int> lane_file_;  // per lane: index into files_ of its current file, or -1
 };
 
 }  // namespace tensorstash
