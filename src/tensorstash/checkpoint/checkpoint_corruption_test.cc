@@ -111,7 +111,7 @@ class CheckpointCorruptionTest : public test::TempDirTest {
     CommitItem& item = record->items.at("state");
     item.tree_crc32c = Crc32c(tree);
     item.tree_size = tree.size();
-    item.index_crc32c = Crc32c(index);
+    item.index_crc32c = IndexBodyCrc32c(index);
     item.index_size = index.size();
     WriteRaw(kCommitKey, EncodeCommitRecord(*record));
   }

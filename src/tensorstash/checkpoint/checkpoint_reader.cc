@@ -106,7 +106,15 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, st
 Status CheckpointReader::Impl::Load() {
   // COMMIT first: without it the step does not exist, whatever else is in the folder.
   const std::string commit_key = StrCat(dir, "/", kCommitFileName);
-  Result<std::string> commit_text = kv->Read(commit_key);
+  // Sizes are checked before anything is read whole, so a hostile step cannot make the reader
+  // allocate more than the format allows.
+  Result<uint64_t> commit_size = kv->Size(commit_key);
+  if (commit_size.ok() && *commit_size > kMaxCommitRecordBytes) {
+    return DataLossError(StrCat("commit record '", commit_key, "' is ", *commit_size,
+                                " bytes, more than the format's limit of ", kMaxCommitRecordBytes));
+  }
+  Result<std::string> commit_text =
+      commit_size.ok() ? kv->Read(commit_key) : Result<std::string>(commit_size.status());
   if (absl::IsNotFound(commit_text.status())) {
     TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, kv->List(dir + "/"));
     if (keys.empty()) {
@@ -124,25 +132,37 @@ Status CheckpointReader::Impl::Load() {
   }
   const CommitItem& item = item_it->second;
 
-  auto read_checked = [&](std::string_view name, uint64_t size,
-                          uint32_t crc) -> Result<std::string> {
+  // tree.json and the index must have exactly the size and CRC-32C that COMMIT recorded.
+  auto read_checked = [&](std::string_view name, uint64_t expected_size, uint32_t crc,
+                          uint32_t (*crc_of)(std::string_view)) -> Result<std::string> {
     const std::string key = StrCat(item_dir, "/", name);
-    Result<std::string> bytes = kv->Read(key);
-    if (absl::IsNotFound(bytes.status())) {
+    Result<uint64_t> size = kv->Size(key);
+    if (absl::IsNotFound(size.status())) {
       return DataLossError(StrCat("'", key, "' is missing from a committed step"));
     }
-    TS_RETURN_IF_ERROR(bytes.status());
-    if (bytes->size() != size || Crc32c(*bytes) != crc) {
-      return DataLossError(StrCat(
-          "'", key, "' does not match its commit record (", bytes->size(), " bytes, expected ",
-          size, "; or its CRC-32C differs): the file is damaged or was replaced"));
+    TS_RETURN_IF_ERROR(size.status());
+    if (*size != expected_size) {
+      return DataLossError(StrCat("'", key, "' has ", *size, " bytes but its commit record says ",
+                                  expected_size, ": the file is damaged or was replaced"));
+    }
+    TS_ASSIGN_OR_RETURN(std::string bytes, kv->Read(key));
+    if (bytes.size() != expected_size || crc_of(bytes) != crc) {
+      return DataLossError(StrCat("'", key, "' does not match the CRC-32C in its commit record: "
+                                  "the file is damaged or was replaced"));
     }
     return bytes;
   };
-  TS_ASSIGN_OR_RETURN(std::string tree_json, read_checked(kTreeFileName, item.tree_size, item.tree_crc32c));
+  TS_ASSIGN_OR_RETURN(std::string tree_json,
+                      read_checked(kTreeFileName, item.tree_size, item.tree_crc32c,
+                                   [](std::string_view b) { return Crc32c(b); }));
   TS_ASSIGN_OR_RETURN(tree, DecodeTreeJson(tree_json, StrCat(item_dir, "/", kTreeFileName)));
-  TS_ASSIGN_OR_RETURN(std::string index_bytes, read_checked(kIndexFileName, item.index_size, item.index_crc32c));
+  TS_ASSIGN_OR_RETURN(std::string index_bytes,
+                      read_checked(kIndexFileName, item.index_size, item.index_crc32c, IndexBodyCrc32c));
   TS_ASSIGN_OR_RETURN(index, DecodeIndex(index_bytes, StrCat(item_dir, "/", kIndexFileName)));
+  if (item.num_arrays != tree.arrays.size()) {
+    return DataLossError(StrCat("commit record '", commit_key, "' counts ", item.num_arrays,
+                                " arrays but tree.json holds ", tree.arrays.size()));
+  }
 
   // The index must describe exactly the chunks of the arrays in tree.json.
   const size_t n = tree.arrays.size();

@@ -32,6 +32,7 @@
 #include <cstring>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "tensorstash/array/chunk_grid.h"
@@ -60,6 +61,7 @@ struct ChunkTask {
   Box chunk_box;
   const ShardData* shard;
   bool preallocated = false;
+  int lane = 0;
   DataFileSet::Location location{};
 };
 
@@ -82,6 +84,9 @@ std::string RandomNonce() {
                                       std::chrono::steady_clock::now().time_since_epoch().count()));
   return StrCat(Hex32(static_cast<uint32_t>(gen())), Hex32(static_cast<uint32_t>(gen())));
 }
+
+// The most data files one process writes at once.
+constexpr int kMaxLanes = 4;
 
 int DefaultThreads() {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -282,7 +287,7 @@ Status CheckpointWriter::Commit(WriteStats* stats) {
 Result<std::string> CheckpointWriter::Impl::PrepareStepFolder() {
   const std::string commit_key = StrCat(dir, "/", kCommitFileName);
   Result<uint64_t> commit_size = kv->Size(commit_key);
-  const bool complete = commit_size.ok();
+  bool complete = commit_size.ok();
   if (!complete && !absl::IsNotFound(commit_size.status())) return commit_size.status();
   if (complete && !options.overwrite) {
     return AlreadyExistsError(StrCat(
@@ -291,6 +296,33 @@ Result<std::string> CheckpointWriter::Impl::PrepareStepFolder() {
   }
   nonce = RandomNonce();
   if (kv->SupportsRename()) {
+    // Leftovers of earlier saves of this step: "<dir>.tmp-*" (failed or crashed saves) and
+    // "<dir>.old-*" (a replaced step whose removal was cut short). When <dir> has no COMMIT but
+    // an ".old-" folder has one, a crash hit an overwrite between its two renames: the old
+    // step is put back first so that it is not lost. (One save per step at a time: a second
+    // writer of the same step would see the first one's folder as a leftover.)
+    TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, kv->List(dir + "."));
+    std::set<std::string> leftovers;
+    for (const std::string& key : keys) {
+      const std::string folder = key.substr(0, key.find('/', dir.size()));
+      if (folder != key && IsTemporaryStepName(folder.substr(dir.size()))) leftovers.insert(folder);
+    }
+    for (const std::string& folder : leftovers) {
+      if (!complete && folder.find(".old-", dir.size()) != std::string::npos &&
+          kv->Size(StrCat(folder, "/", kCommitFileName)).ok()) {
+        TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
+        TS_RETURN_IF_ERROR(kv->RenameDirectory(folder, dir));
+        complete = true;
+        if (!options.overwrite) {
+          return AlreadyExistsError(StrCat(
+              "step '", dir, "' already exists in ", kv->Describe(),
+              " (restored from an interrupted overwrite) and is complete; pass overwrite to "
+              "replace it"));
+        }
+        continue;
+      }
+      TS_RETURN_IF_ERROR(kv->DeletePrefix(folder + "/"));
+    }
     // An incomplete folder of the same name can only be a leftover; it is never read.
     if (!complete) TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
     const std::string temp = StrCat(dir, kTempMarker, nonce);
@@ -385,19 +417,43 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
     }
   }
 
+  // Big saves write a few files at once (lanes): the filesystem serializes buffered writes
+  // into one file. Each lane gets at least kMinLaneBytes so small saves stay in one file.
+  constexpr uint64_t kMinLaneBytes = uint64_t{64} << 20;
+  uint64_t total_raw = 0;
+  for (const ChunkTask& task : tasks) {
+    total_raw += task.chunk_box.num_elements() * ItemSize(arrays[task.array_id].spec.dtype);
+  }
+  const int lanes = static_cast<int>(std::clamp<uint64_t>(
+      total_raw / kMinLaneBytes, 1, static_cast<uint64_t>(std::min(options.io_threads, kMaxLanes))));
   DataFileSet files(kv, ItemDir(work_dir, kStateItem), c.process_index(),
-                    static_cast<uint64_t>(options.target_data_file_bytes));
-  // Uncompressed chunks get their places up front, in array and chunk order, so that the
-  // chunks of an array lie side by side and readers can fetch neighbours in one request.
+                    static_cast<uint64_t>(options.target_data_file_bytes), lanes);
+  // Uncompressed chunks get their places up front, in array and chunk order, each lane taking
+  // a contiguous share of the bytes, so that the chunks of an array lie side by side and
+  // readers can fetch neighbours in one request.
   std::sort(tasks.begin(), tasks.end(), [](const ChunkTask& x, const ChunkTask& y) {
     return std::tie(x.array_id, x.chunk) < std::tie(y.array_id, y.chunk);
   });
+  uint64_t placed = 0;
   for (ChunkTask& task : tasks) {
     const ArrayEntry& a = arrays[task.array_id];
-    if (a.spec.codec != Codec::kNone) continue;
     const uint64_t raw = task.chunk_box.num_elements() * ItemSize(a.spec.dtype);
-    TS_ASSIGN_OR_RETURN(task.location, files.Allocate(raw));
+    task.lane = static_cast<int>(std::min<uint64_t>(lanes - 1, placed * lanes / std::max<uint64_t>(total_raw, 1)));
+    placed += raw;
+    if (a.spec.codec != Codec::kNone) continue;
+    TS_ASSIGN_OR_RETURN(task.location, files.Allocate(raw, task.lane));
     task.preallocated = true;
+  }
+  // Run the lanes side by side: take tasks from each lane in turn.
+  std::vector<const ChunkTask*> order;
+  {
+    std::vector<std::vector<const ChunkTask*>> by_lane(lanes);
+    for (const ChunkTask& task : tasks) by_lane[task.lane].push_back(&task);
+    for (size_t i = 0; order.size() < tasks.size(); ++i) {
+      for (auto& lane : by_lane) {
+        if (i < lane.size()) order.push_back(lane[i]);
+      }
+    }
   }
 
   ThreadPool pool(options.io_threads);
@@ -407,10 +463,8 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   entries.reserve(tasks.size());
   {
     TaskGroup group(&pool);
-    for (const ChunkTask& task : tasks) {
-      group.Run([&, task_ptr = &task] {
-        return WriteTask(*task_ptr, &files, &limiter, &mutex, &entries, stats);
-      });
+    for (const ChunkTask* task : order) {
+      group.Run([&, task] { return WriteTask(*task, &files, &limiter, &mutex, &entries, stats); });
     }
     TS_RETURN_IF_ERROR(group.Wait());
   }
@@ -458,7 +512,7 @@ Status CheckpointWriter::Impl::WriteTask(const ChunkTask& task, DataFileSet* fil
   const uint32_t crc = Crc32c(stored);
   DataFileSet::Location location = task.location;
   if (!task.preallocated) {
-    TS_ASSIGN_OR_RETURN(location, files->Allocate(stored.size()));
+    TS_ASSIGN_OR_RETURN(location, files->Allocate(stored.size(), task.lane));
   }
   TS_RETURN_IF_ERROR(Annotate(files->Write(location, stored.data(), stored.size()),
                               StrCat("writing chunk ", a.grid.ChunkName(task.chunk),
@@ -535,7 +589,9 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local) {
   CommitItem& item = record.items[kStateItem];
   item.tree_crc32c = Crc32c(tree_json);
   item.tree_size = tree_json.size();
-  item.index_crc32c = Crc32c(index_bytes);
+  // The index ends with its own CRC, so the CRC of the whole file is the same constant for
+  // every index; COMMIT records the CRC of the body (the file less its footer) instead.
+  item.index_crc32c = IndexBodyCrc32c(index_bytes);
   item.index_size = index_bytes.size();
   for (const DataFileInfo& f : merged.files) item.data_bytes += f.size;
   item.num_arrays = arrays.size();

@@ -13,7 +13,7 @@ Result<CommitRecord> DecodeImpl(std::string_view text, std::string_view where) {
   auto bad = [&](std::string_view what) {
     return DataLossError(StrCat("invalid commit record '", where, "': ", what));
   };
-  if (text.size() > (1 << 20)) return bad("larger than 1 MiB");
+  if (text.size() > kMaxCommitRecordBytes) return bad("larger than 1 MiB");
   json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded() || !doc.is_object()) return bad("not a JSON object (torn write?)");
   if (doc.value("format", std::string()) != kCommitFormatName) {

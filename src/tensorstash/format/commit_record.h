@@ -21,6 +21,7 @@ namespace tensorstash {
 inline constexpr int kCommitMajorVersion = 1;
 inline constexpr int kCommitMinorVersion = 0;
 inline constexpr char kCommitFileName[] = "COMMIT";
+inline constexpr uint64_t kMaxCommitRecordBytes = 1 << 20;
 
 struct CommitItem {
   uint32_t tree_crc32c = 0;

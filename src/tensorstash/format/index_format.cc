@@ -65,6 +65,11 @@ Result<std::string> EncodeIndex(ChunkIndex index) {
   return out;
 }
 
+uint32_t IndexBodyCrc32c(std::string_view bytes) {
+  if (bytes.size() < kIndexFooterSize) return 0;
+  return Crc32c(bytes.data(), bytes.size() - kIndexFooterSize);
+}
+
 Result<ChunkIndex> DecodeIndex(std::string_view bytes, std::string_view where) {
   if (bytes.size() < kIndexHeaderSize + kIndexFooterSize) {
     return Corrupt(where, StrCat("only ", bytes.size(), " bytes (truncated)"));

@@ -52,6 +52,11 @@ struct ChunkIndex {
 // the same (array, chunk) or a file_id is out of range.
 Result<std::string> EncodeIndex(ChunkIndex index);
 
+// The CRC-32C of an encoded index less its footer: what COMMIT records for the index (the CRC
+// of a whole index is the same constant for every index, since it ends with its own CRC).
+// Returns 0 for input shorter than the footer.
+uint32_t IndexBodyCrc32c(std::string_view bytes);
+
 // Parses and checks an encoded index read from `where` (named in errors). Checks magic, CRC,
 // sizes, version (a newer major version is Unimplemented and says which versions this reader
 // supports), file names, sort order and duplicates, file_id range, and that each entry's
