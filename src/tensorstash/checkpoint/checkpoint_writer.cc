@@ -289,7 +289,7 @@ Result<std::string> CheckpointWriter::Impl::PrepareStepFolder() {
   Result<uint64_t> commit_size = kv->Size(commit_key);
   bool complete = commit_size.ok();
   if (!complete && !absl::IsNotFound(commit_size.status())) return commit_size.status();
-  if (complete && !options.overwrite) {
+  if (complete && !options.overwrite && !kv->SupportsRename()) {
     return AlreadyExistsError(StrCat(
         "step '", dir, "' already exists in ", kv->Describe(),
         " and is complete; pass overwrite to replace it"));
@@ -313,15 +313,13 @@ Result<std::string> CheckpointWriter::Impl::PrepareStepFolder() {
         TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
         TS_RETURN_IF_ERROR(kv->RenameDirectory(folder, dir));
         complete = true;
-        if (!options.overwrite) {
-          return AlreadyExistsError(StrCat(
-              "step '", dir, "' already exists in ", kv->Describe(),
-              " (restored from an interrupted overwrite) and is complete; pass overwrite to "
-              "replace it"));
-        }
         continue;
       }
       TS_RETURN_IF_ERROR(kv->DeletePrefix(folder + "/"));
+    }
+    if (complete && !options.overwrite) {
+      return AlreadyExistsError(StrCat("step '", dir, "' already exists in ", kv->Describe(),
+                                       " and is complete; pass overwrite to replace it"));
     }
     // An incomplete folder of the same name can only be a leftover; it is never read.
     if (!complete) TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
