@@ -35,11 +35,13 @@ TEST(CheckpointLeftoversTest, TemporaryFoldersOfAStepAreRemovedByItsNextSave) {
   ASSERT_TRUE(kv.Write("0001.tmp-dead/state/data/0-0.dat", "partial").ok());
   ASSERT_TRUE(kv.Write("0001.tmp-beef/COMMIT", "{}").ok());
   ASSERT_TRUE(kv.Write("0002.tmp-cafe/state/index", "other step's").ok());
+  ASSERT_TRUE(kv.Write("0001.5.tmp-f00d/state/index", "step 0001.5's").ok());
   ASSERT_TRUE(SaveStep(&kv, "0001", 10, 5).ok());
   auto keys = kv.List("").value();
   for (const std::string& key : keys) {
     EXPECT_EQ(key.find("0001.tmp-"), std::string::npos) << key;
   }
+  EXPECT_TRUE(kv.Size("0001.5.tmp-f00d/state/index").ok());  // step "0001.5" is another step
   EXPECT_TRUE(kv.Size("0002.tmp-cafe/state/index").ok());  // another step's folder is left alone
   EXPECT_EQ(FirstValue(&kv, "0001").value(), 5);
 }

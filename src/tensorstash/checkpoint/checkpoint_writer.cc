@@ -305,10 +305,13 @@ Result<std::string> CheckpointWriter::Impl::PrepareStepFolder() {
     std::set<std::string> leftovers;
     for (const std::string& key : keys) {
       const std::string folder = key.substr(0, key.find('/', dir.size()));
-      if (folder != key && IsTemporaryStepName(folder.substr(dir.size()))) leftovers.insert(folder);
+      // Only "<dir>.tmp-*" and "<dir>.old-*": not "<dir>.b.tmp-*", which belongs to step "<dir>.b".
+      const std::string_view suffix = std::string_view(folder).substr(dir.size());
+      const bool ours = suffix.rfind(kTempMarker, 0) == 0 || suffix.rfind(kOldMarker, 0) == 0;
+      if (folder != key && ours && suffix.find('.', 1) == std::string_view::npos) leftovers.insert(folder);
     }
     for (const std::string& folder : leftovers) {
-      if (!complete && folder.find(".old-", dir.size()) != std::string::npos &&
+      if (!complete && folder.compare(dir.size(), std::strlen(kOldMarker), kOldMarker) == 0 &&
           kv->Size(StrCat(folder, "/", kCommitFileName)).ok()) {
         TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
         TS_RETURN_IF_ERROR(kv->RenameDirectory(folder, dir));
@@ -541,6 +544,11 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local) {
     TS_RETURN_IF_ERROR(kv->Delete(key));
   }
 
+  if (merged.files.size() > kMaxDataFiles) {
+    return ResourceExhaustedError(StrCat("the processes wrote ", merged.files.size(),
+                                         " data files, more than the format's limit of ",
+                                         kMaxDataFiles, "; raise target_data_file_bytes"));
+  }
   // Every chunk of every array must have been written exactly once.
   std::vector<int64_t> counts(arrays.size(), 0);
   for (const IndexEntry& e : merged.entries) ++counts[e.array_id];
@@ -605,7 +613,7 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local) {
   // aside first and removed after.
   std::string old_dir;
   if (kv->Size(StrCat(dir, "/", kCommitFileName)).ok()) {
-    old_dir = StrCat(dir, ".old-", nonce);
+    old_dir = StrCat(dir, kOldMarker, nonce);
     TS_RETURN_IF_ERROR(kv->RenameDirectory(dir, old_dir));
   }
   if (Status moved = kv->RenameDirectory(work_dir, dir); !moved.ok()) {

@@ -13,8 +13,10 @@ namespace tensorstash {
 inline constexpr char kStateItem[] = "state";
 inline constexpr char kTreeFileName[] = "tree.json";
 inline constexpr char kIndexFileName[] = "index";
-// A step folder being written (or left by a crash) is named "<step>.tmp-<nonce>".
+// A step folder being written (or left by a crash) is named "<step>.tmp-<nonce>"; a step being
+// replaced is moved aside to "<step>.old-<nonce>" (hex nonces, no dots).
 inline constexpr char kTempMarker[] = ".tmp-";
+inline constexpr char kOldMarker[] = ".old-";
 
 inline std::string ItemDir(std::string_view step_dir, std::string_view item) {
   return StrCat(step_dir, "/", item);
@@ -22,7 +24,7 @@ inline std::string ItemDir(std::string_view step_dir, std::string_view item) {
 // True for folder names that are never complete steps.
 inline bool IsTemporaryStepName(std::string_view name) {
   return name.find(kTempMarker) != std::string_view::npos ||
-         name.find(".old-") != std::string_view::npos;
+         name.find(kOldMarker) != std::string_view::npos;
 }
 // The parent key of `key` ("" for a top-level key).
 inline std::string ParentKey(std::string_view key) {
