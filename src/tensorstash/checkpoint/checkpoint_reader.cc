@@ -18,11 +18,6 @@
 namespace tensorstash {
 namespace {
 
-int DefaultThreads() {
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::clamp(2 * cores, 4, 32);
-}
-
 // One chunk needed by one request.
 struct Piece {
   size_t request;
@@ -97,7 +92,7 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, st
   impl->dir = std::move(dir);
   impl->item_dir = ItemDir(impl->dir, kStateItem);
   impl->options = options;
-  if (impl->options.io_threads <= 0) impl->options.io_threads = DefaultThreads();
+  if (impl->options.io_threads <= 0) impl->options.io_threads = DefaultIoThreads();
   TS_RETURN_IF_ERROR(impl->Load());
   impl->pool = std::make_unique<ThreadPool>(impl->options.io_threads);
   return std::unique_ptr<CheckpointReader>(new CheckpointReader(std::move(impl)));

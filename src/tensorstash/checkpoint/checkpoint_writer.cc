@@ -88,11 +88,6 @@ std::string RandomNonce() {
 // The most data files one process writes at once.
 constexpr int kMaxLanes = 4;
 
-int DefaultThreads() {
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::clamp(2 * cores, 4, 32);
-}
-
 // Gcd vectors of all arrays, one process's view: "g,g,g;g,g;..." (one group per array).
 std::string EncodeGcds(const std::vector<std::vector<int64_t>>& gcds) {
   std::vector<std::string> groups;
@@ -183,7 +178,7 @@ Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(KvStore* kv, 
   impl->dir = std::move(dir);
   impl->options = options;
   impl->coordinator = coordinator != nullptr ? coordinator : &impl->own_coordinator;
-  if (impl->options.io_threads <= 0) impl->options.io_threads = DefaultThreads();
+  if (impl->options.io_threads <= 0) impl->options.io_threads = DefaultIoThreads();
   return std::unique_ptr<CheckpointWriter>(new CheckpointWriter(std::move(impl)));
 }
 

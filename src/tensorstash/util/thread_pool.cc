@@ -1,8 +1,14 @@
 #include "tensorstash/util/thread_pool.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace tensorstash {
+
+int DefaultIoThreads() {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::clamp(2 * cores, 4, 32);
+}
 
 ThreadPool::ThreadPool(int num_threads) {
   if (num_threads < 1) num_threads = 1;

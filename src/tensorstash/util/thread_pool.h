@@ -20,6 +20,10 @@
 
 namespace tensorstash {
 
+// The default number of IO threads for a save or a restore: twice the cores (IO waits as
+// well as copies), between 4 and 32.
+int DefaultIoThreads();
+
 class ThreadPool {
  public:
   // Starts `num_threads` workers (at least 1).
