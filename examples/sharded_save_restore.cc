@@ -278,10 +278,18 @@ int Run(const std::string& root, int64_t size_mib, bool fsync, int64_t step, int
                 static_cast<unsigned long long>(read_stats.direct_chunks),
                 static_cast<unsigned long long>(read_stats.staged_chunks));
   }
-  std::printf("medians over %d runs: save %.2f GB/s = %.0f%% of raw write (%.2f GB/s); "
-              "restore %.2f GB/s = %.0f%% of raw read (%.2f GB/s)\n",
+  // Writes here are bimodal (throttled by writeback after other large writes), so the median
+  // of the raw runs can land on the slow mode; the best raw run shows what the storage can do.
+  const double best_write = *std::max_element(raw_write.begin(), raw_write.end());
+  const double best_read = *std::max_element(raw_read.begin(), raw_read.end());
+  std::printf("medians over %d runs: save %.2f GB/s = %.0f%% of the median raw write (%.2f GB/s), "
+              "%.0f%% of the best (%.2f GB/s)\n",
               runs, Median(save), 100 * Median(save) / Median(raw_write), Median(raw_write),
-              Median(restore), 100 * Median(restore) / Median(raw_read), Median(raw_read));
+              100 * Median(save) / best_write, best_write);
+  std::printf("                     restore %.2f GB/s = %.0f%% of the median raw read (%.2f GB/s), "
+              "%.0f%% of the best (%.2f GB/s)\n",
+              Median(restore), 100 * Median(restore) / Median(raw_read), Median(raw_read),
+              100 * Median(restore) / best_read, best_read);
   return 0;
 }
 
