@@ -388,6 +388,28 @@ Result<TreeFile> DecodeTreeJsonImpl(std::string_view text, std::string_view wher
 
 }  // namespace
 
+Result<std::string> TreeNodeToJson(const TreeNode& node) {
+  try {
+    return NodeToJson(node).dump();
+  } catch (const json::exception& e) {
+    return InvalidArgumentError(StrCat("cannot encode tree: ", e.what()));
+  }
+}
+
+Result<TreeNode> TreeNodeFromJson(std::string_view text) {
+  Decoder decoder("tree node");
+  if (JsonDepth(text) > 3 * kMaxTreeDepth + 8) return InvalidArgumentError("tree nested too deeply");
+  try {
+    json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (doc.is_discarded()) return InvalidArgumentError("tree node is not valid JSON");
+    Result<TreeNode> node = decoder.Node(doc, 0);
+    if (!node.ok()) return InvalidArgumentError(MessageOf(node.status()));
+    return node;
+  } catch (const json::exception& e) {
+    return InvalidArgumentError(StrCat("invalid tree node: ", e.what()));
+  }
+}
+
 Result<TreeFile> DecodeTreeJson(std::string_view text, std::string_view where) {
   try {
     return DecodeTreeJsonImpl(text, where);

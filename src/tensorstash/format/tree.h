@@ -80,6 +80,13 @@ Result<std::vector<std::string>> SplitArrayPath(std::string_view path);
 // paths where one is a prefix of the other, or duplicates, are InvalidArgument.
 Result<TreeNode> TreeFromArrayPaths(const std::vector<ArrayMetadata>& arrays);
 
+// One tree node (the "tree" member of tree.json) to and from JSON text, for the Python front,
+// which builds and rebuilds pytrees in that schema. TreeNodeFromJson checks the node schema and
+// depth but not array references (arrays are checked when the whole tree.json is); malformed
+// input is InvalidArgument.
+Result<std::string> TreeNodeToJson(const TreeNode& node);
+Result<TreeNode> TreeNodeFromJson(std::string_view text);
+
 // Serializes to JSON text. InvalidArgument if a key or string is not valid UTF-8.
 Result<std::string> EncodeTreeJson(const TreeFile& tree);
 

@@ -148,3 +148,23 @@ TEST(TreeTest, BadDocumentsAreDataLossNamingTheFile) {
 
 }  // namespace
 }  // namespace tensorstash
+
+namespace tensorstash {
+namespace {
+
+TEST(TreeNodeJsonTest, RoundTripsAndRejectsBadInput) {
+  TreeNode root = TreeNode::Dict();
+  TreeNode list;
+  list.kind = TreeNode::Kind::kList;
+  list.items.push_back(TreeNode::Array(0));
+  root.entries.emplace_back("a/b", list);
+  std::string text = TreeNodeToJson(root).value();
+  TreeNode back = TreeNodeFromJson(text).value();
+  EXPECT_EQ(TreeNodeToJson(back).value(), text);
+  EXPECT_EQ(TreeNodeFromJson("{\"kind\": \"frob\"}").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(TreeNodeFromJson("[").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(TreeNodeFromJson(std::string(100000, '[')).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace tensorstash
