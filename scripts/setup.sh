@@ -23,14 +23,16 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# Python reference libraries (numpy, ml_dtypes) for the dtype cross-check tests.
+# The Python environment: numpy and ml_dtypes (also the reference of the dtype cross-checks),
+# the package's build tools, and its test dependencies.
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import numpy, ml_dtypes" 2>/dev/null; then
-  echo "setup: installing numpy and ml_dtypes into .venv"
-  .venv/bin/pip install -q --disable-pip-version-check numpy ml_dtypes
+if ! .venv/bin/python -c "import numpy, ml_dtypes, scikit_build_core, nanobind, pytest, hypothesis, jax" 2>/dev/null; then
+  echo "setup: installing Python packages into .venv"
+  .venv/bin/pip install -q --disable-pip-version-check numpy ml_dtypes scikit-build-core nanobind \
+    pytest hypothesis jax
 fi
 
 GENERATOR=()
@@ -40,3 +42,7 @@ if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
     -DTENSORSTASH_PYTHON="$PWD/.venv/bin/python"
 fi
 cmake --build "$BUILD_DIR" -j "$(nproc)"
+
+# The Python package (the C++ engine under nanobind), built incrementally in build/py.
+echo "setup: building and installing the Python package into .venv"
+.venv/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps .

@@ -1,0 +1,223 @@
+// tensorstash._ext.Writer: CheckpointWriter on a FileKvStore.
+//
+// Shards are saved without a copy: the writer reads the caller's arrays during commit(), so the
+// Writer keeps a reference to each of them until commit() returns. commit() releases the GIL; a
+// Python coordinator takes it back for each call. The Writer takes part in garbage collection
+// because a coordinator can refer back to it (e.g. through the traceback of an exception it
+// keeps), a cycle that runs through C++ members the collector cannot otherwise see.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "bindings.h"
+#include "buffers.h"
+#include "coordinator.h"
+#include "errors.h"
+#include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/format/tree.h"
+#include "tensorstash/kvstore/file/file_kvstore.h"
+
+namespace nb = nanobind;
+
+namespace tensorstash::python {
+namespace {
+
+// (origin, shape, data, replica_id, num_replicas); data is checked by CastReadOnlyBytes.
+using ShardTuple = std::tuple<std::vector<int64_t>, std::vector<int64_t>, nb::object, int, int>;
+
+Result<Codec> ParseCodec(std::string_view name) {
+  if (name == CodecName(Codec::kNone)) return Codec::kNone;
+  if (name == CodecName(Codec::kZstd)) return Codec::kZstd;
+  return InvalidArgumentError(StrCat("unknown codec '", name, "' (expected 'none' or 'zstd')"));
+}
+
+Result<std::chrono::milliseconds> TimeoutFromSeconds(double seconds) {
+  // Bounded so that the conversion cannot overflow; a billion seconds is 31 years.
+  if (!std::isfinite(seconds) || seconds <= 0 || seconds > 1e9) {
+    return InvalidArgumentError(
+        StrCat("coordination_timeout_s must be a positive number of seconds, not ", seconds));
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000)));
+}
+
+class Writer {
+ public:
+  Writer(std::unique_ptr<FileKvStore> kv, std::unique_ptr<PyCoordinator> coordinator,
+         std::unique_ptr<CheckpointWriter> writer)
+      : kv_(std::move(kv)), coordinator_(std::move(coordinator)), writer_(std::move(writer)) {}
+
+  nb::handle coordinator_object() const {
+    return coordinator_ != nullptr ? coordinator_->object() : nb::handle();
+  }
+
+  // Drops everything, for tp_clear; the Writer is unusable afterwards. writer_ goes first, as it
+  // uses the others.
+  void Clear() {
+    writer_.reset();
+    shard_arrays_.clear();
+    coordinator_.reset();
+  }
+
+  void AddArray(const std::string& path, const std::string& dtype,
+                const std::vector<int64_t>& shape, const std::vector<ShardTuple>& shards,
+                const std::string& codec, int zstd_level, int64_t target_chunk_bytes) {
+    ThrowIfError(CheckUsable());
+    ArraySpec spec;
+    spec.path = path;
+    spec.dtype = ValueOrThrow(ParseDType(dtype));
+    spec.shape = shape;
+    spec.codec = ValueOrThrow(ParseCodec(codec));
+    spec.zstd_level = zstd_level;
+    spec.target_chunk_bytes = target_chunk_bytes;
+
+    std::vector<ShardData> data;
+    std::vector<ReadOnlyBytes> arrays;
+    for (size_t i = 0; i < shards.size(); ++i) {
+      const auto& [origin, shard_shape, object, replica_id, num_replicas] = shards[i];
+      const std::string what = StrCat("array '", path, "' shard ", i);
+      ReadOnlyBytes bytes = CastReadOnlyBytes(object, what);
+      Box box(origin, shard_shape);
+      ThrowIfError(CheckBufferSize(box, spec.dtype, bytes.nbytes(), what));
+      data.push_back({std::move(box), bytes.data(), replica_id, num_replicas});
+      arrays.push_back(std::move(bytes));
+    }
+    ThrowIfError(writer_->AddArray(std::move(spec), std::move(data)));
+    for (ReadOnlyBytes& array : arrays) shard_arrays_.push_back(std::move(array));
+  }
+
+  void SetTree(const std::string& tree_json) {
+    ThrowIfError(CheckUsable());
+    writer_->SetTree(ValueOrThrow(TreeNodeFromJson(tree_json)));
+  }
+
+  nb::dict Commit() {
+    ThrowIfError(CheckUsable());
+    committing_ = true;
+    WriteStats stats;
+    Status status;
+    {
+      nb::gil_scoped_release release;
+      status = writer_->Commit(&stats);
+    }
+    committing_ = false;
+    shard_arrays_.clear();  // The writer is done with them, whatever the outcome.
+    ThrowIfError(status);
+    nb::dict result;
+    result["raw_bytes"] = stats.raw_bytes;
+    result["stored_bytes"] = stats.stored_bytes;
+    result["chunks"] = stats.chunks;
+    result["data_files"] = stats.data_files;
+    result["seconds"] = stats.seconds;
+    return result;
+  }
+
+ private:
+  Status CheckUsable() const {
+    // commit() runs without the GIL, so another Python thread could reach the writer meanwhile;
+    // CheckpointWriter is used by one thread at a time.
+    if (committing_) return FailedPreconditionError("commit() is running in another thread");
+    if (writer_ == nullptr) return FailedPreconditionError("the writer was cleared");
+    return OkStatus();
+  }
+
+  // Declared before writer_, which uses them, so that they are destroyed after it.
+  std::unique_ptr<FileKvStore> kv_;
+  std::unique_ptr<PyCoordinator> coordinator_;
+  std::vector<ReadOnlyBytes> shard_arrays_;
+  std::unique_ptr<CheckpointWriter> writer_;
+  bool committing_ = false;  // read and written with the GIL held
+};
+
+void InitWriter(Writer* self, const std::string& root, const std::string& step,
+                int64_t target_chunk_bytes, int64_t target_data_file_bytes,
+                int64_t max_inflight_bytes, int io_threads, bool sync, bool overwrite,
+                bool split_replicated_writes, nb::object coordinator,
+                double coordination_timeout_s) {
+  if (max_inflight_bytes <= 0) {
+    ThrowIfError(InvalidArgumentError(
+        StrCat("max_inflight_bytes must be > 0, not ", max_inflight_bytes)));
+  }
+  WriterOptions options;
+  options.target_chunk_bytes = target_chunk_bytes;
+  options.target_data_file_bytes = target_data_file_bytes;
+  options.max_inflight_bytes = static_cast<uint64_t>(max_inflight_bytes);
+  options.io_threads = io_threads;
+  options.sync = sync;
+  options.overwrite = overwrite;
+  options.split_replicated_writes = split_replicated_writes;
+  options.coordination_timeout = ValueOrThrow(TimeoutFromSeconds(coordination_timeout_s));
+
+  std::unique_ptr<PyCoordinator> py_coordinator;
+  if (!coordinator.is_none()) {
+    py_coordinator = ValueOrThrow(PyCoordinator::Create(std::move(coordinator)));
+  }
+  std::unique_ptr<FileKvStore> store = ValueOrThrow([&] {
+    nb::gil_scoped_release release;
+    return FileKvStore::Open(root, /*create=*/true);
+  }());
+  std::unique_ptr<CheckpointWriter> writer =
+      ValueOrThrow(CheckpointWriter::Create(store.get(), step, options, py_coordinator.get()));
+  new (self) Writer(std::move(store), std::move(py_coordinator), std::move(writer));
+}
+
+int WriterTraverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));  // heap types own a reference to their type
+  if (!nb::inst_ready(self)) return 0;
+  Py_VISIT(nb::inst_ptr<Writer>(self)->coordinator_object().ptr());
+  return 0;
+}
+
+int WriterClear(PyObject* self) {
+  if (nb::inst_ready(self)) nb::inst_ptr<Writer>(self)->Clear();
+  return 0;
+}
+
+PyType_Slot writer_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(&WriterTraverse)},
+                              {Py_tp_clear, reinterpret_cast<void*>(&WriterClear)},
+                              {0, nullptr}};
+
+}  // namespace
+
+void DefineWriter(nb::module_& m) {
+  nb::class_<Writer>(m, "Writer",
+                     "Saves sharded arrays (and a pytree around them) as one step of `root`.",
+                     nb::type_slots(writer_slots))
+      .def("__init__", &InitWriter, nb::arg("root"), nb::arg("step"), nb::kw_only(),
+           nb::arg("target_chunk_bytes") = int64_t{8} << 20,
+           nb::arg("target_data_file_bytes") = int64_t{1} << 30,
+           nb::arg("max_inflight_bytes") = int64_t{256} << 20, nb::arg("io_threads") = 0,
+           nb::arg("sync") = true, nb::arg("overwrite") = false,
+           nb::arg("split_replicated_writes") = true,
+           nb::arg("coordinator").none() = nb::none(),
+           nb::arg("coordination_timeout_s") = 1800.0)
+      .def("add_array", &Writer::AddArray, nb::arg("path"), nb::arg("dtype"), nb::arg("shape"),
+           nb::arg("shards"), nb::kw_only(), nb::arg("codec") = "none",
+           nb::arg("zstd_level") = 3, nb::arg("target_chunk_bytes") = 0,
+           nb::sig("def add_array(self, path: str, dtype: str, "
+                   "shape: collections.abc.Sequence[int], "
+                   "shards: list[tuple[collections.abc.Sequence[int], "
+                   "collections.abc.Sequence[int], numpy.typing.NDArray[numpy.uint8], int, int]], "
+                   "*, codec: str = 'none', zstd_level: int = 3, target_chunk_bytes: int = 0) "
+                   "-> None"),
+           "Adds an array and this process's shards of it: (origin, shape, data, replica_id, "
+           "num_replicas), data a C-contiguous CPU uint8 array of the shard's bytes in C order. "
+           "The arrays are read during commit() and must not change before it returns.")
+      .def("set_tree", &Writer::SetTree, nb::arg("tree_json"),
+           "Replaces the default tree with a node in the \"tree\" schema of docs/format.md.")
+      .def("commit", &Writer::Commit, nb::sig("def commit(self) -> dict[str, int | float]"),
+           "Writes the chunks and commits the step; returns raw_bytes, stored_bytes, chunks, "
+           "data_files and seconds. May be called once.");
+}
+
+}  // namespace tensorstash::python

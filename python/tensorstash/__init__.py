@@ -1,0 +1,278 @@
+"""tensorstash: save and restore sharded pytrees of JAX and NumPy arrays.
+
+    import tensorstash
+    tensorstash.save("/ckpt/0000001000", state)              # any pytree of arrays and scalars
+    state = tensorstash.restore("/ckpt/0000001000")           # as NumPy, as saved
+    state = tensorstash.restore("/ckpt/0000001000", target=abstract_state)  # onto any sharding
+    meta = tensorstash.metadata("/ckpt/0000001000")           # reads no array data
+
+The engine is C++ (the private module `_ext`); IO runs with the GIL released. Errors are the
+usual exceptions: FileNotFoundError (no such step), FileExistsError (step already complete),
+KeyError (a target leaf the checkpoint lacks), ValueError (bad shapes, an incomplete step),
+TypeError (unsupported leaves), OSError (corrupt or unreadable data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from . import _ext, _tree
+from . import numpy as tnp
+
+__version__ = "0.1.0"
+__all__ = ["save", "restore", "metadata", "ArrayMetadata", "__version__"]
+
+try:
+    import jax as _jax
+except ImportError:  # JAX is optional: NumPy-only use works without it
+    _jax = None
+
+# Host memory for restored buffers is handed to devices in batches of about this many bytes.
+_DEVICE_BATCH_BYTES = 512 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayMetadata:
+    """What a checkpoint stores about one array (from its metadata only)."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_shape: tuple[int, ...]
+    num_chunks: int
+    stored_bytes: int
+    codec: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _split(path: str | os.PathLike) -> tuple[str, str]:
+    """A step folder path -> (root folder, step name)."""
+    full = os.path.abspath(os.fspath(path)).rstrip(os.sep)
+    root, step = os.path.split(full)
+    if not step:
+        raise ValueError(f"{os.fspath(path)!r} is not a step folder path")
+    return root, step
+
+
+def _is_jax_array(x: Any) -> bool:
+    return _jax is not None and isinstance(x, _jax.Array)
+
+
+def _default_coordinator():
+    if _jax is None:
+        return None
+    from . import jax as tjax
+    return tjax.default_coordinator()
+
+
+def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: str | None = None,
+         zstd_level: int = 3, chunk_bytes: int = 8 << 20, data_file_bytes: int = 1 << 30,
+         max_inflight_bytes: int = 256 << 20, io_threads: int = 0, sync: bool = True,
+         coordinator: Any = None) -> dict:
+    """Saves `tree` as the checkpoint step folder `path` (e.g. ".../ckpts/0000001000").
+
+    Leaves may be jax.Array (any sharding; each process writes its own shards, replicated data
+    once), np.ndarray and NumPy scalars, bool, int, float, str and bytes. In a job with several
+    processes every process calls save with the same tree; NumPy arrays are taken to be the same
+    in every process and are written once, the work split across processes.
+
+    Returns the engine's statistics for this process (raw_bytes, stored_bytes, chunks,
+    data_files, seconds). Raises FileExistsError when the step is already complete and not
+    `overwrite`, TypeError for unsupported leaves, OSError for storage errors. On error nothing
+    new is visible at `path`.
+    """
+    root, step = _split(path)
+    if codec not in (None, "none", "zstd"):
+        raise ValueError(f"unknown codec {codec!r}; use None or 'zstd'")
+    if coordinator is None:
+        coordinator = _default_coordinator()
+    process_index = coordinator.process_index() if coordinator is not None else 0
+    process_count = coordinator.process_count() if coordinator is not None else 1
+
+    arrays: list[tuple[str, Any]] = []
+    node = _tree.encode(tree, lambda p, x: arrays.append((p, x)))
+    writer = _ext.Writer(root, step, target_chunk_bytes=chunk_bytes,
+                         target_data_file_bytes=data_file_bytes,
+                         max_inflight_bytes=max_inflight_bytes, io_threads=io_threads, sync=sync,
+                         overwrite=overwrite, coordinator=coordinator)
+    for array_path, x in arrays:
+        if _jax is not None and isinstance(x, _jax.ShapeDtypeStruct):
+            raise TypeError(f"cannot save the abstract array at {array_path!r} (a ShapeDtypeStruct)")
+        try:
+            dtype = tnp.dtype_name(x.dtype)
+        except TypeError as e:
+            raise TypeError(f"cannot save the array at {array_path!r}: {e}") from None
+        if _is_jax_array(x):
+            from . import jax as tjax
+            shape, shards = tuple(x.shape), tjax.shards_of(x)
+        else:
+            a = np.asarray(x)
+            if not a.flags.c_contiguous:  # (np.ascontiguousarray would make 0-d arrays 1-d)
+                a = np.ascontiguousarray(a)
+            shape = a.shape
+            # Every process holds the whole array: they share the writing as replicas.
+            shards = [((0,) * a.ndim, shape, tnp.byte_view(a), process_index, process_count)]
+        writer.add_array(array_path, dtype, shape, shards, codec=codec or "none",
+                         zstd_level=zstd_level)
+    writer.set_tree(json.dumps(node))
+    return writer.commit()
+
+
+def _open(path, verify_checksums: bool, max_inflight_bytes: int, io_threads: int) -> _ext.Reader:
+    root, step = _split(path)
+    return _ext.Reader(root, step, verify_checksums=verify_checksums,
+                       max_inflight_bytes=max_inflight_bytes, io_threads=io_threads)
+
+
+def metadata(path: str | os.PathLike) -> Any:
+    """The saved tree with each array replaced by its ArrayMetadata (and scalars by their
+    values), as plain dicts, lists and tuples. Reads no array data."""
+    reader = _open(path, True, 1 << 20, 1)
+    infos = {a["path"]: a for a in reader.arrays()}
+
+    def describe(array_path: str, _id: int) -> ArrayMetadata:
+        a = infos[array_path]
+        return ArrayMetadata(path=array_path, shape=tuple(a["shape"]),
+                             dtype=tnp.dtype_from_name(a["dtype"]),
+                             chunk_shape=tuple(a["chunk_shape"]), num_chunks=a["num_chunks"],
+                             stored_bytes=a["stored_bytes"], codec=a["codec"])
+
+    return _tree.decode(json.loads(reader.tree_json()), describe)
+
+
+class _Restore:
+    """Plans the reads a target needs, runs them, and builds the leaves."""
+
+    def __init__(self, reader: _ext.Reader, ckpt: str, truncate: bool):
+        self.reader = reader
+        self.ckpt = ckpt
+        self.truncate = truncate
+        self.node = json.loads(reader.tree_json())
+        self.leaves = _tree.index_leaves(self.node)
+        self.infos = {a["path"]: a for a in reader.arrays()}
+        self.values: dict[str, Any] = {}
+        self.pending: list[tuple[str, list[tuple], Any]] = []  # (path, requests, finish)
+
+    def _stored_array(self, path: str, shape: tuple[int, ...]) -> dict:
+        info = self.infos[path]
+        stored = tuple(info["shape"])
+        if len(shape) != len(stored):
+            raise ValueError(f"array {path!r} in {self.ckpt} has shape {stored}; the target's "
+                             f"shape {shape} has a different rank")
+        if not self.truncate and any(t < s for t, s in zip(shape, stored)):
+            raise ValueError(f"array {path!r} in {self.ckpt} has shape {stored}, larger than the "
+                             f"target's {shape}; pass truncate=True to read only the target's part")
+        return info
+
+    def plan(self, path: str, target: Any) -> None:
+        stored = self.leaves.get(path)
+        if stored is None or stored["kind"] == "none":
+            raise KeyError(f"{path!r} is not in checkpoint {self.ckpt}")
+        if stored["kind"] != "array":
+            value = _tree.scalar_value(stored)
+            if isinstance(target, (bool, int, float, str, bytes)) and type(value) is not type(target):
+                if isinstance(target, (str, bytes)) or isinstance(value, (str, bytes)):
+                    raise TypeError(f"{path!r} in {self.ckpt} holds a {type(value).__name__}, "
+                                    f"the target a {type(target).__name__}")
+                value = type(target)(value)
+            self.values[path] = value
+            return
+        if isinstance(target, (str, bytes)):
+            raise TypeError(f"{path!r} in {self.ckpt} holds an array, the target a {type(target).__name__}")
+        if isinstance(target, (bool, int, float)):
+            info = self._stored_array(path, ())
+            out = np.empty((), tnp.dtype_from_name(info["dtype"]))
+            self.pending.append((path, [(path, (), (), info["dtype"], tnp.byte_view(out))],
+                                 lambda out=out, kind=type(target): kind(out.item())))
+            return
+        shape = tuple(target.shape)
+        dtype = np.dtype(target.dtype)
+        self._stored_array(path, shape)
+        name = tnp.dtype_name(dtype)
+        sharding = getattr(target, "sharding", None)
+        if _jax is not None and isinstance(target, (_jax.Array, _jax.ShapeDtypeStruct)):
+            from . import jax as tjax
+            if sharding is None:
+                sharding = _jax.sharding.SingleDeviceSharding(_jax.devices()[0])
+            boxes = tjax.device_boxes(sharding, shape)
+            unique: dict[tuple, np.ndarray] = {}
+            requests = []
+            for box in boxes.values():
+                if box not in unique:
+                    unique[box] = np.empty(box[1], dtype)
+                    requests.append((path, box[0], box[1], name, tnp.byte_view(unique[box])))
+            finish = lambda shape=shape, sharding=sharding, boxes=boxes, unique=unique: tjax.assemble(
+                shape, sharding, {d: unique[b] for d, b in boxes.items()})
+            self.pending.append((path, requests, finish))
+            return
+        out = np.empty(shape, dtype)
+        self.pending.append((path, [(path, (0,) * len(shape), shape, name, tnp.byte_view(out))],
+                             lambda out=out, scalar=isinstance(target, np.generic): out[()] if scalar else out))
+
+    def run(self) -> None:
+        # Reads go to the engine in batches, so that host buffers bound for devices are freed
+        # as soon as each batch has been handed over; within a batch all reads run in parallel.
+        batch: list = []
+        batch_bytes = 0
+        for item in self.pending:
+            batch.append(item)
+            batch_bytes += sum(r[4].nbytes for r in item[1])
+            if batch_bytes >= _DEVICE_BATCH_BYTES:
+                self._run_batch(batch)
+                batch, batch_bytes = [], 0
+        self._run_batch(batch)
+        self.pending = []
+
+    def _run_batch(self, batch: list) -> None:
+        if not batch:
+            return
+        self.reader.read_many([r for _, requests, _ in batch for r in requests])
+        for path, _, finish in batch:
+            self.values[path] = finish()
+
+
+def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = False,
+            verify_checksums: bool = True, max_inflight_bytes: int = 256 << 20,
+            io_threads: int = 0) -> Any:
+    """Restores the checkpoint step folder `path`.
+
+    Without `target`: the saved tree as plain dicts, lists and tuples, arrays as NumPy arrays of
+    the saved shapes and dtypes. With `target` (a pytree of jax.ShapeDtypeStruct with .sharding,
+    jax.Array, np.ndarray, or scalars): the target's structure, each array with the target's
+    shape, dtype (a cast when it differs) and sharding, each device reading just its own block.
+    Only the target's arrays are read. A target shape larger than the stored one is zero-filled;
+    a smaller one is a ValueError unless `truncate`.
+
+    Raises FileNotFoundError for a missing step, ValueError for an incomplete step or a shape
+    mismatch, KeyError naming the path of a target leaf the checkpoint lacks, OSError when stored
+    bytes are corrupt (CRC-32C mismatch, truncated files).
+    """
+    ckpt = os.fspath(path)
+    reader = _open(path, verify_checksums, max_inflight_bytes, io_threads)
+    if target is None:
+        requests = []
+
+        def read_array(array_path: str, _id: int) -> np.ndarray:
+            info = reader_infos[array_path]
+            out = np.empty(tuple(info["shape"]), tnp.dtype_from_name(info["dtype"]))
+            requests.append((array_path, (0,) * out.ndim, out.shape, info["dtype"], tnp.byte_view(out)))
+            return out
+
+        reader_infos = {a["path"]: a for a in reader.arrays()}
+        tree = _tree.decode(json.loads(reader.tree_json()), read_array)
+        reader.read_many(requests)
+        return tree
+
+    plan = _Restore(reader, ckpt, truncate)
+    _tree.map_target(target, plan.plan)
+    plan.run()
+    return _tree.map_target(target, lambda p, _: plan.values[p])

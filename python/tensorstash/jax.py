@@ -1,0 +1,100 @@
+"""JAX adapter: shards of a jax.Array for the engine, per-device boxes of a sharding, assembly of
+restored buffers into a jax.Array, and a Coordinator backed by JAX's distributed runtime."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import numpy as tnp
+
+
+def box_of_index(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(origin, shape) of the block that a device index (a tuple of slices) selects."""
+    origin, extent = [], []
+    for dim, s in zip(shape, index):
+        start, stop, step = s.indices(dim)
+        if step != 1:
+            raise ValueError(f"strided shard index {s} is not supported")
+        origin.append(start)
+        extent.append(max(0, stop - start))
+    return tuple(origin), tuple(extent)
+
+
+def _index_key(index: tuple, shape: tuple[int, ...]) -> tuple:
+    return box_of_index(index, shape)
+
+
+def shards_of(array: jax.Array) -> list[tuple]:
+    """This process's shards of `array` as the engine takes them:
+    (origin, shape, uint8 view of the data, replica_id, num_replicas)."""
+    shape = tuple(array.shape)
+    # How many devices (in all processes) hold each block: the replica count of a shard.
+    counts: dict[tuple, int] = {}
+    for index in array.sharding.devices_indices_map(shape).values():
+        key = _index_key(index, shape)
+        counts[key] = counts.get(key, 0) + 1
+    out = []
+    for shard in array.addressable_shards:
+        origin, extent = box_of_index(shard.index, shape)
+        data = np.asarray(shard.data)  # a view of the device buffer on CPU; one copy from a GPU
+        if not data.flags.c_contiguous:
+            data = np.ascontiguousarray(data)
+        out.append((origin, extent, tnp.byte_view(data), int(shard.replica_id),
+                    counts[(origin, extent)]))
+    return out
+
+
+def device_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Any, tuple]:
+    """(origin, shape) of the block each addressable device holds under `sharding`."""
+    return {device: box_of_index(index, shape)
+            for device, index in sharding.addressable_devices_indices_map(shape).items()}
+
+
+def assemble(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
+             buffers: dict[Any, np.ndarray]) -> jax.Array:
+    """A jax.Array from one host buffer per addressable device."""
+    arrays = [jax.device_put(buffers[device], device) for device in buffers]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+_save_counter = itertools.count()
+
+
+class JaxCoordinator:
+    """A Coordinator over jax.distributed's key-value store and barriers.
+
+    Every process must create one per collective operation, in the same order: the keys of
+    each instance carry a sequence number so that operations never reuse each other's keys.
+    """
+
+    def __init__(self) -> None:
+        from jax._src import distributed
+
+        self._client = distributed.global_state.client
+        if self._client is None:
+            raise RuntimeError("jax.distributed.initialize() has not been called")
+        self._prefix = f"tensorstash/{next(_save_counter)}/"
+
+    def process_index(self) -> int:
+        return jax.process_index()
+
+    def process_count(self) -> int:
+        return jax.process_count()
+
+    def barrier(self, name: str, timeout_ms: int) -> None:
+        self._client.wait_at_barrier(self._prefix + name, int(timeout_ms))
+
+    def key_value_set(self, key: str, value: str) -> None:
+        self._client.key_value_set(self._prefix + key, value)
+
+    def key_value_get(self, key: str, timeout_ms: int) -> str:
+        return self._client.blocking_key_value_get(self._prefix + key, int(timeout_ms))
+
+
+def default_coordinator() -> JaxCoordinator | None:
+    """A JaxCoordinator when the job has several processes, else None (single process)."""
+    return JaxCoordinator() if jax.process_count() > 1 else None

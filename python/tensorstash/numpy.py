@@ -1,0 +1,41 @@
+"""NumPy adapter: dtypes by name (bfloat16 and float8 via ml_dtypes) and raw byte views."""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:  # ml_dtypes registers bfloat16 and the float8 types with NumPy.
+    import ml_dtypes
+except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
+    ml_dtypes = None
+
+# The dtypes the engine stores, by the names NumPy and ml_dtypes use.
+DTYPE_NAMES = (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2",
+)
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    """The NumPy dtype for one of DTYPE_NAMES; ValueError for any other name."""
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPE_NAMES)}")
+    if ml_dtypes is not None and hasattr(ml_dtypes, name):
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
+def dtype_name(dtype) -> str:
+    """The engine's name for a NumPy (or ml_dtypes, or JAX) dtype; TypeError if unsupported."""
+    name = np.dtype(dtype).name
+    if name not in DTYPE_NAMES:
+        raise TypeError(f"dtype {name!r} cannot be stored; supported: {', '.join(DTYPE_NAMES)}")
+    return name
+
+
+def byte_view(array: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a C-contiguous array's memory (no copy), for the engine."""
+    if not array.flags.c_contiguous:
+        raise ValueError("internal: buffers passed to the engine must be C-contiguous")
+    return array.reshape(-1).view(np.uint8)
