@@ -221,23 +221,29 @@ class _Restore:
     def run(self) -> None:
         # Reads go to the engine in batches, so that host buffers bound for devices are freed
         # as soon as each batch has been handed over; within a batch all reads run in parallel.
+        # Each item leaves `pending` as it joins a batch, and the batch is emptied once done,
+        # so that nothing else keeps a finished batch's host buffers (held by its requests and
+        # its `finish` closure) alive until the whole restore is over.
+        pending, self.pending = self.pending[::-1], []
         batch: list = []
         batch_bytes = 0
-        for item in self.pending:
-            batch.append(item)
-            batch_bytes += sum(r[4].nbytes for r in item[1])
+        while pending:
+            batch.append(pending.pop())
+            batch_bytes += sum(r[4].nbytes for r in batch[-1][1])
             if batch_bytes >= _DEVICE_BATCH_BYTES:
                 self._run_batch(batch)
-                batch, batch_bytes = [], 0
+                batch_bytes = 0
         self._run_batch(batch)
-        self.pending = []
 
     def _run_batch(self, batch: list) -> None:
+        """Reads and finishes the items of `batch`, then empties it."""
         if not batch:
             return
         self.reader.read_many([r for _, requests, _ in batch for r in requests])
-        for path, _, finish in batch:
+        while batch:
+            path, _, finish = batch.pop()
             self.values[path] = finish()
+            del finish
 
 
 def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = False,

@@ -13,6 +13,7 @@
 #include "tensorstash/format/chunk_codec.h"
 #include "tensorstash/util/byte_limiter.h"
 #include "tensorstash/util/crc32c.h"
+#include "tensorstash/util/staging_buffer.h"
 #include "tensorstash/util/thread_pool.h"
 
 namespace tensorstash {
@@ -351,21 +352,21 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
         }
       }
       ByteReservation reservation(&limiter, plan.length + decode_room);
-      std::unique_ptr<char[]> span(new char[plan.length]);
-      std::unique_ptr<char[]> decoded(decode_room > 0 ? new char[decode_room] : nullptr);
-      TS_RETURN_IF_ERROR(s.ReadFile(plan.file_id, plan.offset, plan.length, span.get()));
+      StagingBuffer span(plan.length);
+      StagingBuffer decoded(decode_room);
+      TS_RETURN_IF_ERROR(s.ReadFile(plan.file_id, plan.offset, plan.length, span.data()));
       for (const ChunkRead& c : plan.chunks) {
         const Piece& first = pieces[targets[c.tag].front()];
         const IndexEntry& e = *first.entry;
         const ArrayMetadata& a = s.tree.arrays[e.array_id];
-        const char* stored = span.get() + (e.offset - plan.offset);
+        const char* stored = span.data() + (e.offset - plan.offset);
         TS_RETURN_IF_ERROR(s.CheckCrc(e, stored));
         const char* raw = stored;
         if (a.codec != Codec::kNone) {
           const uint64_t raw_size = first.chunk_box.num_elements() * ItemSize(a.dtype);
-          TS_RETURN_IF_ERROR(DecodeChunk(a.codec, std::string_view(stored, e.length), decoded.get(),
+          TS_RETURN_IF_ERROR(DecodeChunk(a.codec, std::string_view(stored, e.length), decoded.data(),
                                          raw_size, s.ChunkWhat(e)));
-          raw = decoded.get();
+          raw = decoded.data();
         }
         for (size_t piece_index : targets[c.tag]) {
           const Piece& p = pieces[piece_index];
@@ -417,14 +418,14 @@ Result<std::vector<BadChunk>> CheckpointReader::Verify(
       group.Run([&, plan_ptr = &each]() -> Status {
         const ReadRequestPlan& plan = *plan_ptr;
         ByteReservation reservation(&limiter, plan.length);
-        std::unique_ptr<char[]> span(new char[plan.length]);
-        Status read = s.ReadFile(plan.file_id, plan.offset, plan.length, span.get());
+        StagingBuffer span(plan.length);
+        Status read = s.ReadFile(plan.file_id, plan.offset, plan.length, span.data());
         std::vector<std::pair<const IndexEntry*, Status>> results;
         for (const ChunkRead& c : plan.chunks) {
           const IndexEntry& e = s.index.entries[c.tag];
           Status status = read;
           if (status.ok()) {
-            const uint32_t crc = Crc32c(span.get() + (e.offset - plan.offset), e.length);
+            const uint32_t crc = Crc32c(span.data() + (e.offset - plan.offset), e.length);
             if (crc != e.crc32c) {
               status = DataLossError(StrCat("CRC-32C mismatch in ", s.ChunkWhat(e), ": stored ",
                                               Hex32(e.crc32c), ", computed ", Hex32(crc)));
@@ -433,9 +434,9 @@ Result<std::vector<BadChunk>> CheckpointReader::Verify(
           const ArrayMetadata& a = s.tree.arrays[e.array_id];
           if (status.ok() && a.codec != Codec::kNone) {
             const uint64_t raw = a.grid.ChunkBox(static_cast<int64_t>(e.chunk)).num_elements() * ItemSize(a.dtype);
-            std::unique_ptr<char[]> out(new char[raw]);
-            status = DecodeChunk(a.codec, std::string_view(span.get() + (e.offset - plan.offset), e.length),
-                                 out.get(), raw, s.ChunkWhat(e));
+            StagingBuffer out(raw);
+            status = DecodeChunk(a.codec, std::string_view(span.data() + (e.offset - plan.offset), e.length),
+                                 out.data(), raw, s.ChunkWhat(e));
           }
           if (!status.ok()) results.emplace_back(&e, status);
         }

@@ -44,6 +44,7 @@
 #include "tensorstash/format/index_format.h"
 #include "tensorstash/util/byte_limiter.h"
 #include "tensorstash/util/crc32c.h"
+#include "tensorstash/util/staging_buffer.h"
 #include "tensorstash/util/thread_pool.h"
 
 namespace tensorstash {
@@ -492,12 +493,12 @@ Status CheckpointWriter::Impl::WriteTask(const ChunkTask& task, DataFileSet* fil
   // contiguous uncompressed chunk goes straight from the caller's buffer to the file.
   uint64_t staging = (contiguous ? 0 : raw_size) + (a.spec.codec == Codec::kNone ? 0 : MaxEncodedSize(a.spec.codec, raw_size));
   ByteReservation reservation(limiter, staging);
-  std::unique_ptr<char[]> gathered;
+  StagingBuffer gathered;
   if (!contiguous) {
-    gathered.reset(new char[raw_size]);
+    gathered = StagingBuffer(raw_size);
     TS_RETURN_IF_ERROR(CopyBox(task.chunk_box, a.spec.dtype, shard.data, shard.box, a.spec.dtype,
-                               gathered.get(), task.chunk_box, a.spec.path));
-    raw = gathered.get();
+                               gathered.data(), task.chunk_box, a.spec.path));
+    raw = gathered.data();
   }
   std::string encoded;
   std::string_view stored(raw, raw_size);
