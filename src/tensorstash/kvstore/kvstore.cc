@@ -93,4 +93,9 @@ Status ValidatePrefix(std::string_view prefix) {
   return CheckPath("prefix", prefix, /*is_prefix=*/true);
 }
 
+Result<std::unique_ptr<KvLock>> KvStore::TryLock(std::string_view key) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  return UnimplementedError(StrCat(Describe(), " does not support locks (key '", key, "')"));
+}
+
 }  // namespace tensorstash

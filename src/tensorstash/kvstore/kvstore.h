@@ -40,6 +40,15 @@ class WritableFile {
   virtual Status Close() = 0;
 };
 
+// An exclusive lock held on one key, released when the object is destroyed. Not copyable.
+class KvLock {
+ public:
+  KvLock() = default;
+  KvLock(const KvLock&) = delete;
+  KvLock& operator=(const KvLock&) = delete;
+  virtual ~KvLock() = default;
+};
+
 // A file opened for positional reads.
 class ReadableFile {
  public:
@@ -91,6 +100,14 @@ class KvStore {
   virtual Status Sync(std::string_view key) = 0;
   // Makes the directory entry list of `dir` durable (fsync of the directory; "" = the root).
   virtual Status SyncDirectory(std::string_view dir) = 0;
+
+  // Takes an exclusive lock named by `key` without waiting; the lock is held until the returned
+  // object is destroyed. FailedPrecondition ("... is locked by another manager ...") when it is
+  // already held, by this process or (file backend) another one on the same machine. File
+  // backend: flock() on the file `key`, created empty if missing and left in place; the kernel
+  // releases it when the holder dies, so a crash never leaves a stale lock. Memory backend: a
+  // set of held keys. The default (for decorators and stores without locks) is Unimplemented.
+  virtual Result<std::unique_ptr<KvLock>> TryLock(std::string_view key);
 };
 
 }  // namespace tensorstash

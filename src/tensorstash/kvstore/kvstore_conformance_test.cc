@@ -592,6 +592,26 @@ TEST_P(KvStoreConformanceTest, ValidPrefixesAndKeys) {
   }
 }
 
+TEST_P(KvStoreConformanceTest, TryLockIsExclusiveUntilReleased) {
+  Result<std::unique_ptr<KvLock>> first = store_->TryLock("LOCK");
+  TS_ASSERT_OK(first.status());
+  Result<std::unique_ptr<KvLock>> second = store_->TryLock("LOCK");
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(second.status().message(), HasSubstr("locked by another manager"));
+  // Another key is independent.
+  Result<std::unique_ptr<KvLock>> other = store_->TryLock("run1/LOCK");
+  TS_EXPECT_OK(other.status());
+
+  first->reset();
+  Result<std::unique_ptr<KvLock>> again = store_->TryLock("LOCK");
+  TS_EXPECT_OK(again.status());
+}
+
+TEST_P(KvStoreConformanceTest, TryLockRejectsInvalidKeys) {
+  EXPECT_EQ(store_->TryLock("").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->TryLock("a/../b").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, KvStoreConformanceTest, ::testing::ValuesIn(Backends()),
                          [](const ::testing::TestParamInfo<Backend>& param_info) {
                            return param_info.param.name;

@@ -31,6 +31,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -850,6 +851,46 @@ Status FileKvStore::SyncDirectory(std::string_view dir) {
   if (opened.error != 0) return FsError(opened.error, "sync directory", path);
   if (int error = FsyncFd(opened.fd.get())) return FsError(error, "sync directory", path);
   return OkStatus();
+}
+
+namespace {
+
+// Holds an flock()ed descriptor; closing it releases the lock.
+class FileKvLock final : public KvLock {
+ public:
+  explicit FileKvLock(UniqueFd fd) : fd_(std::move(fd)) {}
+
+ private:
+  UniqueFd fd_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<KvLock>> FileKvStore::TryLock(std::string_view key) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  std::string path = PathOf(key);
+  TS_ASSIGN_OR_RETURN(ParentDir parent,
+                      OpenParent(root_fd_, key, O_PATH, /*create=*/true, "lock", path));
+  // O_RDWR rather than O_RDONLY only so that an existing lock file need not be readable-only;
+  // the file's content is never used. No O_TRUNC: another holder may be using it.
+  UniqueFd fd(RetryOnEintr([&] {
+    return ::openat(parent.fd, parent.name.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW,
+                    0666);
+  }));
+  if (!fd.valid()) {
+    if (errno == EISDIR) return IsADirectory("lock", path);
+    return FsError(errno, "lock", path);
+  }
+  // flock locks belong to the open file description, so a second TryLock in this same process
+  // (a new open) conflicts too, as it must for two managers in one process.
+  if (RetryOnEintr([&] { return ::flock(fd.get(), LOCK_EX | LOCK_NB); }) != 0) {
+    if (errno == EWOULDBLOCK) {
+      return FailedPreconditionError(
+          StrCat(Describe(), " is locked by another manager (", path, ")"));
+    }
+    return FsError(errno, "lock", path);
+  }
+  return std::unique_ptr<KvLock>(std::make_unique<FileKvLock>(std::move(fd)));
 }
 
 }  // namespace tensorstash

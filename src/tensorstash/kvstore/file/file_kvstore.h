@@ -8,6 +8,9 @@
 // through one fails with FailedPrecondition. (The root path given to Open() may contain them.)
 // Errors carry the errno-derived code from status.h and name the operation and the full path.
 //
+// TryLock uses flock(), so it works between processes on one machine (and on network file
+// systems only where they implement flock).
+//
 // Thread-safe, as KvStore requires. Different processes may share a root; concurrent writers to
 // one key are resolved by rename (the last one wins).
 #ifndef TENSORSTASH_KVSTORE_FILE_FILE_KVSTORE_H_
@@ -53,6 +56,7 @@ class FileKvStore final : public KvStore {
   Status RenameDirectory(std::string_view from, std::string_view to) override;
   Status Sync(std::string_view key) override;
   Status SyncDirectory(std::string_view dir) override;
+  Result<std::unique_ptr<KvLock>> TryLock(std::string_view key) override;
 
  private:
   FileKvStore(std::string root_dir, int root_fd);

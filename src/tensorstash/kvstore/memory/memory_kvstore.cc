@@ -15,6 +15,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -105,7 +106,43 @@ class MemoryReadableFile final : public ReadableFile {
 
 }  // namespace
 
-MemoryKvStore::MemoryKvStore(bool supports_rename) : supports_rename_(supports_rename) {}
+struct MemoryKvStore::LockSet {
+  std::mutex mutex;
+  std::set<std::string, std::less<>> held;  // Guarded by mutex.
+};
+
+namespace {
+
+class MemoryKvLock final : public KvLock {
+ public:
+  MemoryKvLock(std::shared_ptr<MemoryKvStore::LockSet> locks, std::string key)
+      : locks_(std::move(locks)), key_(std::move(key)) {}
+  ~MemoryKvLock() override;
+
+ private:
+  std::shared_ptr<MemoryKvStore::LockSet> locks_;
+  std::string key_;
+};
+
+}  // namespace
+
+MemoryKvLock::~MemoryKvLock() {
+  std::lock_guard<std::mutex> lock(locks_->mutex);
+  locks_->held.erase(key_);
+}
+
+Result<std::unique_ptr<KvLock>> MemoryKvStore::TryLock(std::string_view key) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  std::lock_guard<std::mutex> lock(locks_->mutex);
+  if (!locks_->held.emplace(key).second) {
+    return FailedPreconditionError(
+        StrCat(Describe(), " is locked by another manager (", key, ")"));
+  }
+  return std::unique_ptr<KvLock>(std::make_unique<MemoryKvLock>(locks_, std::string(key)));
+}
+
+MemoryKvStore::MemoryKvStore(bool supports_rename)
+    : supports_rename_(supports_rename), locks_(std::make_shared<LockSet>()) {}
 
 MemoryKvStore::~MemoryKvStore() = default;
 

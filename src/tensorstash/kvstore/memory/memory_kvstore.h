@@ -48,9 +48,13 @@ class MemoryKvStore final : public KvStore {
   Status RenameDirectory(std::string_view from, std::string_view to) override;
   Status Sync(std::string_view key) override;
   Status SyncDirectory(std::string_view dir) override;
+  // Locks live only in this object; the key is not stored as an object.
+  Result<std::unique_ptr<KvLock>> TryLock(std::string_view key) override;
 
   // One stored object; open files share it (defined in the .cc).
   struct Object;
+  // The keys of held locks (defined in the .cc).
+  struct LockSet;
 
  private:
   using ObjectMap = std::map<std::string, std::shared_ptr<Object>, std::less<>>;
@@ -67,6 +71,8 @@ class MemoryKvStore final : public KvStore {
   const bool supports_rename_;
   mutable std::mutex mutex_;
   ObjectMap objects_;  // Guarded by mutex_.
+  // Shared with the lock objects, which may outlive the store.
+  std::shared_ptr<LockSet> locks_;
 };
 
 }  // namespace tensorstash
