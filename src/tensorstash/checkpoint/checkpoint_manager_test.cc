@@ -12,6 +12,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_test_util.h"
 #include "tensorstash/checkpoint/layout.h"
@@ -336,44 +337,17 @@ INSTANTIATE_TEST_SUITE_P(Stores, CheckpointManagerTest,
                          [](const auto& param_info) { return test::StoreName(param_info.param); });
 
 // A store that fails OpenForWrite while `fail` is set (a full disk).
-class FlakyKvStore final : public KvStore {
+class FlakyKvStore final : public ForwardingKvStore {
  public:
-  explicit FlakyKvStore(KvStore* base) : base_(base) {}
+  explicit FlakyKvStore(KvStore* base) : ForwardingKvStore(base) {}
   std::atomic<bool> fail{false};
 
-  std::string Describe() const override { return base_->Describe(); }
-  Result<std::string> Read(std::string_view key) override { return base_->Read(key); }
-  Status ReadRange(std::string_view key, uint64_t offset, size_t size, void* dest) override {
-    return base_->ReadRange(key, offset, size, dest);
-  }
-  Result<uint64_t> Size(std::string_view key) override { return base_->Size(key); }
-  Result<std::unique_ptr<ReadableFile>> OpenForRead(std::string_view key) override {
-    return base_->OpenForRead(key);
-  }
-  Status Write(std::string_view key, std::string_view value) override {
-    return base_->Write(key, value);
-  }
   Result<std::unique_ptr<WritableFile>> OpenForWrite(std::string_view key) override {
     if (fail) return ResourceExhaustedError(StrCat("open for write '", key, "': disk full"));
-    return base_->OpenForWrite(key);
-  }
-  Result<std::vector<std::string>> List(std::string_view prefix) override {
-    return base_->List(prefix);
-  }
-  Status Delete(std::string_view key) override { return base_->Delete(key); }
-  Status DeletePrefix(std::string_view prefix) override { return base_->DeletePrefix(prefix); }
-  bool SupportsRename() const override { return base_->SupportsRename(); }
-  Status RenameDirectory(std::string_view from, std::string_view to) override {
-    return base_->RenameDirectory(from, to);
-  }
-  Status Sync(std::string_view key) override { return base_->Sync(key); }
-  Status SyncDirectory(std::string_view dir) override { return base_->SyncDirectory(dir); }
-  Result<std::unique_ptr<KvLock>> TryLock(std::string_view key) override {
-    return base_->TryLock(key);
+    return base()->OpenForWrite(key);
   }
 
  private:
-  KvStore* base_;
 };
 
 TEST(CheckpointManagerAsyncErrorTest, BackgroundErrorsSurfaceOnTheNextCallOnce) {

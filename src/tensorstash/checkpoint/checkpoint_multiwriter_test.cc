@@ -13,6 +13,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_test_util.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
@@ -269,41 +270,17 @@ TEST_P(CheckpointMultiWriterTest, MissingShardFailsEveryProcess) {
 }
 
 // A KvStore that fails every write of one process's data files (say, a full disk on one host).
-class FailingDataKvStore final : public KvStore {
+class FailingDataKvStore final : public ForwardingKvStore {
  public:
-  FailingDataKvStore(KvStore* base, std::string marker) : base_(base), marker_(std::move(marker)) {}
-  std::string Describe() const override { return base_->Describe(); }
-  Result<std::string> Read(std::string_view key) override { return base_->Read(key); }
-  Status ReadRange(std::string_view key, uint64_t offset, size_t size, void* dest) override {
-    return base_->ReadRange(key, offset, size, dest);
-  }
-  Result<uint64_t> Size(std::string_view key) override { return base_->Size(key); }
-  Result<std::unique_ptr<ReadableFile>> OpenForRead(std::string_view key) override {
-    return base_->OpenForRead(key);
-  }
-  Status Write(std::string_view key, std::string_view value) override {
-    return base_->Write(key, value);
-  }
+  FailingDataKvStore(KvStore* base, std::string marker) : ForwardingKvStore(base), marker_(std::move(marker)) {}
   Result<std::unique_ptr<WritableFile>> OpenForWrite(std::string_view key) override {
     if (std::string_view(key).find(marker_) != std::string_view::npos) {
       return ResourceExhaustedError(StrCat("open for write '", key, "': no space left on device"));
     }
-    return base_->OpenForWrite(key);
+    return base()->OpenForWrite(key);
   }
-  Result<std::vector<std::string>> List(std::string_view prefix) override {
-    return base_->List(prefix);
-  }
-  Status Delete(std::string_view key) override { return base_->Delete(key); }
-  Status DeletePrefix(std::string_view prefix) override { return base_->DeletePrefix(prefix); }
-  bool SupportsRename() const override { return base_->SupportsRename(); }
-  Status RenameDirectory(std::string_view from, std::string_view to) override {
-    return base_->RenameDirectory(from, to);
-  }
-  Status Sync(std::string_view key) override { return base_->Sync(key); }
-  Status SyncDirectory(std::string_view dir) override { return base_->SyncDirectory(dir); }
 
  private:
-  KvStore* base_;
   std::string marker_;
 };
 

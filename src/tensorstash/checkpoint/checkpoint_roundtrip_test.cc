@@ -17,6 +17,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/array/convert.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_test_util.h"
@@ -799,9 +800,9 @@ TEST_P(CheckpointRoundTripTest, SameLayoutReadsDirectly) {
 
 // A KvStore that logs every mutating call (and syncs) before passing it on, and can make the
 // n-th of them fail instead (fault injection).
-class RecordingKvStore final : public KvStore {
+class RecordingKvStore final : public ForwardingKvStore {
  public:
-  explicit RecordingKvStore(KvStore* base) : base_(base) {}
+  explicit RecordingKvStore(KvStore* base) : ForwardingKvStore(base) {}
 
   std::vector<std::string> log() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -816,47 +817,34 @@ class RecordingKvStore final : public KvStore {
     return OkStatus();
   }
 
-  std::string Describe() const override { return base_->Describe(); }
-  Result<std::string> Read(std::string_view key) override { return base_->Read(key); }
-  Status ReadRange(std::string_view key, uint64_t offset, size_t size, void* dest) override {
-    return base_->ReadRange(key, offset, size, dest);
-  }
-  Result<uint64_t> Size(std::string_view key) override { return base_->Size(key); }
-  Result<std::unique_ptr<ReadableFile>> OpenForRead(std::string_view key) override {
-    return base_->OpenForRead(key);
-  }
   Status Write(std::string_view key, std::string_view value) override {
     TS_RETURN_IF_ERROR(Record(StrCat("write ", key)));
-    return base_->Write(key, value);
+    return base()->Write(key, value);
   }
   Result<std::unique_ptr<WritableFile>> OpenForWrite(std::string_view key) override {
     TS_RETURN_IF_ERROR(Record(StrCat("open ", key)));
-    TS_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, base_->OpenForWrite(key));
+    TS_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, base()->OpenForWrite(key));
     return std::unique_ptr<WritableFile>(new File(this, std::string(key), std::move(file)));
-  }
-  Result<std::vector<std::string>> List(std::string_view prefix) override {
-    return base_->List(prefix);
   }
   Status Delete(std::string_view key) override {
     TS_RETURN_IF_ERROR(Record(StrCat("delete ", key)));
-    return base_->Delete(key);
+    return base()->Delete(key);
   }
   Status DeletePrefix(std::string_view prefix) override {
     TS_RETURN_IF_ERROR(Record(StrCat("deleteprefix ", prefix)));
-    return base_->DeletePrefix(prefix);
+    return base()->DeletePrefix(prefix);
   }
-  bool SupportsRename() const override { return base_->SupportsRename(); }
   Status RenameDirectory(std::string_view from, std::string_view to) override {
     TS_RETURN_IF_ERROR(Record(StrCat("rename ", from, " ", to)));
-    return base_->RenameDirectory(from, to);
+    return base()->RenameDirectory(from, to);
   }
   Status Sync(std::string_view key) override {
     TS_RETURN_IF_ERROR(Record(StrCat("sync ", key)));
-    return base_->Sync(key);
+    return base()->Sync(key);
   }
   Status SyncDirectory(std::string_view dir) override {
     TS_RETURN_IF_ERROR(Record(StrCat("syncdir ", dir)));
-    return base_->SyncDirectory(dir);
+    return base()->SyncDirectory(dir);
   }
 
  private:
@@ -880,7 +868,6 @@ class RecordingKvStore final : public KvStore {
     std::unique_ptr<WritableFile> base_;
   };
 
-  KvStore* base_;
   std::mutex mutex_;
   std::vector<std::string> log_;
   size_t fail_at_ = static_cast<size_t>(-1);
