@@ -48,25 +48,6 @@ def part_values(i):
     return np.full(PART, i + 0.5, np.float32) + np.arange(PART[1], dtype=np.float32)
 
 
-def record_stats(tensorstash):
-    calls = []
-    real_open = tensorstash._open
-
-    class Recorder:
-        def __init__(self, reader):
-            self._reader = reader
-
-        def __getattr__(self, name):
-            return getattr(self._reader, name)
-
-        def read_many(self, requests):
-            calls.append(self._reader.read_many(requests))
-            return calls[-1]
-
-    tensorstash._open = lambda *a, **k: Recorder(real_open(*a, **k))
-    return calls
-
-
 def merged(calls):
     out = {}
     for c in calls:
@@ -98,7 +79,8 @@ def main() -> None:
         shape = BIG if mode == "numpy" else (BIG[0], BIG[1] - 384)
         # A target without memory of its own: restore allocates the result.
         target = {"big": np.broadcast_to(np.zeros((), np.float32), shape)}
-        calls = record_stats(tensorstash)
+        from tshelpers import record_read_stats
+        calls = record_read_stats(tensorstash)
         before = rss_now()
         t0 = time.perf_counter()
         got = tensorstash.restore(step, target=target, truncate=True, max_inflight_bytes=CAP,
@@ -115,7 +97,8 @@ def main() -> None:
         sharding = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P(None, "x"))
         target = {"parts": [jax.ShapeDtypeStruct(PART, np.float32, sharding=sharding)
                             for _ in range(NUM_PARTS)]}
-        calls = record_stats(tensorstash)
+        from tshelpers import record_read_stats
+        calls = record_read_stats(tensorstash)
         before = rss_now()
         t0 = time.perf_counter()
         got = tensorstash.restore(step, target=target, max_inflight_bytes=CAP,

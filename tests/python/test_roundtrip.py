@@ -16,7 +16,7 @@ import pytest
 
 import tensorstash
 from tshelpers import (ALL_DTYPES, assert_same_array, assert_same_tree, data_files, flip_byte,
-                       pattern, random_array, read_index)
+                       pattern, random_array, read_index, record_read_stats)
 
 SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (4, 5), (2, 3, 5), (3, 1, 2, 2)]
 
@@ -32,27 +32,6 @@ class Layer:
     kernel: object
     bias: object
     name: str = dataclasses.field(default="dense", metadata=dict(static=True))
-
-
-def _record_read_stats(monkeypatch):
-    """Records the statistics of every read_many call that restore makes."""
-    calls = []
-    real_open = tensorstash._open
-
-    class Recorder:
-        def __init__(self, reader):
-            self._reader = reader
-
-        def __getattr__(self, name):
-            return getattr(self._reader, name)
-
-        def read_many(self, requests):
-            stats = self._reader.read_many(requests)
-            calls.append(stats)
-            return stats
-
-    monkeypatch.setattr(tensorstash, "_open", lambda *a, **k: Recorder(real_open(*a, **k)))
-    return calls
 
 
 # --- round trips without a target ---------------------------------------------------------------
@@ -399,7 +378,7 @@ def test_partial_restore_reads_only_the_subtree(step, monkeypatch):
         flip_byte(step, "opt/mu", chunk_pos=i)
     with pytest.raises(OSError, match="opt/mu"):
         tensorstash.restore(step)
-    stats = _record_read_stats(monkeypatch)
+    stats = record_read_stats(tensorstash, monkeypatch.setattr)
     got = tensorstash.restore(step, target={"params": {"a": np.zeros_like(a)}, "zz": z})
     assert_same_tree(got, {"params": {"a": a}, "zz": z})
     read = sum(s["bytes_read"] for s in stats)

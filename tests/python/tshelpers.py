@@ -189,3 +189,27 @@ def assert_jax_array(got: Any, want: np.ndarray, sharding, what: str = "") -> No
         assert data.shape == block.shape, f"{what}: shard on {s.device}: {data.shape} != {block.shape}"
         assert_same_array(data, np.ascontiguousarray(block).reshape(block.shape),
                           f"{what} (shard on {s.device})")
+
+
+def record_read_stats(tensorstash, setattr_fn=setattr):
+    """Records the engine statistics of every read_many call that tensorstash.restore makes.
+
+    Wraps tensorstash._open so that each reader's read_many stats are appended to the returned
+    list. `setattr_fn` lets pytest pass monkeypatch.setattr, which undoes the wrap afterwards."""
+    calls = []
+    real_open = tensorstash._open
+
+    class Recorder:
+        def __init__(self, reader):
+            self._reader = reader
+
+        def __getattr__(self, name):
+            return getattr(self._reader, name)
+
+        def read_many(self, requests):
+            stats = self._reader.read_many(requests)
+            calls.append(stats)
+            return stats
+
+    setattr_fn(tensorstash, "_open", lambda *a, **k: Recorder(real_open(*a, **k)))
+    return calls

@@ -149,6 +149,20 @@ bool Openat2Works() {
 }
 #endif
 
+// Opens `name`, a direct child of `parent`, as an O_PATH descriptor if it is a real directory:
+// O_PATH | O_NOFOLLOW opens a symlink itself rather than its target, and fstat tells which it
+// is. ELOOP for a symlink, ENOTDIR for anything else that is not a directory.
+OpenResult OpenSubdirectory(int parent, const std::string& name) {
+  UniqueFd fd(RetryOnEintr(
+      [&] { return ::openat(parent, name.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC); }));
+  if (!fd.valid()) return {UniqueFd(), errno};
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return {UniqueFd(), errno};
+  if (S_ISLNK(st.st_mode)) return {UniqueFd(), ELOOP};
+  if (!S_ISDIR(st.st_mode)) return {UniqueFd(), ENOTDIR};
+  return {std::move(fd), 0};
+}
+
 // Opens `rel` ("" = the root) beneath `root_fd` without following any symlink on the way.
 OpenResult OpenBeneath(int root_fd, std::string_view rel, int flags, mode_t mode = 0) {
   flags |= O_CLOEXEC | O_NOFOLLOW;
@@ -167,21 +181,15 @@ OpenResult OpenBeneath(int root_fd, std::string_view rel, int flags, mode_t mode
     return {UniqueFd(static_cast<int>(fd)), 0};
   }
 #endif
-  // Walk the directories one at a time: O_PATH | O_NOFOLLOW opens a symlink itself rather than
-  // its target, and fstat tells which it is.
+  // Walk the directories one at a time, refusing symlinks (OpenSubdirectory).
   UniqueFd dir;
   int current = root_fd;
   size_t start = 0;
   for (size_t slash; (slash = rel.find('/', start)) != std::string_view::npos; start = slash + 1) {
     const std::string segment(rel.substr(start, slash - start));
-    UniqueFd next(RetryOnEintr(
-        [&] { return ::openat(current, segment.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC); }));
-    if (!next.valid()) return {UniqueFd(), errno};
-    struct stat st;
-    if (::fstat(next.get(), &st) != 0) return {UniqueFd(), errno};
-    if (S_ISLNK(st.st_mode)) return {UniqueFd(), ELOOP};
-    if (!S_ISDIR(st.st_mode)) return {UniqueFd(), ENOTDIR};
-    dir = std::move(next);
+    OpenResult next = OpenSubdirectory(current, segment);
+    if (next.error != 0) return next;
+    dir = std::move(next.fd);
     current = dir.get();
   }
   const std::string last(rel.substr(start));
@@ -202,14 +210,9 @@ OpenResult MakeDirectories(int root_fd, std::string_view rel) {
     if (::mkdirat(current, segment.c_str(), 0777) != 0 && errno != EEXIST) {
       return {UniqueFd(), errno};
     }
-    UniqueFd next(RetryOnEintr(
-        [&] { return ::openat(current, segment.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC); }));
-    if (!next.valid()) return {UniqueFd(), errno};
-    struct stat st;
-    if (::fstat(next.get(), &st) != 0) return {UniqueFd(), errno};
-    if (S_ISLNK(st.st_mode)) return {UniqueFd(), ELOOP};
-    if (!S_ISDIR(st.st_mode)) return {UniqueFd(), ENOTDIR};
-    dir = std::move(next);
+    OpenResult next = OpenSubdirectory(current, segment);
+    if (next.error != 0) return next;
+    dir = std::move(next.fd);
     current = dir.get();
     start = end + 1;
   }
