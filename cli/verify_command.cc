@@ -29,16 +29,22 @@ int RunVerify(const std::string& path) {
   if (!bad.ok()) return Fail(bad.status());
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   for (const BadChunk& chunk : *bad) {
+    if (chunk.array_path.empty()) {  // a committed file (metadata, per-process state)
+      std::printf("BAD  file %s: %s\n", chunk.file.c_str(), chunk.error.c_str());
+      continue;
+    }
     std::printf("BAD  %s chunk %s (%s): %s\n", chunk.array_path.c_str(), chunk.chunk.c_str(),
                 chunk.file.c_str(), chunk.error.c_str());
   }
   const size_t chunks = (*reader)->index().entries.size();
+  const size_t files = (*reader)->commit_record().files.size();
   if (!bad->empty()) {
-    std::printf("FAILED: %zu of %zu chunks are bad in %s\n", bad->size(), chunks, path.c_str());
+    std::printf("FAILED: %zu of %zu chunks and files are bad in %s\n", bad->size(),
+                chunks + files, path.c_str());
     return 1;
   }
-  std::printf("OK: %zu chunks in %zu arrays, %s verified in %.2f s (%s/s)\n", chunks,
-              (*reader)->arrays().size(), HumanBytes(total).c_str(), seconds,
+  std::printf("OK: %zu chunks in %zu arrays, %zu files, %s verified in %.2f s (%s/s)\n", chunks,
+              (*reader)->arrays().size(), files, HumanBytes(total).c_str(), seconds,
               HumanBytes(seconds > 0 ? static_cast<uint64_t>(static_cast<double>(total) / seconds) : total).c_str());
   return 0;
 }

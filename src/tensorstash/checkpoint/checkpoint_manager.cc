@@ -1,21 +1,38 @@
 #include "tensorstash/checkpoint/checkpoint_manager.h"
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
 #include <cstring>
+#include <future>
 #include <map>
 #include <mutex>
 #include <set>
 #include <thread>
 #include <utility>
 
+#include "nlohmann/json.hpp"
 #include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/coordination/single_process_coordinator.h"
 #include "tensorstash/format/commit_record.h"
+#include "tensorstash/util/crc32c.h"
 
 namespace tensorstash {
 namespace {
 
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
 constexpr char kLockKey[] = "LOCK";
 constexpr int kStepDigits = 10;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
 
 // The step of a folder name of exactly 10 digits; nullopt for any other name.
 std::optional<int64_t> ParseStepName(std::string_view name) {
@@ -28,46 +45,95 @@ std::optional<int64_t> ParseStepName(std::string_view name) {
   return step;
 }
 
-// Owned copies of the shards of one save (SaveAsync): the arrays point into `buffers`.
-struct StagedSave {
+// Set by the SIGTERM handler; process-wide, as signals are.
+std::atomic<bool> g_sigterm_received{false};
+extern "C" void OnSigterm(int) { g_sigterm_received.store(true); }
+
+uint64_t DefaultStagingBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page_size <= 0) return uint64_t{4} << 30;
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size) / 4;
+}
+
+std::string EncodeSteps(const std::vector<int64_t>& steps) { return StrJoin(steps, ","); }
+Result<std::vector<int64_t>> DecodeSteps(std::string_view text) {
+  std::vector<int64_t> steps;
+  if (text.empty()) return steps;
+  for (std::string_view part : StrSplit(text, ',')) {
+    int64_t step = 0;
+    if (!ParseInt(part, &step)) {
+      return InternalError(StrCat("malformed step list from process 0: ", text));
+    }
+    steps.push_back(step);
+  }
+  return steps;
+}
+
+// A save that has been checked and set up, ready to commit.
+struct SaveJob {
   int64_t step = 0;
-  std::string dir;
-  std::vector<ArrayToSave> arrays;
-  std::vector<std::unique_ptr<char[]>> buffers;
+  std::unique_ptr<CheckpointWriter> writer;
+  std::optional<double> metric;  // best_metric's value, when given
+  Clock::time_point start;
 };
 
 }  // namespace
 
+std::string ProcessStateFileName(int process_index) {
+  return StrCat("process/", process_index);
+}
+
 struct CheckpointManager::Impl {
   KvStore* kv = nullptr;
   ManagerOptions options;
-  std::unique_ptr<KvLock> lock;  // null once closed
+  Coordinator* coordinator = nullptr;
+  SingleProcessCoordinator own_coordinator;
+  std::unique_ptr<KvLock> lock;  // process 0 only; null once closed
   bool closed = false;
+  bool sigterm_installed = false;
+  struct sigaction previous_sigterm {};
+  uint64_t preemption_checks = 0;
 
   // The complete steps. Cached rather than listed on every call: with the lock held, only this
   // manager adds or removes steps, and listing a root lists every data file of every step.
   mutable std::mutex mutex;
-  std::set<int64_t> steps;  // Guarded by mutex.
+  std::set<int64_t> steps;            // Guarded by mutex.
+  std::map<int64_t, double> metrics;  // best_metric per step (process 0). Guarded by mutex.
 
-  // The save in flight (SaveAsync) and the error of the last one not yet returned to the caller.
+  // The background work in flight (an async save, or deletions) and the error of the last one
+  // not yet returned to the caller.
   std::thread worker;
   Status background_error;  // Written by the worker; read after joining it.
 
+  bool is_leader() const { return coordinator->process_index() == 0; }
+  Status OpenSteps();
   Status CleanUpAndListSteps();
-  Status RunSave(int64_t step, const std::string& dir, const std::vector<ArrayToSave>& arrays,
-                 WriteStats* stats);
-  Status ApplyRetention();
+  void LoadMetrics();
+  Result<SaveJob> Prepare(int64_t step, SaveRequest request, bool async);
+  // After a successful commit: lists the step, applies retention (unlisting the doomed steps,
+  // which process 0 returns for deletion) and calls on_commit.
+  Result<std::vector<int64_t>> Committed(const SaveJob& job, const SaveStats& stats);
+  std::vector<int64_t> ChooseDoomed();  // with mutex held
+  Status DeleteSteps(const std::vector<int64_t>& doomed);
   Status DeleteStep(int64_t step);
   // Joins the worker and returns (and clears) its error.
   Status JoinWorker();
   Status CheckOpen() const {
     return closed ? FailedPreconditionError("the checkpoint manager is closed") : OkStatus();
   }
+  void RestoreSigterm() {
+    if (sigterm_installed) sigaction(SIGTERM, &previous_sigterm, nullptr);
+    sigterm_installed = false;
+  }
 };
 
 CheckpointManager::CheckpointManager(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-CheckpointManager::~CheckpointManager() { impl_->JoinWorker().IgnoreError(); }
+CheckpointManager::~CheckpointManager() {
+  impl_->JoinWorker().IgnoreError();
+  impl_->RestoreSigterm();
+}
 
 Result<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(KvStore* kv,
                                                                    ManagerOptions options) {
@@ -80,10 +146,60 @@ Result<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(KvStore* kv,
   auto impl = std::make_unique<Impl>();
   impl->kv = kv;
   impl->options = std::move(options);
-  TS_ASSIGN_OR_RETURN(impl->lock, kv->TryLock(kLockKey));
-  TS_RETURN_IF_ERROR(Annotate(impl->CleanUpAndListSteps(),
-                              StrCat("opening the checkpoints in ", kv->Describe())));
+  impl->coordinator =
+      impl->options.coordinator != nullptr ? impl->options.coordinator : &impl->own_coordinator;
+  if (impl->options.max_staging_bytes == 0) impl->options.max_staging_bytes = DefaultStagingBytes();
+  TS_RETURN_IF_ERROR(impl->OpenSteps());
+  if (impl->options.handle_sigterm) {
+    struct sigaction action {};
+    action.sa_handler = OnSigterm;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART;
+    if (sigaction(SIGTERM, &action, &impl->previous_sigterm) != 0) {
+      return ErrnoToStatus(errno, "sigaction(SIGTERM)", "the SIGTERM handler");
+    }
+    impl->sigterm_installed = true;
+  }
   return std::unique_ptr<CheckpointManager>(new CheckpointManager(std::move(impl)));
+}
+
+Status CheckpointManager::Impl::OpenSteps() {
+  Coordinator& c = *coordinator;
+  if (c.process_count() == 1) {
+    TS_ASSIGN_OR_RETURN(lock, kv->TryLock(kLockKey));
+    TS_RETURN_IF_ERROR(Annotate(CleanUpAndListSteps(),
+                                StrCat("opening the checkpoints in ", kv->Describe())));
+    if (!options.best_metric.empty()) LoadMetrics();
+    return OkStatus();
+  }
+  // Process 0 locks and cleans up, then tells the others the steps (or its error).
+  const std::string key = StrCat("tensorstash-manager/", c.NextOperationId(), "/open");
+  if (is_leader()) {
+    Result<std::unique_ptr<KvLock>> locked = kv->TryLock(kLockKey);
+    Status status = locked.status();
+    if (status.ok()) {
+      lock = std::move(*locked);
+      status = Annotate(CleanUpAndListSteps(), StrCat("opening the checkpoints in ", kv->Describe()));
+      if (status.ok() && !options.best_metric.empty()) LoadMetrics();
+    }
+    std::vector<int64_t> listed;
+    {
+      std::lock_guard<std::mutex> guard(mutex);
+      listed.assign(steps.begin(), steps.end());
+    }
+    TS_RETURN_IF_ERROR(c.KeyValueSet(
+        key, status.ok() ? StrCat("+", EncodeSteps(listed)) : EncodeStatusForPeers(status)));
+    return status;
+  }
+  TS_ASSIGN_OR_RETURN(std::string value,
+                      c.KeyValueGet(key, options.writer.coordination_timeout));
+  if (value.empty() || value[0] != '+') {
+    return Annotate(DecodeStatusFromPeer(value), "process 0 could not open the checkpoints");
+  }
+  TS_ASSIGN_OR_RETURN(std::vector<int64_t> listed, DecodeSteps(std::string_view(value).substr(1)));
+  std::lock_guard<std::mutex> guard(mutex);
+  steps = std::set<int64_t>(listed.begin(), listed.end());
+  return OkStatus();
 }
 
 Status CheckpointManager::Impl::CleanUpAndListSteps() {
@@ -143,6 +259,35 @@ Status CheckpointManager::Impl::CleanUpAndListSteps() {
   return OkStatus();
 }
 
+void CheckpointManager::Impl::LoadMetrics() {
+  // A step whose metrics cannot be read (none saved, or damaged) simply has no metric: it ranks
+  // last, which must not stop the manager from opening.
+  std::vector<int64_t> listed;
+  {
+    std::lock_guard<std::mutex> guard(mutex);
+    listed.assign(steps.begin(), steps.end());
+  }
+  for (int64_t step : listed) {
+    const std::string dir = StepDir(step).value();
+    Result<std::string> commit_text = kv->Read(StrCat(dir, "/", kCommitFileName));
+    if (!commit_text.ok()) continue;
+    Result<CommitRecord> record = DecodeCommitRecord(*commit_text, dir);
+    if (!record.ok()) continue;
+    auto file = record->files.find(kMetricsFileName);
+    if (file == record->files.end() || file->second.size > kMaxStepFileBytes) continue;
+    Result<std::string> text = kv->Read(StrCat(dir, "/", kMetricsFileName));
+    if (!text.ok() || text->size() != file->second.size || Crc32c(*text) != file->second.crc32c) {
+      continue;
+    }
+    json doc = json::parse(*text, nullptr, /*allow_exceptions=*/false);
+    if (!doc.is_object() || !doc.contains(options.best_metric)) continue;
+    const json& value = doc[options.best_metric];
+    if (!value.is_number()) continue;
+    std::lock_guard<std::mutex> guard(mutex);
+    metrics[step] = value.get<double>();
+  }
+}
+
 Result<std::string> CheckpointManager::StepDir(int64_t step) {
   if (step < 0) return InvalidArgumentError(StrCat("step ", step, " is negative"));
   std::string digits = std::to_string(step);
@@ -169,45 +314,140 @@ bool CheckpointManager::ShouldSave(int64_t step) const {
   return interval <= 1 || step % interval == 0;
 }
 
-Status CheckpointManager::Impl::RunSave(int64_t step, const std::string& dir,
-                                        const std::vector<ArrayToSave>& arrays,
-                                        WriteStats* stats) {
-  TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
-                      CheckpointWriter::Create(kv, dir, options.writer));
-  for (const ArrayToSave& array : arrays) {
-    TS_RETURN_IF_ERROR(writer->AddArray(array.spec, array.shards));
-  }
-  WriteStats local;
-  TS_RETURN_IF_ERROR(writer->Commit(&local));
-  {
+Result<SaveJob> CheckpointManager::Impl::Prepare(int64_t step, SaveRequest request, bool async) {
+  SaveJob job;
+  job.step = step;
+  job.start = Clock::now();
+  TS_ASSIGN_OR_RETURN(std::string dir, StepDir(step));
+  if (!options.writer.overwrite) {
     std::lock_guard<std::mutex> guard(mutex);
-    steps.insert(step);
+    if (steps.count(step) > 0) {
+      return AlreadyExistsError(StrCat("step ", step, " (", dir, ") is already complete in ",
+                                       kv->Describe()));
+    }
   }
-  if (stats != nullptr) *stats = local;
-  TS_RETURN_IF_ERROR(
-      Annotate(ApplyRetention(), StrCat("step ", step, " was saved, but retention failed")));
-  if (options.on_commit) options.on_commit(step, local);
-  return OkStatus();
+  if (!request.metadata_json.empty() &&
+      !json::accept(request.metadata_json.begin(), request.metadata_json.end())) {
+    return InvalidArgumentError(StrCat("the metadata of step ", step, " is not valid JSON"));
+  }
+  json metrics_doc = json::object();
+  for (const auto& [name, value] : request.metrics) {
+    if (!std::isfinite(value)) {
+      return InvalidArgumentError(
+          StrCat("metric '", name, "' of step ", step, " is not a finite number"));
+    }
+    metrics_doc[name] = value;
+  }
+  if (auto it = request.metrics.find(options.best_metric);
+      !options.best_metric.empty() && it != request.metrics.end()) {
+    job.metric = it->second;
+  }
+  WriterOptions writer_options = options.writer;
+  if (async) {
+    // The writer copies every chunk before writing it, under the staging cap.
+    writer_options.copy_sources = true;
+    writer_options.max_inflight_bytes = options.max_staging_bytes;
+  }
+  // Everything the writer can refuse is refused here, before anything is copied or written.
+  TS_ASSIGN_OR_RETURN(job.writer, CheckpointWriter::Create(kv, dir, writer_options, coordinator));
+  for (ArrayToSave& array : request.arrays) {
+    TS_RETURN_IF_ERROR(job.writer->AddArray(std::move(array.spec), std::move(array.shards)));
+  }
+  if (request.tree.has_value()) job.writer->SetTree(std::move(*request.tree));
+  if (is_leader()) {
+    if (!request.metadata_json.empty()) {
+      TS_RETURN_IF_ERROR(job.writer->AddFile(kMetadataFileName, std::move(request.metadata_json)));
+    }
+    if (!request.metrics.empty()) {
+      TS_RETURN_IF_ERROR(job.writer->AddFile(kMetricsFileName, metrics_doc.dump()));
+    }
+  }
+  if (request.process_state.has_value()) {
+    TS_RETURN_IF_ERROR(job.writer->AddFile(ProcessStateFileName(coordinator->process_index()),
+                                           std::move(*request.process_state)));
+  }
+  return job;
 }
 
-Status CheckpointManager::Impl::ApplyRetention() {
-  if (options.max_to_keep <= 0) return OkStatus();
+Result<std::vector<int64_t>> CheckpointManager::Impl::Committed(const SaveJob& job,
+                                                                const SaveStats& stats) {
   std::vector<int64_t> doomed;
   {
     std::lock_guard<std::mutex> guard(mutex);
-    if (steps.size() <= static_cast<size_t>(options.max_to_keep)) return OkStatus();
-    // Everything but the newest max_to_keep (so never the newest), except keep_period's steps.
-    auto end = std::prev(steps.end(), options.max_to_keep);
-    for (auto it = steps.begin(); it != end; ++it) {
-      if (options.keep_period > 0 && *it % options.keep_period == 0) continue;
-      doomed.push_back(*it);
+    steps.insert(job.step);
+    if (job.metric.has_value()) {
+      metrics[job.step] = *job.metric;
+    } else {
+      metrics.erase(job.step);
     }
-    // Unlisted first, so that no caller picks a step that is being deleted.
-    for (int64_t step : doomed) steps.erase(step);
+    if (is_leader()) {
+      doomed = ChooseDoomed();
+      // Unlisted at once, so that no caller picks a step that is being deleted.
+      for (int64_t step : doomed) {
+        steps.erase(step);
+        metrics.erase(step);
+      }
+    }
   }
+  Coordinator& c = *coordinator;
+  if (c.process_count() > 1) {
+    // Process 0 decides; the others follow its list, so that every process lists the same steps.
+    const std::string key = StrCat("tensorstash-manager/", c.NextOperationId(), "/retained");
+    if (is_leader()) {
+      std::vector<int64_t> kept;
+      {
+        std::lock_guard<std::mutex> guard(mutex);
+        kept.assign(steps.begin(), steps.end());
+      }
+      TS_RETURN_IF_ERROR(c.KeyValueSet(key, EncodeSteps(kept)));
+    } else {
+      TS_ASSIGN_OR_RETURN(std::string value,
+                          c.KeyValueGet(key, options.writer.coordination_timeout));
+      TS_ASSIGN_OR_RETURN(std::vector<int64_t> kept, DecodeSteps(value));
+      std::lock_guard<std::mutex> guard(mutex);
+      steps = std::set<int64_t>(kept.begin(), kept.end());
+    }
+  }
+  if (options.on_commit) options.on_commit(stats);
+  return doomed;
+}
+
+std::vector<int64_t> CheckpointManager::Impl::ChooseDoomed() {
+  if (options.max_to_keep <= 0 || steps.size() <= static_cast<size_t>(options.max_to_keep)) {
+    return {};
+  }
+  std::set<int64_t> kept;
+  if (options.best_metric.empty()) {
+    // The newest max_to_keep.
+    auto it = steps.rbegin();
+    for (int i = 0; i < options.max_to_keep; ++i, ++it) kept.insert(*it);
+  } else {
+    // The best max_to_keep by the metric (steps without it last, newer first among equals),
+    // and the newest step, which a restart resumes from.
+    std::vector<int64_t> ranked(steps.rbegin(), steps.rend());
+    const bool lower_is_better = options.best_mode == BestMode::kMin;
+    std::stable_sort(ranked.begin(), ranked.end(), [&](int64_t a, int64_t b) {
+      auto ma = metrics.find(a), mb = metrics.find(b);
+      if ((ma == metrics.end()) != (mb == metrics.end())) return mb == metrics.end();
+      if (ma == metrics.end()) return false;
+      return lower_is_better ? ma->second < mb->second : ma->second > mb->second;
+    });
+    for (int i = 0; i < options.max_to_keep; ++i) kept.insert(ranked[i]);
+    kept.insert(*steps.rbegin());
+  }
+  std::vector<int64_t> doomed;
+  for (int64_t step : steps) {
+    if (kept.count(step) > 0) continue;
+    if (options.keep_period > 0 && step % options.keep_period == 0) continue;
+    doomed.push_back(step);
+  }
+  return doomed;
+}
+
+Status CheckpointManager::Impl::DeleteSteps(const std::vector<int64_t>& doomed) {
   Status result;
   for (int64_t step : doomed) {
-    Status deleted = DeleteStep(step);
+    Status deleted = Annotate(DeleteStep(step), StrCat("deleting step ", step, " (retention)"));
     if (result.ok()) result = deleted;
   }
   return result;
@@ -227,73 +467,75 @@ Status CheckpointManager::Impl::JoinWorker() {
   return std::exchange(background_error, OkStatus());
 }
 
-Status CheckpointManager::Save(int64_t step, const std::vector<ArrayToSave>& arrays,
-                               WriteStats* stats) {
-  TS_RETURN_IF_ERROR(impl_->CheckOpen());
-  TS_RETURN_IF_ERROR(impl_->JoinWorker());
-  TS_ASSIGN_OR_RETURN(std::string dir, StepDir(step));
-  return impl_->RunSave(step, dir, arrays, stats);
+Status CheckpointManager::Save(int64_t step, SaveRequest request, SaveStats* stats) {
+  Impl& s = *impl_;
+  TS_RETURN_IF_ERROR(s.CheckOpen());
+  TS_RETURN_IF_ERROR(s.JoinWorker());
+  TS_ASSIGN_OR_RETURN(SaveJob job, s.Prepare(step, std::move(request), /*async=*/false));
+  WriteStats written;
+  TS_RETURN_IF_ERROR(job.writer->Commit(&written));
+  SaveStats local{step, false, written.raw_bytes, written.stored_bytes, 0, 0};
+  local.total_seconds = local.blocking_seconds = SecondsSince(job.start);
+  if (stats != nullptr) *stats = local;
+  TS_ASSIGN_OR_RETURN(std::vector<int64_t> doomed, s.Committed(job, local));
+  if (!doomed.empty()) {
+    Impl* impl = impl_.get();
+    s.worker = std::thread([impl, doomed = std::move(doomed)] {
+      impl->background_error = impl->DeleteSteps(doomed);
+    });
+  }
+  return OkStatus();
 }
 
-Status CheckpointManager::SaveAsync(int64_t step, std::vector<ArrayToSave> arrays) {
-  TS_RETURN_IF_ERROR(impl_->CheckOpen());
-  TS_RETURN_IF_ERROR(impl_->JoinWorker());
-  auto job = std::make_unique<StagedSave>();
-  job->step = step;
-  TS_ASSIGN_OR_RETURN(job->dir, StepDir(step));
-  if (!impl_->options.writer.overwrite) {
-    std::lock_guard<std::mutex> guard(impl_->mutex);
-    if (impl_->steps.count(step) > 0) {
-      return AlreadyExistsError(StrCat("step ", step, " (", job->dir, ") is already complete in ",
-                                       impl_->kv->Describe()));
-    }
-  }
-  // Invalid arrays are reported now rather than by the background thread, and before the
-  // copy trusts the shard boxes for sizes: a writer that is never committed touches no storage.
-  {
-    TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> check,
-                        CheckpointWriter::Create(impl_->kv, job->dir, impl_->options.writer));
-    for (const ArrayToSave& array : arrays) {
-      TS_RETURN_IF_ERROR(check->AddArray(array.spec, array.shards));
-    }
-  }
-  // The only blocking part: a private copy of every shard, so that the caller may go on
-  // changing its buffers while the background thread writes.
-  for (ArrayToSave& array : arrays) {
-    const size_t item = ItemSize(array.spec.dtype);
-    // Replicas of one box hold the same bytes: one copy serves them all.
-    std::map<std::string, const void*> copied;
-    for (ShardData& shard : array.shards) {
-      const int64_t elements = shard.box.num_elements();
-      // Non-empty shards without data were refused above.
-      if (shard.data == nullptr || elements <= 0) continue;
-      std::string box_key;
-      if (shard.num_replicas > 1) {
-        box_key = shard.box.ToString();
-        if (auto it = copied.find(box_key); it != copied.end()) {
-          shard.data = it->second;
-          continue;
-        }
-      }
-      const size_t bytes = static_cast<size_t>(elements) * item;
-      std::unique_ptr<char[]> copy(new (std::nothrow) char[bytes]);
-      if (copy == nullptr) {
-        return ResourceExhaustedError(StrCat("cannot allocate ", bytes,
-                                             " bytes of host staging for array '",
-                                             array.spec.path, "' of step ", step));
-      }
-      std::memcpy(copy.get(), shard.data, bytes);
-      shard.data = copy.get();
-      if (shard.num_replicas > 1) copied.emplace(std::move(box_key), copy.get());
-      job->buffers.push_back(std::move(copy));
-    }
-  }
-  job->arrays = std::move(arrays);
+Status CheckpointManager::SaveAsync(int64_t step, SaveRequest request) {
+  Impl& s = *impl_;
+  TS_RETURN_IF_ERROR(s.CheckOpen());
+  TS_RETURN_IF_ERROR(s.JoinWorker());
+  TS_ASSIGN_OR_RETURN(SaveJob job, s.Prepare(step, std::move(request), /*async=*/true));
+  // The writer says when it has copied everything out of the caller's buffers; only then may
+  // this return.
+  auto released = std::make_shared<std::promise<void>>();
+  std::future<void> copied = released->get_future();
   Impl* impl = impl_.get();
-  impl->worker = std::thread([impl, job = std::move(job)] {
-    impl->background_error = impl->RunSave(job->step, job->dir, job->arrays, nullptr);
+  auto shared_job = std::make_shared<SaveJob>(std::move(job));
+  auto blocking = std::make_shared<std::atomic<double>>(0.0);
+  s.worker = std::thread([impl, shared_job, released, blocking] {
+    WriteStats written;
+    Status status = shared_job->writer->Commit(&written, [&] {
+      blocking->store(SecondsSince(shared_job->start));
+      released->set_value();
+    });
+    if (status.ok()) {
+      SaveStats stats{shared_job->step, true, written.raw_bytes, written.stored_bytes,
+                      blocking->load(), SecondsSince(shared_job->start)};
+      Result<std::vector<int64_t>> doomed = impl->Committed(*shared_job, stats);
+      status = doomed.ok() ? impl->DeleteSteps(*doomed) : doomed.status();
+    }
+    shared_job->writer.reset();
+    impl->background_error = Annotate(status, StrCat("background save of step ", shared_job->step));
   });
+  copied.wait();
   return OkStatus();
+}
+
+bool CheckpointManager::ReachedPreemption(int64_t step) {
+  Impl& s = *impl_;
+  const bool local = g_sigterm_received.load();
+  Coordinator& c = *s.coordinator;
+  if (c.process_count() == 1) return local;
+  // Collective: any process signalled makes every process save at the same step. Keys count
+  // the calls (every process makes the same calls), so they never repeat.
+  const std::string prefix =
+      StrCat("tensorstash-manager/preemption/", s.preemption_checks++, "-", step, "/");
+  if (!c.KeyValueSet(StrCat(prefix, c.process_index()), local ? "1" : "0").ok()) return local;
+  bool any = local;
+  for (int p = 0; p < c.process_count(); ++p) {
+    if (p == c.process_index()) continue;
+    Result<std::string> value =
+        c.KeyValueGet(StrCat(prefix, p), s.options.writer.coordination_timeout);
+    if (value.ok() && *value == "1") any = true;
+  }
+  return any;
 }
 
 Status CheckpointManager::WaitUntilFinished() { return impl_->JoinWorker(); }
@@ -302,6 +544,7 @@ Status CheckpointManager::Close() {
   if (impl_->closed) return OkStatus();
   Status result = impl_->JoinWorker();
   impl_->lock.reset();
+  impl_->RestoreSigterm();
   impl_->closed = true;
   return result;
 }

@@ -7,7 +7,8 @@
 // exists; nothing else is ever listed.
 //
 //   CheckpointManager::Open(&kv, {.max_to_keep = 3, .save_interval_steps = 100}) -> mgr
-//   if (mgr->ShouldSave(step)) mgr->SaveAsync(step, arrays)  // returns once copied to host
+//   if (mgr->ShouldSave(step)) mgr->SaveAsync(step, {.arrays = ..., .metadata_json = ...})
+//                                                     // returns once copied to host
 //   ...
 //   mgr->LatestStep() -> 1200; CheckpointReader::Open(&kv, mgr->StepDir(1200).value())
 //   mgr->Close()
@@ -16,6 +17,7 @@
 // manager, in this process or another on the same machine, is refused with FailedPrecondition
 // until the first is closed or its process dies. Holding the lock is what makes it safe for
 // Open to remove the leftovers of crashed saves and for the manager to cache the step list.
+// In a job of several processes (ManagerOptions::coordinator) process 0 holds the lock.
 //
 // Errors of a background save are kept until the next SaveAsync, Save, WaitUntilFinished or
 // Close, which returns them; they are never dropped (except by the destructor, which cannot
@@ -28,6 +30,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -39,20 +42,48 @@
 
 namespace tensorstash {
 
+// What a save reports (to on_commit, and through Save's `stats`).
+struct SaveStats {
+  int64_t step = 0;
+  bool async = false;
+  uint64_t raw_bytes = 0;       // array bytes this process wrote (before the codec)
+  uint64_t stored_bytes = 0;    // bytes this process wrote to data files
+  double blocking_seconds = 0;  // how long the caller was blocked (Save: until the commit)
+  double total_seconds = 0;     // from the call until the step was committed
+};
+
+enum class BestMode { kMin, kMax };
+
 struct ManagerOptions {
-  // Keep at most this many of the newest complete steps (besides those kept by keep_period);
-  // 0 keeps all.
+  // Keep at most this many complete steps (besides those kept by keep_period): the newest ones,
+  // or with best_metric the best ones (and the newest); 0 keeps all.
   int max_to_keep = 0;
   // Steps divisible by this are never deleted; 0: none are kept that way.
   int64_t keep_period = 0;
   // ShouldSave(step) is true for steps divisible by this; 0 or 1: every step.
   int64_t save_interval_steps = 0;
+  // With a metric name, retention keeps the max_to_keep steps whose SaveRequest::metrics value
+  // of it is best (lowest for kMin, highest for kMax; a step without it ranks last), plus the
+  // newest step, so that a restart still resumes from the latest state.
+  std::string best_metric;
+  BestMode best_mode = BestMode::kMin;
+  // Cap on the host memory that SaveAsync holds for its copies of the shards; 0: a quarter of
+  // physical memory. Above the cap the copy proceeds in waves (SaveAsync returns once the last
+  // wave is copied, so it blocks longer, but memory stays bounded).
+  uint64_t max_staging_bytes = 0;
+  // Installs a SIGTERM handler while the manager is open, so that a preempted job is not
+  // killed at once but sees ReachedPreemption() turn true, saves, and exits. The previous
+  // handler is restored by Close.
+  bool handle_sigterm = false;
+  // The job's processes (null: a single process). Every process opens a manager on the same
+  // root with the same options and calls Save/SaveAsync/ReachedPreemption in the same order;
+  // process 0 takes the lock, cleans up and deletes; the others follow its step list.
+  Coordinator* coordinator = nullptr;
   // Options of the writer of every save (`overwrite` among them).
   WriterOptions writer;
-  // Called after each successful save (and its retention), on the thread that ran the save: the
-  // caller's for Save, the background thread for SaveAsync. Must not call Save/SaveAsync/
-  // WaitUntilFinished/Close.
-  std::function<void(int64_t step, const WriteStats& stats)> on_commit;
+  // Called after each successful commit, on the thread that ran it: the caller's for Save, the
+  // background thread for SaveAsync. Must not call Save/SaveAsync/WaitUntilFinished/Close.
+  std::function<void(const SaveStats& stats)> on_commit;
 };
 
 // One array of a save and this process's shards of it (as in CheckpointWriter::AddArray).
@@ -60,6 +91,25 @@ struct ArrayToSave {
   ArraySpec spec;
   std::vector<ShardData> shards;
 };
+
+// Everything a step holds; all of it is committed together (a step is complete only when all
+// of it is).
+struct SaveRequest {
+  std::vector<ArrayToSave> arrays;
+  // The pytree around the arrays; default: nested dicts built from the array paths.
+  std::optional<TreeNode> tree;
+  // JSON text stored as "metadata.json" (written by process 0); empty: none.
+  std::string metadata_json;
+  // This process's own state (e.g. its data-iterator position), stored as "process/<index>".
+  std::optional<std::string> process_state;
+  // Stored as "metrics.json" (process 0) and used by best_metric retention.
+  std::map<std::string, double> metrics;
+};
+
+// Names of the files a manager's steps hold besides the arrays (CheckpointReader::ReadFile).
+inline constexpr char kMetadataFileName[] = "metadata.json";
+inline constexpr char kMetricsFileName[] = "metrics.json";
+std::string ProcessStateFileName(int process_index);  // "process/<index>"
 
 class CheckpointManager {
  public:
@@ -88,18 +138,26 @@ class CheckpointManager {
   // Whether `step` is due for a save under save_interval_steps.
   bool ShouldSave(int64_t step) const;
 
-  // Saves `step` and returns when it is complete and durable, after applying retention. Waits
-  // for a save in flight first and returns its error, if any, without saving. The shard buffers
-  // are only read during the call. AlreadyExists when the step is complete (and !overwrite);
-  // writer errors as CheckpointWriter::Commit; on failure nothing new is visible.
-  Status Save(int64_t step, const std::vector<ArrayToSave>& arrays, WriteStats* stats = nullptr);
+  // Saves `step` and returns when it is complete and durable; steps that retention drops are
+  // unlisted at once and deleted in the background. Waits for a save in flight first and
+  // returns its error, if any, without saving. The shard buffers are only read during the call.
+  // AlreadyExists when the step is complete (and !overwrite); InvalidArgument for bad arrays,
+  // metadata that is not JSON, or bad metrics; writer errors as CheckpointWriter::Commit. On
+  // failure nothing new is visible.
+  Status Save(int64_t step, SaveRequest request, SaveStats* stats = nullptr);
 
-  // Copies every shard into host memory owned by the manager, then returns; the write, the
-  // commit, retention and the callback run on a background thread, so the buffers may change
-  // as soon as this returns. At most one save is in flight: this first waits for the previous
-  // one and, if it failed, returns that error without starting this save. Errors found before
-  // the copy (bad step, step already complete, invalid arrays) are returned at once.
-  Status SaveAsync(int64_t step, std::vector<ArrayToSave> arrays);
+  // Copies the shards into host memory owned by the manager (in waves above
+  // max_staging_bytes), then returns; the write, the commit, retention and the callback run on
+  // a background thread, so the buffers may change as soon as this returns. At most one save
+  // is in flight: this first waits for the previous one and, if it failed, returns that error
+  // without starting this save. Errors found before the copy (bad step, step already complete,
+  // invalid arrays or metadata) are returned at once; later ones by the next call.
+  Status SaveAsync(int64_t step, SaveRequest request);
+
+  // Whether the job should save now and stop: true once a SIGTERM arrived (handle_sigterm).
+  // With several processes this is collective (every process calls it for the same steps) and
+  // true in all of them when any one was signalled, so that they all save the same step.
+  bool ReachedPreemption(int64_t step);
 
   // Waits for the save in flight; returns its error (once), else OK.
   Status WaitUntilFinished();

@@ -55,6 +55,12 @@ std::vector<ArrayToSave> Describe(const StepState& state) {
   return arrays;
 }
 
+SaveRequest Request(const StepState& state) {
+  SaveRequest request;
+  request.arrays = Describe(state);
+  return request;
+}
+
 // Checks that `step` restores to MakeState(step), bit for bit.
 void ExpectStep(KvStore* kv, int64_t step) {
   SCOPED_TRACE(StrCat("step ", step));
@@ -105,7 +111,7 @@ class CheckpointManagerTest : public test::TempDirTest,
 
   Status SaveStep(CheckpointManager* mgr, int64_t step) {
     const StepState state = MakeState(step);
-    return mgr->Save(step, Describe(state));
+    return mgr->Save(step, Request(state));
   }
 
   std::unique_ptr<KvStore> kv_;
@@ -170,7 +176,9 @@ TEST_P(CheckpointManagerTest, MaxToKeepDeletesTheOldest) {
   auto mgr = OpenManager(options);
   ASSERT_NE(mgr, nullptr);
   for (int64_t step = 1; step <= 5; ++step) TS_ASSERT_OK(SaveStep(mgr.get(), step));
+  // Unlisted at once; deleted in the background.
   EXPECT_THAT(mgr->AllSteps(), ElementsAre(4, 5));
+  TS_ASSERT_OK(mgr->WaitUntilFinished());
   for (int64_t step = 1; step <= 3; ++step) {
     EXPECT_FALSE(HasKeyUnder(kv_.get(), CheckpointManager::StepDir(step).value() + "/")) << step;
   }
@@ -263,16 +271,16 @@ TEST_P(CheckpointManagerTest, SaveAsyncCopiesTheBuffersBeforeReturning) {
   std::atomic<uint64_t> last_bytes{0};
   ManagerOptions options = Fast();
   options.max_to_keep = 2;
-  options.on_commit = [&](int64_t step, const WriteStats& stats) {
+  options.on_commit = [&](const SaveStats& stats) {
     ++commits;
-    last_step = step;
+    last_step = stats.step;
     last_bytes = stats.raw_bytes;
   };
   auto mgr = OpenManager(options);
   ASSERT_NE(mgr, nullptr);
   for (int64_t step = 1; step <= 4; ++step) {
     StepState state = MakeState(step);
-    TS_ASSERT_OK(mgr->SaveAsync(step, Describe(state)));
+    TS_ASSERT_OK(mgr->SaveAsync(step, Request(state)));
     // The training loop goes on changing its state at once.
     std::fill(state.w.begin(), state.w.end(), -1.0f);
     std::fill(state.b.begin(), state.b.end(), -1);
@@ -286,9 +294,9 @@ TEST_P(CheckpointManagerTest, SaveAsyncCopiesTheBuffersBeforeReturning) {
   ExpectStep(kv_.get(), 4);
   // A complete step and invalid arrays are refused at once.
   const StepState state = MakeState(4);
-  EXPECT_EQ(mgr->SaveAsync(4, Describe(state)).code(), absl::StatusCode::kAlreadyExists);
-  std::vector<ArrayToSave> bad = Describe(state);
-  bad[0].shards[1].box = Box({3, 0}, {4, 5});  // past the shape
+  EXPECT_EQ(mgr->SaveAsync(4, Request(state)).code(), absl::StatusCode::kAlreadyExists);
+  SaveRequest bad = Request(state);
+  bad.arrays[0].shards[1].box = Box({3, 0}, {4, 5});  // past the shape
   Status refused = mgr->SaveAsync(5, bad);
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
   EXPECT_THAT(refused.message(), HasSubstr("params/w"));
@@ -360,7 +368,7 @@ TEST(CheckpointManagerAsyncErrorTest, BackgroundErrorsSurfaceOnTheNextCallOnce) 
   // WaitUntilFinished returns the error, once.
   kv.fail = true;
   StepState s1 = MakeState(1);
-  TS_ASSERT_OK(mgr.SaveAsync(1, Describe(s1)));
+  TS_ASSERT_OK(mgr.SaveAsync(1, Request(s1)));
   Status error = mgr.WaitUntilFinished();
   EXPECT_EQ(error.code(), absl::StatusCode::kResourceExhausted) << error;
   EXPECT_THAT(error.message(), HasSubstr("disk full"));
@@ -369,13 +377,13 @@ TEST(CheckpointManagerAsyncErrorTest, BackgroundErrorsSurfaceOnTheNextCallOnce) 
 
   // The next SaveAsync returns it, and does not start its own save.
   StepState s2 = MakeState(2);
-  TS_ASSERT_OK(mgr.SaveAsync(2, Describe(s2)));
+  TS_ASSERT_OK(mgr.SaveAsync(2, Request(s2)));
   StepState s3 = MakeState(3);
-  EXPECT_EQ(mgr.SaveAsync(3, Describe(s3)).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(mgr.SaveAsync(3, Request(s3)).code(), absl::StatusCode::kResourceExhausted);
   TS_EXPECT_OK(mgr.WaitUntilFinished());  // nothing was started
   EXPECT_THAT(mgr.AllSteps(), ::testing::IsEmpty());
   kv.fail = false;
-  TS_ASSERT_OK(mgr.SaveAsync(3, Describe(s3)));
+  TS_ASSERT_OK(mgr.SaveAsync(3, Request(s3)));
   TS_ASSERT_OK(mgr.WaitUntilFinished());
   EXPECT_EQ(mgr.LatestStep(), 3);
   ExpectStep(&base, 3);
@@ -383,7 +391,7 @@ TEST(CheckpointManagerAsyncErrorTest, BackgroundErrorsSurfaceOnTheNextCallOnce) 
   // Close returns it too.
   kv.fail = true;
   StepState s4 = MakeState(4);
-  TS_ASSERT_OK(mgr.SaveAsync(4, Describe(s4)));
+  TS_ASSERT_OK(mgr.SaveAsync(4, Request(s4)));
   EXPECT_EQ(mgr.Close().code(), absl::StatusCode::kResourceExhausted);
   TS_EXPECT_OK(mgr.Close());
   // A failed save leaves nothing behind.
@@ -399,12 +407,12 @@ TEST(CheckpointManagerAsyncErrorTest, SaveAsyncReturnsThePreviousError) {
   ASSERT_TRUE(opened.ok()) << opened.status();
   kv.fail = true;
   StepState s1 = MakeState(1);
-  TS_ASSERT_OK((*opened)->SaveAsync(1, Describe(s1)));
+  TS_ASSERT_OK((*opened)->SaveAsync(1, Request(s1)));
   // Waits for step 1, which failed.
   StepState s2 = MakeState(2);
-  EXPECT_EQ((*opened)->SaveAsync(2, Describe(s2)).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ((*opened)->SaveAsync(2, Request(s2)).code(), absl::StatusCode::kResourceExhausted);
   kv.fail = false;
-  TS_ASSERT_OK((*opened)->SaveAsync(2, Describe(s2)));
+  TS_ASSERT_OK((*opened)->SaveAsync(2, Request(s2)));
   TS_ASSERT_OK((*opened)->Close());
   ExpectStep(&base, 2);
 }

@@ -239,7 +239,34 @@ Status CheckpointReader::Read(const ReadRequest& request, ReadStats* stats) {
   return ReadMany({request}, stats);
 }
 
-Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats) {
+Result<std::string> CheckpointReader::ReadFile(std::string_view name) const {
+  const Impl& s = *impl_;
+  auto it = s.commit.files.find(std::string(name));
+  if (it == s.commit.files.end()) {
+    return NotFoundError(StrCat("step '", s.dir, "' has no committed file '", name, "'"));
+  }
+  const std::string key = StrCat(s.dir, "/", name);
+  const CommitFile& expected = it->second;
+  // The size is checked before the file is read whole: COMMIT bounds the allocation.
+  Result<uint64_t> size = s.kv->Size(key);
+  if (absl::IsNotFound(size.status())) {
+    return DataLossError(StrCat("'", key, "' is missing from a committed step"));
+  }
+  TS_RETURN_IF_ERROR(size.status());
+  if (*size != expected.size) {
+    return DataLossError(StrCat("'", key, "' has ", *size, " bytes but its commit record says ",
+                                expected.size, ": the file is damaged or was replaced"));
+  }
+  TS_ASSIGN_OR_RETURN(std::string bytes, s.kv->Read(key));
+  if (bytes.size() != expected.size || Crc32c(bytes) != expected.crc32c) {
+    return DataLossError(StrCat("'", key, "' does not match the CRC-32C in its commit record: "
+                                "the file is damaged or was replaced"));
+  }
+  return bytes;
+}
+
+Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats,
+                                  const std::function<void(uint64_t, uint64_t)>& progress) {
   Impl& s = *impl_;
   std::vector<Piece> pieces;
   std::vector<ChunkRead> chunk_reads;
@@ -327,6 +354,12 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
   }
   ByteLimiter limiter(s.options.max_inflight_bytes);
   std::mutex stats_mutex;
+  uint64_t total_bytes = 0;
+  for (const ReadRequestPlan& plan : plans) total_bytes += plan.length;
+  // Called with stats_mutex held, so that calls never overlap.
+  auto report_progress = [&] {
+    if (progress) progress(local.bytes_read, total_bytes);
+  };
   TaskGroup group(s.pool.get());
   for (const ReadRequestPlan& each : plans) {
     group.Run([&, plan_ptr = &each]() -> Status {
@@ -340,6 +373,7 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
         local.bytes_read += plan.length;
         ++local.requests;
         local.direct_chunks += plan.chunks.size();
+        report_progress();
         return OkStatus();
       }
       // Staged: the span, plus room to decode the largest chunk when the codec needs it.
@@ -379,6 +413,7 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
       local.bytes_read += plan.length;
       ++local.requests;
       local.staged_chunks += plan.chunks.size();
+      report_progress();
       return OkStatus();
     });
   }
@@ -448,6 +483,11 @@ Result<std::vector<BadChunk>> CheckpointReader::Verify(
       });
     }
     TS_RETURN_IF_ERROR(group.Wait());
+  }
+  for (const auto& [name, file] : s.commit.files) {
+    if (Result<std::string> read = ReadFile(name); !read.ok()) {
+      bad.push_back({"", "", StrCat(s.dir, "/", name), std::string(read.status().message())});
+    }
   }
   std::sort(bad.begin(), bad.end(), [](const BadChunk& a, const BadChunk& b) {
     return std::tie(a.array_path, a.chunk) < std::tie(b.array_path, b.chunk);

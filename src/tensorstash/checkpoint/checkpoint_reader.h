@@ -91,10 +91,19 @@ class CheckpointReader {
   // destination holds unspecified data.
   Status Read(const ReadRequest& request, ReadStats* stats = nullptr);
   // Reads several requests in parallel under one byte cap; first error wins.
-  Status ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats = nullptr);
+  // `progress(done_bytes, total_bytes)` (stored bytes) is called from the reader threads, one
+  // call at a time, as requests complete.
+  Status ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats = nullptr,
+                  const std::function<void(uint64_t, uint64_t)>& progress = nullptr);
 
-  // Reads every stored chunk and checks its CRC-32C (and that it decodes). Returns the bad
-  // chunks (empty when all are good); a non-OK status only when verification itself could not
+  // Reads a whole file committed with the step (CheckpointWriter::AddFile), e.g.
+  // "metadata.json", and checks its size and CRC-32C against COMMIT. NotFound when COMMIT lists
+  // no such file; DataLoss when it is missing, truncated or altered.
+  Result<std::string> ReadFile(std::string_view name) const;
+
+  // Reads every stored chunk and checks its CRC-32C (and that it decodes), and every committed
+  // file (ReadFile). Returns the bad chunks and files (empty when all are good; a bad file has
+  // an empty array_path); a non-OK status only when verification itself could not
   // run. `progress(done_bytes, total_bytes)` is called from time to time.
   Result<std::vector<BadChunk>> Verify(
       const std::function<void(uint64_t, uint64_t)>& progress = nullptr);

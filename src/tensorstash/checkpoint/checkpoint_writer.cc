@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <random>
 #include <set>
@@ -65,19 +66,6 @@ struct ChunkTask {
   int lane = 0;
   DataFileSet::Location location{};
 };
-
-// Statuses cross process boundaries as "<code>|<message>".
-std::string EncodeStatus(const Status& status) {
-  return StrCat(static_cast<int>(status.code()), "|", status.message());
-}
-Status DecodeStatus(std::string_view text) {
-  const size_t bar = text.find('|');
-  int code = 0;
-  if (bar == std::string_view::npos || !ParseInt(text.substr(0, bar), &code)) {
-    return InternalError(StrCat("malformed status from another process: ", text));
-  }
-  return Status(static_cast<absl::StatusCode>(code), std::string(text.substr(bar + 1)));
-}
 
 std::string RandomNonce() {
   std::random_device device;
@@ -135,7 +123,47 @@ std::string ArrayDigest(const ArraySpec& spec, int64_t target_chunk_bytes) {
                              target_chunk_bytes)));
 }
 
+// Adds another process's "files/<p>" listing ("<size> <crc> <name>" lines) to `files`.
+Status MergeFileListing(std::string_view listing, int from,
+                        std::map<std::string, CommitFile>* files) {
+  for (std::string_view line : StrSplit(listing, '\n')) {
+    if (line.empty()) continue;
+    const size_t a = line.find(' ');
+    const size_t b = a == std::string_view::npos ? a : line.find(' ', a + 1);
+    CommitFile f;
+    uint64_t crc = 0;
+    if (b == std::string_view::npos || !ParseInt(line.substr(0, a), &f.size) ||
+        !ParseInt(line.substr(a + 1, b - a - 1), &crc) || crc > UINT32_MAX) {
+      return InternalError(StrCat("malformed file listing from process ", from));
+    }
+    f.crc32c = static_cast<uint32_t>(crc);
+    const std::string name(line.substr(b + 1));
+    if (!files->emplace(name, f).second) {
+      return InvalidArgumentError(StrCat("file '", name, "' was added by process ", from,
+                                         " and by another process; names must be unique"));
+    }
+  }
+  return OkStatus();
+}
+
 }  // namespace
+
+Status ValidateStepFileName(std::string_view name) {
+  auto bad = [&](std::string_view why) {
+    return InvalidArgumentError(StrCat("invalid step file name '", name, "': ", why));
+  };
+  TS_RETURN_IF_ERROR(Annotate(ValidateKey(name), StrCat("step file name '", name, "'")));
+  for (char ch : name) {
+    const bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                    (ch >= '0' && ch <= '9') || ch == '.' || ch == '_' || ch == '-' || ch == '/';
+    if (!ok) return bad("only letters, digits, '.', '_', '-' and '/' are allowed");
+  }
+  if (name == kCommitFileName) return bad("reserved for the commit record");
+  if (name == kStateItem || name.rfind(StrCat(kStateItem, "/"), 0) == 0) {
+    return bad("the \"state\" folder holds the arrays");
+  }
+  return OkStatus();
+}
 
 struct CheckpointWriter::Impl {
   KvStore* kv;
@@ -145,7 +173,9 @@ struct CheckpointWriter::Impl {
   SingleProcessCoordinator own_coordinator;
   std::vector<ArrayEntry> arrays;
   std::optional<TreeNode> tree;
+  std::map<std::string, std::string> step_files;  // AddFile: name -> contents
   bool commit_started = false;
+  std::function<void()> on_sources_released;  // called once (ReleaseSources)
 
   std::string key_prefix;  // for coordinator keys of this commit
   std::string work_dir;    // where files are written (temporary folder, or dir)
@@ -156,7 +186,14 @@ struct CheckpointWriter::Impl {
   Status WriteLocal(ChunkIndex* local, WriteStats* stats);
   Status WriteTask(const ChunkTask& task, DataFileSet* files, ByteLimiter* limiter,
                    std::mutex* mutex, std::vector<IndexEntry>* entries, WriteStats* stats);
-  Status MergeAndCommit(ChunkIndex local);
+  Status GatherChunk(const ChunkTask& task, char* out) const;
+  Status WriteChunk(const ChunkTask& task, std::string_view raw, DataFileSet* files,
+                    std::mutex* mutex, std::vector<IndexEntry>* entries, WriteStats* stats);
+  Status WriteFiles(std::map<std::string, CommitFile>* written);
+  Status MergeAndCommit(ChunkIndex local, std::map<std::string, CommitFile> committed_files);
+  void ReleaseSources() {
+    if (on_sources_released) std::exchange(on_sources_released, nullptr)();
+  }
   void RemoveWorkDir();
 };
 
@@ -220,8 +257,28 @@ Status CheckpointWriter::AddArray(ArraySpec spec, std::vector<ShardData> shards)
 
 void CheckpointWriter::SetTree(TreeNode root) { impl_->tree = std::move(root); }
 
-Status CheckpointWriter::Commit(WriteStats* stats) {
+Status CheckpointWriter::AddFile(std::string name, std::string contents) {
+  if (impl_->commit_started) return FailedPreconditionError("Commit was already called");
+  TS_RETURN_IF_ERROR(ValidateStepFileName(name));
+  if (contents.size() > kMaxStepFileBytes) {
+    return InvalidArgumentError(StrCat("file '", name, "' has ", contents.size(),
+                                       " bytes, more than the limit of ", kMaxStepFileBytes));
+  }
+  if (!impl_->step_files.emplace(name, std::move(contents)).second) {
+    return InvalidArgumentError(StrCat("file '", name, "' was added twice"));
+  }
+  return OkStatus();
+}
+
+Status CheckpointWriter::Commit(WriteStats* stats,
+                               const std::function<void()>& on_sources_released) {
   Impl& s = *impl_;
+  if (on_sources_released) s.on_sources_released = on_sources_released;
+  // Whatever path Commit takes, the caller learns that its buffers are free before it returns.
+  struct ReleaseOnExit {
+    Impl* impl;
+    ~ReleaseOnExit() { impl->ReleaseSources(); }
+  } release_on_exit{&s};
   if (s.commit_started) return FailedPreconditionError("Commit was already called");
   s.commit_started = true;
   const auto start = std::chrono::steady_clock::now();
@@ -235,13 +292,13 @@ Status CheckpointWriter::Commit(WriteStats* stats) {
     Result<std::string> work_dir = s.PrepareStepFolder();
     TS_RETURN_IF_ERROR(c.KeyValueSet(
         s.key_prefix + "workdir",
-        work_dir.ok() ? StrCat("+", *work_dir) : EncodeStatus(work_dir.status())));
+        work_dir.ok() ? StrCat("+", *work_dir) : EncodeStatusForPeers(work_dir.status())));
     if (!work_dir.ok()) return work_dir.status();
     s.work_dir = *work_dir;
   } else {
     TS_ASSIGN_OR_RETURN(std::string value, c.KeyValueGet(s.key_prefix + "workdir", timeout));
     if (value.empty() || value[0] != '+') {
-      return Annotate(DecodeStatus(value), "process 0 could not prepare the step");
+      return Annotate(DecodeStatusFromPeer(value), "process 0 could not prepare the step");
     }
     s.work_dir = value.substr(1);
   }
@@ -250,8 +307,19 @@ Status CheckpointWriter::Commit(WriteStats* stats) {
   TS_RETURN_IF_ERROR(s.AgreeOnGrids());
   ChunkIndex local;
   Status written = s.WriteLocal(&local, &local_stats);
+  s.ReleaseSources();
+  // Then this process's whole files; their checks travel to process 0 under "files/<p>".
+  std::map<std::string, CommitFile> committed_files;
+  if (written.ok()) written = s.WriteFiles(&committed_files);
+  if (c.process_count() > 1) {
+    std::string listing;
+    for (const auto& [name, f] : committed_files) {
+      listing += StrCat(f.size, " ", f.crc32c, " ", name, "\n");
+    }
+    TS_RETURN_IF_ERROR(c.KeyValueSet(StrCat(s.key_prefix, "files/", c.process_index()), listing));
+  }
   TS_RETURN_IF_ERROR(c.KeyValueSet(StrCat(s.key_prefix, "status/", c.process_index()),
-                                   EncodeStatus(written)));
+                                   EncodeStatusForPeers(written)));
 
   Status result;
   if (c.process_index() == 0) {
@@ -262,17 +330,23 @@ Status CheckpointWriter::Commit(WriteStats* stats) {
     for (int p = 1; p < c.process_count(); ++p) {
       Result<std::string> status = c.KeyValueGet(StrCat(s.key_prefix, "status/", p), timeout);
       Status process_status = status.ok()
-                                  ? Annotate(DecodeStatus(*status), StrCat("process ", p))
+                                  ? Annotate(DecodeStatusFromPeer(*status), StrCat("process ", p))
                                   : status.status();
+      if (process_status.ok()) {
+        // Set before the status, so this does not wait.
+        Result<std::string> listing = c.KeyValueGet(StrCat(s.key_prefix, "files/", p), timeout);
+        process_status = listing.ok() ? MergeFileListing(*listing, p, &committed_files)
+                                      : listing.status();
+      }
       if (result.ok()) result = process_status;
     }
-    if (result.ok()) result = s.MergeAndCommit(std::move(local));
+    if (result.ok()) result = s.MergeAndCommit(std::move(local), std::move(committed_files));
     if (!result.ok()) s.RemoveWorkDir();
-    TS_RETURN_IF_ERROR(c.KeyValueSet(s.key_prefix + "result", EncodeStatus(result)));
+    TS_RETURN_IF_ERROR(c.KeyValueSet(s.key_prefix + "result", EncodeStatusForPeers(result)));
   } else {
     // 5. Wait for process 0's verdict.
     TS_ASSIGN_OR_RETURN(std::string value, c.KeyValueGet(s.key_prefix + "result", timeout));
-    result = written.ok() ? DecodeStatus(value) : written;
+    result = written.ok() ? DecodeStatusFromPeer(value) : written;
   }
   local_stats.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -458,7 +532,43 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   std::mutex mutex;
   std::vector<IndexEntry> entries;
   entries.reserve(tasks.size());
-  {
+  if (options.copy_sources) {
+    // This thread copies every chunk into staging, in waves when the cap is reached (it waits
+    // for writes to free staging), and hands each copy to the pool to write; the caller's
+    // buffers are free once the last copy is made, long before the last write ends.
+    struct StagedChunk {
+      StagedChunk(ByteLimiter* l, uint64_t r, size_t size) : limiter(l), reserved(r), buffer(size) {}
+      StagedChunk(const StagedChunk&) = delete;
+      StagedChunk& operator=(const StagedChunk&) = delete;
+      ByteLimiter* limiter;
+      uint64_t reserved;
+      StagingBuffer buffer;
+      // Released when the write task ends, or when the group skips it after an error.
+      ~StagedChunk() { limiter->Release(reserved); }
+    };
+    TaskGroup group(&pool);
+    for (const ChunkTask* task : order) {
+      if (group.failed()) break;
+      const ArrayEntry& a = arrays[task->array_id];
+      const uint64_t raw_size = task->chunk_box.num_elements() * ItemSize(a.spec.dtype);
+      // The reservation covers the compressed copy too, so that a write never waits for
+      // staging that only the copying thread could free.
+      const uint64_t reserved =
+          raw_size + (a.spec.codec == Codec::kNone ? 0 : MaxEncodedSize(a.spec.codec, raw_size));
+      limiter.Acquire(reserved);
+      auto staged = std::make_shared<StagedChunk>(&limiter, reserved, raw_size);
+      if (Status copied = GatherChunk(*task, staged->buffer.data()); !copied.ok()) {
+        group.Fail(copied);
+        break;
+      }
+      group.Run([&, task, staged] {
+        return WriteChunk(*task, std::string_view(staged->buffer.data(), staged->buffer.size()),
+                          &files, &mutex, &entries, stats);
+      });
+    }
+    ReleaseSources();
+    TS_RETURN_IF_ERROR(group.Wait());
+  } else {
     TaskGroup group(&pool);
     for (const ChunkTask* task : order) {
       group.Run([&, task] { return WriteTask(*task, &files, &limiter, &mutex, &entries, stats); });
@@ -479,6 +589,19 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   return OkStatus();
 }
 
+Status CheckpointWriter::Impl::GatherChunk(const ChunkTask& task, char* out) const {
+  const ArrayEntry& a = arrays[task.array_id];
+  const ShardData& shard = *task.shard;
+  const size_t item = ItemSize(a.spec.dtype);
+  if (IsContiguousIn(task.chunk_box, shard.box)) {
+    std::memcpy(out, static_cast<const char*>(shard.data) + ByteOffsetIn(task.chunk_box, shard.box, item),
+                task.chunk_box.num_elements() * item);
+    return OkStatus();
+  }
+  return CopyBox(task.chunk_box, a.spec.dtype, shard.data, shard.box, a.spec.dtype, out,
+                 task.chunk_box, a.spec.path);
+}
+
 Status CheckpointWriter::Impl::WriteTask(const ChunkTask& task, DataFileSet* files,
                                          ByteLimiter* limiter, std::mutex* mutex,
                                          std::vector<IndexEntry>* entries, WriteStats* stats) {
@@ -487,21 +610,27 @@ Status CheckpointWriter::Impl::WriteTask(const ChunkTask& task, DataFileSet* fil
   const size_t item = ItemSize(a.spec.dtype);
   const uint64_t raw_size = task.chunk_box.num_elements() * item;
   const bool contiguous = IsContiguousIn(task.chunk_box, shard.box);
-  const char* raw = static_cast<const char*>(shard.data) + ByteOffsetIn(task.chunk_box, shard.box, item);
 
   // Staging is needed to gather a non-contiguous chunk and to hold compressed bytes; a
   // contiguous uncompressed chunk goes straight from the caller's buffer to the file.
   uint64_t staging = (contiguous ? 0 : raw_size) + (a.spec.codec == Codec::kNone ? 0 : MaxEncodedSize(a.spec.codec, raw_size));
   ByteReservation reservation(limiter, staging);
+  const char* raw = static_cast<const char*>(shard.data) + ByteOffsetIn(task.chunk_box, shard.box, item);
   StagingBuffer gathered;
   if (!contiguous) {
     gathered = StagingBuffer(raw_size);
-    TS_RETURN_IF_ERROR(CopyBox(task.chunk_box, a.spec.dtype, shard.data, shard.box, a.spec.dtype,
-                               gathered.data(), task.chunk_box, a.spec.path));
+    TS_RETURN_IF_ERROR(GatherChunk(task, gathered.data()));
     raw = gathered.data();
   }
+  return WriteChunk(task, std::string_view(raw, raw_size), files, mutex, entries, stats);
+}
+
+Status CheckpointWriter::Impl::WriteChunk(const ChunkTask& task, std::string_view raw,
+                                          DataFileSet* files, std::mutex* mutex,
+                                          std::vector<IndexEntry>* entries, WriteStats* stats) {
+  const ArrayEntry& a = arrays[task.array_id];
   std::string encoded;
-  std::string_view stored(raw, raw_size);
+  std::string_view stored = raw;
   if (a.spec.codec != Codec::kNone) {
     TS_RETURN_IF_ERROR(EncodeChunk(a.spec.codec, a.spec.zstd_level, stored, &encoded));
     stored = encoded;
@@ -517,13 +646,24 @@ Status CheckpointWriter::Impl::WriteTask(const ChunkTask& task, DataFileSet* fil
   std::lock_guard<std::mutex> lock(*mutex);
   entries->push_back({task.array_id, location.file_id, static_cast<uint64_t>(task.chunk),
                       location.offset, stored.size(), crc});
-  stats->raw_bytes += raw_size;
+  stats->raw_bytes += raw.size();
   stats->stored_bytes += stored.size();
   ++stats->chunks;
   return OkStatus();
 }
 
-Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local) {
+Status CheckpointWriter::Impl::WriteFiles(std::map<std::string, CommitFile>* written) {
+  for (const auto& [name, contents] : step_files) {
+    const std::string key = StrCat(work_dir, "/", name);
+    TS_RETURN_IF_ERROR(kv->Write(key, contents));
+    if (options.sync) TS_RETURN_IF_ERROR(kv->Sync(key));
+    (*written)[name] = {contents.size(), Crc32c(contents)};
+  }
+  return OkStatus();
+}
+
+Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local,
+                                              std::map<std::string, CommitFile> committed_files) {
   Coordinator& c = *coordinator;
   const std::string item_dir = ItemDir(work_dir, kStateItem);
   ChunkIndex merged = std::move(local);
@@ -597,6 +737,7 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local) {
   item.index_size = index_bytes.size();
   for (const DataFileInfo& f : merged.files) item.data_bytes += f.size;
   item.num_arrays = arrays.size();
+  record.files = std::move(committed_files);
   const std::string commit_key = StrCat(work_dir, "/", kCommitFileName);
   TS_RETURN_IF_ERROR(kv->Write(commit_key, EncodeCommitRecord(record)));
   if (options.sync) {

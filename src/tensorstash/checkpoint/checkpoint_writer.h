@@ -19,9 +19,11 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tensorstash/array/box.h"
@@ -50,6 +52,11 @@ struct WriterOptions {
   bool overwrite = false;
   // How long to wait for the other processes at each step of the protocol.
   std::chrono::milliseconds coordination_timeout = std::chrono::minutes(30);
+  // Copy every chunk into a staging buffer (under max_inflight_bytes) before writing it, even
+  // a contiguous one, so that the shard buffers are free as soon as the last chunk is copied
+  // rather than when the last write ends (async saves). Above the cap the copy proceeds in
+  // waves: it waits for earlier chunks' writes to free staging.
+  bool copy_sources = false;
 };
 
 struct ArraySpec {
@@ -77,6 +84,13 @@ struct WriteStats {
   double seconds = 0;         // wall time of Commit
 };
 
+// The largest file AddFile takes (metadata and per-process state are meant to be small).
+inline constexpr uint64_t kMaxStepFileBytes = uint64_t{64} << 20;
+
+// OK when `name` may be the name of a file added with AddFile: a relative key of letters,
+// digits, '.', '_', '-' and '/', not "COMMIT" and not under "state/"; else InvalidArgument.
+Status ValidateStepFileName(std::string_view name);
+
 class CheckpointWriter {
  public:
   // `dir` is the step folder's key in `kv` (e.g. "run1/0000001000"). `coordinator` may be null
@@ -92,6 +106,13 @@ class CheckpointWriter {
   // shard box outside the shape, null data, or replica ids out of range.
   Status AddArray(ArraySpec spec, std::vector<ShardData> shards);
 
+  // Adds a whole file of this process to the step, at `name` inside the step folder (e.g.
+  // "metadata.json", "process/3"). COMMIT records its size and CRC-32C, so it is committed
+  // with the arrays and checked when read (CheckpointReader::ReadFile). Names must be unique
+  // across all processes; a collision fails the commit. InvalidArgument for a bad name (not a
+  // relative key, or under "state/", or "COMMIT") or one larger than kMaxStepFileBytes.
+  Status AddFile(std::string name, std::string contents);
+
   // Replaces the default tree (nested dicts built from the array paths). Array leaves refer to
   // arrays by the order of AddArray calls. Checked at Commit.
   void SetTree(TreeNode root);
@@ -100,7 +121,11 @@ class CheckpointWriter {
   // On success the step is complete and durable (with `sync`). On failure returns the first
   // error of any process (every process returns an error), and the step is not visible.
   // AlreadyExists when the step is already complete and !overwrite. May be called once.
-  Status Commit(WriteStats* stats = nullptr);
+  // `on_sources_released`, when set, is called exactly once, before Commit returns, as soon as
+  // the shard buffers will not be read again (with copy_sources: once every chunk is copied;
+  // otherwise once every chunk is written; on failure: when the failure is known).
+  Status Commit(WriteStats* stats = nullptr,
+                const std::function<void()>& on_sources_released = nullptr);
 
  private:
   struct Impl;

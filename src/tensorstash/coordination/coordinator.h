@@ -45,6 +45,11 @@ class Coordinator {
   uint64_t next_operation_id_ = 0;
 };
 
+// Statuses cross process boundaries as text: "<code>|<message>".
+std::string EncodeStatusForPeers(const Status& status);
+// The inverse; Internal when `text` is not such a status.
+Status DecodeStatusFromPeer(std::string_view text);
+
 }  // namespace tensorstash
 
 #endif  // TENSORSTASH_COORDINATION_COORDINATOR_H_

@@ -61,6 +61,21 @@ Result<CommitRecord> DecodeImpl(std::string_view text, std::string_view where) {
     c.index_crc32c = static_cast<uint32_t>(index_crc);
     record.items[name] = c;
   }
+  if (doc.contains("files")) {
+    const json& files = doc["files"];
+    if (!files.is_object()) return bad("\"files\" is not an object");
+    for (const auto& [name, file] : files.items()) {
+      if (!ValidateKey(name).ok()) return bad(StrCat("invalid file name \"", name, "\""));
+      if (!file.is_object()) return bad(StrCat("file \"", name, "\" is not an object"));
+      const json& size = file.at("size");
+      const json& crc = file.at("crc32c");
+      if (!size.is_number_unsigned() || !crc.is_number_unsigned() ||
+          crc.get<uint64_t>() > UINT32_MAX) {
+        return bad(StrCat("file \"", name, "\": \"size\" or \"crc32c\" is not a number in range"));
+      }
+      record.files[name] = {size.get<uint64_t>(), static_cast<uint32_t>(crc.get<uint64_t>())};
+    }
+  }
   return record;
 }
 
@@ -69,7 +84,7 @@ Result<CommitRecord> DecodeImpl(std::string_view text, std::string_view where) {
 std::string EncodeCommitRecord(const CommitRecord& record) {
   json doc;
   doc["format"] = kCommitFormatName;
-  doc["version"] = {kCommitMajorVersion, kCommitMinorVersion};
+  doc["version"] = {kCommitMajorVersion, record.files.empty() ? 0 : kCommitMinorVersion};
   doc["created_unix_ms"] = record.created_unix_ms;
   doc["process_count"] = record.process_count;
   json items = json::object();
@@ -79,6 +94,13 @@ std::string EncodeCommitRecord(const CommitRecord& record) {
                    {"data_bytes", c.data_bytes}, {"num_arrays", c.num_arrays}};
   }
   doc["items"] = std::move(items);
+  if (!record.files.empty()) {
+    json files = json::object();
+    for (const auto& [name, f] : record.files) {
+      files[name] = {{"size", f.size}, {"crc32c", f.crc32c}};
+    }
+    doc["files"] = std::move(files);
+  }
   return doc.dump(1) + "\n";
 }
 

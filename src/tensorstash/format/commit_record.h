@@ -3,7 +3,8 @@
 //
 // It is a small JSON object that names the format version, when and by how many processes the
 // step was written, and for each item the CRC-32C and size of its tree.json and index, so that a
-// reader detects a swapped or damaged metadata file before it trusts it.
+// reader detects a swapped or damaged metadata file before it trusts it; likewise for the whole
+// files committed with the step ("files": metadata.json, process/<index>, ...).
 //
 // Thread-safety: value type and pure functions.
 #ifndef TENSORSTASH_FORMAT_COMMIT_RECORD_H_
@@ -19,7 +20,8 @@
 namespace tensorstash {
 
 inline constexpr int kCommitMajorVersion = 1;
-inline constexpr int kCommitMinorVersion = 0;
+// 1.1 adds "files"; a record without files is written as 1.0.
+inline constexpr int kCommitMinorVersion = 1;
 inline constexpr char kCommitFileName[] = "COMMIT";
 inline constexpr uint64_t kMaxCommitRecordBytes = 1 << 20;
 
@@ -33,10 +35,18 @@ struct CommitItem {
   bool operator==(const CommitItem&) const = default;
 };
 
+// A whole file committed with the step (metadata, per-process state): its checks.
+struct CommitFile {
+  uint64_t size = 0;
+  uint32_t crc32c = 0;
+  bool operator==(const CommitFile&) const = default;
+};
+
 struct CommitRecord {
   int64_t created_unix_ms = 0;
   int process_count = 1;
   std::map<std::string, CommitItem> items;  // item name ("state") -> its checks
+  std::map<std::string, CommitFile> files;  // path inside the step folder -> its checks
   bool operator==(const CommitRecord&) const = default;
 };
 
