@@ -14,6 +14,9 @@
 namespace nb = nanobind;
 
 namespace tensorstash::python {
+
+void DefineManager(nb::module_& m);  // manager.cc (its place is bindings.h, with the others)
+
 namespace {
 
 std::vector<std::string> DTypeNames() {
@@ -29,11 +32,12 @@ size_t ItemSizeOf(const std::string& dtype) { return ItemSize(ValueOrThrow(Parse
 
 NB_MODULE(_ext, m) {
   namespace py = tensorstash::python;
-  m.doc() = "Native core of tensorstash: checkpoint writer and reader.";
+  m.doc() = "Native core of tensorstash: checkpoint writer, reader and manager.";
   m.def("dtype_names", &py::DTypeNames,
         "The element type names a checkpoint can store, as NumPy and ml_dtypes spell them.");
   m.def("item_size", &py::ItemSizeOf, nb::arg("dtype"),
         "Bytes per element of `dtype`; ValueError for an unknown name.");
   py::DefineWriter(m);
   py::DefineReader(m);
+  py::DefineManager(m);
 }

@@ -1,15 +1,20 @@
 // tensorstash._ext.Reader: CheckpointReader on a FileKvStore.
 //
 // Opening, reading and verifying release the GIL: they wait on storage, and other Python threads
-// (a training step, another reader) can run meanwhile.
+// (a training step, another reader) can run meanwhile. A read_many progress callable is called
+// from the reader's threads with the GIL taken back, at most about ten times a second plus once
+// at the end.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -30,6 +35,52 @@ namespace {
 // (path, origin, shape, dtype name, out); out is checked by CastWritableBytes.
 using RequestTuple =
     std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>, std::string, nb::object>;
+
+// Forwards the reader's progress(done, total) to a Python callable, throttled: the reader calls
+// it once per finished request, which can be thousands of times a second. Calls arrive one at a
+// time (CheckpointReader::ReadMany), from threads that do not hold the GIL.
+class ThrottledProgress {
+ public:
+  static constexpr std::chrono::milliseconds kInterval{100};
+
+  explicit ThrottledProgress(nb::handle callable) : callable_(callable) {}
+
+  void operator()(uint64_t done, uint64_t total) {
+    const bool final = done >= total;
+    const auto now = std::chrono::steady_clock::now();
+    if (error_.has_value() || (!final && now - last_call_ < kInterval)) return;
+    last_call_ = now;
+    total_ = total;
+    final_reported_ = final;
+    nb::gil_scoped_acquire gil;
+    try {
+      callable_(done, total);
+    } catch (nb::python_error& error) {
+      error_.emplace(std::move(error));  // raised by Finish; no further calls
+    }
+  }
+
+  // After a successful read, with the GIL held: the final call when the reader made none (an
+  // empty read), then the callable's exception, if it raised one.
+  void Finish() {
+    if (!error_.has_value() && !final_reported_) {
+      final_reported_ = true;
+      callable_(total_, total_);
+    }
+    if (error_.has_value()) {
+      nb::python_error error = std::move(*error_);
+      error_.reset();
+      throw error;
+    }
+  }
+
+ private:
+  nb::handle callable_;
+  std::chrono::steady_clock::time_point last_call_{};
+  uint64_t total_ = 0;
+  bool final_reported_ = false;
+  std::optional<nb::python_error> error_;  // written with the GIL held
+};
 
 class Reader {
  public:
@@ -59,7 +110,10 @@ class Reader {
   int64_t created_unix_ms() const { return reader_->commit_record().created_unix_ms; }
   int process_count() const { return reader_->commit_record().process_count; }
 
-  nb::dict ReadMany(const std::vector<RequestTuple>& requests) {
+  nb::dict ReadMany(const std::vector<RequestTuple>& requests, nb::object progress) {
+    if (!progress.is_none() && !PyCallable_Check(progress.ptr())) {
+      throw nb::type_error("progress must be callable or None");
+    }
     std::vector<ReadRequest> reads;
     // References to the destinations, so that they outlive the read even if another thread
     // drops the caller's list while the GIL is released.
@@ -78,11 +132,18 @@ class Reader {
     }
     ReadStats stats;
     Status status;
+    std::optional<ThrottledProgress> forward;
+    std::function<void(uint64_t, uint64_t)> on_progress;
+    if (!progress.is_none()) {
+      forward.emplace(progress);
+      on_progress = [&forward](uint64_t done, uint64_t total) { (*forward)(done, total); };
+    }
     {
       nb::gil_scoped_release release;
-      status = reader_->ReadMany(reads, &stats);
+      status = reader_->ReadMany(reads, &stats, on_progress);
     }
     ThrowIfError(status);
+    if (forward.has_value()) forward->Finish();
     nb::dict result;
     result["bytes_read"] = stats.bytes_read;
     result["requests"] = stats.requests;
@@ -90,6 +151,14 @@ class Reader {
     result["staged_chunks"] = stats.staged_chunks;
     result["peak_staging_bytes"] = stats.peak_staging_bytes;
     return result;
+  }
+
+  nb::bytes ReadFile(const std::string& name) const {
+    std::string contents = ValueOrThrow([&] {
+      nb::gil_scoped_release release;
+      return reader_->ReadFile(name);
+    }());
+    return nb::bytes(contents.data(), contents.size());
   }
 
   nb::list Verify() {
@@ -150,13 +219,22 @@ void DefineReader(nb::module_& m) {
            "stored_bytes, num_chunks.")
       .def_prop_ro("created_unix_ms", &Reader::created_unix_ms)
       .def_prop_ro("process_count", &Reader::process_count)
-      .def("read_many", &Reader::ReadMany, nb::arg("requests"),
+      .def("read_many", &Reader::ReadMany, nb::arg("requests"), nb::kw_only(),
+           nb::arg("progress").none() = nb::none(),
            nb::sig("def read_many(self, requests: list[tuple[str, collections.abc.Sequence[int], "
-                   "collections.abc.Sequence[int], str, numpy.typing.NDArray[numpy.uint8]]]) "
+                   "collections.abc.Sequence[int], str, numpy.typing.NDArray[numpy.uint8]]], *, "
+                   "progress: collections.abc.Callable[[int, int], None] | None = None) "
                    "-> dict[str, int]"),
            "Fills each request's out (a writable C-contiguous CPU uint8 array of exactly the "
            "box's bytes in dtype) with the box of the array, converting the dtype if needed and "
-           "zero-filling past the stored shape. Returns the read statistics.")
+           "zero-filling past the stored shape. Returns the read statistics. progress(done, "
+           "total), in stored bytes, is called from the reading threads (with the GIL) at most "
+           "about ten times a second, and finally with done == total once the read succeeded; "
+           "an exception it raises stops the calls and is raised once the read is over.")
+      .def("read_file", &Reader::ReadFile, nb::arg("name"),
+           "The bytes of a file committed with the step (e.g. \"metadata.json\"), checked "
+           "against the size and CRC-32C in COMMIT. FileNotFoundError when the step has no such "
+           "file, OSError when it is missing, truncated or altered.")
       .def("verify", &Reader::Verify, nb::sig("def verify(self) -> list[dict[str, str]]"),
            "Reads every stored chunk and checks its CRC-32C; returns the bad chunks as dicts "
            "(array_path, chunk, file, error).");

@@ -6,6 +6,9 @@
     state = tensorstash.restore("/ckpt/0000001000", target=abstract_state)  # onto any sharding
     meta = tensorstash.metadata("/ckpt/0000001000")           # reads no array data
 
+    mgr = tensorstash.CheckpointManager("/ckpt", max_to_keep=3)  # a series of steps (manager.py)
+    mgr.save(step, state)                                     # returns once copied to host
+
 The engine is C++ (the private module `_ext`); IO runs with the GIL released. Errors are the
 usual exceptions: FileNotFoundError (no such step), FileExistsError (step already complete),
 KeyError (a target leaf the checkpoint lacks), ValueError (bad shapes, an incomplete step),
@@ -18,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -26,7 +30,8 @@ from . import _ext, _tree
 from . import numpy as tnp
 
 __version__ = "0.1.0"
-__all__ = ["save", "restore", "metadata", "ArrayMetadata", "__version__"]
+__all__ = ["save", "restore", "metadata", "ArrayMetadata", "CheckpointManager", "SaveStats",
+           "RestoreStats", "__version__"]
 
 try:
     import jax as _jax
@@ -35,6 +40,8 @@ except ImportError:  # JAX is optional: NumPy-only use works without it
 
 # Host memory for restored buffers is handed to devices in batches of about this many bytes.
 _DEVICE_BATCH_BYTES = 512 << 20
+# restore(progress=None) shows a progress bar for restores of at least this many bytes.
+_PROGRESS_MIN_BYTES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +81,47 @@ def _default_coordinator():
     return tjax.default_coordinator()
 
 
+def _check_codec(codec: str | None) -> None:
+    if codec not in (None, "none", "zstd"):
+        raise ValueError(f"unknown codec {codec!r}; use None or 'zstd'")
+
+
+def _arrays_to_save(tree: Any, coordinator: Any) -> tuple[list[tuple], str]:
+    """The arrays of `tree` as the engine saves them, and the tree around them.
+
+    Returns ([(array path, dtype name, shape, shards)], tree JSON), with shards as
+    _ext.Writer.add_array takes them: this process's shards of each jax.Array (views of the
+    device buffers on CPU, one copy from other devices), and for NumPy arrays the whole array
+    as a shard of which this process is one replica. The shards refer to the caller's memory
+    (or to contiguous copies) and must stay unchanged until the engine has read them. Raises
+    TypeError for unsupported leaves and abstract arrays (jax.ShapeDtypeStruct).
+    """
+    process_index = coordinator.process_index() if coordinator is not None else 0
+    process_count = coordinator.process_count() if coordinator is not None else 1
+    leaves: list[tuple[str, Any]] = []
+    node = _tree.encode(tree, lambda p, x: leaves.append((p, x)))
+    arrays = []
+    for array_path, x in leaves:
+        if _jax is not None and isinstance(x, _jax.ShapeDtypeStruct):
+            raise TypeError(f"cannot save the abstract array at {array_path!r} (a ShapeDtypeStruct)")
+        try:
+            dtype = tnp.dtype_name(x.dtype)
+        except TypeError as e:
+            raise TypeError(f"cannot save the array at {array_path!r}: {e}") from None
+        if _is_jax_array(x):
+            from . import jax as tjax
+            shape, shards = tuple(x.shape), tjax.shards_of(x)
+        else:
+            a = np.asarray(x)
+            if not a.flags.c_contiguous:  # (np.ascontiguousarray would make 0-d arrays 1-d)
+                a = np.ascontiguousarray(a)
+            shape = a.shape
+            # Every process holds the whole array: they share the writing as replicas.
+            shards = [((0,) * a.ndim, shape, tnp.byte_view(a), process_index, process_count)]
+        arrays.append((array_path, dtype, shape, shards))
+    return arrays, json.dumps(node)
+
+
 def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: str | None = None,
          zstd_level: int = 3, chunk_bytes: int = 8 << 20, data_file_bytes: int = 1 << 30,
          max_inflight_bytes: int = 256 << 20, io_threads: int = 0, sync: bool = True,
@@ -91,39 +139,18 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     new is visible at `path`.
     """
     root, step = _split(path)
-    if codec not in (None, "none", "zstd"):
-        raise ValueError(f"unknown codec {codec!r}; use None or 'zstd'")
+    _check_codec(codec)
     if coordinator is None:
         coordinator = _default_coordinator()
-    process_index = coordinator.process_index() if coordinator is not None else 0
-    process_count = coordinator.process_count() if coordinator is not None else 1
-
-    arrays: list[tuple[str, Any]] = []
-    node = _tree.encode(tree, lambda p, x: arrays.append((p, x)))
+    arrays, tree_json = _arrays_to_save(tree, coordinator)
     writer = _ext.Writer(root, step, target_chunk_bytes=chunk_bytes,
                          target_data_file_bytes=data_file_bytes,
                          max_inflight_bytes=max_inflight_bytes, io_threads=io_threads, sync=sync,
                          overwrite=overwrite, coordinator=coordinator)
-    for array_path, x in arrays:
-        if _jax is not None and isinstance(x, _jax.ShapeDtypeStruct):
-            raise TypeError(f"cannot save the abstract array at {array_path!r} (a ShapeDtypeStruct)")
-        try:
-            dtype = tnp.dtype_name(x.dtype)
-        except TypeError as e:
-            raise TypeError(f"cannot save the array at {array_path!r}: {e}") from None
-        if _is_jax_array(x):
-            from . import jax as tjax
-            shape, shards = tuple(x.shape), tjax.shards_of(x)
-        else:
-            a = np.asarray(x)
-            if not a.flags.c_contiguous:  # (np.ascontiguousarray would make 0-d arrays 1-d)
-                a = np.ascontiguousarray(a)
-            shape = a.shape
-            # Every process holds the whole array: they share the writing as replicas.
-            shards = [((0,) * a.ndim, shape, tnp.byte_view(a), process_index, process_count)]
+    for array_path, dtype, shape, shards in arrays:
         writer.add_array(array_path, dtype, shape, shards, codec=codec or "none",
                          zstd_level=zstd_level)
-    writer.set_tree(json.dumps(node))
+    writer.set_tree(tree_json)
     return writer.commit()
 
 
@@ -147,6 +174,108 @@ def metadata(path: str | os.PathLike) -> Any:
                              stored_bytes=a["stored_bytes"], codec=a["codec"])
 
     return _tree.decode(json.loads(reader.tree_json()), describe)
+
+
+class _TextProgress:
+    """A one-line progress display on stderr, for progress=True when tqdm is not installed."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.shown = total, desc, -1
+
+    def update_to(self, done: int) -> None:
+        percent = 100 * done // self.total if self.total else 100
+        if percent != self.shown:
+            self.shown = percent
+            sys.stderr.write(f"\r{self.desc}: {percent:3d}% of {_format_bytes(self.total)}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.shown >= 0:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+class _TqdmProgress:
+    def __init__(self, tqdm, total: int, desc: str):
+        self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                        file=sys.stderr)
+
+    def update_to(self, done: int) -> None:
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class _CallbackProgress:
+    def __init__(self, callback, total: int):
+        self.callback, self.total = callback, total
+
+    def update_to(self, done: int) -> None:
+        self.callback(done, self.total)
+
+    def close(self) -> None:
+        pass
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover - unreachable
+
+
+def _progress_display(progress: Any, total: int, desc: str):
+    """What shows a restore's progress: None (nothing), or an object with update_to(done) and
+    close(). See restore() for the meaning of `progress`."""
+    if progress is False:
+        return None
+    if progress is None or progress is True:
+        if progress is None and (total < _PROGRESS_MIN_BYTES or not _stderr_is_tty()):
+            return None
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return _TextProgress(total, desc) if progress else None
+        return _TqdmProgress(tqdm, total, desc)
+    if callable(progress):
+        return _CallbackProgress(progress, total)
+    raise TypeError(f"progress must be None, True, False or a callable, not {type(progress).__name__}")
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        return False
+
+
+class _Reads:
+    """The read_many calls of one restore: sums the bytes they read and reports their progress
+    as one, in bytes of the destinations (the restored arrays)."""
+
+    def __init__(self, reader: _ext.Reader, total: int, progress: Any, desc: str):
+        self.reader = reader
+        self.display = _progress_display(progress, total, desc)
+        self.done = 0  # destination bytes of the finished calls
+        self.bytes_read = 0  # stored bytes read from storage
+
+    def read(self, requests: list[tuple]) -> None:
+        size = sum(r[4].nbytes for r in requests)
+        if self.display is None:
+            stats = self.reader.read_many(requests)
+        else:
+            # The engine reports stored bytes of this call; scaled to its destination bytes.
+            base, display = self.done, self.display
+            stats = self.reader.read_many(requests, progress=lambda done, total: display.update_to(
+                base + (size * done // total if total else size)))
+        self.done += size
+        self.bytes_read += stats["bytes_read"]
+
+    def close(self) -> None:
+        if self.display is not None:
+            self.display.close()
 
 
 class _Restore:
@@ -218,7 +347,10 @@ class _Restore:
         self.pending.append((path, [(path, (0,) * len(shape), shape, name, tnp.byte_view(out))],
                              lambda out=out, scalar=isinstance(target, np.generic): out[()] if scalar else out))
 
-    def run(self) -> None:
+    def total_bytes(self) -> int:
+        return sum(r[4].nbytes for _, requests, _ in self.pending for r in requests)
+
+    def run(self, reads: _Reads) -> None:
         # Reads go to the engine in batches, so that host buffers bound for devices are freed
         # as soon as each batch has been handed over; within a batch all reads run in parallel.
         # Each item leaves `pending` as it joins a batch, and the batch is emptied once done,
@@ -231,15 +363,15 @@ class _Restore:
             batch.append(pending.pop())
             batch_bytes += sum(r[4].nbytes for r in batch[-1][1])
             if batch_bytes >= _DEVICE_BATCH_BYTES:
-                self._run_batch(batch)
+                self._run_batch(reads, batch)
                 batch_bytes = 0
-        self._run_batch(batch)
+        self._run_batch(reads, batch)
 
-    def _run_batch(self, batch: list) -> None:
+    def _run_batch(self, reads: _Reads, batch: list) -> None:
         """Reads and finishes the items of `batch`, then empties it."""
         if not batch:
             return
-        self.reader.read_many([r for _, requests, _ in batch for r in requests])
+        reads.read([r for _, requests, _ in batch for r in requests])
         while batch:
             path, _, finish = batch.pop()
             self.values[path] = finish()
@@ -248,7 +380,7 @@ class _Restore:
 
 def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = False,
             verify_checksums: bool = True, max_inflight_bytes: int = 256 << 20,
-            io_threads: int = 0) -> Any:
+            io_threads: int = 0, progress: Any = None) -> Any:
     """Restores the checkpoint step folder `path`.
 
     Without `target`: the saved tree as plain dicts, lists and tuples, arrays as NumPy arrays of
@@ -258,12 +390,28 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     Only the target's arrays are read. A target shape larger than the stored one is zero-filled;
     a smaller one is a ValueError unless `truncate`.
 
+    `progress`: None shows a tqdm bar on stderr when tqdm is installed, stderr is a terminal and
+    the restore fills more than 1 GiB; True always shows one (a plain line without tqdm); False
+    never; a callable is called as progress(done_bytes, total_bytes), in bytes of the restored
+    arrays, from the engine's reading threads, at most about ten times a second and finally
+    with done_bytes == total_bytes.
+
     Raises FileNotFoundError for a missing step, ValueError for an incomplete step or a shape
     mismatch, KeyError naming the path of a target leaf the checkpoint lacks, OSError when stored
-    bytes are corrupt (CRC-32C mismatch, truncated files).
+    bytes are corrupt (CRC-32C mismatch, truncated files); an exception raised by a `progress`
+    callable once the reads are over.
     """
+    return _restore(path, target, truncate=truncate, verify_checksums=verify_checksums,
+                    max_inflight_bytes=max_inflight_bytes, io_threads=io_threads,
+                    progress=progress)[0]
+
+
+def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_checksums: bool,
+             max_inflight_bytes: int, io_threads: int, progress: Any) -> tuple[Any, int]:
+    """restore(), returning (the restored tree, the stored bytes read)."""
     ckpt = os.fspath(path)
     reader = _open(path, verify_checksums, max_inflight_bytes, io_threads)
+    desc = f"restoring {os.path.basename(os.path.abspath(ckpt))}"
     if target is None:
         requests = []
 
@@ -275,10 +423,22 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
 
         reader_infos = {a["path"]: a for a in reader.arrays()}
         tree = _tree.decode(json.loads(reader.tree_json()), read_array)
-        reader.read_many(requests)
-        return tree
+        reads = _Reads(reader, sum(r[4].nbytes for r in requests), progress, desc)
+        try:
+            reads.read(requests)
+        finally:
+            reads.close()
+        return tree, reads.bytes_read
 
     plan = _Restore(reader, ckpt, truncate)
     _tree.map_target(target, plan.plan)
-    plan.run()
-    return _tree.map_target(target, lambda p, _: plan.values[p])
+    reads = _Reads(reader, plan.total_bytes(), progress, desc)
+    try:
+        plan.run(reads)
+    finally:
+        reads.close()
+    return _tree.map_target(target, lambda p, _: plan.values[p]), reads.bytes_read
+
+
+# Last: the manager builds on the functions above.
+from .manager import CheckpointManager, RestoreStats, SaveStats  # noqa: E402

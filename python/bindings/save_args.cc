@@ -1,0 +1,51 @@
+#include "save_args.h"
+
+#include <cmath>
+#include <utility>
+
+#include "errors.h"
+
+namespace nb = nanobind;
+
+namespace tensorstash::python {
+
+Result<Codec> ParseCodec(std::string_view name) {
+  if (name == CodecName(Codec::kNone)) return Codec::kNone;
+  if (name == CodecName(Codec::kZstd)) return Codec::kZstd;
+  return InvalidArgumentError(StrCat("unknown codec '", name, "' (expected 'none' or 'zstd')"));
+}
+
+Result<std::chrono::milliseconds> TimeoutFromSeconds(double seconds) {
+  // Bounded so that the conversion cannot overflow; a billion seconds is 31 years.
+  if (!std::isfinite(seconds) || seconds <= 0 || seconds > 1e9) {
+    return InvalidArgumentError(
+        StrCat("coordination_timeout_s must be a positive number of seconds, not ", seconds));
+  }
+  return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000)));
+}
+
+ArrayToSave ArrayToSaveFromPython(const std::string& path, const std::string& dtype,
+                                  const std::vector<int64_t>& shape,
+                                  const std::vector<ShardTuple>& shards, const std::string& codec,
+                                  int zstd_level, int64_t target_chunk_bytes,
+                                  std::vector<ReadOnlyBytes>* buffers) {
+  ArrayToSave array;
+  array.spec.path = path;
+  array.spec.dtype = ValueOrThrow(ParseDType(dtype));
+  array.spec.shape = shape;
+  array.spec.codec = ValueOrThrow(ParseCodec(codec));
+  array.spec.zstd_level = zstd_level;
+  array.spec.target_chunk_bytes = target_chunk_bytes;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const auto& [origin, shard_shape, object, replica_id, num_replicas] = shards[i];
+    const std::string what = StrCat("array '", path, "' shard ", i);
+    ReadOnlyBytes bytes = CastReadOnlyBytes(object, what);
+    Box box(origin, shard_shape);
+    ThrowIfError(CheckBufferSize(box, array.spec.dtype, bytes.nbytes(), what));
+    array.shards.push_back({std::move(box), bytes.data(), replica_id, num_replicas});
+    buffers->push_back(std::move(bytes));
+  }
+  return array;
+}
+
+}  // namespace tensorstash::python

@@ -1,0 +1,48 @@
+// The arguments of a save as they cross the binding: the arrays with this process's shards
+// (tuples built by the Python layer), codec names and timeouts. Shared by the Writer
+// (writer.cc) and the Manager (manager.cc).
+//
+// Thread-safety: every function here needs the GIL.
+#ifndef TENSORSTASH_PYTHON_BINDINGS_SAVE_ARGS_H_
+#define TENSORSTASH_PYTHON_BINDINGS_SAVE_ARGS_H_
+
+#include <nanobind/nanobind.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "buffers.h"
+#include "tensorstash/checkpoint/checkpoint_manager.h"
+#include "tensorstash/util/status.h"
+
+namespace tensorstash::python {
+
+// (origin, shape, data, replica_id, num_replicas); data is checked by CastReadOnlyBytes.
+using ShardTuple =
+    std::tuple<std::vector<int64_t>, std::vector<int64_t>, nanobind::object, int, int>;
+
+// "none" or "zstd"; InvalidArgument otherwise.
+Result<Codec> ParseCodec(std::string_view name);
+
+// A timeout given in seconds (the `coordination_timeout_s` arguments); InvalidArgument unless
+// it is a positive finite number of at most 1e9 seconds.
+Result<std::chrono::milliseconds> TimeoutFromSeconds(double seconds);
+
+// One array of a save: its spec and this process's shards, each shard's data pointing into the
+// caller's buffer. The buffers are appended to `buffers`, which must be kept (and the data left
+// unchanged) for as long as the engine reads the shards. Raises TypeError for a buffer that is
+// not a C-contiguous CPU uint8 array, ValueError for a bad dtype or codec name or a buffer size
+// that does not match its box.
+ArrayToSave ArrayToSaveFromPython(const std::string& path, const std::string& dtype,
+                                  const std::vector<int64_t>& shape,
+                                  const std::vector<ShardTuple>& shards, const std::string& codec,
+                                  int zstd_level, int64_t target_chunk_bytes,
+                                  std::vector<ReadOnlyBytes>* buffers);
+
+}  // namespace tensorstash::python
+
+#endif  // TENSORSTASH_PYTHON_BINDINGS_SAVE_ARGS_H_

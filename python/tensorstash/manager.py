@@ -1,0 +1,346 @@
+"""CheckpointManager: the checkpoints of one training run, as a training loop uses them.
+
+    mgr = tensorstash.CheckpointManager(root, max_to_keep=3, save_interval_steps=100)
+    mgr.save(step, state, metadata={"config": cfg}, per_process={"data_iter": it.state()})
+    step = mgr.latest_step()          # newest complete step, or None
+    state = mgr.restore(step, target=abstract_state)
+    mgr.wait_until_finished(); mgr.close()
+
+Each step is a folder `<root>/<step, 10 digits>` holding the state's arrays and, committed with
+them, metadata.json (the `metadata` of save, JSON), metrics.json (`metrics`) and
+process/<index> (each process's `per_process` value: its JSON text, or for bytes the marker
+b"\\0bytes\\n" followed by the bytes). The engine (C++) does the saving, retention and locking
+(tensorstash._ext.Manager); this module puts pytrees, statistics and logging around it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import time
+import weakref
+from typing import Any, Callable
+
+from . import (_arrays_to_save, _check_codec, _default_coordinator, _ext, _format_bytes,
+               _restore, restore as _restore_signature)
+
+# Marks a per-process value saved as bytes (JSON text never contains a NUL character).
+_BYTES_MARKER = b"\0bytes\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveStats:
+    """What one save of this process took.
+
+    blocking_s: how long save() kept the caller (flattening the tree, copying the arrays to
+    host memory, and for a synchronous save the whole write); total_s: from the call of save()
+    until the step was committed. raw_bytes: array bytes this process wrote, stored_bytes: the
+    bytes it wrote to data files (after the codec)."""
+
+    step: int
+    async_save: bool
+    raw_bytes: int
+    stored_bytes: int
+    blocking_s: float
+    total_s: float
+
+    @property
+    def gbps(self) -> float:
+        """Raw bytes per second of the whole save, in GB/s (10^9 bytes)."""
+        return self.raw_bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreStats:
+    """What one restore by this process took: `bytes` read from storage in `seconds`."""
+
+    step: int
+    bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def _encode_per_process(value: Any) -> bytes:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return _BYTES_MARKER + bytes(value)
+    try:
+        return json.dumps(value).encode("utf-8")
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"per_process must be bytes or JSON-serialisable: {e}") from None
+
+
+def _decode_per_process(data: bytes) -> Any:
+    if data.startswith(_BYTES_MARKER):
+        return data[len(_BYTES_MARKER):]
+    return json.loads(data.decode("utf-8"))
+
+
+class CheckpointManager:
+    """The steps of one training run under the folder `root` (created if missing).
+
+    Saves run in the background by default (`async_save`): save() returns once the arrays are
+    copied to host memory, at most one save is in flight, and the error of a background save
+    is raised by the next save(), wait_until_finished() or close(). A step is listed only once
+    it is complete; leftovers of crashed saves are removed when the manager opens.
+
+    Retention: `max_to_keep` newest steps (None: all), besides every step divisible by
+    `keep_period`; with `best_metric`, the `max_to_keep` best steps by that metric of save's
+    `metrics` (`best_mode` "min" or "max") plus the newest. should_save(step) is true every
+    `save_interval_steps` steps. `handle_sigterm` makes a SIGTERM set reached_preemption()
+    instead of killing the process (until close()). `max_staging_bytes` caps the host memory of
+    an async save's copies (None: a quarter of physical memory; above the cap save() blocks
+    longer). `codec`, `zstd_level`, `chunk_bytes`, `data_file_bytes`, `max_inflight_bytes`,
+    `io_threads` and `sync` are as for tensorstash.save.
+
+    In a job of several processes every process opens a manager on the same root with the same
+    options and calls save/reached_preemption for the same steps in the same order;
+    `coordinator` defaults to the JAX distributed runtime's (tensorstash.jax) when the job has
+    several JAX processes.
+
+    on_save(SaveStats) is called after each commit (for async saves on the background thread;
+    it must not call save, wait_until_finished or close), on_restore(RestoreStats) after each
+    restore; both are also logged at INFO to `logger` (default: logging.getLogger("tensorstash")).
+    An exception raised by a callback is logged, not raised.
+
+    Raises ValueError when another manager holds the root's lock (until it is closed or its
+    process ends) or for bad options. A context manager: close() on exit.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, max_to_keep: int | None = None,
+                 keep_period: int | None = None, save_interval_steps: int = 1,
+                 best_metric: str | None = None, best_mode: str = "min", async_save: bool = True,
+                 handle_sigterm: bool = False, max_staging_bytes: int | None = None,
+                 codec: str | None = None, zstd_level: int = 3, chunk_bytes: int = 8 << 20,
+                 data_file_bytes: int = 1 << 30, max_inflight_bytes: int = 256 << 20,
+                 io_threads: int = 0, sync: bool = True, coordinator: Any = None,
+                 on_save: Callable[[SaveStats], Any] | None = None,
+                 on_restore: Callable[[RestoreStats], Any] | None = None,
+                 logger: logging.Logger | None = None):
+        _check_codec(codec)
+        for name, value in (("max_to_keep", max_to_keep), ("keep_period", keep_period),
+                            ("save_interval_steps", save_interval_steps),
+                            ("max_staging_bytes", max_staging_bytes)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+        if best_metric is not None and max_to_keep is None:
+            raise ValueError("best_metric needs max_to_keep (how many of the best steps to keep)")
+        self.root = os.path.abspath(os.fspath(root))
+        self.async_save = bool(async_save)
+        self.codec = codec or "none"
+        self.zstd_level = zstd_level
+        self.logger = logger if logger is not None else logging.getLogger("tensorstash")
+        self.on_save = on_save
+        self.on_restore = on_restore
+        self.last_save_stats: SaveStats | None = None
+        self.last_restore_stats: RestoreStats | None = None
+        self._coordinator = coordinator if coordinator is not None else _default_coordinator()
+        self._process_index = (self._coordinator.process_index()
+                               if self._coordinator is not None else 0)
+        # Seconds save() spent before handing a step to the engine, by step: the part of the
+        # blocking time that the engine does not see (read by the commit callback).
+        self._pre_engine_s: dict[int, float] = {}
+        self._closed = False
+        # The callback refers to the manager weakly, so that dropping the manager frees it.
+        this = weakref.ref(self)
+
+        def on_commit(stats: dict) -> None:
+            manager = this()
+            if manager is not None:
+                manager._committed(stats)
+
+        self._ext = _ext.Manager(
+            self.root, max_to_keep=max_to_keep or 0, keep_period=keep_period or 0,
+            save_interval_steps=save_interval_steps, best_metric=best_metric or "",
+            best_mode=best_mode, max_staging_bytes=max_staging_bytes or 0,
+            handle_sigterm=handle_sigterm, coordinator=self._coordinator, on_commit=on_commit,
+            target_chunk_bytes=chunk_bytes, target_data_file_bytes=data_file_bytes,
+            max_inflight_bytes=max_inflight_bytes, io_threads=io_threads, sync=sync)
+        # Closed at interpreter exit at the latest (waiting for a save in flight), while the
+        # background thread can still take the GIL.
+        self._finalizer = weakref.finalize(self, _close_quietly, self._ext)
+
+    # --- saving -----------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, *, metadata: Any = None, per_process: Any = None,
+             metrics: dict[str, float] | None = None, force: bool = False) -> bool:
+        """Saves `state` (a pytree, as for tensorstash.save) as `step`, with `metadata` (JSON),
+        this process's `per_process` value (JSON or bytes, at most 64 MiB) and `metrics`
+        (name -> float, for best_metric), all committed together.
+
+        Returns False, saving nothing, when the step is not due (should_save) and not `force`.
+        Otherwise returns True: with async_save once the arrays are copied to host memory
+        (they may change right afterwards; the write and commit go on in the background), else
+        once the step is committed. Raises the error of an earlier background save (saving
+        nothing), FileExistsError when the step is already complete, TypeError for unsupported
+        leaves or values that are not JSON, ValueError for bad metrics or a closed manager.
+        """
+        started = time.perf_counter()
+        self._check_open()
+        step = int(step)
+        if not force and not self.should_save(step):
+            return False
+        arrays, tree_json = _arrays_to_save(state, self._coordinator)
+        try:
+            metadata_json = "" if metadata is None else json.dumps(metadata)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"metadata must be JSON-serialisable: {e}") from None
+        process_state = None if per_process is None else _encode_per_process(per_process)
+        metrics_dict = {}
+        for name, value in (metrics or {}).items():
+            metrics_dict[str(name)] = float(value)
+        self._pre_engine_s[step] = time.perf_counter() - started
+        try:
+            self._ext.save(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
+                           process_state=process_state, metrics=metrics_dict, codec=self.codec,
+                           zstd_level=self.zstd_level, async_save=self.async_save)
+        except BaseException:
+            self._pre_engine_s.pop(step, None)
+            raise
+        return True
+
+    def _committed(self, engine: dict) -> None:
+        """The engine's commit callback (any thread, with the GIL): stats, log, on_save."""
+        try:
+            step = engine["step"]
+            before = self._pre_engine_s.pop(step, 0.0)
+            stats = SaveStats(step=step, async_save=bool(engine["async"]),
+                              raw_bytes=engine["raw_bytes"], stored_bytes=engine["stored_bytes"],
+                              blocking_s=before + engine["blocking_seconds"],
+                              total_s=before + engine["total_seconds"])
+            self.last_save_stats = stats
+            self.logger.info("saved step %d: %s in %.2f s (%.2f GB/s), blocked %.0f ms", step,
+                             _format_bytes(stats.raw_bytes), stats.total_s, stats.gbps,
+                             stats.blocking_s * 1e3)
+            if self.on_save is not None:
+                self.on_save(stats)
+        except Exception:  # noqa: BLE001 - a callback must not break the save
+            self.logger.exception("tensorstash: the on_save callback of step %s failed",
+                                  engine.get("step"))
+
+    def should_save(self, step: int) -> bool:
+        """Whether `step` is due under save_interval_steps."""
+        return self._ext.should_save(int(step))
+
+    def reached_preemption(self, step: int) -> bool:
+        """True once a SIGTERM arrived (handle_sigterm): save `step` and stop. With several
+        processes this is collective (all call it for the same steps) and true in all of them
+        once any one was signalled."""
+        return self._ext.reached_preemption(int(step))
+
+    def wait_until_finished(self) -> None:
+        """Waits for the save in flight; raises its error, if it failed (once)."""
+        self._check_open()
+        self._ext.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for the save in flight (raising its error, if any), restores the SIGTERM
+        handler and releases the root's lock. Later calls do nothing; the step queries and
+        restores still work, saves raise ValueError."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        self._ext.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"the checkpoint manager of {self.root} is closed")
+
+    # --- steps ------------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Complete steps, ascending (a save in flight is listed once committed)."""
+        return list(self._ext.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest complete step, or None when there is none."""
+        return self._ext.latest_step()
+
+    def step_path(self, step: int) -> str:
+        """The folder of `step` (whether or not it exists)."""
+        return os.path.join(self.root, _ext.Manager.step_dir(int(step)))
+
+    # --- restoring --------------------------------------------------------------------------
+
+    def restore(self, step: int | None = None, target: Any = None, **kwargs) -> Any:
+        """Restores `step` (None: the latest complete one), as tensorstash.restore(
+        step_path(step), target, **kwargs) does, and reports RestoreStats (on_restore, log).
+        Raises FileNotFoundError naming the root when there is no complete step (or no such
+        step), and the errors of tensorstash.restore."""
+        step = self._step_or_latest(step)
+        started = time.perf_counter()
+        # tensorstash.restore's arguments, with its defaults (TypeError for unknown ones).
+        args = inspect.signature(_restore_signature).bind(self.step_path(step), target, **kwargs)
+        args.apply_defaults()
+        tree, nbytes = _restore(*args.args, **args.kwargs)
+        stats = RestoreStats(step=step, bytes=nbytes, seconds=time.perf_counter() - started)
+        self.last_restore_stats = stats
+        self.logger.info("restored step %d: %s in %.2f s (%.2f GB/s)", step,
+                         _format_bytes(stats.bytes), stats.seconds, stats.gbps)
+        if self.on_restore is not None:
+            try:
+                self.on_restore(stats)
+            except Exception:  # noqa: BLE001
+                self.logger.exception("tensorstash: the on_restore callback of step %d failed",
+                                      step)
+        return tree
+
+    def metadata(self, step: int | None = None) -> Any:
+        """The `metadata` saved with `step` (None: the latest), or None when it had none.
+        FileNotFoundError when there is no such complete step, OSError when the file is
+        damaged."""
+        data = self._read_file(step, _ext.METADATA_FILE)
+        return None if data is None else json.loads(data.decode("utf-8"))
+
+    def metrics(self, step: int | None = None) -> dict[str, float] | None:
+        """The `metrics` saved with `step` (None: the latest), or None when it had none."""
+        data = self._read_file(step, _ext.METRICS_FILE)
+        return None if data is None else json.loads(data.decode("utf-8"))
+
+    def per_process(self, step: int | None = None, process_index: int | None = None) -> Any:
+        """The `per_process` value that process `process_index` (default: this one) saved with
+        `step` (None: the latest): bytes as bytes, anything else as its JSON round trip; None
+        when it saved none."""
+        index = self._process_index if process_index is None else int(process_index)
+        data = self._read_file(step, _ext.process_state_file_name(index))
+        return None if data is None else _decode_per_process(data)
+
+    def _step_or_latest(self, step: int | None) -> int:
+        if step is not None:
+            return int(step)
+        latest = self.latest_step()
+        if latest is None:
+            raise FileNotFoundError(f"no complete checkpoint step in {self.root}")
+        return latest
+
+    def _read_file(self, step: int | None, name: str) -> bytes | None:
+        step = self._step_or_latest(step)
+        reader = _ext.Reader(self.root, _ext.Manager.step_dir(step))  # FileNotFoundError if absent
+        try:
+            return reader.read_file(name)
+        except FileNotFoundError:  # the step has no such file
+            return None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"CheckpointManager({self.root!r}, {state})"
+
+
+def _close_quietly(manager: _ext.Manager) -> None:
+    """Closes a manager that was not closed; its error (a failed background save) is logged."""
+    try:
+        manager.close()
+    except Exception:  # noqa: BLE001 - nobody is left to raise it to
+        logging.getLogger("tensorstash").exception("tensorstash: closing an unclosed manager")

@@ -1,0 +1,135 @@
+"""One process of a multi-process CheckpointManager test (run by test_manager.py through
+test_multiprocess.run_job, hence the same command line as mp_worker.py).
+
+    python mp_manager_worker.py --phase save|restore --step ROOT --nproc N --pid I --port P --layout L
+
+save: every process opens a manager on ROOT (max_to_keep=2; the coordinator is JAX's, by
+default), saves steps 1..4 of a state sharded over all 8 devices of the job in the background,
+each with its own per_process value (JSON in even processes, bytes in odd ones), asks
+reached_preemption at every step (collective), and checks retention and its own items.
+restore: a new job (a restart) opens managers on ROOT again, restores the latest step onto
+another mesh, and reads back every process's per_process value. Exits 0 when all is well, 1
+with a traceback otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+STEPS = (1, 2, 3, 4)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", choices=["save", "restore"], required=True)
+    ap.add_argument("--step", required=True, help="the manager's root")
+    ap.add_argument("--nproc", type=int, required=True)
+    ap.add_argument("--pid", type=int, required=True)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--layout", default="")
+    args = ap.parse_args()
+
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // args.nproc}"
+    import jax
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
+                               num_processes=args.nproc, process_id=args.pid,
+                               initialization_timeout=60)
+    try:
+        run(args)
+        ok = True
+    except BaseException:  # noqa: BLE001 - report anything, then fail
+        traceback.print_exc()
+        sys.stdout.flush()
+        ok = False
+    try:
+        jax.distributed.shutdown()
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        ok = False
+    print(f"process {args.pid}/{args.nproc}: {'OK' if ok else 'FAILED'}", flush=True)
+    return 0 if ok else 1
+
+
+def per_process_value(pid: int, step: int):
+    return {"pid": pid, "step": step, "pos": [step * 10 + pid]} if pid % 2 == 0 \
+        else f"iterator {pid} at {step}".encode() + b"\0\xff"
+
+
+def run(args) -> None:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import tensorstash
+    from tshelpers import assert_same_array, pattern
+
+    assert jax.process_count() == args.nproc and jax.device_count() == 8
+    devices = jax.devices()
+    shapes = {"w": ((16, 24), np.float32), "b": ((24,), np.float32), "e": ((40, 8), np.int32)}
+
+    def values(step: int) -> dict:
+        return {k: pattern(shape, dt, seed=step * 10 + i)
+                for i, (k, (shape, dt)) in enumerate(shapes.items())}
+
+    root = args.step
+    if args.phase == "save":
+        mesh = Mesh(np.array(devices).reshape(2, 4), ("x", "y"))
+        specs = {"w": P("x", "y"), "b": P("y"), "e": P(("x", "y"))}
+        with tensorstash.CheckpointManager(root, max_to_keep=2) as mgr:
+            assert mgr.all_steps() == [], mgr.all_steps()
+            for step in STEPS:
+                state = {"params": {k: jax.make_array_from_callback(
+                             v.shape, NamedSharding(mesh, specs[k]), lambda idx, v=v: v[idx])
+                             for k, v in values(step).items()},
+                         "step": step}
+                assert mgr.save(step, state, metadata={"step": step, "nproc": args.nproc},
+                                per_process=per_process_value(args.pid, step),
+                                metrics={"loss": 1.0 / step})
+                assert not mgr.reached_preemption(step)
+            mgr.wait_until_finished()
+            assert mgr.all_steps() == [3, 4], mgr.all_steps()
+            assert mgr.per_process(4) == per_process_value(args.pid, 4)
+            last = mgr.last_save_stats
+            assert last is not None and last.step == 4 and last.async_save, last
+        print(f"process {args.pid}: saved {STEPS}, kept [3, 4]", flush=True)
+        return
+
+    # A restart: the latest step onto another mesh (4 x 2 over the devices reversed).
+    mesh = Mesh(np.array(devices[::-1]).reshape(4, 2), ("x", "y"))
+    specs = {"w": P("y", "x"), "b": P(), "e": P(None, "x")}
+    with tensorstash.CheckpointManager(root, max_to_keep=2) as mgr:
+        assert mgr.all_steps() == [3, 4], mgr.all_steps()
+        step = mgr.latest_step()
+        assert step == 4
+        want = values(step)
+        target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                                     sharding=NamedSharding(mesh, specs[k]))
+                             for k, v in want.items()},
+                  "step": 0}
+        got = mgr.restore(step, target=target)
+        assert got["step"] == 4
+        for k, v in want.items():
+            a = got["params"][k]
+            assert a.sharding == NamedSharding(mesh, specs[k]), (k, a.sharding)
+            index = a.sharding.addressable_devices_indices_map(v.shape)
+            for shard in a.addressable_shards:
+                block = v[index[shard.device]]
+                assert_same_array(np.asarray(shard.data),
+                                  np.ascontiguousarray(block).reshape(block.shape), k)
+        assert mgr.metadata(step) == {"step": 4, "nproc": args.nproc}
+        assert mgr.metrics(step) == {"loss": 0.25}
+        assert mgr.per_process(step) == per_process_value(args.pid, step)
+        for pid in range(args.nproc):
+            assert mgr.per_process(step, pid) == per_process_value(pid, step), pid
+            assert mgr.per_process(3, pid) == per_process_value(pid, 3), pid
+        assert mgr.per_process(step, args.nproc) is None  # no such process
+        assert mgr.last_restore_stats.bytes > 0
+    print(f"process {args.pid}: restored step {step}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
