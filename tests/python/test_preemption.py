@@ -108,6 +108,8 @@ def test_sigkill_at_random_moments_resumes_from_newest_complete_step(reference, 
     checked_resumes = 0
     kills_in_save = 0
     seen_steps: set[int] = set()
+    modes = ["launch", "start", "save"] * (KILLS // 3)
+    rng.shuffle(modes)
     for attempt in range(KILLS):
         expected = demo.complete_steps(root)
         expected = expected[-1] if expected else None
@@ -117,7 +119,7 @@ def test_sigkill_at_random_moments_resumes_from_newest_complete_step(reference, 
         # "start" (the restore is done: among steps, saves and deletions), or "save": the n-th
         # save() of this attempt has returned, so that its write and commit are most likely
         # still in flight.
-        mode = rng.choices(["launch", "start", "save"], weights=[1, 2, 2])[0]
+        mode = modes[attempt]
         nth_save = rng.randint(1, 3)
         delay = rng.uniform(0.0, {"launch": 2.0, "start": 0.8, "save": 0.03}[mode])
         with open(output, "ab") as out:
