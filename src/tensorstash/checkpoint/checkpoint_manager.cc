@@ -45,9 +45,10 @@ std::optional<int64_t> ParseStepName(std::string_view name) {
   return step;
 }
 
-// Set by the SIGTERM handler; process-wide, as signals are.
-std::atomic<bool> g_sigterm_received{false};
-extern "C" void OnSigterm(int) { g_sigterm_received.store(true); }
+// Counts SIGTERMs caught by the handler; process-wide, as signals are. Each manager compares it
+// with its value at Open, so a signal seen by one manager does not preempt later ones.
+std::atomic<uint64_t> g_sigterms{0};
+extern "C" void OnSigterm(int) { g_sigterms.fetch_add(1); }
 
 uint64_t DefaultStagingBytes() {
   const long pages = sysconf(_SC_PHYS_PAGES);
@@ -94,6 +95,7 @@ struct CheckpointManager::Impl {
   bool sigterm_installed = false;
   struct sigaction previous_sigterm {};
   uint64_t preemption_checks = 0;
+  uint64_t sigterms_at_open = 0;
 
   // The complete steps. Cached rather than listed on every call: with the lock held, only this
   // manager adds or removes steps, and listing a root lists every data file of every step.
@@ -159,6 +161,7 @@ Result<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(KvStore* kv,
       return ErrnoToStatus(errno, "sigaction(SIGTERM)", "the SIGTERM handler");
     }
     impl->sigterm_installed = true;
+    impl->sigterms_at_open = g_sigterms.load();
   }
   return std::unique_ptr<CheckpointManager>(new CheckpointManager(std::move(impl)));
 }
@@ -520,7 +523,7 @@ Status CheckpointManager::SaveAsync(int64_t step, SaveRequest request) {
 
 bool CheckpointManager::ReachedPreemption(int64_t step) {
   Impl& s = *impl_;
-  const bool local = g_sigterm_received.load();
+  const bool local = s.options.handle_sigterm && g_sigterms.load() > s.sigterms_at_open;
   Coordinator& c = *s.coordinator;
   if (c.process_count() == 1) return local;
   // Collective: any process signalled makes every process save at the same step. Keys count
