@@ -1,7 +1,7 @@
 # The two commands of the README's quick start, and a few conveniences.
 .PHONY: demo test build clean
 
-demo:  ## the main job: example save/restore, then tensorstash ls/inspect/verify
+demo:  ## the main job: the JAX training demo (SIGKILL, resume on another mesh), the C++ example, tensorstash ls/inspect/verify
 	scripts/run_demo.sh
 
 test:  ## every test (installs what it needs first)

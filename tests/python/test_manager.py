@@ -693,9 +693,6 @@ def test_sigterm_sets_reached_preemption(tmp_path, python_sigterm_handler):
     assert received == [signal.SIGTERM]
 
 
-@pytest.mark.xfail(strict=True, reason="C++ CheckpointManager: the SIGTERM flag is process-wide "
-                   "and never reset, so every later manager of the process, with or without "
-                   "handle_sigterm, reports preemption")
 def test_preemption_does_not_outlive_its_manager(tmp_path, python_sigterm_handler):
     with tensorstash.CheckpointManager(str(tmp_path / "a"), handle_sigterm=True) as mgr:
         os.kill(os.getpid(), signal.SIGTERM)
