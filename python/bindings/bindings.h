@@ -7,8 +7,9 @@
 
 namespace tensorstash::python {
 
-void DefineWriter(nanobind::module_& m);  // writer.cc
-void DefineReader(nanobind::module_& m);  // reader.cc
+void DefineWriter(nanobind::module_& m);   // writer.cc
+void DefineReader(nanobind::module_& m);   // reader.cc
+void DefineManager(nanobind::module_& m);  // manager.cc
 
 }  // namespace tensorstash::python
 

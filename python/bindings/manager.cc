@@ -16,12 +16,14 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -29,6 +31,7 @@
 #include "buffers.h"
 #include "coordinator.h"
 #include "errors.h"
+#include "gc_slots.h"
 #include "save_args.h"
 #include "tensorstash/checkpoint/checkpoint_manager.h"
 #include "tensorstash/format/tree.h"
@@ -65,10 +68,10 @@ class Manager {
   // Set once by InitManager, after the callback that refers to on_commit_ is in place.
   void set_manager(std::unique_ptr<CheckpointManager> manager) { manager_ = std::move(manager); }
 
-  nb::handle coordinator_object() const {
-    return coordinator_ != nullptr ? coordinator_->object() : nb::handle();
+  // The Python objects it holds, for the garbage collector (gc_slots.h).
+  std::array<nb::handle, 2> python_objects() const {
+    return {coordinator_ != nullptr ? coordinator_->object() : nb::handle(), on_commit_};
   }
-  nb::handle on_commit_object() const { return on_commit_; }
 
   // Drops everything, for tp_clear and the destructor; the Manager is unusable afterwards. The
   // manager goes first (it uses the others), with the GIL released: it waits for a save in
@@ -128,53 +131,44 @@ class Manager {
   }
 
   std::vector<int64_t> AllSteps() {
-    CheckpointManager& manager = Get();
-    nb::gil_scoped_release release;
-    return manager.AllSteps();
+    return WithoutGil([](CheckpointManager& manager) { return manager.AllSteps(); });
   }
 
   std::optional<int64_t> LatestStep() {
-    CheckpointManager& manager = Get();
-    nb::gil_scoped_release release;
-    return manager.LatestStep();
+    return WithoutGil([](CheckpointManager& manager) { return manager.LatestStep(); });
   }
 
   bool ShouldSave(int64_t step) {
-    CheckpointManager& manager = Get();
-    nb::gil_scoped_release release;
-    return manager.ShouldSave(step);
+    return WithoutGil([step](CheckpointManager& manager) { return manager.ShouldSave(step); });
   }
 
   bool ReachedPreemption(int64_t step) {
-    CheckpointManager& manager = Get();
-    nb::gil_scoped_release release;
-    return manager.ReachedPreemption(step);
+    return WithoutGil(
+        [step](CheckpointManager& manager) { return manager.ReachedPreemption(step); });
   }
 
   void WaitUntilFinished() {
-    CheckpointManager& manager = Get();
-    Status status;
-    {
-      nb::gil_scoped_release release;
-      status = manager.WaitUntilFinished();
-    }
-    ThrowIfError(status);
+    ThrowIfError(
+        WithoutGil([](CheckpointManager& manager) { return manager.WaitUntilFinished(); }));
   }
 
   void Close() {
-    CheckpointManager& manager = Get();
-    Status status;
-    {
-      nb::gil_scoped_release release;
-      status = manager.Close();
-    }
-    ThrowIfError(status);
+    ThrowIfError(WithoutGil([](CheckpointManager& manager) { return manager.Close(); }));
   }
 
  private:
   CheckpointManager& Get() const {
     if (manager_ == nullptr) ThrowIfError(FailedPreconditionError("the manager was cleared"));
     return *manager_;
+  }
+
+  // `call(manager)` with the GIL released, once Get() found the manager usable; the result is
+  // returned (and an error raised by the caller) with the GIL taken back.
+  template <typename F>
+  std::invoke_result_t<F&, CheckpointManager&> WithoutGil(F call) {
+    CheckpointManager& manager = Get();
+    nb::gil_scoped_release release;
+    return call(manager);
   }
 
   // Declared before manager_, which uses them, so that they are destroyed after it (Clear
@@ -209,10 +203,9 @@ void InitManager(Manager* self, const std::string& root, int64_t max_to_keep,
   if (max_to_keep > INT32_MAX) {
     ThrowIfError(InvalidArgumentError(StrCat("max_to_keep ", max_to_keep, " is too large")));
   }
-  if (max_inflight_bytes <= 0) {
-    ThrowIfError(InvalidArgumentError(
-        StrCat("max_inflight_bytes must be > 0, not ", max_inflight_bytes)));
-  }
+  WriterOptions writer_options =
+      WriterOptionsFromPython(target_chunk_bytes, target_data_file_bytes, max_inflight_bytes,
+                              io_threads, sync, overwrite, coordination_timeout_s);
   if (!on_commit.is_none() && !PyCallable_Check(on_commit.ptr())) {
     throw nb::type_error("on_commit must be callable or None");
   }
@@ -224,27 +217,14 @@ void InitManager(Manager* self, const std::string& root, int64_t max_to_keep,
   options.best_mode = ValueOrThrow(ParseBestMode(best_mode));
   options.max_staging_bytes = static_cast<uint64_t>(max_staging_bytes);
   options.handle_sigterm = handle_sigterm;
-  options.writer.target_chunk_bytes = target_chunk_bytes;
-  options.writer.target_data_file_bytes = target_data_file_bytes;
-  options.writer.max_inflight_bytes = static_cast<uint64_t>(max_inflight_bytes);
-  options.writer.io_threads = io_threads;
-  options.writer.sync = sync;
-  options.writer.overwrite = overwrite;
-  options.writer.coordination_timeout = ValueOrThrow(TimeoutFromSeconds(coordination_timeout_s));
+  options.writer = writer_options;
 
-  std::unique_ptr<PyCoordinator> py_coordinator;
-  if (!coordinator.is_none()) {
-    py_coordinator = ValueOrThrow(PyCoordinator::Create(std::move(coordinator)));
-  }
-  std::unique_ptr<FileKvStore> store = ValueOrThrow([&] {
-    nb::gil_scoped_release release;
-    return FileKvStore::Open(root, /*create=*/true);
-  }());
-  options.coordinator = py_coordinator.get();
-  FileKvStore* kv = store.get();
+  SaveTarget target = OpenSaveTarget(root, std::move(coordinator));
+  options.coordinator = target.coordinator.get();
+  FileKvStore* kv = target.kv.get();
   // Constructed before the C++ manager exists, so that the callback can point at it; a failed
   // Open leaves a Manager without one, which nanobind then destroys.
-  new (self) Manager(std::move(store), std::move(py_coordinator), std::move(on_commit));
+  new (self) Manager(std::move(target.kv), std::move(target.coordinator), std::move(on_commit));
   options.on_commit = [self](const SaveStats& stats) { self->OnCommit(stats); };
   Result<std::unique_ptr<CheckpointManager>> manager = [&] {
     nb::gil_scoped_release release;  // Open may wait for the other processes
@@ -257,24 +237,6 @@ void InitManager(Manager* self, const std::string& root, int64_t max_to_keep,
   self->set_manager(std::move(manager).value());
 }
 
-int ManagerTraverse(PyObject* self, visitproc visit, void* arg) {
-  Py_VISIT(Py_TYPE(self));  // heap types own a reference to their type
-  if (!nb::inst_ready(self)) return 0;
-  Manager* manager = nb::inst_ptr<Manager>(self);
-  Py_VISIT(manager->coordinator_object().ptr());
-  Py_VISIT(manager->on_commit_object().ptr());
-  return 0;
-}
-
-int ManagerClear(PyObject* self) {
-  if (nb::inst_ready(self)) nb::inst_ptr<Manager>(self)->Clear();
-  return 0;
-}
-
-PyType_Slot manager_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(&ManagerTraverse)},
-                               {Py_tp_clear, reinterpret_cast<void*>(&ManagerClear)},
-                               {0, nullptr}};
-
 }  // namespace
 
 void DefineManager(nb::module_& m) {
@@ -286,7 +248,7 @@ void DefineManager(nb::module_& m) {
                       "The steps of one training run under `root`: saves (in the background with "
                       "async_save), retention, the newest complete step. Holds the root's lock "
                       "until close().",
-                      nb::type_slots(manager_slots))
+                      nb::type_slots(GcSlots<Manager>()))
       .def("__init__", &InitManager, nb::arg("root"), nb::kw_only(), nb::arg("max_to_keep") = 0,
            nb::arg("keep_period") = 0, nb::arg("save_interval_steps") = 0,
            nb::arg("best_metric") = "", nb::arg("best_mode") = "min",

@@ -15,8 +15,6 @@ namespace nb = nanobind;
 
 namespace tensorstash::python {
 
-void DefineManager(nb::module_& m);  // manager.cc (its place is bindings.h, with the others)
-
 namespace {
 
 std::vector<std::string> DTypeNames() {

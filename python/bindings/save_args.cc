@@ -48,4 +48,34 @@ ArrayToSave ArrayToSaveFromPython(const std::string& path, const std::string& dt
   return array;
 }
 
+WriterOptions WriterOptionsFromPython(int64_t target_chunk_bytes, int64_t target_data_file_bytes,
+                                      int64_t max_inflight_bytes, int io_threads, bool sync,
+                                      bool overwrite, double coordination_timeout_s) {
+  if (max_inflight_bytes <= 0) {
+    ThrowIfError(InvalidArgumentError(
+        StrCat("max_inflight_bytes must be > 0, not ", max_inflight_bytes)));
+  }
+  WriterOptions options;
+  options.target_chunk_bytes = target_chunk_bytes;
+  options.target_data_file_bytes = target_data_file_bytes;
+  options.max_inflight_bytes = static_cast<uint64_t>(max_inflight_bytes);
+  options.io_threads = io_threads;
+  options.sync = sync;
+  options.overwrite = overwrite;
+  options.coordination_timeout = ValueOrThrow(TimeoutFromSeconds(coordination_timeout_s));
+  return options;
+}
+
+SaveTarget OpenSaveTarget(const std::string& root, nb::object coordinator) {
+  SaveTarget target;
+  if (!coordinator.is_none()) {
+    target.coordinator = ValueOrThrow(PyCoordinator::Create(std::move(coordinator)));
+  }
+  target.kv = ValueOrThrow([&] {
+    nb::gil_scoped_release release;
+    return FileKvStore::Open(root, /*create=*/true);
+  }());
+  return target;
+}
+
 }  // namespace tensorstash::python

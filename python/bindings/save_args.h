@@ -1,6 +1,6 @@
 // The arguments of a save as they cross the binding: the arrays with this process's shards
-// (tuples built by the Python layer), codec names and timeouts. Shared by the Writer
-// (writer.cc) and the Manager (manager.cc).
+// (tuples built by the Python layer), codec names, timeouts, the writer's options, the
+// coordinator and the root. Shared by the Writer (writer.cc) and the Manager (manager.cc).
 //
 // Thread-safety: every function here needs the GIL.
 #ifndef TENSORSTASH_PYTHON_BINDINGS_SAVE_ARGS_H_
@@ -10,13 +10,16 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <tuple>
 #include <vector>
 
 #include "buffers.h"
+#include "coordinator.h"
 #include "tensorstash/checkpoint/checkpoint_manager.h"
+#include "tensorstash/kvstore/file/file_kvstore.h"
 #include "tensorstash/util/status.h"
 
 namespace tensorstash::python {
@@ -42,6 +45,23 @@ ArrayToSave ArrayToSaveFromPython(const std::string& path, const std::string& dt
                                   const std::vector<ShardTuple>& shards, const std::string& codec,
                                   int zstd_level, int64_t target_chunk_bytes,
                                   std::vector<ReadOnlyBytes>* buffers);
+
+// The options both the Writer and the Manager take, the others left at their defaults. Raises
+// ValueError when max_inflight_bytes is not positive or for a bad coordination_timeout_s
+// (TimeoutFromSeconds), in that order.
+WriterOptions WriterOptionsFromPython(int64_t target_chunk_bytes, int64_t target_data_file_bytes,
+                                      int64_t max_inflight_bytes, int io_threads, bool sync,
+                                      bool overwrite, double coordination_timeout_s);
+
+// Where a save goes: the root's store and the job's coordinator (null for a single process).
+struct SaveTarget {
+  std::unique_ptr<FileKvStore> kv;
+  std::unique_ptr<PyCoordinator> coordinator;
+};
+
+// Wraps `coordinator` unless it is None (PyCoordinator::Create), then opens `root`, creating it
+// if needed, with the GIL released. Raises the error of either.
+SaveTarget OpenSaveTarget(const std::string& root, nanobind::object coordinator);
 
 }  // namespace tensorstash::python
 

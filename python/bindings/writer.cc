@@ -11,8 +11,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include <chrono>
-#include <cmath>
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -24,6 +23,8 @@
 #include "buffers.h"
 #include "coordinator.h"
 #include "errors.h"
+#include "gc_slots.h"
+#include "save_args.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/format/tree.h"
 #include "tensorstash/kvstore/file/file_kvstore.h"
@@ -33,32 +34,15 @@ namespace nb = nanobind;
 namespace tensorstash::python {
 namespace {
 
-// (origin, shape, data, replica_id, num_replicas); data is checked by CastReadOnlyBytes.
-using ShardTuple = std::tuple<std::vector<int64_t>, std::vector<int64_t>, nb::object, int, int>;
-
-Result<Codec> ParseCodec(std::string_view name) {
-  if (name == CodecName(Codec::kNone)) return Codec::kNone;
-  if (name == CodecName(Codec::kZstd)) return Codec::kZstd;
-  return InvalidArgumentError(StrCat("unknown codec '", name, "' (expected 'none' or 'zstd')"));
-}
-
-Result<std::chrono::milliseconds> TimeoutFromSeconds(double seconds) {
-  // Bounded so that the conversion cannot overflow; a billion seconds is 31 years.
-  if (!std::isfinite(seconds) || seconds <= 0 || seconds > 1e9) {
-    return InvalidArgumentError(
-        StrCat("coordination_timeout_s must be a positive number of seconds, not ", seconds));
-  }
-  return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000)));
-}
-
 class Writer {
  public:
   Writer(std::unique_ptr<FileKvStore> kv, std::unique_ptr<PyCoordinator> coordinator,
          std::unique_ptr<CheckpointWriter> writer)
       : kv_(std::move(kv)), coordinator_(std::move(coordinator)), writer_(std::move(writer)) {}
 
-  nb::handle coordinator_object() const {
-    return coordinator_ != nullptr ? coordinator_->object() : nb::handle();
+  // The Python objects it holds, for the garbage collector (gc_slots.h).
+  std::array<nb::handle, 1> python_objects() const {
+    return {coordinator_ != nullptr ? coordinator_->object() : nb::handle()};
   }
 
   // Drops everything, for tp_clear; the Writer is unusable afterwards. writer_ goes first, as it
@@ -73,27 +57,11 @@ class Writer {
                 const std::vector<int64_t>& shape, const std::vector<ShardTuple>& shards,
                 const std::string& codec, int zstd_level, int64_t target_chunk_bytes) {
     ThrowIfError(CheckUsable());
-    ArraySpec spec;
-    spec.path = path;
-    spec.dtype = ValueOrThrow(ParseDType(dtype));
-    spec.shape = shape;
-    spec.codec = ValueOrThrow(ParseCodec(codec));
-    spec.zstd_level = zstd_level;
-    spec.target_chunk_bytes = target_chunk_bytes;
-
-    std::vector<ShardData> data;
-    std::vector<ReadOnlyBytes> arrays;
-    for (size_t i = 0; i < shards.size(); ++i) {
-      const auto& [origin, shard_shape, object, replica_id, num_replicas] = shards[i];
-      const std::string what = StrCat("array '", path, "' shard ", i);
-      ReadOnlyBytes bytes = CastReadOnlyBytes(object, what);
-      Box box(origin, shard_shape);
-      ThrowIfError(CheckBufferSize(box, spec.dtype, bytes.nbytes(), what));
-      data.push_back({std::move(box), bytes.data(), replica_id, num_replicas});
-      arrays.push_back(std::move(bytes));
-    }
-    ThrowIfError(writer_->AddArray(std::move(spec), std::move(data)));
-    for (ReadOnlyBytes& array : arrays) shard_arrays_.push_back(std::move(array));
+    std::vector<ReadOnlyBytes> buffers;
+    ArrayToSave array = ArrayToSaveFromPython(path, dtype, shape, shards, codec, zstd_level,
+                                              target_chunk_bytes, &buffers);
+    ThrowIfError(writer_->AddArray(std::move(array.spec), std::move(array.shards)));
+    for (ReadOnlyBytes& buffer : buffers) shard_arrays_.push_back(std::move(buffer));
   }
 
   void SetTree(const std::string& tree_json) {
@@ -144,55 +112,23 @@ void InitWriter(Writer* self, const std::string& root, const std::string& step,
                 int64_t max_inflight_bytes, int io_threads, bool sync, bool overwrite,
                 bool split_replicated_writes, nb::object coordinator,
                 double coordination_timeout_s) {
-  if (max_inflight_bytes <= 0) {
-    ThrowIfError(InvalidArgumentError(
-        StrCat("max_inflight_bytes must be > 0, not ", max_inflight_bytes)));
-  }
-  WriterOptions options;
-  options.target_chunk_bytes = target_chunk_bytes;
-  options.target_data_file_bytes = target_data_file_bytes;
-  options.max_inflight_bytes = static_cast<uint64_t>(max_inflight_bytes);
-  options.io_threads = io_threads;
-  options.sync = sync;
-  options.overwrite = overwrite;
+  WriterOptions options =
+      WriterOptionsFromPython(target_chunk_bytes, target_data_file_bytes, max_inflight_bytes,
+                              io_threads, sync, overwrite, coordination_timeout_s);
   options.split_replicated_writes = split_replicated_writes;
-  options.coordination_timeout = ValueOrThrow(TimeoutFromSeconds(coordination_timeout_s));
-
-  std::unique_ptr<PyCoordinator> py_coordinator;
-  if (!coordinator.is_none()) {
-    py_coordinator = ValueOrThrow(PyCoordinator::Create(std::move(coordinator)));
-  }
-  std::unique_ptr<FileKvStore> store = ValueOrThrow([&] {
-    nb::gil_scoped_release release;
-    return FileKvStore::Open(root, /*create=*/true);
-  }());
+  SaveTarget target = OpenSaveTarget(root, std::move(coordinator));
   std::unique_ptr<CheckpointWriter> writer =
-      ValueOrThrow(CheckpointWriter::Create(store.get(), step, options, py_coordinator.get()));
-  new (self) Writer(std::move(store), std::move(py_coordinator), std::move(writer));
+      ValueOrThrow(CheckpointWriter::Create(target.kv.get(), step, options,
+                                            target.coordinator.get()));
+  new (self) Writer(std::move(target.kv), std::move(target.coordinator), std::move(writer));
 }
-
-int WriterTraverse(PyObject* self, visitproc visit, void* arg) {
-  Py_VISIT(Py_TYPE(self));  // heap types own a reference to their type
-  if (!nb::inst_ready(self)) return 0;
-  Py_VISIT(nb::inst_ptr<Writer>(self)->coordinator_object().ptr());
-  return 0;
-}
-
-int WriterClear(PyObject* self) {
-  if (nb::inst_ready(self)) nb::inst_ptr<Writer>(self)->Clear();
-  return 0;
-}
-
-PyType_Slot writer_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(&WriterTraverse)},
-                              {Py_tp_clear, reinterpret_cast<void*>(&WriterClear)},
-                              {0, nullptr}};
 
 }  // namespace
 
 void DefineWriter(nb::module_& m) {
   nb::class_<Writer>(m, "Writer",
                      "Saves sharded arrays (and a pytree around them) as one step of `root`.",
-                     nb::type_slots(writer_slots))
+                     nb::type_slots(GcSlots<Writer>()))
       .def("__init__", &InitWriter, nb::arg("root"), nb::arg("step"), nb::kw_only(),
            nb::arg("target_chunk_bytes") = int64_t{8} << 20,
            nb::arg("target_data_file_bytes") = int64_t{1} << 30,

@@ -14,44 +14,16 @@ with a traceback otherwise.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-import traceback
+
+from mp_worker import parse_args, run_in_job
 
 STEPS = (1, 2, 3, 4)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", choices=["save", "restore"], required=True)
-    ap.add_argument("--step", required=True, help="the manager's root")
-    ap.add_argument("--nproc", type=int, required=True)
-    ap.add_argument("--pid", type=int, required=True)
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--layout", default="")
-    args = ap.parse_args()
-
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // args.nproc}"
-    import jax
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
-                               num_processes=args.nproc, process_id=args.pid,
-                               initialization_timeout=60)
-    try:
-        run(args)
-        ok = True
-    except BaseException:  # noqa: BLE001 - report anything, then fail
-        traceback.print_exc()
-        sys.stdout.flush()
-        ok = False
-    try:
-        jax.distributed.shutdown()
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
-        ok = False
-    print(f"process {args.pid}/{args.nproc}: {'OK' if ok else 'FAILED'}", flush=True)
-    return 0 if ok else 1
+    args = parse_args(step_help="the manager's root", layout_default="")
+    return run_in_job(args, run, distributed=True)
 
 
 def per_process_value(pid: int, step: int):

@@ -17,22 +17,30 @@ import os
 import sys
 import time
 import traceback
+from typing import Callable
 
 
-def main() -> int:
+def parse_args(*, step_help: str | None = None, layout_default: str | None = None):
+    """The command line of a worker (the one test_multiprocess.run_job gives it); --layout is
+    required unless it has a default."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", choices=["save", "restore"], required=True)
-    ap.add_argument("--step", required=True)
+    ap.add_argument("--step", required=True, help=step_help)
     ap.add_argument("--nproc", type=int, required=True)
     ap.add_argument("--pid", type=int, required=True)
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--layout", required=True)
-    args = ap.parse_args()
+    ap.add_argument("--layout", required=layout_default is None, default=layout_default)
+    return ap.parse_args()
 
+
+def run_in_job(args, run: Callable, *, distributed: bool) -> int:
+    """Runs run(args) as process args.pid of args.nproc, each with 8 // nproc CPU devices, inside
+    a jax.distributed job (coordinator on 127.0.0.1:args.port) when `distributed`. Prints the
+    traceback of a failure and a last line "process I/N: OK|FAILED"; returns the exit status."""
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // args.nproc}"
     import jax
-    if args.nproc > 1:
+    if distributed:
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
                                    num_processes=args.nproc, process_id=args.pid,
                                    initialization_timeout=60)
@@ -43,7 +51,7 @@ def main() -> int:
         traceback.print_exc()
         sys.stdout.flush()
         ok = False
-    if args.nproc > 1:
+    if distributed:
         # Stay up until every process is done (the coordination service lives in process 0).
         try:
             jax.distributed.shutdown()
@@ -52,6 +60,11 @@ def main() -> int:
             ok = False
     print(f"process {args.pid}/{args.nproc}: {'OK' if ok else 'FAILED'}", flush=True)
     return 0 if ok else 1
+
+
+def main() -> int:
+    args = parse_args()
+    return run_in_job(args, run, distributed=args.nproc > 1)
 
 
 def run(args) -> None:
