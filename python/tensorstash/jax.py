@@ -56,8 +56,13 @@ def device_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dic
 
 def assemble(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
              buffers: dict[Any, np.ndarray]) -> jax.Array:
-    """A jax.Array from one host buffer per addressable device."""
+    """A jax.Array from one host buffer per addressable device.
+
+    Waits until the devices hold their copies, so that the host buffers can be freed as soon as
+    this returns: device_put is asynchronous, and under load a restore would otherwise hold the
+    host buffers of several batches at once (breaking the host-memory bound)."""
     arrays = [jax.device_put(buffers[device], device) for device in buffers]
+    jax.block_until_ready(arrays)
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
