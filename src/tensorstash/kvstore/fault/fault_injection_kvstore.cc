@@ -63,6 +63,7 @@ struct FaultInjectionKvStore::Model {
     std::string durable_content;  // files: bytes as of the last sync
   };
   std::vector<Node> nodes;  // nodes[0] is the root directory
+  bool names_durable_at_once = false;  // DurabilityModel::kObjectStore
 
   Model() { nodes.push_back(Node{true, {}, {}, {}, {}}); }
 
@@ -182,6 +183,14 @@ struct FaultInjectionKvStore::Model {
 
   void SyncFile(int file) {
     if (file >= 0 && !nodes[file].dir) nodes[file].durable_content = nodes[file].content;
+  }
+
+  // After a change of names: with kObjectStore every name is durable at once.
+  void Changed() {
+    if (!names_durable_at_once) return;
+    for (Node& node : nodes) {
+      if (node.dir) node.durable = node.entries;
+    }
   }
 
   // Every file reachable through durable entries, with its durable bytes.
@@ -412,7 +421,7 @@ FaultInjectionKvStore::Decision FaultInjectionKvStore::Decide(KvOp op, std::stri
   return decision;
 }
 
-Status FaultInjectionKvStore::StartDurabilityTracking() {
+Status FaultInjectionKvStore::StartDurabilityTracking(DurabilityModel model) {
   TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, base()->List(""));
   std::map<std::string, std::string> files;
   for (const std::string& key : keys) {
@@ -420,12 +429,14 @@ Status FaultInjectionKvStore::StartDurabilityTracking() {
   }
   std::lock_guard<std::mutex> lock(mutex_);
   model_ = Model::FromFiles(files);
+  model_->names_durable_at_once = model == DurabilityModel::kObjectStore;
   ++generation_;
   return OkStatus();
 }
 
 Status FaultInjectionKvStore::SimulateCrash() {
   std::map<std::string, std::string> files;
+  bool names_durable_at_once = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!model_) {
@@ -433,6 +444,7 @@ Status FaultInjectionKvStore::SimulateCrash() {
           "SimulateCrash needs StartDurabilityTracking first (nothing is known about syncs)");
     }
     model_->CollectDurable(0, "", &files);
+    names_durable_at_once = model_->names_durable_at_once;
     // Open files die with the "machine"; calls fail until the base holds the durable state.
     ++generation_;
     crashed_ = true;
@@ -443,6 +455,7 @@ Status FaultInjectionKvStore::SimulateCrash() {
   }
   std::lock_guard<std::mutex> lock(mutex_);
   model_ = Model::FromFiles(files);
+  model_->names_durable_at_once = names_durable_at_once;
   crashed_ = false;
   return OkStatus();
 }
@@ -485,7 +498,10 @@ Status FaultInjectionKvStore::Write(std::string_view key, std::string_view value
   TS_RETURN_IF_ERROR(base()->Write(key, stored));
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (model_) model_->PutFile(key, std::string(stored));
+    if (model_) {
+      model_->PutFile(key, std::string(stored));
+      model_->Changed();
+    }
   }
   return d.short_write ? d.status_after : OkStatus();
 }
@@ -498,7 +514,10 @@ Result<std::unique_ptr<WritableFile>> FaultInjectionKvStore::OpenForWrite(std::s
   uint64_t generation;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (model_) node = model_->OpenFile(key);
+    if (model_) {
+      node = model_->OpenFile(key);
+      model_->Changed();
+    }
     generation = generation_;
   }
   return std::unique_ptr<WritableFile>(std::make_unique<FaultWritableFile>(
@@ -516,7 +535,10 @@ Status FaultInjectionKvStore::Delete(std::string_view key) {
   if (!d.status.ok()) return d.status;
   TS_RETURN_IF_ERROR(base()->Delete(key));
   std::lock_guard<std::mutex> lock(mutex_);
-  if (model_) model_->Remove(key);
+  if (model_) {
+    model_->Remove(key);
+    model_->Changed();
+  }
   return OkStatus();
 }
 
@@ -528,7 +550,10 @@ Status FaultInjectionKvStore::DeletePrefix(std::string_view prefix) {
   // when it succeeded (a crash then brings back what the model still has, which is allowed).
   if (status.ok()) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (model_) model_->RemovePrefix(prefix);
+    if (model_) {
+      model_->RemovePrefix(prefix);
+      model_->Changed();
+    }
   }
   return status;
 }
@@ -538,7 +563,10 @@ Status FaultInjectionKvStore::RenameDirectory(std::string_view from, std::string
   if (!d.status.ok()) return d.status;
   TS_RETURN_IF_ERROR(base()->RenameDirectory(from, to));
   std::lock_guard<std::mutex> lock(mutex_);
-  if (model_) model_->Rename(from, to);
+  if (model_) {
+    model_->Rename(from, to);
+    model_->Changed();
+  }
   return OkStatus();
 }
 

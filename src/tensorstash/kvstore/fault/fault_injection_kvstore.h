@@ -82,6 +82,11 @@ std::string_view KvOpName(KvOp op);
 
 enum class FaultKind { kIoError, kNoSpace, kShortWrite, kSlow, kCrash };
 
+// What a crash keeps. kPosix: see the top of this file. kObjectStore: names (writes, deletes)
+// are durable as soon as the call returns, as in an object store without folders; the bytes of
+// a positional file still need its Sync.
+enum class DurabilityModel { kPosix, kObjectStore };
+
 struct FaultRule {
   KvOpMask ops = kAllKvOps;
   std::string key_substring;  // "" matches every key
@@ -115,7 +120,7 @@ class FaultInjectionKvStore final : public ForwardingKvStore {
 
   // Takes the base store's current contents as durable and starts modelling durability (see
   // the top of this file). Reads every object of the base.
-  Status StartDurabilityTracking();
+  Status StartDurabilityTracking(DurabilityModel model = DurabilityModel::kPosix);
   // Rewrites the base to its durable state and "reopens": clears the crashed state, keeps the
   // rules and counters, and keeps tracking from the new state. FailedPrecondition unless
   // tracking was started.

@@ -318,6 +318,23 @@ TEST_P(FaultInjectionKvStoreTest, UnsyncedDeletesComeBack) {
   EXPECT_THAT(Keys(), ElementsAre("a/keep"));
 }
 
+TEST_P(FaultInjectionKvStoreTest, ObjectStoreModelKeepsNamesButNotUnsyncedBytes) {
+  TS_ASSERT_OK(base_->Write("gone", "1"));
+  TS_ASSERT_OK(store_->StartDurabilityTracking(DurabilityModel::kObjectStore));
+  TS_ASSERT_OK(store_->Write("a/b", "written"));
+  TS_ASSERT_OK(store_->Delete("gone"));
+  {
+    Result<std::unique_ptr<WritableFile>> file = store_->OpenForWrite("a/data");
+    TS_ASSERT_OK(file.status());
+    TS_ASSERT_OK((*file)->WriteAt(0, "xy", 2));
+    TS_ASSERT_OK((*file)->Close());
+  }
+  TS_ASSERT_OK(store_->SimulateCrash());
+  EXPECT_THAT(Keys(), ElementsAre("a/b", "a/data"));
+  EXPECT_EQ(Get("a/b"), "written");
+  EXPECT_EQ(Get("a/data"), "");
+}
+
 TEST_P(FaultInjectionKvStoreTest, FilesOpenedBeforeACrashFailAfterIt) {
   TS_ASSERT_OK(store_->StartDurabilityTracking());
   Result<std::unique_ptr<WritableFile>> file = store_->OpenForWrite("f");
