@@ -91,6 +91,9 @@ inline Status RestoreReliabilityStep(KvStore* kv, const std::string& dir, int64_
   return DataLossError(StrCat(dir, " opened but its contents match no saved version"));
 }
 
+// The step number of a step folder name ("0000000042" -> 42).
+inline int64_t Step(const std::string& folder) { return std::stoll(folder); }
+
 // The top-level folder names of `kv` under `root` ("" or "a/b/"), sorted.
 inline std::set<std::string> TopFolders(KvStore* kv, const std::string& root) {
   std::set<std::string> folders;

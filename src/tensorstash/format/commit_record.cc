@@ -36,7 +36,10 @@ Result<CommitRecord> DecodeImpl(std::string_view text, std::string_view where) {
   if (record.process_count < 1) return bad("process_count < 1");
   const json& items = doc.at("items");
   if (!items.is_object()) return bad("\"items\" is not an object");
-  for (const auto& [name, item] : items.items()) {
+  for (const auto& entry : items.items()) {
+    // Named copies, not structured bindings: lambdas below use them (clang < 16 cannot).
+    const std::string& name = entry.key();
+    const json& item = entry.value();
     if (!ValidateKey(name).ok() || name.find('/') != std::string::npos) {
       return bad(StrCat("invalid item name \"", name, "\""));
     }
