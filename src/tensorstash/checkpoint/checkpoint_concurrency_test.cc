@@ -38,7 +38,7 @@ TEST_P(CheckpointConcurrencyTest, ManyThreadsSaveAndRestoreDifferentCheckpoints)
   constexpr int kSteps = 3;
   WriterOptions options = test::SmallFilesOptions();
   options.sync = GetParam() == StoreKind::kFile ? false : true;  // fsync adds nothing here
-  const int threads_before = test::CountProcEntries("task");
+  const int threads_before = test::CountThreads();
   std::vector<std::string> errors(kThreads);
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
@@ -64,7 +64,7 @@ TEST_P(CheckpointConcurrencyTest, ManyThreadsSaveAndRestoreDifferentCheckpoints)
   for (int t = 0; t < kThreads; ++t) {
     EXPECT_EQ(test::TopFolders(kv_.get(), StrCat("run", t, "/")).size(), size_t{kSteps});
   }
-  EXPECT_EQ(test::CountProcEntries("task"), threads_before) << "threads leaked";
+  EXPECT_EQ(test::CountThreads(), threads_before) << "threads leaked";
 }
 
 TEST_P(CheckpointConcurrencyTest, ReaderDuringOverwritesSeesOldOrNewNeverHalf) {

@@ -108,7 +108,7 @@ TEST_P(CheckpointFaultTest, InjectedSaveErrorsReachTheCallerAndHarmNothingCommit
   std::vector<std::pair<KvOp, int64_t>> ops(profile.begin(), profile.end());
 
   const int fds = test::CountProcEntries("fd");
-  const int threads = test::CountProcEntries("task");
+  const int threads = test::CountThreads();
   int failed_saves = 0;
   int visible_after_failure = 0;
   for (int iteration = 0; iteration < 60; ++iteration) {
@@ -174,7 +174,7 @@ TEST_P(CheckpointFaultTest, InjectedSaveErrorsReachTheCallerAndHarmNothingCommit
     }
     ExpectCommittedStepsIntact();
     EXPECT_EQ(test::CountProcEntries("fd"), fds) << "file descriptors leaked";
-    EXPECT_EQ(test::CountProcEntries("task"), threads) << "threads leaked";
+    EXPECT_EQ(test::CountThreads(), threads) << "threads leaked";
     if (HasFailure()) break;
   }
   EXPECT_GT(failed_saves, 10) << "too few faults hit a save to test anything";
@@ -194,7 +194,7 @@ TEST_P(CheckpointFaultTest, InjectedRestoreErrorsReachTheCallerAndNeverGiveWrong
   std::vector<std::pair<KvOp, int64_t>> ops(profile.begin(), profile.end());
   ASSERT_FALSE(ops.empty());
   const int fds = test::CountProcEntries("fd");
-  const int threads = test::CountProcEntries("task");
+  const int threads = test::CountThreads();
   int failed = 0;
   for (int iteration = 0; iteration < 40; ++iteration) {
     const auto [op, count] = ops[rng_() % ops.size()];
@@ -216,7 +216,7 @@ TEST_P(CheckpointFaultTest, InjectedRestoreErrorsReachTheCallerAndNeverGiveWrong
       EXPECT_THAT(restored.message(), HasSubstr(log.back()));
     }
     EXPECT_EQ(test::CountProcEntries("fd"), fds) << "file descriptors leaked";
-    EXPECT_EQ(test::CountProcEntries("task"), threads) << "threads leaked";
+    EXPECT_EQ(test::CountThreads(), threads) << "threads leaked";
     if (HasFailure()) break;
   }
   EXPECT_GT(failed, 10);
