@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every test: the GoogleTest suite, the CLI test and the cross-checks against NumPy/ml_dtypes
-# under ctest, then the Python/JAX tests under pytest. Both run even if the first fails.
+# under ctest, then the Python/JAX tests under pytest, short fuzz runs, and in CI (CI=true or
+# TS_SANITIZERS=1) the sanitizer builds. All run even if one fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh build || exit 1
@@ -8,4 +9,13 @@ scripts/setup.sh build || exit 1
 ctest_status=$?
 .venv/bin/python -m pytest tests/python -q
 pytest_status=$?
-exit $((ctest_status != 0 || pytest_status != 0))
+# A short run of every fuzz target (clang; scripts/run_fuzz.sh), and the C++ suite under
+# ASan+UBSan and TSan in CI (CI=true) or when asked (TS_SANITIZERS=1): docs/reliability.md.
+scripts/run_fuzz.sh
+fuzz_status=$?
+sanitizer_status=0
+if [ "${CI:-}" = "true" ] || [ "${TS_SANITIZERS:-0}" = "1" ]; then
+  scripts/run_sanitizers.sh
+  sanitizer_status=$?
+fi
+exit $((ctest_status != 0 || pytest_status != 0 || fuzz_status != 0 || sanitizer_status != 0))

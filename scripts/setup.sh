@@ -10,6 +10,7 @@ DEB_PACKAGES=(
   build-essential cmake ninja-build pkg-config python3-venv
   libabsl-dev libzstd-dev nlohmann-json3-dev libisal-dev liburing-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  clang libclang-rt-dev
 )
 missing=()
 for pkg in "${DEB_PACKAGES[@]}"; do

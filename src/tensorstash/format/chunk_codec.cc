@@ -31,7 +31,8 @@ Status DecodeChunk(Codec codec, std::string_view stored, void* dest, size_t raw_
       return DataLossError(StrCat(what, ": stored ", stored.size(),
                                               " bytes but the chunk holds ", raw_size));
     }
-    std::memcpy(dest, stored.data(), raw_size);
+    // memcpy with a null pointer is undefined even for 0 bytes (an empty chunk's buffers may be).
+    if (raw_size > 0) std::memcpy(dest, stored.data(), raw_size);
     return OkStatus();
   }
   const unsigned long long declared = ZSTD_getFrameContentSize(stored.data(), stored.size());

@@ -1,5 +1,7 @@
 #include "tensorstash/format/commit_record.h"
 
+#include <cstdint>
+
 #include "nlohmann/json.hpp"
 #include "tensorstash/kvstore/kvstore.h"
 
@@ -31,12 +33,27 @@ Result<CommitRecord> DecodeImpl(std::string_view text, std::string_view where) {
         ".x only (upgrade tensorstash)"));
   }
   CommitRecord record;
-  record.created_unix_ms = doc.at("created_unix_ms").get<int64_t>();
-  record.process_count = doc.at("process_count").get<int>();
-  if (record.process_count < 1) return bad("process_count < 1");
+  // Integers must be JSON integers: get<> of a float outside the target's range is undefined
+  // behaviour (found by fuzz/commit_record_fuzzer), and an int64 wraps silently into an int.
+  const json& created = doc.at("created_unix_ms");
+  if (!created.is_number_integer() ||
+      (created.is_number_unsigned() && created.get<uint64_t>() > uint64_t{INT64_MAX})) {
+    return bad("\"created_unix_ms\" is not an integer in range");
+  }
+  record.created_unix_ms = created.get<int64_t>();
+  const json& processes = doc.at("process_count");
+  // (An unsigned value past INT64_MAX reads back negative here, and is refused too.)
+  if (!processes.is_number_integer() || processes.get<int64_t>() < 1 ||
+      processes.get<int64_t>() > INT32_MAX) {
+    return bad("\"process_count\" is not an integer from 1 to 2^31 - 1");
+  }
+  record.process_count = static_cast<int>(processes.get<int64_t>());
   const json& items = doc.at("items");
   if (!items.is_object()) return bad("\"items\" is not an object");
-  for (const auto& [name, item] : items.items()) {
+  for (const auto& entry : items.items()) {
+    // Named copies, not structured bindings: lambdas below use them (clang < 16 cannot).
+    const std::string& name = entry.key();
+    const json& item = entry.value();
     if (!ValidateKey(name).ok() || name.find('/') != std::string::npos) {
       return bad(StrCat("invalid item name \"", name, "\""));
     }

@@ -1,5 +1,9 @@
 #include "tensorstash/format/commit_record.h"
 
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "gtest/gtest.h"
 
 namespace tensorstash {
@@ -30,6 +34,28 @@ TEST(CommitRecordTest, TornOrForeignOrNewerRecordsAreRefused) {
   std::string bad_item = text;
   bad_item.replace(bad_item.find("\"state\""), 7, "\"../x\"");
   EXPECT_FALSE(DecodeCommitRecord(bad_item, "c").ok());
+}
+
+// Found by fuzz/commit_record_fuzzer: a float where an integer belongs was converted with
+// undefined behaviour. Every such value is now refused.
+TEST(CommitRecordTest, IntegersMustBeIntegersInRange) {
+  CommitRecord record;
+  record.items["state"] = {};
+  const std::string text = EncodeCommitRecord(record);
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {"\"created_unix_ms\": 0", "\"created_unix_ms\": 1e300"},
+           {"\"created_unix_ms\": 0", "\"created_unix_ms\": 18446744073709551615"},
+           {"\"created_unix_ms\": 0", "\"created_unix_ms\": \"0\""},
+           {"\"process_count\": 1", "\"process_count\": 1.5"},
+           {"\"process_count\": 1", "\"process_count\": 4294967297"},
+           {"\"process_count\": 1", "\"process_count\": 0"}}) {
+    std::string edited = text;
+    ASSERT_NE(edited.find(from), std::string::npos) << from;
+    edited.replace(edited.find(from), from.size(), to);
+    Result<CommitRecord> r = DecodeCommitRecord(edited, "s/COMMIT");
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << to;
+    EXPECT_NE(std::string(r.status().message()).find("s/COMMIT"), std::string::npos) << to;
+  }
 }
 
 }  // namespace

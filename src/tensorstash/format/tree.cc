@@ -11,6 +11,8 @@
 #include "nlohmann/json.hpp"
 
 namespace tensorstash {
+
+TreeNode::TreeNode() = default;
 namespace {
 
 using json = nlohmann::json;

@@ -54,18 +54,26 @@ struct TreeNode {
   bool bool_value = false;   // kBool
   std::string string_value;  // kString (UTF-8) and kBytes (raw)
 
-  static TreeNode Dict() {
-    TreeNode node;
-    node.kind = Kind::kDict;
-    return node;
-  }
-  static TreeNode Array(int64_t id) {
-    TreeNode node;
-    node.kind = Kind::kArray;
-    node.array_id = id;
-    return node;
-  }
+  // Declared here and defined in tree.cc: with an implicit one, clang + libstdc++ ask whether
+  // TreeNode is default constructible while still deciding it (std::pair<std::string, TreeNode>
+  // in `entries`), and refuse to compile.
+  TreeNode();
+
+  static TreeNode Dict();
+  static TreeNode Array(int64_t id);
 };
+
+inline TreeNode TreeNode::Dict() {
+  TreeNode node;
+  node.kind = Kind::kDict;
+  return node;
+}
+inline TreeNode TreeNode::Array(int64_t id) {
+  TreeNode node;
+  node.kind = Kind::kArray;
+  node.array_id = id;
+  return node;
+}
 
 struct TreeFile {
   TreeNode root;

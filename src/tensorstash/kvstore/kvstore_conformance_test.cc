@@ -15,6 +15,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tensorstash/kvstore/fault/fault_injection_kvstore.h"
 #include "tensorstash/kvstore/file/file_kvstore.h"
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
@@ -50,6 +51,25 @@ std::vector<Backend> Backends() {
       {"MemoryNoRename",
        [](const std::string&) {
          return std::make_unique<MemoryKvStore>(/*supports_rename=*/false);
+       }},
+      // The fault-injecting decorator without rules, tracking durability: it must not change
+      // what the store does.
+      {"FaultInjectionFile",
+       [](const std::string& scratch_dir) -> std::unique_ptr<KvStore> {
+         Result<std::unique_ptr<FileKvStore>> store = FileKvStore::Open(scratch_dir + "/root");
+         if (!store.ok()) {
+           ADD_FAILURE() << store.status();
+           return nullptr;
+         }
+         auto fault = std::make_unique<FaultInjectionKvStore>(*std::move(store));
+         if (Status s = fault->StartDurabilityTracking(); !s.ok()) ADD_FAILURE() << s;
+         return fault;
+       }},
+      {"FaultInjectionMemory",
+       [](const std::string&) -> std::unique_ptr<KvStore> {
+         auto fault = std::make_unique<FaultInjectionKvStore>(std::make_unique<MemoryKvStore>());
+         if (Status s = fault->StartDurabilityTracking(); !s.ok()) ADD_FAILURE() << s;
+         return fault;
        }},
   };
 }

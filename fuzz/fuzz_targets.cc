@@ -1,0 +1,141 @@
+#include "fuzz/fuzz_targets.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#include "tensorstash/array/dtype.h"
+#include "tensorstash/checkpoint/checkpoint_reader.h"
+#include "tensorstash/format/chunk_codec.h"
+#include "tensorstash/format/commit_record.h"
+#include "tensorstash/format/index_format.h"
+#include "tensorstash/format/tree.h"
+#include "tensorstash/kvstore/memory/memory_kvstore.h"
+#include "tensorstash/util/endian.h"
+
+// A property that must hold for every input; aborts (a finding) when it does not.
+#define TS_FUZZ_CHECK(cond, ...)                                                  \
+  do {                                                                            \
+    if (!(cond)) {                                                                \
+      std::fprintf(stderr, "fuzz check failed: %s (%s:%d)\n", #cond, __FILE__, __LINE__); \
+      std::abort();                                                               \
+    }                                                                             \
+  } while (false)
+
+namespace tensorstash {
+namespace fuzz {
+namespace {
+
+std::string_view AsView(const uint8_t* data, size_t size) {
+  return std::string_view(reinterpret_cast<const char*>(data), size);
+}
+
+// Largest array a step target reads whole; bigger ones are skipped (the harness's buffer, not
+// the reader, would be the huge allocation).
+constexpr uint64_t kMaxReadBytes = uint64_t{16} << 20;
+
+}  // namespace
+
+void FuzzIndex(const uint8_t* data, size_t size) {
+  const std::string_view bytes = AsView(data, size);
+  Result<ChunkIndex> index = DecodeIndex(bytes, "fuzz/index");
+  if (!index.ok()) {
+    TS_FUZZ_CHECK(!index.status().message().empty());
+    return;
+  }
+  Result<std::string> encoded = EncodeIndex(*index);
+  TS_FUZZ_CHECK(encoded.ok());
+  TS_FUZZ_CHECK(*encoded == bytes);
+}
+
+void FuzzTreeJson(const uint8_t* data, size_t size) {
+  const std::string_view text = AsView(data, size);
+  (void)TreeNodeFromJson(text);
+  Result<TreeFile> tree = DecodeTreeJson(text, "fuzz/tree.json");
+  if (!tree.ok()) return;
+  Result<std::string> encoded = EncodeTreeJson(*tree);
+  TS_FUZZ_CHECK(encoded.ok());
+  Result<TreeFile> again = DecodeTreeJson(*encoded, "fuzz/tree.json (re-encoded)");
+  TS_FUZZ_CHECK(again.ok());
+  TS_FUZZ_CHECK(again->arrays.size() == tree->arrays.size());
+  for (size_t i = 0; i < tree->arrays.size(); ++i) {
+    TS_FUZZ_CHECK(again->arrays[i].path == tree->arrays[i].path);
+    TS_FUZZ_CHECK(again->arrays[i].dtype == tree->arrays[i].dtype);
+    TS_FUZZ_CHECK(again->arrays[i].shape() == tree->arrays[i].shape());
+  }
+}
+
+void FuzzCommitRecord(const uint8_t* data, size_t size) {
+  Result<CommitRecord> record = DecodeCommitRecord(AsView(data, size), "fuzz/COMMIT");
+  if (!record.ok()) return;
+  Result<CommitRecord> again =
+      DecodeCommitRecord(EncodeCommitRecord(*record), "fuzz/COMMIT (re-encoded)");
+  TS_FUZZ_CHECK(again.ok());
+  TS_FUZZ_CHECK(*again == *record);
+}
+
+void FuzzChunkCodec(const uint8_t* data, size_t size) {
+  if (size < 3) return;
+  // Up to 256 KiB: big enough for any frame the fuzzer builds, small enough to run fast.
+  const size_t raw_size =
+      (data[0] | (size_t{data[1]} << 8) | (size_t{data[2]} << 16)) % ((size_t{256} << 10) + 1);
+  std::vector<char> dest(raw_size);
+  (void)DecodeChunk(Codec::kZstd, AsView(data + 3, size - 3), dest.data(), raw_size,
+                    "fuzz chunk");
+  (void)DecodeChunk(Codec::kNone, AsView(data + 3, size - 3), dest.data(), raw_size,
+                    "fuzz chunk");
+}
+
+void FuzzStep(const uint8_t* data, size_t size) {
+  MemoryKvStore kv;
+  for (const auto& [key, value] : DecodeBundle(AsView(data, size))) {
+    if (!ValidateKey(key).ok()) continue;
+    (void)kv.Write(StrCat("step/", key), value);
+  }
+  ReaderOptions options;
+  options.io_threads = 1;
+  options.max_inflight_bytes = 1 << 20;
+  Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(&kv, "step", options);
+  if (!reader.ok()) {
+    TS_FUZZ_CHECK(!reader.status().message().empty());
+    return;
+  }
+  for (const ArrayMetadata& array : (*reader)->arrays()) {
+    const Box whole = Box::FromShape(array.shape());
+    const uint64_t bytes = static_cast<uint64_t>(whole.num_elements()) * ItemSize(array.dtype);
+    if (bytes > kMaxReadBytes) continue;
+    std::vector<char> dest(bytes);
+    (void)(*reader)->Read({array.path, whole, array.dtype, dest.data()});
+  }
+  (void)(*reader)->Verify();
+}
+
+std::string EncodeBundle(const std::map<std::string, std::string>& files) {
+  std::string out;
+  for (const auto& [key, value] : files) {
+    PutLE16(&out, static_cast<uint16_t>(key.size()));
+    out.append(key);
+    PutLE32(&out, static_cast<uint32_t>(value.size()));
+    out.append(value);
+  }
+  return out;
+}
+
+std::map<std::string, std::string> DecodeBundle(std::string_view bytes) {
+  std::map<std::string, std::string> files;
+  while (bytes.size() >= 2) {
+    const size_t key_size = GetLE16(bytes.data());
+    if (bytes.size() - 2 < key_size + 4) break;
+    std::string key(bytes.substr(2, key_size));
+    const size_t value_size = GetLE32(bytes.data() + 2 + key_size);
+    bytes.remove_prefix(2 + key_size + 4);
+    if (bytes.size() < value_size) break;
+    files[std::move(key)] = std::string(bytes.substr(0, value_size));
+    bytes.remove_prefix(value_size);
+  }
+  return files;
+}
+
+}  // namespace fuzz
+}  // namespace tensorstash

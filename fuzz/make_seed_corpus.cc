@@ -1,0 +1,137 @@
+// Writes the seed corpora of the fuzz targets from real checkpoints: for each of a few small
+// steps saved into a MemoryKvStore, its index, tree.json and COMMIT, one zstd chunk, and the
+// whole step folder as a bundle (fuzz_targets.h).
+//   make_seed_corpus <fuzz/corpus>     (scripts/run_fuzz.sh --regenerate-corpus runs it)
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fuzz/fuzz_targets.h"
+#include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/format/chunk_codec.h"
+#include "tensorstash/kvstore/memory/memory_kvstore.h"
+
+namespace ts = tensorstash;
+
+namespace {
+
+void Put(const std::filesystem::path& path, const std::string& bytes) {
+  std::filesystem::create_directories(path.parent_path());
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+[[noreturn]] void Die(const ts::Status& status) {
+  std::fprintf(stderr, "make_seed_corpus: %s\n", status.ToString().c_str());
+  std::exit(1);
+}
+
+struct Spec {
+  ts::ArraySpec spec;
+  std::vector<int64_t> split;  // shard boundaries of dimension 0 ({} = one shard)
+};
+
+// Saves `arrays` as step "s" with small chunks and returns its files (keys under the step).
+std::map<std::string, std::string> Save(const std::vector<Spec>& arrays, bool tree_of_values) {
+  ts::MemoryKvStore kv;
+  ts::WriterOptions options;
+  options.target_chunk_bytes = 64;
+  options.target_data_file_bytes = 256;
+  options.sync = false;
+  auto writer = ts::CheckpointWriter::Create(&kv, "s", options);
+  if (!writer.ok()) Die(writer.status());
+  std::vector<std::vector<char>> buffers;
+  buffers.reserve(64);
+  for (const Spec& a : arrays) {
+    std::vector<ts::ShardData> shards;
+    std::vector<int64_t> cuts = a.split;
+    const int64_t n = a.spec.shape.empty() ? 1 : a.spec.shape[0];
+    cuts.insert(cuts.begin(), 0);
+    cuts.push_back(n);
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      ts::Box box = ts::Box::FromShape(a.spec.shape);
+      if (!a.spec.shape.empty()) {
+        box.origin[0] = cuts[i];
+        box.shape[0] = cuts[i + 1] - cuts[i];
+      }
+      buffers.emplace_back(static_cast<size_t>(box.num_elements()) * ts::ItemSize(a.spec.dtype));
+      for (size_t b = 0; b < buffers.back().size(); ++b) {
+        buffers.back()[b] = static_cast<char>((b * 7 + i) % 13);
+      }
+      shards.push_back({box, buffers.back().data(), 0, 1});
+    }
+    if (ts::Status s = (*writer)->AddArray(a.spec, shards); !s.ok()) Die(s);
+  }
+  if (tree_of_values) {
+    ts::TreeNode root = ts::TreeNode::Dict();
+    for (size_t i = 0; i < arrays.size(); ++i) {
+      root.entries.emplace_back(arrays[i].spec.path, ts::TreeNode::Array(static_cast<int64_t>(i)));
+    }
+    ts::TreeNode values;
+    values.kind = ts::TreeNode::Kind::kList;
+    ts::TreeNode leaf;
+    leaf.kind = ts::TreeNode::Kind::kInt;
+    leaf.int_value = "-123456789012345678901234";
+    values.items.push_back(leaf);
+    leaf = {};
+    leaf.kind = ts::TreeNode::Kind::kFloat;
+    leaf.float_value = 0.1;
+    values.items.push_back(leaf);
+    leaf = {};
+    leaf.kind = ts::TreeNode::Kind::kBytes;
+    leaf.string_value = std::string("hi\0\xff", 4);
+    values.items.push_back(leaf);
+    leaf = {};
+    leaf.kind = ts::TreeNode::Kind::kTuple;
+    values.items.push_back(leaf);
+    root.entries.emplace_back("meta", values);
+    (*writer)->SetTree(root);
+  }
+  if (ts::Status s = (*writer)->Commit(); !s.ok()) Die(s);
+  std::map<std::string, std::string> files;
+  const std::vector<std::string> keys = *kv.List("s/");
+  for (const std::string& key : keys) files[key.substr(2)] = *kv.Read(key);
+  return files;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s <corpus dir>\n", argv[0]);
+    return 2;
+  }
+  const std::filesystem::path out = argv[1];
+  std::vector<std::vector<Spec>> steps = {
+      {{{"w", ts::DType::kFloat32, {3, 5}}, {}}},
+      {{{"w", ts::DType::kFloat32, {7, 10}}, {5}},
+       {{"b", ts::DType::kBfloat16, {10}}, {}},
+       {{"z", ts::DType::kInt32, {12, 3}, ts::Codec::kZstd}, {6}},
+       {{"step", ts::DType::kInt64, {}}, {}},
+       {{"empty", ts::DType::kUint8, {0, 4}}, {}}},
+      {},
+      {{{"params/w", ts::DType::kComplex64, {4, 2}}, {2}},
+       {{"opt/mu/layer~1", ts::DType::kFloat8E4m3fn, {9}}, {}}},
+  };
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const std::map<std::string, std::string> files = Save(steps[i], i == 1);
+    const std::string name = "seed" + std::to_string(i);
+    Put(out / "index" / name, files.at("state/index"));
+    Put(out / "tree_json" / name, files.at("state/tree.json"));
+    Put(out / "commit_record" / name, files.at("COMMIT"));
+    Put(out / "step" / name, ts::fuzz::EncodeBundle(files));
+  }
+  // One compressed chunk, with its raw size in front.
+  std::string raw(300, '\0');
+  for (size_t i = 0; i < raw.size(); ++i) raw[i] = static_cast<char>(i % 17);
+  std::string frame;
+  if (!ts::EncodeChunk(ts::Codec::kZstd, 3, raw, &frame).ok()) return 1;
+  Put(out / "chunk_codec" / "seed0",
+      std::string{static_cast<char>(raw.size() & 0xff), static_cast<char>(raw.size() >> 8), 0} +
+          frame);
+  return 0;
+}

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (fuzz/) with clang + ASan + UBSan in build-fuzz and runs each for a
+# while from its seed corpus. A crash leaves its input in build-fuzz/findings/<target>/; copy it
+# to fuzz/regressions/<target>/ (replayed by the normal test suite) and fix the parser.
+#   scripts/run_fuzz.sh                      short run: 20 s per target (part of the tests)
+#   TS_FUZZ_SECONDS=3600 scripts/run_fuzz.sh a longer hunt
+#   scripts/run_fuzz.sh --regenerate-corpus  rewrite fuzz/corpus/ from real checkpoints
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECONDS_PER_TARGET=${TS_FUZZ_SECONDS:-20}
+BUILD_DIR=build-fuzz
+if ! command -v clang++ >/dev/null; then
+  echo "run_fuzz: clang++ not found (scripts/setup.sh installs it)" >&2
+  exit 1
+fi
+GENERATOR=()
+command -v ninja >/dev/null && GENERATOR=(-G Ninja)
+if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
+  cmake -S . -B "$BUILD_DIR" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_COMPILER=clang++ -DTENSORSTASH_FUZZ=ON -DTENSORSTASH_BUILD_TESTS=OFF >/dev/null
+fi
+cmake --build "$BUILD_DIR" -j "$(nproc)" --target fuzzers
+if [ "${1:-}" = "--regenerate-corpus" ]; then
+  "$BUILD_DIR/make_seed_corpus" fuzz/corpus
+  echo "run_fuzz: wrote fuzz/corpus/"
+  exit 0
+fi
+status=0
+for target in index tree_json commit_record chunk_codec step; do
+  work="$BUILD_DIR/work/$target"      # what the fuzzer adds to the corpus (not committed)
+  findings="$BUILD_DIR/findings/$target"
+  mkdir -p "$work" "$findings"
+  echo "== fuzzing $target for ${SECONDS_PER_TARGET}s"
+  if ! "$BUILD_DIR/${target}_fuzzer" "$work" "fuzz/corpus/$target" -max_total_time="$SECONDS_PER_TARGET" \
+      -max_len=65536 -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
+      -artifact_prefix="$findings/" 2>"$BUILD_DIR/$target.log"; then
+    echo "run_fuzz: $target FAILED; input in $findings/, log in $BUILD_DIR/$target.log" >&2
+    tail -n 40 "$BUILD_DIR/$target.log" >&2
+    status=1
+  else
+    grep -E "stat::number_of_executed_units|Done [0-9]+ runs" "$BUILD_DIR/$target.log" | tail -n 1
+  fi
+done
+exit $status

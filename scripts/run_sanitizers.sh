@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The C++ test suite under sanitizers (docs/reliability.md):
+#   build-asan: AddressSanitizer + UndefinedBehaviorSanitizer, the whole GoogleTest suite;
+#   build-tsan: ThreadSanitizer, the tests that run threads against each other (thread pool,
+#               writers and readers of several in-process "processes", concurrency, faults, manager).
+# Lean builds: the test binary and its helper programs only (no Python, CLI, examples, benchmarks).
+# Usage: scripts/run_sanitizers.sh [asan|tsan]...   (default: both)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+KINDS=("$@")
+[ ${#KINDS[@]} -eq 0 ] && KINDS=(asan tsan)
+JOBS=$(nproc)
+GENERATOR=()
+command -v ninja >/dev/null && GENERATOR=(-G Ninja)
+# Stop at the first report; LeakSanitizer on; TSan reports are errors.
+export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:detect_stack_use_after_return=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
+# The tests that exercise threads against each other, by ctest name.
+TSAN_FILTER='ThreadPool|TaskGroup|ByteLimiter|MultiWriter|InProcessCoordinator|CheckpointManager|CheckpointFault|CheckpointConcurrency|Conformance.*Concurrent'
+status=0
+for kind in "${KINDS[@]}"; do
+  case "$kind" in
+    asan) sanitize="address,undefined"; filter=() ;;
+    tsan) sanitize="thread"; filter=(-R "$TSAN_FILTER") ;;
+    *) echo "run_sanitizers: unknown kind '$kind' (asan or tsan)" >&2; exit 2 ;;
+  esac
+  dir="build-$kind"
+  start=$(date +%s)
+  if [ ! -f "$dir/CMakeCache.txt" ]; then
+    cmake -S . -B "$dir" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DTENSORSTASH_SANITIZE="$sanitize" >/dev/null || { status=1; continue; }
+  fi
+  if ! cmake --build "$dir" -j "$JOBS" --target tensorstash_tests; then
+    status=1
+    continue
+  fi
+  built=$(date +%s)
+  # The CLI test needs the CLI, which this lean build leaves out. Each test in its own process;
+  # TSan slows threads 5-15x, hence the longer timeout.
+  (cd "$dir" && ctest --output-on-failure -j "$JOBS" --timeout 900 -E '^cli\.' "${filter[@]}") || status=1
+  end=$(date +%s)
+  echo "run_sanitizers: $kind built in $((built - start)) s, tests ran in $((end - built)) s"
+done
+exit $status
