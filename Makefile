@@ -12,3 +12,7 @@ build:
 
 clean:
 	rm -rf build demo_checkpoints
+
+.PHONY: bench
+bench:  ## the benchmark against Orbax + TensorStore (bench/README.md); extra flags: BENCH_ARGS="--scale 0.5"
+	scripts/run_bench.sh $(BENCH_ARGS)

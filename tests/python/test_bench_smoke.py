@@ -1,0 +1,123 @@
+"""Smoke test of the benchmark harness (bench/, issue 5), so that it cannot rot: every scenario at
+a tiny size, one run, tensorstash and Orbax, every restore checked bit for bit by the harness.
+
+Needs orbax-checkpoint, tensorstore and matplotlib in the test environment (scripts/setup.sh
+installs them into .venv); without them the test fails, it is never skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+BENCH = os.path.join(REPO, "bench")
+SCENARIOS = ("large", "many-small", "stacked", "reshard", "partial", "async", "cold")
+TOOLS = ("tensorstash", "orbax")
+
+
+def _require_peers() -> None:
+    p = subprocess.run([sys.executable, "-c", "import orbax.checkpoint, tensorstore, matplotlib"],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.fail("the benchmark's peers are not installed in this environment "
+                    f"({sys.executable}): run scripts/setup.sh, which installs orbax-checkpoint, "
+                    f"tensorstore, safetensors and matplotlib\n{p.stderr[-2000:]}", pytrace=False)
+
+
+def run_harness(tmp_path, *args: str, timeout: float = 240) -> dict:
+    _require_peers()
+    out = tmp_path / "out"
+    cmd = [sys.executable, os.path.join(BENCH, "run.py"), "--scale", "0.002", "--runs", "1",
+           "--warmup", "0", "--dir", str(tmp_path / "data"), "--out", str(out), *args]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the harness ran past {timeout} s\n{e.stdout}\n{e.stderr}", pytrace=False)
+    assert p.returncode == 0, f"harness failed ({p.returncode})\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
+    with open(out / "latest.json") as f:
+        results = json.load(f)
+    assert (out / "latest.md").stat().st_size > 0
+    assert (out / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "data").exists()  # the storage folder is cleaned up
+    return results
+
+
+def check(results: dict, scenarios) -> None:
+    assert list(results["scenarios"]) == list(scenarios)
+    cold_permitted = results["meta"]["drop_caches"] == "permitted"
+    for name in scenarios:
+        sc = results["scenarios"][name]
+        assert sc["ops"], name
+        for op_name, op in sc["ops"].items():
+            metrics = ("blocking", "commit") if op["kind"] == "async" else ("seconds",)
+            cold_refused = name == "cold" and not cold_permitted
+            for tool in TOOLS:
+                entry = op[tool]
+                for m in metrics:
+                    if cold_refused:
+                        assert entry[m] is None and "not permitted" in entry.get("note", "")
+                    else:
+                        assert isinstance(entry[m], float) and entry[m] > 0, (name, op_name, tool, entry)
+                if op["kind"] in ("restore", "async") and not cold_refused:
+                    assert entry["verified"] is True, (name, op_name, tool)
+                if op["kind"] == "restore" and not cold_refused:
+                    mem = entry["memory"]
+                    assert mem["restored_bytes"] >= op["bytes"] and mem["peak_growth"] > 0, mem
+            if not cold_refused:
+                assert op["raw"]["seconds"] > 0, (name, op_name)
+    rows = results["rows"]
+    assert {r["scenario"] for r in rows} == set(scenarios)
+    for r in rows:
+        if r.get("note"):
+            continue
+        assert r["ratio"] is not None and r["ratio"] > 0, r
+    meta = results["meta"]
+    assert meta["versions"]["orbax-checkpoint"] and meta["versions"]["tensorstore"]
+    assert meta["machine"]["cores"] and meta["machine"]["filesystem"]
+
+
+def test_bench_smoke_every_scenario(tmp_path):
+    """All scenarios, both tools; one process per tool and scenario to stay quick."""
+    results = run_harness(tmp_path, "--isolation", "scenario")
+    check(results, SCENARIOS)
+
+
+def test_bench_smoke_isolated_restores(tmp_path):
+    """The default isolation (a fresh process per restore), on the scenarios that read another
+    scenario's checkpoint and that restore onto other meshes."""
+    results = run_harness(tmp_path, "--scenarios", "reshard,cold")
+    check(results, ("reshard", "cold"))
+
+
+def test_verification_catches_a_wrong_restore():
+    """The harness's check compares every restored shard with the saved values, bit for bit."""
+    sys.path.insert(0, BENCH)
+    try:
+        import scenarios as S
+        import worker as W
+    finally:
+        sys.path.remove(BENCH)
+    import jax
+
+    leaf = S.Leaf("x/w", (16, 128), "bfloat16", ("a", "b"), 3)
+    op = S.Op("restore", "restore", "main")
+    good = W.make_tree([leaf], "2x4")
+    W.verify(good, [leaf], op, "test")  # equal: no error
+    values = np.asarray(good["x"]["w"]).copy()
+    values.view(np.uint16)[5, 7] ^= 1  # one bit of one element
+    bad = {"x": {"w": jax.device_put(values, W.sharding_of(leaf, "2x4", False))}}
+    with pytest.raises(W.VerificationError, match="differs"):
+        W.verify(bad, [leaf], op, "test")
+    other_mesh = {"x": {"w": jax.device_put(np.asarray(good["x"]["w"]),
+                                            W.sharding_of(leaf, "1x8", False))}}
+    with pytest.raises(W.VerificationError, match="sharding"):
+        W.verify(other_mesh, [leaf], op, "test")
+    with pytest.raises(W.VerificationError, match="lacks|arrays"):
+        W.verify({"x": {}}, [leaf], op, "test")
