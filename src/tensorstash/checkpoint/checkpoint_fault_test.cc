@@ -141,14 +141,8 @@ TEST_P(CheckpointFaultTest, InjectedSaveErrorsReachTheCallerAndHarmNothingCommit
       ++failed_saves;
       ASSERT_EQ(log.size(), logged + 1) << "save failed without an injected fault: " << saved;
       EXPECT_THAT(log.back(), HasSubstr(StrCat(KvOpName(op), " '")));
-      // The injected message names the operation and the key; the caller gets it. Known
-      // exception (reported): the writer treats a failed Size of an existing step's COMMIT at
-      // the rename as "no step there", and then reports the rename's "target exists" instead.
-      const bool known_size_swallow = op == KvOp::kSize && absl::IsAlreadyExists(saved) &&
-                                      log.back().find("/COMMIT'") != std::string::npos;
-      if (!known_size_swallow) {
-        EXPECT_THAT(saved.message(), HasSubstr(log.back())) << saved;
-      }
+      // The injected message names the operation and the key; the caller gets it.
+      EXPECT_THAT(saved.message(), HasSubstr(log.back())) << saved;
       // The step holds its old version or (when the fault hit after the rename, e.g. the
       // parent's fsync) the new one, whole; or, for a new step or an overwrite without rename
       // (which removes the old step first), nothing.
@@ -304,7 +298,7 @@ TEST_P(CheckpointFaultTest, CrashAtAnyPointOfASaveKeepsEveryCommittedStep) {
 // Leftover cleanup asks Size("<step>.old-*/COMMIT") to tell an interrupted overwrite's old step
 // from garbage; an I/O error there is taken for "no COMMIT", and the only copy of the committed
 // step is deleted.
-TEST_P(CheckpointFaultTest, DISABLED_IoErrorWhileCheckingLeftoversNeverDeletesACommittedStep) {
+TEST_P(CheckpointFaultTest, IoErrorWhileCheckingLeftoversNeverDeletesACommittedStep) {
   if (!rename()) GTEST_SKIP() << "only stores with rename have .old- folders";
   const WriterOptions options = test::SmallFilesOptions();
   const std::string folder = test::StepName(5);
@@ -328,9 +322,9 @@ TEST_P(CheckpointFaultTest, DISABLED_IoErrorWhileCheckingLeftoversNeverDeletesAC
       << "committed step lost: " << in_place << "; save said: " << saved;
 }
 
-// The writer's contract: a failed Commit leaves nothing new visible. A failure of the parent
-// folder's fsync after the rename reports an error, yet the new step stays in place.
-TEST_P(CheckpointFaultTest, DISABLED_FailedCommitLeavesNothingNewVisible) {
+// The writer's contract: a failed Commit leaves nothing new visible, even when the parent
+// folder's fsync fails after the rename (the rename is undone).
+TEST_P(CheckpointFaultTest, FailedCommitLeavesNothingNewVisible) {
   if (!rename()) GTEST_SKIP() << "the rename path";
   const WriterOptions options = test::SmallFilesOptions();
   std::map<KvOp, int64_t> profile = CallProfile(*kv_, [&] {

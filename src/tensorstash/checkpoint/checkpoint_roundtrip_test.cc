@@ -992,8 +992,10 @@ TEST_P(CheckpointRoundTripTest, FaultAtEveryStoreCallLeavesAConsistentStep) {
         allowed = {kNew};
       } else if (k > commit_at) {
         // A sync after the commit point failed: the new step may be visible, or be removed
-        // again (without rename the writer deletes the folder it failed to make durable).
+        // again (the writer undoes the rename, putting back a replaced step, or without rename
+        // deletes the folder it failed to make durable).
         allowed = {kNew, kNone};
+        if (overwrite && rename) allowed.insert(kOld);
       } else if (!overwrite) {
         allowed = {kNone};
       } else if (rename) {

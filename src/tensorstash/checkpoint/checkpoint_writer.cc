@@ -381,12 +381,19 @@ Result<std::string> CheckpointWriter::Impl::PrepareStepFolder() {
       if (folder != key && ours && suffix.find('.', 1) == std::string_view::npos) leftovers.insert(folder);
     }
     for (const std::string& folder : leftovers) {
-      if (!complete && folder.compare(dir.size(), std::strlen(kOldMarker), kOldMarker) == 0 &&
-          kv->Size(StrCat(folder, "/", kCommitFileName)).ok()) {
-        TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
-        TS_RETURN_IF_ERROR(kv->RenameDirectory(folder, dir));
-        complete = true;
-        continue;
+      if (!complete && folder.compare(dir.size(), std::strlen(kOldMarker), kOldMarker) == 0) {
+        // An error here must not read as "no COMMIT": the folder may hold the only copy of a
+        // committed step, which the deletion below would destroy.
+        Result<uint64_t> old_commit = kv->Size(StrCat(folder, "/", kCommitFileName));
+        if (!old_commit.ok() && !absl::IsNotFound(old_commit.status())) {
+          return old_commit.status();
+        }
+        if (old_commit.ok()) {
+          TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
+          TS_RETURN_IF_ERROR(kv->RenameDirectory(folder, dir));
+          complete = true;
+          continue;
+        }
       }
       TS_RETURN_IF_ERROR(kv->DeletePrefix(folder + "/"));
     }
@@ -749,7 +756,9 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local,
   // Rename the finished folder into place. An existing complete step (overwrite) is moved
   // aside first and removed after.
   std::string old_dir;
-  if (kv->Size(StrCat(dir, "/", kCommitFileName)).ok()) {
+  Result<uint64_t> existing = kv->Size(StrCat(dir, "/", kCommitFileName));
+  if (!existing.ok() && !absl::IsNotFound(existing.status())) return existing.status();
+  if (existing.ok()) {
     old_dir = StrCat(dir, kOldMarker, nonce);
     TS_RETURN_IF_ERROR(kv->RenameDirectory(dir, old_dir));
   }
@@ -758,7 +767,15 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local,
     if (!old_dir.empty()) (void)kv->RenameDirectory(old_dir, dir);
     return moved;
   }
-  if (options.sync) TS_RETURN_IF_ERROR(kv->SyncDirectory(ParentKey(dir)));
+  if (options.sync) {
+    if (Status synced = kv->SyncDirectory(ParentKey(dir)); !synced.ok()) {
+      // The rename may not be durable, and Commit is about to fail: undo it, so that a failed
+      // save leaves nothing new visible (the caller then removes work_dir).
+      (void)kv->RenameDirectory(dir, work_dir);
+      if (!old_dir.empty()) (void)kv->RenameDirectory(old_dir, dir);
+      return synced;
+    }
+  }
   // The new step is committed; removing the replaced one is best effort (a leftover ".old-"
   // folder is never read), and its failure must not report the save as failed.
   if (!old_dir.empty()) (void)kv->DeletePrefix(old_dir + "/");
