@@ -110,11 +110,13 @@ TEST_P(CheckpointConcurrencyTest, ReaderDuringOverwritesSeesOldOrNewNeverHalf) {
           ++outcomes["no step (between renames)"];
         } else if (s.message().find("match no saved version") != std::string_view::npos) {
           failures.push_back(StrCat("a mix of versions: ", s.ToString()));
+        } else if (s.message().find("commit record") != std::string_view::npos) {
+          // COMMIT of one version and tree.json or the index of the other: Open notices that
+          // COMMIT changed and opens the step again, so this false alarm must not reach us.
+          failures.push_back(StrCat("a replaced step reported as corrupt: ", s.ToString()));
         } else {
-          // The step was replaced under an open reader (files gone, or a metadata file from
-          // the other version): an error, never data.
-          // Seen: DataLoss "index does not match the CRC-32C in its commit record" when COMMIT
-          // and the index are read from two different versions (reported).
+          // The step was replaced under an open reader (its data files gone): an error, never
+          // data.
           const std::string kind = StrCat("error: ", s.ToString());
           ++outcomes[kind.substr(0, 120)];
         }

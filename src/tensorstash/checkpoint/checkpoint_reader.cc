@@ -1,6 +1,7 @@
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -34,6 +35,7 @@ struct CheckpointReader::Impl {
   std::string dir;
   std::string item_dir;
   ReaderOptions options;
+  std::string commit_text;  // COMMIT as read
   CommitRecord commit;
   TreeFile tree;
   ChunkIndex index;
@@ -88,13 +90,29 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, st
         "'", dir, "' is the temporary folder of a save (running, failed or crashed) or of a "
         "replaced step, not a committed step; it cannot be read"));
   }
-  auto impl = std::make_unique<Impl>();
-  impl->kv = kv;
-  impl->dir = std::move(dir);
-  impl->item_dir = ItemDir(impl->dir, kStateItem);
-  impl->options = options;
-  if (impl->options.io_threads <= 0) impl->options.io_threads = DefaultIoThreads();
-  TS_RETURN_IF_ERROR(impl->Load());
+  std::unique_ptr<Impl> impl;
+  for (int attempt = 0;; ++attempt) {
+    impl = std::make_unique<Impl>();
+    impl->kv = kv;
+    impl->dir = dir;
+    impl->item_dir = ItemDir(impl->dir, kStateItem);
+    impl->options = options;
+    if (impl->options.io_threads <= 0) impl->options.io_threads = DefaultIoThreads();
+    Status loaded = impl->Load();
+    if (loaded.ok()) break;
+    // An overwrite renames the old folder away and the new one into place, so a reader that
+    // opens the step meanwhile can see COMMIT of one version and files of the other. When
+    // COMMIT has changed since it was read, the step was replaced under us: open it again.
+    // An unchanged COMMIT means the damage is real.
+    constexpr int kMaxAttempts = 4;
+    if (attempt + 1 >= kMaxAttempts || impl->commit_text.empty() ||
+        !(absl::IsDataLoss(loaded) || absl::IsNotFound(loaded))) {
+      return loaded;
+    }
+    Result<std::string> now = kv->Read(StrCat(dir, "/", kCommitFileName));
+    if (now.ok() && *now == impl->commit_text) return loaded;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1 << attempt));
+  }
   impl->pool = std::make_unique<ThreadPool>(impl->options.io_threads);
   return std::unique_ptr<CheckpointReader>(new CheckpointReader(std::move(impl)));
 }
@@ -109,9 +127,9 @@ Status CheckpointReader::Impl::Load() {
     return DataLossError(StrCat("commit record '", commit_key, "' is ", *commit_size,
                                 " bytes, more than the format's limit of ", kMaxCommitRecordBytes));
   }
-  Result<std::string> commit_text =
+  Result<std::string> commit_read =
       commit_size.ok() ? kv->Read(commit_key) : Result<std::string>(commit_size.status());
-  if (absl::IsNotFound(commit_text.status())) {
+  if (absl::IsNotFound(commit_read.status())) {
     TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, kv->List(dir + "/"));
     if (keys.empty()) {
       return NotFoundError(StrCat("no checkpoint step '", dir, "' in ", kv->Describe()));
@@ -120,8 +138,9 @@ Status CheckpointReader::Impl::Load() {
         "step '", dir, "' has no COMMIT record: it is incomplete (a save that is still running "
         "or that crashed) and cannot be read"));
   }
-  TS_RETURN_IF_ERROR(commit_text.status());
-  TS_ASSIGN_OR_RETURN(commit, DecodeCommitRecord(*commit_text, commit_key));
+  TS_RETURN_IF_ERROR(commit_read.status());
+  commit_text = *commit_read;
+  TS_ASSIGN_OR_RETURN(commit, DecodeCommitRecord(commit_text, commit_key));
   auto item_it = commit.items.find(kStateItem);
   if (item_it == commit.items.end()) {
     return DataLossError(StrCat("commit record '", commit_key, "' lists no \"state\" item"));
