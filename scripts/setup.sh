@@ -35,6 +35,12 @@ if ! .venv/bin/python -c "import numpy, ml_dtypes, scikit_build_core, nanobind, 
   .venv/bin/pip install -q --disable-pip-version-check numpy ml_dtypes scikit-build-core nanobind \
     pytest hypothesis jax
 fi
+# The benchmark's peers (bench/, and its smoke test under pytest): Orbax + TensorStore from PyPI.
+if ! .venv/bin/python -c "import orbax.checkpoint, tensorstore, safetensors, matplotlib" 2>/dev/null; then
+  echo "setup: installing the benchmark's peers into .venv (orbax-checkpoint, tensorstore)"
+  .venv/bin/pip install -q --disable-pip-version-check orbax-checkpoint tensorstore safetensors \
+    matplotlib
+fi
 
 GENERATOR=()
 command -v ninja >/dev/null && GENERATOR=(-G Ninja)
