@@ -54,9 +54,15 @@ void TaskGroup::Run(std::function<Status()> task) {
     std::lock_guard<std::mutex> lock(mutex_);
     ++pending_;
   }
-  pool_->Schedule([this, task = std::move(task)] {
+  pool_->Schedule([this, task = std::move(task)]() mutable {
     Status status;
-    if (!failed()) status = task();
+    {
+      // The task and what it captured are destroyed before the group counts it done: a
+      // capture's destructor may touch state (a ByteLimiter, a buffer pool) that the waiting
+      // thread frees as soon as Wait() returns.
+      std::function<Status()> run = std::move(task);
+      if (!failed()) status = run();
+    }
     std::lock_guard<std::mutex> lock(mutex_);
     if (!status.ok() && first_error_.ok()) first_error_ = std::move(status);
     if (--pending_ == 0) done_cv_.notify_all();
