@@ -337,13 +337,13 @@ class _Restore:
             requests = []
             for box in boxes.values():
                 if box not in unique:
-                    unique[box] = np.empty(box[1], dtype)
+                    unique[box] = tnp.empty_aligned(box[1], dtype)
                     requests.append((path, box[0], box[1], name, tnp.byte_view(unique[box])))
             finish = lambda shape=shape, sharding=sharding, boxes=boxes, unique=unique: tjax.assemble(
                 shape, sharding, {d: unique[b] for d, b in boxes.items()})
             self.pending.append((path, requests, finish))
             return
-        out = np.empty(shape, dtype)
+        out = tnp.empty_aligned(shape, dtype)
         self.pending.append((path, [(path, (0,) * len(shape), shape, name, tnp.byte_view(out))],
                              lambda out=out, scalar=isinstance(target, np.generic): out[()] if scalar else out))
 

@@ -39,3 +39,20 @@ def byte_view(array: np.ndarray) -> np.ndarray:
     if not array.flags.c_contiguous:
         raise ValueError("internal: buffers passed to the engine must be C-contiguous")
     return array.reshape(-1).view(np.uint8)
+
+
+# XLA's CPU client adopts a host buffer as a device buffer without copying it when its address
+# is a multiple of 64 bytes; NumPy's own allocations are only 16-byte aligned.
+_ALIGNMENT = 64
+
+
+def empty_aligned(shape, dtype) -> np.ndarray:
+    """np.empty(shape, dtype), with its data 64-byte aligned.
+
+    Restored buffers are allocated this way so that jax.device_put onto a CPU device takes them
+    over instead of copying them: one copy of every restored byte fewer, and half the memory."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)

@@ -12,9 +12,9 @@
 #include "tensorstash/checkpoint/layout.h"
 #include "tensorstash/engine/read_plan.h"
 #include "tensorstash/format/chunk_codec.h"
-#include "tensorstash/util/byte_limiter.h"
 #include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/staging_buffer.h"
+#include "tensorstash/util/staging_pool.h"
 #include "tensorstash/util/thread_pool.h"
 
 namespace tensorstash {
@@ -371,7 +371,7 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
        PlanReadRequests(std::move(staged_reads), s.options.coalesce_gap_bytes, staged_limit)) {
     plans.push_back(std::move(plan));
   }
-  ByteLimiter limiter(s.options.max_inflight_bytes);
+  StagingPool staging(s.options.max_inflight_bytes);
   std::mutex stats_mutex;
   uint64_t total_bytes = 0;
   for (const ReadRequestPlan& plan : plans) total_bytes += plan.length;
@@ -404,22 +404,23 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
           decode_room = std::max<uint64_t>(decode_room, p.chunk_box.num_elements() * ItemSize(a.dtype));
         }
       }
-      ByteReservation reservation(&limiter, plan.length + decode_room);
-      StagingBuffer span(plan.length);
-      StagingBuffer decoded(decode_room);
-      TS_RETURN_IF_ERROR(s.ReadFile(plan.file_id, plan.offset, plan.length, span.data()));
+      // One lease for both: two would deadlock when every thread holds its first and waits.
+      StagingPool::Lease lease = staging.Acquire(plan.length + decode_room);
+      char* const span = lease.data();
+      char* const decoded = span + plan.length;
+      TS_RETURN_IF_ERROR(s.ReadFile(plan.file_id, plan.offset, plan.length, span));
       for (const ChunkRead& c : plan.chunks) {
         const Piece& first = pieces[targets[c.tag].front()];
         const IndexEntry& e = *first.entry;
         const ArrayMetadata& a = s.tree.arrays[e.array_id];
-        const char* stored = span.data() + (e.offset - plan.offset);
+        const char* stored = span + (e.offset - plan.offset);
         TS_RETURN_IF_ERROR(s.CheckCrc(e, stored));
         const char* raw = stored;
         if (a.codec != Codec::kNone) {
           const uint64_t raw_size = first.chunk_box.num_elements() * ItemSize(a.dtype);
-          TS_RETURN_IF_ERROR(DecodeChunk(a.codec, std::string_view(stored, e.length), decoded.data(),
+          TS_RETURN_IF_ERROR(DecodeChunk(a.codec, std::string_view(stored, e.length), decoded,
                                          raw_size, s.ChunkWhat(e)));
-          raw = decoded.data();
+          raw = decoded;
         }
         for (size_t piece_index : targets[c.tag]) {
           const Piece& p = pieces[piece_index];
@@ -437,7 +438,7 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
     });
   }
   Status status = group.Wait();
-  local.peak_staging_bytes = limiter.peak();
+  local.peak_staging_bytes = staging.peak();
   if (stats != nullptr) *stats = local;
   return status;
 }
@@ -457,7 +458,7 @@ Result<std::vector<BadChunk>> CheckpointReader::Verify(
       std::move(reads), s.options.coalesce_gap_bytes,
       std::min<uint64_t>(s.options.max_request_bytes,
                          std::max<uint64_t>(1, s.options.max_inflight_bytes)));
-  ByteLimiter limiter(s.options.max_inflight_bytes);
+  StagingPool staging(s.options.max_inflight_bytes);
   std::mutex mutex;
   std::vector<BadChunk> bad;
   uint64_t done = 0;
@@ -471,8 +472,7 @@ Result<std::vector<BadChunk>> CheckpointReader::Verify(
     for (const ReadRequestPlan& each : plans) {
       group.Run([&, plan_ptr = &each]() -> Status {
         const ReadRequestPlan& plan = *plan_ptr;
-        ByteReservation reservation(&limiter, plan.length);
-        StagingBuffer span(plan.length);
+        StagingPool::Lease span = staging.Acquire(plan.length);
         Status read = s.ReadFile(plan.file_id, plan.offset, plan.length, span.data());
         std::vector<std::pair<const IndexEntry*, Status>> results;
         for (const ChunkRead& c : plan.chunks) {

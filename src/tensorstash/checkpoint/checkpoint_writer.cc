@@ -46,6 +46,7 @@
 #include "tensorstash/util/byte_limiter.h"
 #include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/staging_buffer.h"
+#include "tensorstash/util/staging_pool.h"
 #include "tensorstash/util/thread_pool.h"
 
 namespace tensorstash {
@@ -536,6 +537,7 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
 
   ThreadPool pool(options.io_threads);
   ByteLimiter limiter(options.max_inflight_bytes);
+  StagingPool staging(options.max_inflight_bytes);  // copy_sources: chunk copies, reused
   std::mutex mutex;
   std::vector<IndexEntry> entries;
   entries.reserve(tasks.size());
@@ -543,16 +545,6 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
     // This thread copies every chunk into staging, in waves when the cap is reached (it waits
     // for writes to free staging), and hands each copy to the pool to write; the caller's
     // buffers are free once the last copy is made, long before the last write ends.
-    struct StagedChunk {
-      StagedChunk(ByteLimiter* l, uint64_t r, size_t size) : limiter(l), reserved(r), buffer(size) {}
-      StagedChunk(const StagedChunk&) = delete;
-      StagedChunk& operator=(const StagedChunk&) = delete;
-      ByteLimiter* limiter;
-      uint64_t reserved;
-      StagingBuffer buffer;
-      // Released when the write task ends, or when the group skips it after an error.
-      ~StagedChunk() { limiter->Release(reserved); }
-    };
     TaskGroup group(&pool);
     for (const ChunkTask* task : order) {
       if (group.failed()) break;
@@ -562,14 +554,14 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
       // staging that only the copying thread could free.
       const uint64_t reserved =
           raw_size + (a.spec.codec == Codec::kNone ? 0 : MaxEncodedSize(a.spec.codec, raw_size));
-      limiter.Acquire(reserved);
-      auto staged = std::make_shared<StagedChunk>(&limiter, reserved, raw_size);
-      if (Status copied = GatherChunk(*task, staged->buffer.data()); !copied.ok()) {
+      // Shared: std::function needs a copyable task. Returned to the pool when the write ends.
+      auto staged = std::make_shared<StagingPool::Lease>(staging.Acquire(reserved));
+      if (Status copied = GatherChunk(*task, staged->data()); !copied.ok()) {
         group.Fail(copied);
         break;
       }
-      group.Run([&, task, staged] {
-        return WriteChunk(*task, std::string_view(staged->buffer.data(), staged->buffer.size()),
+      group.Run([&, task, staged, raw_size] {
+        return WriteChunk(*task, std::string_view(staged->data(), raw_size),
                           &files, &mutex, &entries, stats);
       });
     }
