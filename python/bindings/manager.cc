@@ -4,6 +4,7 @@
 // save thread takes the GIL for the commit callback and for a Python coordinator, and it may
 // hold the manager's own locks meanwhile. save() with async_save blocks only while the shards
 // are copied to host memory; the Python buffers are referenced until then and free afterwards.
+// Stable shards (jax.Array views) are not copied: they are referenced until the save ends.
 //
 // The Manager takes part in garbage collection: its coordinator and commit callback are Python
 // objects that can refer back to it (the package's CheckpointManager holds the Manager and
@@ -42,9 +43,20 @@ namespace nb = nanobind;
 namespace tensorstash::python {
 namespace {
 
-// (path, dtype name, shape, shards) of one array of a save.
+// (path, dtype name, shape, shards, stable) of one array of a save; `stable`: the shards are
+// views of an immutable jax.Array, written by an async save without a copy (ShardData::stable).
 using ArrayTuple =
-    std::tuple<std::string, std::string, std::vector<int64_t>, std::vector<ShardTuple>>;
+    std::tuple<std::string, std::string, std::vector<int64_t>, std::vector<ShardTuple>, bool>;
+
+// References to the buffers of stable shards, held until the save that reads them ends. That
+// may be on the manager's background thread, which holds no GIL: dropping them takes it.
+struct StableBuffers {
+  std::vector<ReadOnlyBytes> buffers;
+  ~StableBuffers() {
+    nb::gil_scoped_acquire gil;
+    buffers.clear();
+  }
+};
 
 nb::dict StatsDict(const SaveStats& stats) {
   nb::dict result;
@@ -108,11 +120,13 @@ class Manager {
     // References to the shard buffers, so that they outlive the copy (or the whole sync save)
     // even if another thread drops the caller's list while the GIL is released.
     std::vector<ReadOnlyBytes> buffers;
-    for (const auto& [path, dtype, shape, shards] : arrays) {
-      request.arrays.push_back(ArrayToSaveFromPython(path, dtype, shape, shards, codec,
-                                                     zstd_level, /*target_chunk_bytes=*/0,
-                                                     &buffers));
+    auto stable_buffers = std::make_shared<StableBuffers>();
+    for (const auto& [path, dtype, shape, shards, stable] : arrays) {
+      request.arrays.push_back(ArrayToSaveFromPython(
+          path, dtype, shape, shards, codec, zstd_level, /*target_chunk_bytes=*/0,
+          stable ? &stable_buffers->buffers : &buffers, stable));
     }
+    request.keep_alive = std::move(stable_buffers);
     if (tree_json.has_value()) request.tree = ValueOrThrow(TreeNodeFromJson(*tree_json));
     request.metadata_json = metadata_json;
     if (process_state.has_value()) {
@@ -274,13 +288,15 @@ void DefineManager(nb::module_& m) {
            nb::sig("def save(self, step: int, arrays: list[tuple[str, str, "
                    "collections.abc.Sequence[int], list[tuple[collections.abc.Sequence[int], "
                    "collections.abc.Sequence[int], numpy.typing.NDArray[numpy.uint8], int, "
-                   "int]]]], *, tree_json: str | None = None, metadata_json: str = '', "
+                   "int]], bool]], *, tree_json: str | None = None, metadata_json: str = '', "
                    "process_state: bytes | None = None, metrics: dict[str, float] = {}, "
                    "codec: str = 'none', zstd_level: int = 3, async_save: bool = True) "
                    "-> dict[str, int | float | bool] | None"),
-           "Saves `step`: arrays as (path, dtype, shape, shards) with shards as in "
-           "Writer.add_array. With async_save, returns None once the shards are copied to host "
-           "memory (the buffers may change afterwards) and the rest runs in the background; "
+           "Saves `step`: arrays as (path, dtype, shape, shards, stable) with shards as in "
+           "Writer.add_array. With async_save, returns None once the shards that are not "
+           "`stable` are copied to host memory (their buffers may change afterwards) and the "
+           "rest runs in the background; `stable` shards (views of immutable jax.Arrays) are "
+           "written from where they are and referenced until the save ends; "
            "otherwise returns the save's statistics once it is committed. Raises the error of "
            "an earlier background save first, if any (without saving), FileExistsError when "
            "the step is complete, ValueError for bad arrays, metadata or metrics.")

@@ -28,7 +28,7 @@ ArrayToSave ArrayToSaveFromPython(const std::string& path, const std::string& dt
                                   const std::vector<int64_t>& shape,
                                   const std::vector<ShardTuple>& shards, const std::string& codec,
                                   int zstd_level, int64_t target_chunk_bytes,
-                                  std::vector<ReadOnlyBytes>* buffers) {
+                                  std::vector<ReadOnlyBytes>* buffers, bool stable) {
   ArrayToSave array;
   array.spec.path = path;
   array.spec.dtype = ValueOrThrow(ParseDType(dtype));
@@ -42,7 +42,7 @@ ArrayToSave ArrayToSaveFromPython(const std::string& path, const std::string& dt
     ReadOnlyBytes bytes = CastReadOnlyBytes(object, what);
     Box box(origin, shard_shape);
     ThrowIfError(CheckBufferSize(box, array.spec.dtype, bytes.nbytes(), what));
-    array.shards.push_back({std::move(box), bytes.data(), replica_id, num_replicas});
+    array.shards.push_back({std::move(box), bytes.data(), replica_id, num_replicas, stable});
     buffers->push_back(std::move(bytes));
   }
   return array;

@@ -39,12 +39,12 @@ Result<std::chrono::milliseconds> TimeoutFromSeconds(double seconds);
 // caller's buffer. The buffers are appended to `buffers`, which must be kept (and the data left
 // unchanged) for as long as the engine reads the shards. Raises TypeError for a buffer that is
 // not a C-contiguous CPU uint8 array, ValueError for a bad dtype or codec name or a buffer size
-// that does not match its box.
+// that does not match its box. `stable` marks the shards ShardData::stable.
 ArrayToSave ArrayToSaveFromPython(const std::string& path, const std::string& dtype,
                                   const std::vector<int64_t>& shape,
                                   const std::vector<ShardTuple>& shards, const std::string& codec,
                                   int zstd_level, int64_t target_chunk_bytes,
-                                  std::vector<ReadOnlyBytes>* buffers);
+                                  std::vector<ReadOnlyBytes>* buffers, bool stable = false);
 
 // The options both the Writer and the Manager take, the others left at their defaults. Raises
 // ValueError when max_inflight_bytes is not positive or for a bad coordination_timeout_s

@@ -89,11 +89,14 @@ def _check_codec(codec: str | None) -> None:
 def _arrays_to_save(tree: Any, coordinator: Any) -> tuple[list[tuple], str]:
     """The arrays of `tree` as the engine saves them, and the tree around them.
 
-    Returns ([(array path, dtype name, shape, shards)], tree JSON), with shards as
+    Returns ([(array path, dtype name, shape, shards, stable)], tree JSON), with shards as
     _ext.Writer.add_array takes them: this process's shards of each jax.Array (views of the
     device buffers on CPU, one copy from other devices), and for NumPy arrays the whole array
     as a shard of which this process is one replica. The shards refer to the caller's memory
-    (or to contiguous copies) and must stay unchanged until the engine has read them. Raises
+    (or to contiguous copies) and must stay unchanged until the engine has read them. `stable`
+    is true for a jax.Array: its buffers never change while the shard views exist (JAX is
+    immutable, and it declines to donate a buffer that a NumPy view refers to), so an async
+    save may write them in the background without copying them first. Raises
     TypeError for unsupported leaves and abstract arrays (jax.ShapeDtypeStruct).
     """
     process_index = coordinator.process_index() if coordinator is not None else 0
@@ -118,7 +121,7 @@ def _arrays_to_save(tree: Any, coordinator: Any) -> tuple[list[tuple], str]:
             shape = a.shape
             # Every process holds the whole array: they share the writing as replicas.
             shards = [((0,) * a.ndim, shape, tnp.byte_view(a), process_index, process_count)]
-        arrays.append((array_path, dtype, shape, shards))
+        arrays.append((array_path, dtype, shape, shards, _is_jax_array(x)))
     return arrays, json.dumps(node)
 
 
@@ -147,7 +150,7 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
                          target_data_file_bytes=data_file_bytes,
                          max_inflight_bytes=max_inflight_bytes, io_threads=io_threads, sync=sync,
                          overwrite=overwrite, coordinator=coordinator)
-    for array_path, dtype, shape, shards in arrays:
+    for array_path, dtype, shape, shards, _stable in arrays:
         writer.add_array(array_path, dtype, shape, shards, codec=codec or "none",
                          zstd_level=zstd_level)
     writer.set_tree(tree_json)

@@ -84,8 +84,10 @@ def _decode_per_process(data: bytes) -> Any:
 class CheckpointManager:
     """The steps of one training run under the folder `root` (created if missing).
 
-    Saves run in the background by default (`async_save`): save() returns once the arrays are
-    copied to host memory, at most one save is in flight, and the error of a background save
+    Saves run in the background by default (`async_save`): save() returns once the NumPy
+    arrays are copied to host memory (jax.Arrays, being immutable, are not copied: the save
+    holds references to their buffers until it ends, and JAX copies rather than donates a
+    buffer so referenced), at most one save is in flight, and the error of a background save
     is raised by the next save(), wait_until_finished() or close(). A step is listed only once
     it is complete; leftovers of crashed saves are removed when the manager opens.
 

@@ -196,6 +196,32 @@ def test_async_save_returns_before_commit_and_buffers_may_change(tmp_path):
     mgr.close()
 
 
+def test_async_save_of_jax_arrays_holds_them_uncopied_and_survives_donation(tmp_path):
+    """jax.Arrays are written from their own buffers while the training step goes on: the save
+    keeps them (and JAX then copies instead of donating them), and drops them once it ends."""
+    root = str(tmp_path / "ckpt")
+    gate = GateCoordinator()
+    m = mesh((2, 4))
+    w = pattern((64, 32), np.float32, seed=9)
+    x = global_array(w, named(m, "a", "b"))
+    mgr = tensorstash.CheckpointManager(root, coordinator=gate, chunk_bytes=1024)
+    assert mgr.save(1, {"w": x})
+    assert gate.held.wait(30)  # the save is in flight, nothing committed
+    # A training step that donates the state: its buffers must not be overwritten in place.
+    step = jax.jit(lambda a: a * 0 - 5, donate_argnums=0)
+    y = jax.block_until_ready(step(x))
+    assert not x.is_deleted()  # the save still refers to x's buffers: JAX copied instead
+    gate.release.set()
+    mgr.wait_until_finished()
+    got = mgr.restore(1, target={"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=named(m, "a", "b"))})
+    assert_jax_array(got["w"], w, named(m, "a", "b"), "w")
+    assert np.all(np.asarray(y) == -5)
+    # Once the save is over it holds nothing: x can be donated now.
+    jax.block_until_ready(step(x))
+    assert x.is_deleted()
+    mgr.close()
+
+
 def test_second_save_waits_for_the_first(tmp_path):
     gate = GateCoordinator()
     mgr = tensorstash.CheckpointManager(str(tmp_path / "ckpt"), coordinator=gate)

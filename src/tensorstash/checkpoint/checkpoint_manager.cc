@@ -77,6 +77,7 @@ struct SaveJob {
   std::unique_ptr<CheckpointWriter> writer;
   std::optional<double> metric;  // best_metric's value, when given
   Clock::time_point start;
+  std::shared_ptr<void> keep_alive;  // SaveRequest::keep_alive, dropped once Commit returns
 };
 
 }  // namespace
@@ -321,6 +322,7 @@ Result<SaveJob> CheckpointManager::Impl::Prepare(int64_t step, SaveRequest reque
   SaveJob job;
   job.step = step;
   job.start = Clock::now();
+  job.keep_alive = std::move(request.keep_alive);
   TS_ASSIGN_OR_RETURN(std::string dir, StepDir(step));
   if (!options.writer.overwrite) {
     std::lock_guard<std::mutex> guard(mutex);
@@ -508,6 +510,7 @@ Status CheckpointManager::SaveAsync(int64_t step, SaveRequest request) {
       blocking->store(SecondsSince(shared_job->start));
       released->set_value();
     });
+    shared_job->keep_alive.reset();  // no buffer of the caller's is read any more
     if (status.ok()) {
       SaveStats stats{shared_job->step, true, written.raw_bytes, written.stored_bytes,
                       blocking->load(), SecondsSince(shared_job->start)};

@@ -104,6 +104,10 @@ struct SaveRequest {
   std::optional<std::string> process_state;
   // Stored as "metrics.json" (process 0) and used by best_metric retention.
   std::map<std::string, double> metrics;
+  // Destroyed once the save no longer reads any shard buffer (at its end, committed or not):
+  // e.g. the owner of the buffers of shards marked `stable`, which an async save reads while
+  // the caller goes on.
+  std::shared_ptr<void> keep_alive;
 };
 
 // Names of the files a manager's steps hold besides the arrays (CheckpointReader::ReadFile).
@@ -148,7 +152,9 @@ class CheckpointManager {
 
   // Copies the shards into host memory owned by the manager (in waves above
   // max_staging_bytes), then returns; the write, the commit, retention and the callback run on
-  // a background thread, so the buffers may change as soon as this returns. At most one save
+  // a background thread, so the buffers may change as soon as this returns. Shards marked
+  // ShardData::stable are not copied but written from where they are, in the background;
+  // request.keep_alive should own them (it is dropped when the save ends). At most one save
   // is in flight: this first waits for the previous one and, if it failed, returns that error
   // without starting this save. Errors found before the copy (bad step, step already complete,
   // invalid arrays or metadata) are returned at once; later ones by the next call.

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -302,6 +303,41 @@ TEST_P(CheckpointManagerTest, SaveAsyncCopiesTheBuffersBeforeReturning) {
   EXPECT_THAT(refused.message(), HasSubstr("params/w"));
   TS_EXPECT_OK(mgr->WaitUntilFinished());
   EXPECT_THAT(mgr->AllSteps(), ElementsAre(3, 4));
+  TS_EXPECT_OK(mgr->Close());
+}
+
+// Stable shards (views of immutable buffers) are written by the background save from where
+// they are; the request's keep_alive, their owner, is dropped once the writes are over, before
+// the commit callback, and never while they may still be read.
+TEST_P(CheckpointManagerTest, SaveAsyncWritesStableShardsInPlaceAndDropsTheirOwnerAtTheEnd) {
+  struct Owner {
+    Owner(StepState s, std::atomic<bool>* d) : state(std::move(s)), dropped(d) {}
+    ~Owner() { *dropped = true; }
+    StepState state;
+    std::atomic<bool>* dropped;
+  };
+  std::atomic<bool> dropped{false};
+  std::atomic<int> commits_after_drop{0};
+  ManagerOptions options = Fast();
+  options.on_commit = [&](const SaveStats&) {
+    if (dropped.load()) ++commits_after_drop;
+  };
+  auto mgr = OpenManager(options);
+  ASSERT_NE(mgr, nullptr);
+  std::weak_ptr<Owner> watch;
+  {
+    auto owner = std::make_shared<Owner>(MakeState(7), &dropped);
+    watch = owner;
+    SaveRequest request = Request(owner->state);
+    request.arrays[0].shards[0].stable = true;  // one stable shard beside copied ones
+    for (ShardData& shard : request.arrays[1].shards) shard.stable = true;
+    request.keep_alive = std::move(owner);
+    TS_ASSERT_OK(mgr->SaveAsync(7, std::move(request)));
+  }
+  TS_ASSERT_OK(mgr->WaitUntilFinished());
+  EXPECT_TRUE(watch.expired());
+  EXPECT_EQ(commits_after_drop.load(), 1);
+  ExpectStep(kv_.get(), 7);
   TS_EXPECT_OK(mgr->Close());
 }
 

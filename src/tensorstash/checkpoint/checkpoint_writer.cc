@@ -548,6 +548,11 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
     TaskGroup group(&pool);
     for (const ChunkTask* task : order) {
       if (group.failed()) break;
+      if (task->shard->stable) {
+        // Nothing to protect from the caller: written from where it is, like a plain save.
+        group.Run([&, task] { return WriteTask(*task, &files, &limiter, &mutex, &entries, stats); });
+        continue;
+      }
       const ArrayEntry& a = arrays[task->array_id];
       const uint64_t raw_size = task->chunk_box.num_elements() * ItemSize(a.spec.dtype);
       // The reservation covers the compressed copy too, so that a write never waits for

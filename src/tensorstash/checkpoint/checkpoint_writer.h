@@ -74,6 +74,9 @@ struct ShardData {
   const void* data = nullptr;
   int replica_id = 0;    // 0 .. num_replicas - 1
   int num_replicas = 1;  // how many devices hold this same box
+  // The caller promises that `data` neither changes nor goes away until Commit returns (e.g. a
+  // view of an immutable jax.Array): copy_sources writes it from where it is, uncopied.
+  bool stable = false;
 };
 
 struct WriteStats {
@@ -122,7 +125,8 @@ class CheckpointWriter {
   // error of any process (every process returns an error), and the step is not visible.
   // AlreadyExists when the step is already complete and !overwrite. May be called once.
   // `on_sources_released`, when set, is called exactly once, before Commit returns, as soon as
-  // the shard buffers will not be read again (with copy_sources: once every chunk is copied;
+  // the shard buffers not marked `stable` will not be read again (with copy_sources: once every
+  // such chunk is copied;
   // otherwise once every chunk is written; on failure: when the failure is known).
   Status Commit(WriteStats* stats = nullptr,
                 const std::function<void()>& on_sources_released = nullptr);
