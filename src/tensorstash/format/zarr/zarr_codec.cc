@@ -217,6 +217,12 @@ Status BloscDecode(std::string_view in, uint64_t limit, std::string* out, std::s
       blosc_cbuffer_validate(in.data(), in.size(), &nbytes) != 0) {
     return DataLossError(StrCat(what, ": blosc data is malformed or truncated"));
   }
+  size_t header_nbytes = 0, cbytes = 0, blocksize = 0;
+  blosc_cbuffer_sizes(in.data(), &header_nbytes, &cbytes, &blocksize);
+  if (cbytes != in.size()) {
+    return DataLossError(StrCat(what, ": blosc header says ", cbytes, " compressed bytes, the "
+                                "chunk has ", in.size()));
+  }
   if (nbytes > limit) return TooLarge(what, "blosc", limit);
   out->resize(nbytes);
   if (nbytes == 0) return OkStatus();
