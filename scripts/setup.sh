@@ -42,6 +42,13 @@ if ! .venv/bin/python -c "import orbax.checkpoint, tensorstore, safetensors, mat
     matplotlib
 fi
 
+# The zarr interop tests (tests/python/test_zarr_interop.py): zarr-python writes and reads zarr v2
+# (blosc) and v3 arrays beside TensorStore and Orbax.
+if ! .venv/bin/python -c "import zarr, numcodecs" 2>/dev/null; then
+  echo "setup: installing zarr-python into .venv"
+  .venv/bin/pip install -q --disable-pip-version-check zarr numcodecs
+fi
+
 GENERATOR=()
 command -v ninja >/dev/null && GENERATOR=(-G Ninja)
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then

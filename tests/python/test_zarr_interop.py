@@ -249,6 +249,28 @@ def test_orbax_checkpoints(tmp_path):
                               zarr_format=3 if zarr3 else 2)
 
 
+def test_orbax_ocdbt_keys(tmp_path):
+    """Orbax's default (OCDBT + zarr3): the arrays are keys `w/zarr.json`, `w/c/0/0` inside the
+    OCDBT database. TensorStore copies those keys into a folder and zarr_tool reads them."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import orbax.checkpoint as ocp
+    tree = {"w": random_array("float32", (16, 12), 8), "v": random_array("int8", (5,), 9)}
+    directory = str(tmp_path / "orbax_ocdbt")
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)
+    ocp.Checkpointer(handler).save(directory, args=ocp.args.PyTreeSave(tree))
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{directory}/"}).result()
+    keys = [k.decode() for k in kv.list().result()]
+    assert "w/zarr.json" in keys, keys
+    flat = tmp_path / "flat"
+    for key in keys:
+        target = flat / key
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(kv.read(key).result().value)
+    for name, arr in tree.items():
+        assert_tool_reads(str(flat), name, arr, str(arr.dtype), tmp_path, zarr_format=3,
+                          sharded=True)
+
+
 # ---- zarr_tool writes, TensorStore / zarr-python read ----
 
 def tool_write(root, prefix, arr: np.ndarray, dtype_name: str, tmp_path, *flags: str):
