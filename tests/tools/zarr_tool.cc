@@ -61,8 +61,8 @@ int Read(const std::string& dir, const std::string& prefix, const std::string& o
   out.write(data.data(), static_cast<std::streamsize>(data.size()));
   out.close();
   if (!out) return Fail("cannot write " + out_path);
-  std::cout << "{\"zarr_format\": " << a.zarr_format() << ", \"dtype\": \"" << ts::DTypeName(a.dtype())
-            << "\", \"shape\": " << ShapeJson(a.shape())
+  std::cout << "{\"zarr_format\": " << a.zarr_format() << ", \"dtype\": \""
+            << ts::DTypeName(a.dtype()) << "\", \"shape\": " << ShapeJson(a.shape())
             << ", \"chunk_shape\": " << ShapeJson(a.chunk_shape())
             << ", \"inner_chunk_shape\": " << ShapeJson(a.inner_chunk_shape())
             << ", \"sharded\": " << (a.sharded() ? "true" : "false") << "}\n";

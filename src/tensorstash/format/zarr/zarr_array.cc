@@ -283,7 +283,9 @@ Status ZarrArrayWriter::WriteBox(const Box& box, const void* data, ThreadPool* p
   if (box.empty()) return OkStatus();
   return ForEachChunkMaybeParallel(
       metadata_.chunk_shape, box, pool,
-      [&](const std::vector<int64_t>& grid, const Box&) { return WriteChunkFrom(grid, data, box); });
+      [&](const std::vector<int64_t>& grid, const Box&) {
+        return WriteChunkFrom(grid, data, box);
+      });
 }
 
 Status ZarrArrayWriter::WriteChunkFrom(const std::vector<int64_t>& grid, const void* data,

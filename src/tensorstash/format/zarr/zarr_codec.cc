@@ -301,10 +301,12 @@ Status BytesToBytesEncode(const ZarrCodec& c, DType dtype, std::string_view in, 
                                            " bytes is too large for blosc"));
       }
       out->resize(in.size() + BLOSC_MAX_OVERHEAD);
-      const int typesize = c.blosc_typesize > 0 ? c.blosc_typesize : static_cast<int>(ItemSize(dtype));
+      const int typesize =
+          c.blosc_typesize > 0 ? c.blosc_typesize : static_cast<int>(ItemSize(dtype));
       const int n = blosc_compress_ctx(c.level, c.blosc_shuffle, static_cast<size_t>(typesize),
                                        in.size(), in.data(), out->data(), out->size(),
-                                       c.blosc_cname.c_str(), static_cast<size_t>(c.blosc_blocksize), 1);
+                                       c.blosc_cname.c_str(),
+                                       static_cast<size_t>(c.blosc_blocksize), 1);
       if (n <= 0) {
         return InvalidArgumentError(StrCat(what, ": blosc compression failed (", n,
                                            "; compressor \"", c.blosc_cname, "\")"));

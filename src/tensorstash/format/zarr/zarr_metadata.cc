@@ -70,7 +70,9 @@ Result<std::string> GetString(const json& obj, std::string_view key, std::string
     if (required) return Invalid(what, StrCat("missing \"", key, "\""));
     return std::string(default_value);
   }
-  if (!v->is_string()) return Invalid(what, StrCat("\"", key, "\" must be a string, not ", Quote(*v)));
+  if (!v->is_string()) {
+    return Invalid(what, StrCat("\"", key, "\" must be a string, not ", Quote(*v)));
+  }
   return v->get<std::string>();
 }
 
@@ -239,7 +241,9 @@ Result<ZarrCodec> ParseV3Codec(const json& entry, int rank, std::string_view wha
   } else if (entry.is_object()) {
     TS_ASSIGN_OR_RETURN(name, GetString(entry, "name", what, "", /*required=*/true));
     if (const json* c = Member(entry, "configuration"); c != nullptr && !c->is_null()) {
-      if (!c->is_object()) return Invalid(what, StrCat("codec \"", name, "\" configuration is not an object"));
+      if (!c->is_object()) {
+        return Invalid(what, StrCat("codec \"", name, "\" configuration is not an object"));
+      }
       config = *c;
     }
   } else {
@@ -250,7 +254,9 @@ Result<ZarrCodec> ParseV3Codec(const json& entry, int rank, std::string_view wha
   if (name == "bytes" || name == "endian") {
     codec.kind = ZarrCodecKind::kBytes;
     TS_ASSIGN_OR_RETURN(std::string endian, GetString(config, "endian", cwhat, "little"));
-    if (endian != "little" && endian != "big") return Invalid(cwhat, StrCat("unknown endian \"", endian, "\""));
+    if (endian != "little" && endian != "big") {
+      return Invalid(cwhat, StrCat("unknown endian \"", endian, "\""));
+    }
     codec.big_endian = endian == "big";
   } else if (name == "transpose") {
     codec.kind = ZarrCodecKind::kTranspose;
@@ -504,8 +510,8 @@ Result<ZarrMetadata> ParseV3(const json& doc, std::string_view what) {
 
   const json* type = Member(doc, "data_type");
   if (type == nullptr) return Invalid(what, "missing \"data_type\"");
-  if (!type->is_string()) return UnimplementedError(StrCat(what, ": unsupported data_type ", Quote(*type)));
-  Result<DType> dtype = ParseDType(type->get<std::string>());
+  Result<DType> dtype = type->is_string() ? ParseDType(type->get<std::string>())
+                                          : Result<DType>(InvalidArgumentError("not a string"));
   if (!dtype.ok()) {
     return UnimplementedError(StrCat(what, ": unsupported data_type ", Quote(*type)));
   }
@@ -529,7 +535,8 @@ Result<ZarrMetadata> ParseV3(const json& doc, std::string_view what) {
     } else if (enc_name == "v2") {
       m.key_encoding = ZarrKeyEncoding::kV2;
     } else {
-      return UnimplementedError(StrCat(what, ": unsupported chunk_key_encoding \"", enc_name, "\""));
+      return UnimplementedError(
+          StrCat(what, ": unsupported chunk_key_encoding \"", enc_name, "\""));
     }
     const json* cfg = Member(*enc, "configuration");
     const std::string default_sep = enc_name == "v2" ? "." : "/";
@@ -680,14 +687,22 @@ Status ValidateZarrMetadata(const ZarrMetadata& m, std::string_view what) {
   }
   if (m.chunk_shape.size() != m.shape.size()) {
     return Invalid(what, StrCat("chunk shape [", StrJoin(m.chunk_shape, ", "),
-                                "] does not have the rank of shape [", StrJoin(m.shape, ", "), "]"));
+                                "] does not have the rank of shape [", StrJoin(m.shape, ", "),
+                                "]"));
   }
   TS_RETURN_IF_ERROR(ValidateBox(Box::FromShape(m.shape), ItemSize(m.dtype), what));
   for (int64_t c : m.chunk_shape) {
-    if (c < 1) return Invalid(what, StrCat("chunk shape [", StrJoin(m.chunk_shape, ", "), "] has an extent below 1"));
+    if (c < 1) {
+      return Invalid(what, StrCat("chunk shape [", StrJoin(m.chunk_shape, ", "),
+                                  "] has an extent below 1"));
+    }
   }
-  if (m.fill_value.size() != ItemSize(m.dtype)) return Invalid(what, "fill value has the wrong size");
-  if (m.separator != '/' && m.separator != '.') return Invalid(what, "separator must be '/' or '.'");
+  if (m.fill_value.size() != ItemSize(m.dtype)) {
+    return Invalid(what, "fill value has the wrong size");
+  }
+  if (m.separator != '/' && m.separator != '.') {
+    return Invalid(what, "separator must be '/' or '.'");
+  }
   // A shard read piecewise is never held whole; any other chunk is decoded whole.
   return ValidateChain(m.codecs, m.chunk_shape, m.dtype,
                        /*check_chunk_bytes=*/m.sole_sharding() == nullptr, 0, what);
