@@ -8,7 +8,7 @@ BUILD_DIR=${1:-build}
 
 DEB_PACKAGES=(
   build-essential cmake ninja-build pkg-config python3-venv
-  libabsl-dev libzstd-dev nlohmann-json3-dev libisal-dev liburing-dev libcli11-dev
+  libabsl-dev libzstd-dev libblosc-dev zlib1g-dev nlohmann-json3-dev libisal-dev liburing-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-dev
 )
@@ -40,6 +40,13 @@ if ! .venv/bin/python -c "import orbax.checkpoint, tensorstore, safetensors, mat
   echo "setup: installing the benchmark's peers into .venv (orbax-checkpoint, tensorstore)"
   .venv/bin/pip install -q --disable-pip-version-check orbax-checkpoint tensorstore safetensors \
     matplotlib
+fi
+
+# The zarr interop tests (tests/python/test_zarr_interop.py): zarr-python writes and reads zarr v2
+# (blosc) and v3 arrays beside TensorStore and Orbax.
+if ! .venv/bin/python -c "import zarr, numcodecs" 2>/dev/null; then
+  echo "setup: installing zarr-python into .venv"
+  .venv/bin/pip install -q --disable-pip-version-check zarr numcodecs
 fi
 
 GENERATOR=()
