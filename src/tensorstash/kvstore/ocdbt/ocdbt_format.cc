@@ -561,7 +561,7 @@ Result<BtreeNode> DecodeBtreeNode(std::string_view encoded, std::string_view tra
     for (uint64_t& length : lengths) r.Varint(&length, "value_length");
     std::vector<Location*> indirect;
     for (size_t i = 0; i < n; ++i) {
-      uint8_t kind;
+      uint8_t kind = 0;
       if (!r.Byte(&kind, "value_kind")) return r.status();
       if (kind > 1) {
         r.Fail(StrCat("value_kind[", i, "] = ", int{kind}, " is not 0 or 1"));

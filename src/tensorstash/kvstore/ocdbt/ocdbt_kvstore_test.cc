@@ -334,7 +334,8 @@ TEST_F(OcdbtHostileTest, DataFilePathsMustStayInsideTheRoot) {
 
 TEST_F(OcdbtHostileTest, ValueOutsideItsDataFile) {
   const std::string data_key = [&] {
-    for (const std::string& key : *base_.List("db/d/")) {
+    const std::vector<std::string> keys = *base_.List("db/d/");
+    for (const std::string& key : keys) {
       if (key != node_key_) return key;
     }
     return std::string();
