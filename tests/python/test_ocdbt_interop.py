@@ -5,8 +5,8 @@ in $TENSORSTASH_TOOLS_DIR or else <repo>/build/tests, where CMake puts the test 
 A missing tool fails the tests (build it: cmake --build build --target ocdbt_tool).
 
 Checked, bit for bit:
-  (a) databases TensorStore writes (default config, zstd, tiny nodes so that the B+tree has
-      several levels, no inline values), with many keys, multi-MiB values and many versions,
+  (a) databases TensorStore writes (default config (zstd level 0), uncompressed, zstd level 5,
+      tiny nodes so that the B+tree has several levels and no inline values), with many keys, multi-MiB values and many versions,
       overwrites and deletes: ocdbt_tool lists the same keys and reads the same values;
   (b) real Orbax checkpoints (StandardCheckpointer; PyTreeCheckpointHandler with zarr3), whose
       top-level database points into ocdbt.process_0/: the same;
@@ -46,6 +46,10 @@ def ts_open(path, config=None):
     return ts.KvStore.open(spec).result()
 
 
+def ts_delete(kv, key):
+    kv.delete_range(ts.KvStore.KeyRange(key, key + b"\0")).result()
+
+
 def ts_contents(path):
     kv = ts_open(path)
     return {bytes(k): bytes(kv.read(k).result().value) for k in kv.list().result()}
@@ -60,6 +64,19 @@ def tool_list(tool, path, prefix=None):
 def tool_get(tool, path, key):
     return subprocess.run([tool, "get", str(path), key.decode()], check=True,
                           capture_output=True).stdout
+
+
+def tool_info(tool, path):
+    """ocdbt_tool info: {"generation": "12", ..., "root_file": [paths]}."""
+    out = subprocess.run([tool, "info", str(path)], check=True, capture_output=True).stdout
+    info = {"root_file": []}
+    for line in out.decode().splitlines():
+        name, value = line.split(" ", 1)
+        if name == "root_file":
+            info[name].append(value)
+        else:
+            info[name] = value
+    return info
 
 
 def assert_tool_reads(tool, path, expected):
@@ -80,9 +97,11 @@ def random_items(rng, count, prefix="k"):
 
 
 CONFIGS = {
-    "default": None,
-    "zstd": {"compression": {"id": "zstd", "level": 5}},
-    "tiny_nodes": {"max_decoded_node_bytes": 600, "max_inline_value_bytes": 0},
+    "default": None,  # zstd level 0
+    "uncompressed": {"compression": None},
+    "zstd5": {"compression": {"id": "zstd", "level": 5}},
+    "tiny_nodes": {"compression": None, "max_decoded_node_bytes": 600,
+                   "max_inline_value_bytes": 0},
 }
 
 
@@ -111,7 +130,7 @@ def test_reads_what_tensorstore_writes(tool, tmp_path, name):
     # Overwrites and deletes in later versions.
     victims = sorted(batch)[::50]
     for key in victims[:10]:
-        kv.delete(key).result()
+        ts_delete(kv, key)
         del expected[key]
     for key in victims[10:20]:
         expected[key] = b"overwritten " + key
@@ -119,6 +138,13 @@ def test_reads_what_tensorstore_writes(tool, tmp_path, name):
 
     assert ts_contents(path) == expected  # the reference agrees with our bookkeeping
     assert_tool_reads(tool, path, expected)
+    info = tool_info(tool, path)
+    assert int(info["generation"]) == 63  # the empty version at creation, then 62 commits
+    assert int(info["version_nodes"]) >= 1  # older versions live in version tree nodes
+    assert info["zstd"] == ("0" if CONFIGS[name] and "compression" in CONFIGS[name]
+                            and CONFIGS[name]["compression"] is None else "1")
+    if name == "tiny_nodes":
+        assert int(info["root_height"]) >= 2
     for prefix in ["k/", "k/1", "step/03", "big", "nothing", ""]:
         want = sorted(k for k in expected if k.startswith(prefix.encode()))
         assert tool_list(tool, path, prefix) == want, prefix
@@ -128,7 +154,7 @@ def test_reads_an_empty_tensorstore_database(tool, tmp_path):
     path = tmp_path / "db"
     kv = ts_open(path)
     kv.write(b"a", b"1").result()
-    kv.delete(b"a").result()
+    ts_delete(kv, b"a")
     assert tool_list(tool, path) == []
     missing = subprocess.run([tool, "get", str(path), "a"], capture_output=True)
     assert missing.returncode == 3 and b"not found" in missing.stderr
@@ -163,6 +189,8 @@ def test_reads_orbax_checkpoints(tool, tmp_path, zarr3):
     expected = ts_contents(path)
     assert any(k.endswith(b"zarr.json" if zarr3 else b".zarray") for k in expected)
     assert_tool_reads(tool, path, expected)
+    # The merged top-level tree points into the per-process database's data files.
+    assert any(f.startswith("ocdbt.process_0/") for f in tool_info(tool, path)["root_file"])
     # The per-process database is a database of its own, too.
     assert_tool_reads(tool, path / "ocdbt.process_0", ts_contents(path / "ocdbt.process_0"))
 
@@ -187,15 +215,18 @@ def test_tensorstore_reads_what_we_write(tool, tmp_path, flags):
 
     assert ts_contents(path) == items
     kv = ts_open(path)
-    assert [bytes(k) for k in kv.list(ts.KvStore.KeyRange(b"params.layer/1", b"params.layer/2"))
-            .result()] == sorted(k for k in items if k.startswith(b"params.layer/1"))
+    # (TensorStore lists in no particular order.)
+    listed = kv.list(ts.KvStore.KeyRange(b"params.layer/1", b"params.layer/2")).result()
+    assert sorted(bytes(k) for k in listed) == sorted(k for k in items
+                                                      if k.startswith(b"params.layer/1"))
     # TensorStore can add a version on top of ours; we then read that version.
     kv.write(b"added/by/tensorstore", b"hello").result()
-    kv.delete(b"empty").result()
+    ts_delete(kv, b"empty")
     items[b"added/by/tensorstore"] = b"hello"
     del items[b"empty"]
-    assert_tool_reads(tool, path, {k: items[k] for k in list(items)[:200] + [b"big/c/0/0"]})
     assert tool_list(tool, path) == sorted(items)
+    for key in list(items)[:200] + [b"big/c/0/0", b"added/by/tensorstore"]:
+        assert tool_get(tool, path, key) == items[key], key
 
 
 def test_put_refuses_an_existing_database(tool, tmp_path):

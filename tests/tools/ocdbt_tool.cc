@@ -3,6 +3,8 @@
 //
 //   ocdbt_tool list DIR [PREFIX]   keys of the latest version, one per line, sorted
 //   ocdbt_tool get DIR KEY         the value of KEY, raw, to stdout
+//   ocdbt_tool info DIR            the latest version and the root node's data files, as
+//                                  "name value" lines (for tests that check what was covered)
 //   ocdbt_tool put DIR [--zstd] [--max-inline N] [--max-node-bytes N] [--data-file-bytes N]
 //                                  writes a new database from stdin lines "KEY<TAB>FILE": the
 //                                  value of KEY is the content of FILE
@@ -106,6 +108,28 @@ int main(int argc, char** argv) {
     Result<std::vector<std::string>> keys = (*store)->List(argc == 4 ? argv[3] : "");
     if (!keys.ok()) return Fail(keys.status());
     for (const std::string& key : *keys) std::printf("%s\n", key.c_str());
+    return 0;
+  }
+  if (command == "info" && argc == 3) {
+    const ocdbt::Manifest& manifest = (*store)->manifest();
+    const ocdbt::VersionRef& version = (*store)->latest_version();
+    std::printf("generation %llu\nroot_height %d\ninline_versions %zu\nversion_nodes %zu\n"
+                "zstd %d\nnum_keys %llu\n",
+                static_cast<unsigned long long>(version.generation), int{version.root_height},
+                manifest.versions.size(), manifest.version_nodes.size(),
+                int{manifest.config.zstd},
+                static_cast<unsigned long long>(version.statistics.num_keys));
+    if (version.root.missing()) return 0;
+    const ocdbt::DataFileId& file = manifest.files[version.root.file];
+    std::string encoded(version.root.length, '\0');
+    const Status read = (*base)->ReadRange(file.FullPath(), version.root.offset, encoded.size(),
+                                           encoded.data());
+    if (!read.ok()) return Fail(read);
+    Result<ocdbt::BtreeNode> root = ocdbt::DecodeBtreeNode(encoded, file.base_path, "root");
+    if (!root.ok()) return Fail(root.status());
+    for (const ocdbt::DataFileId& f : root->files) {
+      std::printf("root_file %s\n", f.FullPath().c_str());
+    }
     return 0;
   }
   if (command == "get" && argc == 4) {

@@ -59,6 +59,9 @@ class OcdbtKvStore final : public KvStore {
   // The latest version's generation number and the manifest's configuration.
   uint64_t generation() const { return version_.generation; }
   const ocdbt::Config& config() const { return manifest_.config; }
+  // The manifest as decoded (for tools and tests); latest_version() is its last inline version.
+  const ocdbt::Manifest& manifest() const { return manifest_; }
+  const ocdbt::VersionRef& latest_version() const { return version_; }
 
   std::string Describe() const override;
   // NotFound for an absent key. DataLoss when a node or value on the way is corrupt or missing.
