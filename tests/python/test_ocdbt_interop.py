@@ -6,7 +6,7 @@ A missing tool fails the tests (build it: cmake --build build --target ocdbt_too
 
 Checked, bit for bit:
   (a) databases TensorStore writes (default config (zstd level 0), uncompressed, zstd level 5,
-      tiny nodes so that the B+tree has several levels and no inline values), with many keys, multi-MiB values and many versions,
+      tiny nodes so that the B+tree has several levels and no inline values, numbered manifests), with many keys, multi-MiB values and many versions,
       overwrites and deletes: ocdbt_tool lists the same keys and reads the same values;
   (b) real Orbax checkpoints (StandardCheckpointer; PyTreeCheckpointHandler with zarr3), whose
       top-level database points into ocdbt.process_0/: the same;
@@ -102,6 +102,7 @@ CONFIGS = {
     "zstd5": {"compression": {"id": "zstd", "level": 5}},
     "tiny_nodes": {"compression": None, "max_decoded_node_bytes": 600,
                    "max_inline_value_bytes": 0},
+    "numbered": {"manifest_kind": "numbered"},  # versions in manifest.<generation> files
 }
 
 

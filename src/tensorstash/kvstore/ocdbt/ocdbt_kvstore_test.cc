@@ -191,6 +191,44 @@ TEST(OcdbtWriterTest, RejectsBadUse) {
   EXPECT_EQ(*(*store)->Read("a"), "1");
 }
 
+// Orbax's merged multi-process layout: the top-level tree's interior node points at the root of
+// a per-process database with base path "proc/", and everything below resolves under "proc/".
+TEST(OcdbtKvStoreTest, BasePathsAreTransitive) {
+  MemoryKvStore base;
+  const auto entries = MakeEntries(600);
+  OcdbtWriter::Options options;
+  options.max_decoded_node_bytes = 4096;
+  ASSERT_TRUE(WriteDb(&base, "db/proc", entries, options).ok());
+  auto sub = ocdbt::DecodeManifest(*base.Read("db/proc/manifest.ocdbt"), "sub");
+  ASSERT_TRUE(sub.ok());
+  const ocdbt::VersionRef& sub_root = sub->versions.back();
+  ASSERT_GE(sub_root.root_height, 1);  // so that nodes below the root are reached through it
+
+  ocdbt::BtreeNode top;
+  top.height = static_cast<uint8_t>(sub_root.root_height + 1);
+  top.files.push_back({"proc/", sub->files[sub_root.root.file].relative_path});
+  ocdbt::InteriorEntry child;
+  child.key = entries.begin()->first;
+  child.location = sub_root.root;
+  child.location.file = 0;
+  top.children.push_back(child);
+  auto encoded = ocdbt::EncodeBtreeNode(top, ocdbt::Config());
+  ASSERT_TRUE(encoded.ok());
+  ASSERT_TRUE(base.Write("db/d/top", *encoded).ok());
+  ocdbt::Manifest manifest;
+  manifest.files.push_back({"", "d/top"});
+  ocdbt::VersionRef version;
+  version.generation = 1;
+  version.root_height = top.height;
+  version.root = ocdbt::Location{0, 0, encoded->size()};
+  manifest.versions.push_back(version);
+  ASSERT_TRUE(base.Write("db/manifest.ocdbt", *ocdbt::EncodeManifest(manifest)).ok());
+
+  auto store = OcdbtKvStore::Open(&base, "db");
+  ASSERT_TRUE(store.ok()) << store.status();
+  ExpectSameContent(store->get(), entries);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Hostile input. Each case must give a Status (never a crash or a huge allocation) whose code
 // and message say what is wrong and where.
