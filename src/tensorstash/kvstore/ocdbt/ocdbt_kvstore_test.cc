@@ -482,5 +482,36 @@ TEST_F(OcdbtHostileTest, RandomCorruptionNeverCrashes) {
   EXPECT_GT(failures, 1400);
 }
 
+// Corruption with the length and crc32c repaired afterwards, so that the parsers themselves
+// meet the damaged bytes.
+TEST_F(OcdbtHostileTest, RandomCorruptionBehindAValidChecksum) {
+  const std::string node = *base_.Read(node_key_);
+  std::mt19937 random(11);
+  int failures = 0;
+  for (int round = 0; round < 3000; ++round) {
+    const bool in_manifest = round % 2 == 0;
+    std::string bytes = in_manifest ? manifest_ : node;
+    const int flips = 1 + static_cast<int>(random() % 3);
+    for (int f = 0; f < flips; ++f) {
+      bytes[14 + random() % (bytes.size() - 18)] = static_cast<char>(random());
+    }
+    if (random() % 4 == 0) bytes.resize(18 + random() % (bytes.size() - 18));
+    bytes.resize(bytes.size() - 4);
+    const uint64_t length = bytes.size() + 4;
+    bytes.replace(4, 8, std::string(reinterpret_cast<const char*>(&length), 8));
+    PutLE32(&bytes, Crc32c(bytes));
+    ASSERT_TRUE(base_.Write(in_manifest ? "db/manifest.ocdbt" : node_key_, bytes).ok());
+    const Status status = ReadStatus();
+    if (!status.ok()) {
+      ++failures;
+      EXPECT_TRUE(absl::IsDataLoss(status) || absl::IsNotFound(status)) << status;
+    }
+    ASSERT_TRUE(base_.Write(in_manifest ? "db/manifest.ocdbt" : node_key_,
+                            in_manifest ? manifest_ : node)
+                    .ok());
+  }
+  EXPECT_GT(failures, 1000);
+}
+
 }  // namespace
 }  // namespace tensorstash
