@@ -55,20 +55,25 @@ def ts_contents(path):
     return {bytes(k): bytes(kv.read(k).result().value) for k in kv.list().result()}
 
 
+def run_tool(*args):
+    """Runs ocdbt_tool; a failure reports its stderr (the Status), not just the exit code."""
+    result = subprocess.run([str(a) for a in args], capture_output=True)
+    assert result.returncode == 0, (args, result.returncode, result.stderr.decode())
+    return result.stdout
+
+
 def tool_list(tool, path, prefix=None):
-    args = [tool, "list", str(path)] + ([prefix] if prefix is not None else [])
-    out = subprocess.run(args, check=True, capture_output=True).stdout
+    out = run_tool(tool, "list", path, *([prefix] if prefix is not None else []))
     return [line.encode() for line in out.decode().splitlines()]
 
 
 def tool_get(tool, path, key):
-    return subprocess.run([tool, "get", str(path), key.decode()], check=True,
-                          capture_output=True).stdout
+    return run_tool(tool, "get", path, key.decode())
 
 
 def tool_info(tool, path):
     """ocdbt_tool info: {"generation": "12", ..., "root_file": [paths]}."""
-    out = subprocess.run([tool, "info", str(path)], check=True, capture_output=True).stdout
+    out = run_tool(tool, "info", path)
     info = {"root_file": []}
     for line in out.decode().splitlines():
         name, value = line.split(" ", 1)
