@@ -12,6 +12,7 @@
 #include "tensorstash/format/index_format.h"
 #include "tensorstash/format/tree.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
+#include "tensorstash/kvstore/ocdbt/ocdbt_kvstore.h"
 #include "tensorstash/util/endian.h"
 
 // A property that must hold for every input; aborts (a finding) when it does not.
@@ -109,6 +110,27 @@ void FuzzStep(const uint8_t* data, size_t size) {
     (void)(*reader)->Read({array.path, whole, array.dtype, dest.data()});
   }
   (void)(*reader)->Verify();
+}
+
+void FuzzOcdbt(const uint8_t* data, size_t size) {
+  MemoryKvStore kv;
+  for (const auto& [key, value] : DecodeBundle(AsView(data, size))) {
+    if (!ValidateKey(key).ok()) continue;
+    (void)kv.Write(StrCat("db/", key), value);
+  }
+  Result<std::unique_ptr<OcdbtKvStore>> store = OcdbtKvStore::Open(&kv, "db");
+  if (!store.ok()) {
+    TS_FUZZ_CHECK(!store.status().message().empty());
+    return;
+  }
+  Result<std::vector<std::string>> keys = (*store)->List("");
+  if (!keys.ok()) return;
+  for (const std::string& key : *keys) {
+    Result<uint64_t> size_of = (*store)->Size(key);
+    if (!size_of.ok() || *size_of > kMaxReadBytes) continue;
+    Result<std::string> value = (*store)->Read(key);
+    TS_FUZZ_CHECK(!value.ok() || value->size() == *size_of);
+  }
 }
 
 std::string EncodeBundle(const std::map<std::string, std::string>& files) {

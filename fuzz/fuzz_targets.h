@@ -28,6 +28,9 @@ void FuzzChunkCodec(const uint8_t* data, size_t size);
 // A whole step folder: the input is a bundle of files (EncodeBundle) put into a MemoryKvStore
 // under "step/"; CheckpointReader opens it, and if that succeeds reads every array and verifies.
 void FuzzStep(const uint8_t* data, size_t size);
+// An OCDBT database: the input is a bundle (EncodeBundle) of files put under "db/";
+// OcdbtKvStore opens it, and if that succeeds lists and reads every key.
+void FuzzOcdbt(const uint8_t* data, size_t size);
 
 // The bundle format of FuzzStep: repeated [u16 key length][key][u32 value length][value],
 // little-endian. Decoding stops at the first record that does not fit.

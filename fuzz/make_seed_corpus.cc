@@ -15,6 +15,7 @@
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/format/chunk_codec.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
+#include "tensorstash/kvstore/ocdbt/ocdbt_kvstore.h"
 
 namespace ts = tensorstash;
 
@@ -124,6 +125,27 @@ int main(int argc, char** argv) {
     Put(out / "tree_json" / name, files.at("state/tree.json"));
     Put(out / "commit_record" / name, files.at("COMMIT"));
     Put(out / "step" / name, ts::fuzz::EncodeBundle(files));
+  }
+  // OCDBT databases: one leaf; several levels with zstd; empty.
+  for (int i = 0; i < 3; ++i) {
+    ts::MemoryKvStore kv;
+    ts::OcdbtWriter::Options options;
+    options.zstd = i == 1;
+    options.max_decoded_node_bytes = 4096;
+    auto writer = ts::OcdbtWriter::Create(&kv, "db", options);
+    if (!writer.ok()) Die(writer.status());
+    const int count = i == 0 ? 5 : i == 1 ? 120 : 0;
+    for (int k = 0; k < count; ++k) {
+      const ts::Status added = (*writer)->Add(
+          "params.w" + std::to_string(k % 7) + "/c/" + std::to_string(k),
+          std::string(static_cast<size_t>(k * 37 % 300), static_cast<char>('a' + k % 26)));
+      if (!added.ok()) Die(added);
+    }
+    if (const ts::Status done = (*writer)->Finish(); !done.ok()) Die(done);
+    std::map<std::string, std::string> files;
+    const std::vector<std::string> keys = *kv.List("db/");
+    for (const std::string& key : keys) files[key.substr(3)] = *kv.Read(key);
+    Put(out / "ocdbt" / ("seed" + std::to_string(i)), ts::fuzz::EncodeBundle(files));
   }
   // One compressed chunk, with its raw size in front.
   std::string raw(300, '\0');

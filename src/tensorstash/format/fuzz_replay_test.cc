@@ -26,7 +26,8 @@ std::vector<Target> Targets() {
           {"tree_json", fuzz::FuzzTreeJson},
           {"commit_record", fuzz::FuzzCommitRecord},
           {"chunk_codec", fuzz::FuzzChunkCodec},
-          {"step", fuzz::FuzzStep}};
+          {"step", fuzz::FuzzStep},
+          {"ocdbt", fuzz::FuzzOcdbt}};
 }
 
 // Runs every file under `dir` (if it exists) through `target`; returns how many.
