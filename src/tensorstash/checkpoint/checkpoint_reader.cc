@@ -1,5 +1,8 @@
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -441,6 +444,113 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
   local.peak_staging_bytes = staging.peak();
   if (stats != nullptr) *stats = local;
   return status;
+}
+
+MappedBox::MappedBox(MappedBox&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      mapped_size_(std::exchange(other.mapped_size_, 0)) {}
+
+MappedBox& MappedBox::operator=(MappedBox&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) ::munmap(data_, mapped_size_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    mapped_size_ = std::exchange(other.mapped_size_, 0);
+  }
+  return *this;
+}
+
+MappedBox::~MappedBox() {
+  if (data_ != nullptr) ::munmap(data_, mapped_size_);
+}
+
+namespace {
+
+// Smaller chunks are read: each mapping costs a kernel mapping entry (vm.max_map_count is
+// about 65,000 per process), and copying a small chunk is cheap.
+constexpr uint64_t kMinMappedChunkBytes = 1 << 20;
+
+Status NotMappable(std::string_view path, std::string_view why) {
+  return UnimplementedError(StrCat("array '", path, "': the box cannot be mapped (", why, ")"));
+}
+
+}  // namespace
+
+std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadRequest>& requests) {
+  Impl& s = *impl_;
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  auto map_one = [&](const ReadRequest& req) -> Result<MappedBox> {
+    TS_ASSIGN_OR_RETURN(const ArrayMetadata* a, FindArray(req.path));
+    const size_t array_id = s.array_by_path.find(req.path)->second;
+    const std::string what = StrCat("mapping of array '", a->path, "'");
+    if (req.box.rank() != a->grid.rank()) {
+      return InvalidArgumentError(StrCat(what, ": box ", req.box.ToString(), " has rank ",
+                                         req.box.rank(), " but the array has rank ",
+                                         a->grid.rank()));
+    }
+    TS_RETURN_IF_ERROR(ValidateBox(req.box, ItemSize(a->dtype), what));
+    if (req.dtype != a->dtype) return NotMappable(a->path, "a dtype conversion");
+    if (a->codec != Codec::kNone) return NotMappable(a->path, "compressed");
+    if (req.box.empty()) return NotMappable(a->path, "empty");
+    if (!Box::FromShape(a->shape()).Contains(req.box)) return NotMappable(a->path, "past the shape");
+    const size_t item = ItemSize(a->dtype);
+    const uint64_t bytes = req.box.num_elements() * item;
+    std::vector<std::pair<const IndexEntry*, uint64_t>> parts;  // (chunk, offset in the box)
+    Status bad;
+    a->grid.ForEachChunkIntersecting(req.box, [&](int64_t chunk, const Box& chunk_box) {
+      if (!bad.ok()) return;
+      const IndexEntry* e = s.FindEntry(array_id, chunk);
+      if (e == nullptr) {
+        bad = DataLossError(StrCat("chunk ", a->grid.ChunkName(chunk), " of array '", a->path,
+                                   "' is not in the index"));
+        return;
+      }
+      if (!s.file_errors[e->file_id].ok()) {
+        bad = s.file_errors[e->file_id];
+        return;
+      }
+      const uint64_t offset = ByteOffsetIn(chunk_box, req.box, item);
+      if (!(Intersect(chunk_box, req.box) == chunk_box) || !IsContiguousIn(chunk_box, req.box) ||
+          e->length != chunk_box.num_elements() * item) {
+        bad = NotMappable(a->path, "a chunk is not a contiguous run of the box");
+      } else if (e->length < kMinMappedChunkBytes) {
+        bad = NotMappable(a->path, "small chunks");
+      } else if (offset % page != 0 || e->offset % page != 0 ||
+                 (e->length % page != 0 && offset + e->length != bytes)) {
+        bad = NotMappable(a->path, "a chunk off page boundaries");
+      } else {
+        parts.emplace_back(e, offset);
+      }
+    });
+    TS_RETURN_IF_ERROR(bad);
+    // Anonymous memory first, for the whole box; each chunk's pages then replace their part.
+    const size_t mapped_size = (bytes + page - 1) / page * page;
+    void* base = ::mmap(nullptr, mapped_size, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED) {
+      return ResourceExhaustedError(StrCat(what, ": cannot reserve ", mapped_size, " bytes"));
+    }
+    MappedBox mapped(static_cast<char*>(base), bytes, mapped_size);
+    for (const auto& [e, offset] : parts) {
+      TS_RETURN_IF_ERROR(Annotate(s.files[e->file_id]->MapAt(e->offset, e->length, mapped.data() + offset),
+                                  s.ChunkWhat(*e)));
+      TS_RETURN_IF_ERROR(s.CheckCrc(*e, mapped.data() + offset));
+    }
+    return mapped;
+  };
+  std::vector<Result<MappedBox>> results;
+  results.reserve(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) results.emplace_back(UnimplementedError("not mapped"));
+  TaskGroup group(s.pool.get());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    group.Run([&, i] {
+      results[i] = map_one(requests[i]);
+      return OkStatus();
+    });
+  }
+  (void)group.Wait();  // every task returns OK: the results carry the errors
+  return results;
 }
 
 Result<std::vector<BadChunk>> CheckpointReader::Verify(

@@ -66,6 +66,28 @@ struct BadChunk {
   std::string error;
 };
 
+// A box of an array mapped from the data files (CheckpointReader::MapMany): its elements in C
+// order, in the stored dtype, at data() (page-aligned). Unmapped when destroyed. Move-only.
+class MappedBox {
+ public:
+  MappedBox() = default;
+  MappedBox(char* data, size_t size, size_t mapped_size)
+      : data_(data), size_(size), mapped_size_(mapped_size) {}
+  MappedBox(MappedBox&& other) noexcept;
+  MappedBox& operator=(MappedBox&& other) noexcept;
+  MappedBox(const MappedBox&) = delete;
+  MappedBox& operator=(const MappedBox&) = delete;
+  ~MappedBox();
+
+  char* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  char* data_ = nullptr;
+  size_t size_ = 0;
+  size_t mapped_size_ = 0;
+};
+
 class CheckpointReader {
  public:
   // Opens the step folder `dir` of `kv`. NotFound if it does not exist; FailedPrecondition if it
@@ -95,6 +117,16 @@ class CheckpointReader {
   // call at a time, as requests complete.
   Status ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats = nullptr,
                   const std::function<void(uint64_t, uint64_t)>& progress = nullptr);
+
+  // Maps each request's box (its dtype must be the stored one; `dest` is ignored) from the data
+  // files instead of reading it, in parallel: copy-on-write pages of the page cache, so neither
+  // a copy nor the zeroing of fresh memory (on restores into host memory, the larger cost of
+  // the two). A box can be mapped when it lies inside the shape and every stored chunk that
+  // meets it lies inside it, is stored uncompressed, is at least 1 MiB, and is a contiguous run
+  // of the box that starts on a page boundary both in the box and in its file; and the store's
+  // files can be mapped (FileKvStore). Checksums are checked as for a read. Per request:
+  // Unimplemented when it cannot be mapped (read it instead), or the error a read would give.
+  std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests);
 
   // Reads a whole file committed with the step (CheckpointWriter::AddFile), e.g.
   // "metadata.json", and checks its size and CRC-32C against COMMIT. NotFound when COMMIT lists

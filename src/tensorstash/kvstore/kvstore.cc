@@ -93,6 +93,10 @@ Status ValidatePrefix(std::string_view prefix) {
   return CheckPath("prefix", prefix, /*is_prefix=*/true);
 }
 
+Status ReadableFile::MapAt(uint64_t /*offset*/, size_t /*size*/, void* /*address*/) const {
+  return UnimplementedError("this store's files cannot be mapped");
+}
+
 Result<std::unique_ptr<KvLock>> KvStore::TryLock(std::string_view key) {
   TS_RETURN_IF_ERROR(ValidateKey(key));
   return UnimplementedError(StrCat(Describe(), " does not support locks (key '", key, "')"));

@@ -58,6 +58,13 @@ class ReadableFile {
   // Reads exactly `size` bytes at `offset` into `dest`. A range that reaches past the end of
   // the object is DataLoss ("... truncated ..."), naming the key, offset and size.
   virtual Status ReadAt(uint64_t offset, size_t size, void* dest) const = 0;
+  // Maps `size` bytes at `offset` (a multiple of the page size) copy-on-write at `address`
+  // (page-aligned), replacing whatever was mapped there: the bytes are then read from the page
+  // cache as they are touched, without a copy, and writes to them stay private. DataLoss when
+  // the range reaches past the end; Unimplemented for backends without mappable files (the
+  // default). The mapping outlives the file object; a file truncated in place under a mapping
+  // makes its pages fault (SIGBUS), which checkpoints never do: they are only ever replaced.
+  virtual Status MapAt(uint64_t offset, size_t size, void* address) const;
 };
 
 class KvStore {

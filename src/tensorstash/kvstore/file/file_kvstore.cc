@@ -33,6 +33,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/random.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
@@ -561,6 +562,16 @@ class FileReadableFile final : public ReadableFile {
       struct stat st;
       const uint64_t now = ::fstat(fd_.get(), &st) == 0 ? static_cast<uint64_t>(st.st_size) : size_;
       return Truncated(path_, offset, size, now);
+    }
+    return OkStatus();
+  }
+
+  Status MapAt(uint64_t offset, size_t size, void* address) const override {
+    if (offset > size_ || size > size_ - offset) return Truncated(path_, offset, size, size_);
+    void* mapped = ::mmap(address, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_POPULATE, fd_.get(),
+                          static_cast<off_t>(offset));
+    if (mapped == MAP_FAILED) {
+      return FsError(errno, StrCat("map ", size, " bytes at offset ", offset, " of"), path_);
     }
     return OkStatus();
   }

@@ -1,0 +1,154 @@
+// CheckpointReader::MapMany: boxes mapped from the data files instead of read.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tensorstash/checkpoint/checkpoint_reader.h"
+#include "tensorstash/checkpoint/checkpoint_test_util.h"
+#include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/kvstore/file/file_kvstore.h"
+#include "tensorstash/kvstore/memory/memory_kvstore.h"
+
+namespace tensorstash {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kStep[] = "step";
+// 1024 x 1024 float32 (4 MiB) in two row shards, so 2 MiB chunks; and a compressed one; and a
+// small one (chunks under the mapping threshold).
+const std::vector<int64_t> kShape = {1024, 1024};
+
+class CheckpointMapTest : public test::TempDirTest {
+ protected:
+  void Write(KvStore* kv) {
+    WriterOptions options;
+    options.sync = false;
+    Result<std::unique_ptr<CheckpointWriter>> writer = CheckpointWriter::Create(kv, kStep, options);
+    TS_ASSERT_OK(writer.status());
+    const test::Sharding rows{{2}, {0, -1}};
+    std::vector<test::HeldShards> held;
+    held.reserve(3);
+    ArraySpec big{"big", DType::kFloat32, kShape};
+    ArraySpec packed{"packed", DType::kFloat32, kShape};
+    packed.codec = Codec::kZstd;
+    ArraySpec small{"small", DType::kFloat32, {64, 64}};
+    for (const ArraySpec& spec : {big, packed, small}) {
+      held.push_back(test::HoldAllShards(spec, 11, rows));
+      TS_ASSERT_OK((*writer)->AddArray(spec, held.back().shards));
+    }
+    TS_ASSERT_OK((*writer)->Commit());
+  }
+
+  void SetUp() override {
+    test::TempDirTest::SetUp();
+    Result<std::unique_ptr<FileKvStore>> store = FileKvStore::Open(temp_dir() + "/root");
+    TS_ASSERT_OK(store.status());
+    kv_ = *std::move(store);
+    Write(kv_.get());
+  }
+
+  std::unique_ptr<CheckpointReader> Open(KvStore* kv) {
+    Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(kv, kStep);
+    EXPECT_TRUE(reader.ok()) << reader.status();
+    return reader.ok() ? *std::move(reader) : nullptr;
+  }
+
+  static void ExpectBox(const Result<MappedBox>& mapped, const Box& box) {
+    ASSERT_TRUE(mapped.ok()) << mapped.status();
+    const std::vector<char> want = test::MakeBoxData(DType::kFloat32, kShape, 11, box);
+    ASSERT_EQ(mapped->size(), want.size());
+    EXPECT_EQ(std::memcmp(mapped->data(), want.data(), want.size()), 0);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(mapped->data()) % 4096, 0u);
+  }
+
+  std::unique_ptr<FileKvStore> kv_;
+};
+
+TEST_F(CheckpointMapTest, MapsWholeArraysAndShardBoxesBitForBit) {
+  auto reader = Open(kv_.get());
+  ASSERT_NE(reader, nullptr);
+  const Box whole = Box::FromShape(kShape);
+  const Box lower({512, 0}, {512, 1024});
+  std::vector<Result<MappedBox>> mapped = reader->MapMany(
+      {{"big", whole, DType::kFloat32, nullptr}, {"big", lower, DType::kFloat32, nullptr}});
+  ASSERT_EQ(mapped.size(), 2u);
+  ExpectBox(mapped[0], whole);
+  ExpectBox(mapped[1], lower);
+  // Copy-on-write: changing the mapped memory changes neither the file nor other mappings.
+  std::memset(mapped[0]->data(), 0x5a, 4096);
+  std::vector<Result<MappedBox>> again = reader->MapMany({{"big", whole, DType::kFloat32, nullptr}});
+  ExpectBox(again[0], whole);
+}
+
+TEST_F(CheckpointMapTest, BoxesThatCannotBeMappedAreUnimplementedNotErrors) {
+  auto reader = Open(kv_.get());
+  ASSERT_NE(reader, nullptr);
+  std::vector<Result<MappedBox>> mapped = reader->MapMany({
+      {"packed", Box::FromShape(kShape), DType::kFloat32, nullptr},  // compressed
+      {"small", Box::FromShape({64, 64}), DType::kFloat32, nullptr},  // chunks under 1 MiB
+      {"big", Box::FromShape(kShape), DType::kFloat64, nullptr},     // a cast
+      {"big", Box({0, 0}, {1024, 512}), DType::kFloat32, nullptr},   // chunk rows not runs
+      {"big", Box({0, 0}, {2048, 1024}), DType::kFloat32, nullptr},  // past the shape
+      {"big", Box({0, 0}, {0, 1024}), DType::kFloat32, nullptr},     // empty
+  });
+  for (size_t i = 0; i < mapped.size(); ++i) {
+    EXPECT_EQ(mapped[i].status().code(), absl::StatusCode::kUnimplemented) << i << ": " << mapped[i].status();
+  }
+  EXPECT_THAT(mapped[0].status().message(), HasSubstr("'packed'"));
+  // Unknown arrays and wrong ranks are errors, as for reads.
+  std::vector<Result<MappedBox>> bad = reader->MapMany({
+      {"nope", Box::FromShape(kShape), DType::kFloat32, nullptr},
+      {"big", Box::FromShape({1024}), DType::kFloat32, nullptr},
+  });
+  EXPECT_EQ(bad[0].status().code(), absl::StatusCode::kNotFound) << bad[0].status();
+  EXPECT_EQ(bad[1].status().code(), absl::StatusCode::kInvalidArgument) << bad[1].status();
+}
+
+TEST_F(CheckpointMapTest, StoresWithoutMappableFilesAreUnimplemented) {
+  MemoryKvStore memory;
+  Write(&memory);
+  auto reader = Open(&memory);
+  ASSERT_NE(reader, nullptr);
+  std::vector<Result<MappedBox>> mapped =
+      reader->MapMany({{"big", Box::FromShape(kShape), DType::kFloat32, nullptr}});
+  EXPECT_EQ(mapped[0].status().code(), absl::StatusCode::kUnimplemented) << mapped[0].status();
+}
+
+TEST_F(CheckpointMapTest, ACorruptChunkIsDataLossNamingIt) {
+  auto reader = Open(kv_.get());
+  ASSERT_NE(reader, nullptr);
+  // Flip a byte inside the first stored chunk of "big".
+  const IndexEntry* victim = nullptr;
+  for (const IndexEntry& e : reader->index().entries) {
+    if (reader->arrays()[e.array_id].path == "big") {
+      victim = &e;
+      break;
+    }
+  }
+  ASSERT_NE(victim, nullptr);
+  const std::string path = temp_dir() + "/root/" + ItemDir(kStep, kStateItem) + "/" +
+                           reader->index().files[victim->file_id].name;
+  const int fd = ::open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << path;
+  char byte = 0;
+  const off_t at = static_cast<off_t>(victim->offset + victim->length / 2);
+  ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
+  byte ^= 0x40;
+  ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
+  ::close(fd);
+  std::vector<Result<MappedBox>> mapped =
+      reader->MapMany({{"big", Box::FromShape(kShape), DType::kFloat32, nullptr}});
+  EXPECT_EQ(mapped[0].status().code(), absl::StatusCode::kDataLoss) << mapped[0].status();
+  EXPECT_THAT(std::string(mapped[0].status().message()), HasSubstr("array 'big'"));
+}
+
+}  // namespace
+}  // namespace tensorstash
