@@ -79,7 +79,8 @@ def numpy_tree() -> dict:
         "zero_d": np.array(2.5, np.float32),
         "nested": [pattern((2, 3), np.int32, 7), None,
                    (pattern((1, 1, 1, 9), np.float64, 8), {"deep": pattern((4,), np.uint8, 9)})],
-        "scalars": {"f": 0.125, "i": -7, "big": 2**40 + 3},
+        "scalars": {"f": 0.125, "i": -7, "big": 2**40 + 3, "s": "héllo", "np32": np.float32(1.5), "flag": True},
+        "empty": {"d": {}, "l": []},
     }
 
 
@@ -102,8 +103,10 @@ def assert_restored_numpy(got, want, where=""):
             assert_restored_numpy(g, w, f"{where}/{i}")
     elif want is None:
         assert got is None, where
-    elif isinstance(want, (int, float)):
+    elif isinstance(want, (int, float, str)):
         assert type(got) is type(want) and got == want, f"{where}: {got!r} != {want!r}"
+    elif isinstance(want, np.generic):  # Orbax saves NumPy scalars as "scalar" leaves too
+        assert type(got) is type(want.item()) and got == want.item(), f"{where}: {got!r}"
     else:
         assert_same_array(got, np.asarray(want), where)
 
@@ -132,7 +135,7 @@ def test_every_dtype_and_shape_restores_as_numpy(tmp_path, layout):
         assert m.dtype == np_dtype(name) and m.shape == tree["arrays"][name].shape
         assert m.path == f"arrays/{name}" and m.stored_bytes > 0
         assert m.codec.startswith("zarr3" if "zarr3" in layout else "zarr2")
-    assert meta["scalars"] == {"big": 2**40 + 3, "f": 0.125, "i": -7}
+    assert meta["scalars"] == {"big": 2**40 + 3, "f": 0.125, "i": -7, "flag": True, "np32": 1.5, "s": "héllo"}
     assert meta["nested"][1] is None
 
     reader = tensorstash._open(path, True, 1 << 20, 1)
