@@ -248,6 +248,13 @@ def test_checkpoint_manager_steps_and_items(tmp_path, async_save):
             want = np.asarray(values["layers"][0].w) + step
             assert_jax_array(got["layers"][0].w, want, named(mesh((8,), ("r",))), path)
 
+    listing = run_cli("ls", root)
+    assert listing.returncode == 0, listing.stderr
+    rows = [line.split()[:2] for line in listing.stdout.splitlines()[1:]]
+    assert rows == [["1", "orbax-ocdbt"], ["2", "orbax-ocdbt"], ["3", "orbax-ocdbt"]], listing.stdout
+    result = run_cli("inspect", os.path.join(root, "3"))
+    assert result.returncode == 0 and "format orbax-ocdbt (3/default)" in result.stdout, result.stdout
+
     # Several items: the step folder names them; each item folder opens.
     multi = str(tmp_path / "multi")
     with ocp.CheckpointManager(multi, options=options) as mgr:
@@ -303,6 +310,9 @@ def test_seed_zarr_group_layout(tmp_path):
 
     incomplete = str(tmp_path / "0000000200")
     write_seed(incomplete, values, completed=False)
+    listing = run_cli("ls", str(tmp_path)).stdout.splitlines()
+    assert [line.split()[:2] for line in listing[1:]] == [["0000000100", "zarr-group"],
+                                                          ["0000000200", "incomplete"]], listing
     with pytest.raises(ValueError, match="write_completed"):
         tensorstash.restore(incomplete)
     result = run_cli("verify", incomplete)
