@@ -447,3 +447,30 @@ def test_unfinished_orbax_folders(tmp_path):
     os.remove(os.path.join(tmp_path, "ckpt", "_METADATA"))
     with pytest.raises(ValueError, match="without _METADATA"):
         tensorstash.restore(str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("edit, error, match", [
+    (lambda m: m["tree_metadata"]["('w',)"]["key_metadata"][0].update(key_type=1), OSError,
+     "sequence key 'w' is not an index"),
+    (lambda m: m["tree_metadata"]["('w',)"]["key_metadata"][0].update(key_type=7), OSError,
+     "unknown key_type 7"),
+    (lambda m: m["tree_metadata"]["('w',)"]["key_metadata"].append({"key": "x", "key_type": 2}),
+     OSError, "param 'w.x'|'w.x'"),
+    (lambda m: m["tree_metadata"]["('w',)"]["value_metadata"].update(value_type="MyType"),
+     NotImplementedError, "value type 'MyType'"),
+    (lambda m: m.pop("tree_metadata"), OSError, "no \"tree_metadata\""),
+    (lambda m: m["tree_metadata"]["('w',)"].pop("value_metadata"), OSError, "value_metadata"),
+])
+def test_hostile_metadata_edits(tmp_path, edit, error, match):
+    """A real _METADATA, edited: each inconsistency is a clear error naming what, never a crash."""
+    path = str(tmp_path / "ckpt")
+    save_orbax(path, big_tree(), "ocdbt-zarr3")
+    meta_path = os.path.join(path, "_METADATA")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    edit(meta)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(error, match=match):
+        tensorstash.restore(path)
+    assert run_cli("verify", path).returncode == 2

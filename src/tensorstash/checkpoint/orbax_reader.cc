@@ -1,8 +1,10 @@
 #include "tensorstash/checkpoint/orbax_reader.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <map>
+#include <optional>
 
 #include "nlohmann/json.hpp"
 #include "tensorstash/array/convert.h"
@@ -178,11 +180,9 @@ struct OrbaxReader::Builder {
       if (kind != Kind::kUnset && kind != Kind::kSeq) return nullptr;
       kind = Kind::kSeq;
       int64_t index = 0;
-      for (char c : key.name) {
-        if (!std::isdigit(static_cast<unsigned char>(c)) || index > (int64_t{1} << 40)) return nullptr;
+      for (char c : key.name) {  // checked by Leaf: 1 to 9 digits
         index = index * 10 + (c - '0');
       }
-      if (key.name.empty()) return nullptr;
       auto& slot = seq[index];
       if (!slot) slot = std::make_unique<Builder>();
       return slot.get();
@@ -200,6 +200,15 @@ struct OrbaxReader::Builder {
     if (keys.size() > static_cast<size_t>(kMaxTreeDepth)) {
       return DataLossError(StrCat(where, ": key path ", KeysText(keys), " is deeper than ",
                                   kMaxTreeDepth));
+    }
+    for (const KeyPart& key : keys) {
+      if (key.sequence && (key.name.empty() || key.name.size() > 9 ||
+                           !std::all_of(key.name.begin(), key.name.end(), [](char c) {
+                             return std::isdigit(static_cast<unsigned char>(c));
+                           }))) {
+        return DataLossError(StrCat(where, ": sequence key '", key.name,
+                                    "' is not an index (up to 9 digits)"));
+      }
     }
     Builder* node = root;
     for (const KeyPart& key : keys) {
@@ -511,6 +520,7 @@ Status OrbaxReader::Finish(Builder& root) {
     return TreeNode::Array(static_cast<int64_t>(metadata_.size() - 1));
   };
   TS_ASSIGN_OR_RETURN(tree_, build(root, "", true));
+  for (size_t i = 0; i < metadata_.size(); ++i) by_path_.emplace(metadata_[i].path, i);
   return OkStatus();
 }
 
@@ -518,7 +528,7 @@ std::string OrbaxReader::ArrayWhat(size_t id) const {
   return StrCat("array '", metadata_[id].path, "' (zarr '", zarr_[id]->prefix(), "') of ", dir_);
 }
 
-Status OrbaxReader::ListStored() const {
+void OrbaxReader::ListStored() const {
   std::call_once(stored_once_, [&] {
     stored_bytes_.assign(zarr_.size(), 0);
     stored_chunks_.assign(zarr_.size(), 0);
@@ -540,16 +550,15 @@ Status OrbaxReader::ListStored() const {
       }
     }
   });
-  return OkStatus();
 }
 
 uint64_t OrbaxReader::StoredBytes(size_t id) const {
-  ListStored().IgnoreError();
+  ListStored();
   return id < stored_bytes_.size() ? stored_bytes_[id] : 0;
 }
 
 int64_t OrbaxReader::NumChunks(size_t id) const {
-  ListStored().IgnoreError();
+  ListStored();
   return id < stored_chunks_.size() ? stored_chunks_[id] : 0;
 }
 
@@ -560,14 +569,12 @@ std::string OrbaxReader::CodecDescription(size_t id) const {
 
 Status OrbaxReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats,
                              const std::function<void(uint64_t, uint64_t)>& progress) {
-  std::map<std::string_view, size_t> by_path;
-  for (size_t i = 0; i < metadata_.size(); ++i) by_path.emplace(metadata_[i].path, i);
   std::vector<size_t> ids(requests.size());
   uint64_t total = 0;
   for (size_t r = 0; r < requests.size(); ++r) {
     const ReadRequest& req = requests[r];
-    auto it = by_path.find(req.path);
-    if (it == by_path.end()) {
+    auto it = by_path_.find(req.path);
+    if (it == by_path_.end()) {
       return NotFoundError(StrCat("no array '", req.path, "' in ", dir_));
     }
     ids[r] = it->second;
@@ -597,9 +604,9 @@ Status OrbaxReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats
       if (requests[r].box.empty()) continue;
       group.Run([&, r]() -> Status {
         const ReadRequest& req = requests[r];
-        // Several requests: one per task, chunks in turn; one request: its chunks in parallel.
-        ThreadPool* inner = requests.size() == 1 ? chunk_pool_.get() : nullptr;
-        Status read = zarr_[ids[r]]->Read(req.box, req.dtype, req.dest, inner);
+        // Requests run on request_pool_, the chunks of each on chunk_pool_ (a task must not
+        // wait on its own pool), so one large array is read in parallel too.
+        Status read = zarr_[ids[r]]->Read(req.box, req.dtype, req.dest, chunk_pool_.get());
         if (!read.ok()) return Annotate(read, StrCat("reading ", ArrayWhat(ids[r])));
         if (progress) {
           std::lock_guard<std::mutex> lock(mutex);

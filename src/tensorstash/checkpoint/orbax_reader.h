@@ -16,6 +16,7 @@
 #define TENSORSTASH_CHECKPOINT_ORBAX_READER_H_
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -29,7 +30,8 @@
 
 namespace tensorstash {
 
-// Counts the bytes and calls of reads passed to a base store (ReadStats of foreign reads).
+// Counts the bytes and calls of reads passed to a base store (ReadStats of foreign reads; reads
+// that run at the same time are all counted in each one's statistics).
 class CountingKvStore final : public ForwardingKvStore {
  public:
   explicit CountingKvStore(KvStore* base) : ForwardingKvStore(base) {}
@@ -83,7 +85,9 @@ class OrbaxReader final : public StepSource {
   Status LoadZarrGroup();
   // Turns the collected leaves into tree_, opening arrays and reading scalars.
   Status Finish(Builder& root);
-  Status ListStored() const;  // fills stored_ once
+  // Lists each array's stored chunks once (sizes for StoredBytes/NumChunks; a listing error
+  // leaves zeros: these are for display).
+  void ListStored() const;
   std::string ArrayWhat(size_t id) const;
 
   KvStore* const base_;
@@ -96,6 +100,7 @@ class OrbaxReader final : public StepSource {
   TreeNode tree_;
   std::vector<ArrayMetadata> metadata_;
   std::vector<std::unique_ptr<ZarrArray>> zarr_;
+  std::map<std::string, size_t, std::less<>> by_path_;  // array path -> id
   int64_t created_unix_ms_ = 0;
   int process_count_ = 0;
   std::unique_ptr<ThreadPool> request_pool_;  // one task per request (or per verified chunk)
