@@ -8,6 +8,7 @@
 
 #include "nlohmann/json.hpp"
 #include "tensorstash/array/convert.h"
+#include "tensorstash/util/byte_limiter.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
@@ -676,6 +677,8 @@ Result<std::vector<BadChunk>> OrbaxReader::Verify(
   }
   const uint64_t total = VerifyTotalBytes();
   uint64_t done = 0;
+  // Decoded chunks held at once stay under max_inflight_bytes (one larger chunk alone).
+  ByteLimiter limiter(options_.max_inflight_bytes);
   {
     TaskGroup group(request_pool_.get());
     for (size_t id = 0; id < zarr_.size(); ++id) {
@@ -690,6 +693,7 @@ Result<std::vector<BadChunk>> OrbaxReader::Verify(
           }
           Box box(origin, shape);
           const uint64_t bytes = static_cast<uint64_t>(box.num_elements()) * ItemSize(a.dtype());
+          ByteReservation reservation(&limiter, bytes);
           std::unique_ptr<char[]> scratch(new (std::nothrow) char[std::max<uint64_t>(bytes, 1)]);
           Status status = scratch ? a.Read(box, a.dtype(), scratch.get())
                                   : ResourceExhaustedError(StrCat("no memory for ", bytes, " bytes"));
