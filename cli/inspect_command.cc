@@ -1,10 +1,11 @@
-// `tensorstash inspect CKPT`: what a step holds, read from its metadata only.
+// `tensorstash inspect CKPT`: what a step holds, read from its metadata only. Works on native
+// steps, Orbax checkpoints and zarr groups (the format is detected and printed).
 #include <iostream>
 
 #include "commands.h"
 #include "common.h"
 #include "nlohmann/json.hpp"
-#include "tensorstash/checkpoint/checkpoint_reader.h"
+#include "tensorstash/checkpoint/step_source.h"
 
 namespace tensorstash::cli {
 namespace {
@@ -18,20 +19,25 @@ int RunInspect(const std::string& path, bool as_json) {
   if (!location.ok()) return Fail(location.status());
   ReaderOptions options;
   options.open_damaged = true;  // inspect reads metadata only; damaged data is verify's business
-  Result<std::unique_ptr<CheckpointReader>> reader =
-      CheckpointReader::Open(location->kv.get(), location->key, options);
+  Result<std::unique_ptr<StepSource>> reader =
+      OpenStepSource(location->kv.get(), location->key, options);
   if (!reader.ok()) return Fail(reader.status());
-  const CheckpointReader& r = **reader;
+  StepSource& r = **reader;
+  const std::string format(StepFormatName(r.format()));
   uint64_t total = 0;
   for (size_t i = 0; i < r.arrays().size(); ++i) total += r.StoredBytes(i);
+  // Native steps count their data files; foreign ones are described by their format.
+  const CheckpointReader* native = r.native();
+  const size_t data_files = native != nullptr ? native->index().files.size() : 0;
 
   if (as_json) {
     nlohmann::json doc;
     doc["path"] = path;
-    doc["created_unix_ms"] = r.commit_record().created_unix_ms;
-    doc["process_count"] = r.commit_record().process_count;
+    doc["format"] = format;
+    doc["created_unix_ms"] = r.created_unix_ms();
+    doc["process_count"] = r.process_count();
     doc["stored_bytes"] = total;
-    doc["data_files"] = r.index().files.size();
+    if (native != nullptr) doc["data_files"] = data_files;
     nlohmann::json arrays = nlohmann::json::array();
     for (size_t i = 0; i < r.arrays().size(); ++i) {
       const ArrayMetadata& a = r.arrays()[i];
@@ -40,18 +46,26 @@ int RunInspect(const std::string& path, bool as_json) {
                         {"shape", a.shape()},
                         {"chunk_shape", a.grid.chunk_shape},
                         {"cell_shape", a.grid.cell_shape},
-                        {"chunks", a.grid.NumStoredChunks()},
+                        {"chunks", r.NumChunks(i)},
                         {"stored_bytes", r.StoredBytes(i)},
-                        {"codec", std::string(CodecName(a.codec))}});
+                        {"codec", r.CodecDescription(i)}});
     }
     doc["arrays"] = std::move(arrays);
     std::cout << doc.dump(2) << "\n";
     return 0;
   }
   std::printf("checkpoint %s\n", path.c_str());
-  std::printf("  created %s by %d process(es); %zu arrays, %s in %zu data file(s)\n\n",
-              HumanTime(r.commit_record().created_unix_ms).c_str(), r.commit_record().process_count,
-              r.arrays().size(), HumanBytes(total).c_str(), r.index().files.size());
+  if (native != nullptr) {
+    std::printf("  format tensorstash\n");
+    std::printf("  created %s by %d process(es); %zu arrays, %s in %zu data file(s)\n\n",
+                HumanTime(r.created_unix_ms()).c_str(), r.process_count(), r.arrays().size(),
+                HumanBytes(total).c_str(), data_files);
+  } else {
+    std::printf("  format %s (%s)\n", format.c_str(), r.dir().c_str());
+    std::printf("  created %s; %zu arrays, %s stored\n\n",
+                r.created_unix_ms() > 0 ? HumanTime(r.created_unix_ms()).c_str() : "(unknown)",
+                r.arrays().size(), HumanBytes(total).c_str());
+  }
   size_t path_width = 4;
   for (const ArrayMetadata& a : r.arrays()) path_width = std::max(path_width, a.path.size());
   path_width = std::min<size_t>(path_width, 60);
@@ -61,9 +75,8 @@ int RunInspect(const std::string& path, bool as_json) {
     const ArrayMetadata& a = r.arrays()[i];
     std::printf("%-*s  %-13s %-20s %-20s %7lld %12s  %s\n", static_cast<int>(path_width), a.path.c_str(),
                 std::string(DTypeName(a.dtype)).c_str(), ShapeText(a.shape()).c_str(),
-                ShapeText(a.grid.chunk_shape).c_str(),
-                static_cast<long long>(a.grid.NumStoredChunks()), HumanBytes(r.StoredBytes(i)).c_str(),
-                std::string(CodecName(a.codec)).c_str());
+                ShapeText(a.grid.chunk_shape).c_str(), static_cast<long long>(r.NumChunks(i)),
+                HumanBytes(r.StoredBytes(i)).c_str(), r.CodecDescription(i).c_str());
   }
   return 0;
 }
@@ -72,10 +85,11 @@ int RunInspect(const std::string& path, bool as_json) {
 
 void AddInspectCommand(CLI::App& app, int* exit_code) {
   auto* cmd = app.add_subcommand(
-      "inspect", "Show the arrays of a step: path, dtype, shape, chunk shape, stored bytes, codec");
+      "inspect", "Show the arrays of a step (tensorstash, Orbax or zarr group): path, dtype, shape, chunk "
+      "shape, stored bytes, codec");
   auto path = std::make_shared<std::string>();
   auto as_json = std::make_shared<bool>(false);
-  cmd->add_option("CKPT", *path, "A step folder (e.g. ckpts/0000001000)")->required();
+  cmd->add_option("CKPT", *path, "A step folder (e.g. ckpts/0000001000) or an Orbax checkpoint folder")->required();
   cmd->add_flag("--json", *as_json, "Print JSON for machines");
   cmd->callback([path, as_json, exit_code] { *exit_code = RunInspect(*path, *as_json); });
 }

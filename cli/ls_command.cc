@@ -1,10 +1,13 @@
-// `tensorstash ls ROOT`: the steps under a checkpoint root, complete or not.
+// `tensorstash ls ROOT`: the steps under a checkpoint root, complete or not. Orbax manager roots
+// and zarr-group roots are recognized too (their steps show their format as status).
 #include <iostream>
 #include <map>
 
 #include "commands.h"
 #include "common.h"
+#include "nlohmann/json.hpp"
 #include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/checkpoint/step_source.h"
 #include "tensorstash/format/commit_record.h"
 
 namespace tensorstash::cli {
@@ -33,9 +36,31 @@ int RunLs(const std::string& root) {
   for (const auto& [step, row] : steps) {
     std::string status = "incomplete";
     std::string created = "-";
-    if (IsTemporaryStepName(step)) {
+    if (IsTemporaryStepName(step) || step.find(".orbax-checkpoint-tmp") != std::string::npos) {
       status = "temporary";
-    } else if (row.has_commit) {
+    } else if (!row.has_commit) {
+      // A foreign step: Orbax (an item with _METADATA) or a zarr group with write_completed.
+      Result<DetectedStep> detected = DetectStepFormat(kv->get(), step);
+      if (detected.ok() && detected->format != StepFormat::kNative) {
+        status = std::string(StepFormatName(detected->format));
+        if (detected->format == StepFormat::kZarrGroup) {
+          Result<std::string> attrs = (*kv)->Read(StrCat(detected->dir, "/.zattrs"));
+          const nlohmann::json doc = attrs.ok() ? nlohmann::json::parse(*attrs, nullptr, false)
+                                                : nlohmann::json();
+          if (!doc.is_object() || !doc.contains("write_completed") || doc["write_completed"] != true) {
+            status = "incomplete";
+          }
+        }
+        Result<std::string> meta = (*kv)->Read(StrCat(step, "/_CHECKPOINT_METADATA"));
+        if (meta.ok()) {
+          const nlohmann::json doc = nlohmann::json::parse(*meta, nullptr, false);
+          if (doc.is_object() && doc.contains("commit_timestamp_nsecs") &&
+              doc["commit_timestamp_nsecs"].is_number_integer()) {
+            created = HumanTime(doc["commit_timestamp_nsecs"].get<int64_t>() / 1000000);
+          }
+        }
+      }
+    } else {
       const std::string commit_key = StrCat(step, "/", kCommitFileName);
       Result<std::string> text = (*kv)->Read(commit_key);
       Result<CommitRecord> record =

@@ -1,4 +1,5 @@
-// tensorstash._ext.Reader: CheckpointReader on a FileKvStore.
+// tensorstash._ext.Reader: a StepSource (a native step, an Orbax checkpoint, a zarr group;
+// the format is detected) on a FileKvStore.
 //
 // Opening, reading and verifying release the GIL: they wait on storage, and other Python threads
 // (a training step, another reader) can run meanwhile. A read_many progress callable is called
@@ -24,6 +25,7 @@
 #include "buffers.h"
 #include "errors.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
+#include "tensorstash/checkpoint/step_source.h"
 #include "tensorstash/format/tree.h"
 #include "tensorstash/kvstore/file/file_kvstore.h"
 
@@ -84,7 +86,7 @@ class ThrottledProgress {
 
 class Reader {
  public:
-  Reader(std::unique_ptr<FileKvStore> kv, std::unique_ptr<CheckpointReader> reader)
+  Reader(std::unique_ptr<FileKvStore> kv, std::unique_ptr<StepSource> reader)
       : kv_(std::move(kv)), reader_(std::move(reader)) {}
 
   std::string TreeJson() const { return ValueOrThrow(TreeNodeToJson(reader_->tree())); }
@@ -99,16 +101,18 @@ class Reader {
       entry["shape"] = ShapeTuple(a.shape());
       entry["chunk_shape"] = ShapeTuple(a.grid.chunk_shape);
       entry["cell_shape"] = ShapeTuple(a.grid.cell_shape);
-      entry["codec"] = std::string(CodecName(a.codec));
+      entry["codec"] = reader_->CodecDescription(i);
       entry["stored_bytes"] = reader_->StoredBytes(i);
-      entry["num_chunks"] = a.grid.NumStoredChunks();
+      entry["num_chunks"] = reader_->NumChunks(i);
       result.append(std::move(entry));
     }
     return result;
   }
 
-  int64_t created_unix_ms() const { return reader_->commit_record().created_unix_ms; }
-  int process_count() const { return reader_->commit_record().process_count; }
+  int64_t created_unix_ms() const { return reader_->created_unix_ms(); }
+  int process_count() const { return reader_->process_count(); }
+  std::string format() const { return std::string(StepFormatName(reader_->format())); }
+  std::string dir() const { return reader_->dir(); }
 
   nb::dict ReadMany(const std::vector<RequestTuple>& requests, nb::object progress) {
     if (!progress.is_none() && !PyCallable_Check(progress.ptr())) {
@@ -164,7 +168,7 @@ class Reader {
   nb::list Verify() {
     std::vector<BadChunk> bad = ValueOrThrow([&] {
       nb::gil_scoped_release release;
-      return reader_->Verify();
+      return reader_->Verify(nullptr);
     }());
     nb::list result;
     for (const BadChunk& chunk : bad) {
@@ -181,7 +185,7 @@ class Reader {
  private:
   // Declared before reader_, which uses it, so that it is destroyed after it.
   std::unique_ptr<FileKvStore> kv_;
-  std::unique_ptr<CheckpointReader> reader_;
+  std::unique_ptr<StepSource> reader_;
 };
 
 void InitReader(Reader* self, const std::string& root, const std::string& step,
@@ -195,12 +199,12 @@ void InitReader(Reader* self, const std::string& root, const std::string& step,
   options.max_inflight_bytes = static_cast<uint64_t>(max_inflight_bytes);
   options.io_threads = io_threads;
   std::unique_ptr<FileKvStore> kv;
-  Result<std::unique_ptr<CheckpointReader>> reader = [&] {
+  Result<std::unique_ptr<StepSource>> reader = [&] {
     nb::gil_scoped_release release;
     Result<std::unique_ptr<FileKvStore>> store = FileKvStore::Open(root, /*create=*/false);
-    if (!store.ok()) return Result<std::unique_ptr<CheckpointReader>>(store.status());
+    if (!store.ok()) return Result<std::unique_ptr<StepSource>>(store.status());
     kv = std::move(store).value();
-    return CheckpointReader::Open(kv.get(), step, options);
+    return OpenStepSource(kv.get(), step, options);
   }();
   new (self) Reader(std::move(kv), ValueOrThrow(std::move(reader)));
 }
@@ -208,7 +212,10 @@ void InitReader(Reader* self, const std::string& root, const std::string& step,
 }  // namespace
 
 void DefineReader(nb::module_& m) {
-  nb::class_<Reader>(m, "Reader", "Reads any box of any array of one committed step of `root`.")
+  nb::class_<Reader>(m, "Reader",
+                     "Reads any box of any array of one committed step of `root`: a tensorstash "
+                     "step, an Orbax checkpoint (OCDBT or per-parameter zarr folders; an Orbax "
+                     "manager step opens its item) or a zarr group; the format is detected.")
       .def("__init__", &InitReader, nb::arg("root"), nb::arg("step"), nb::kw_only(),
            nb::arg("verify_checksums") = true,
            nb::arg("max_inflight_bytes") = int64_t{256} << 20, nb::arg("io_threads") = 0)
@@ -219,6 +226,11 @@ void DefineReader(nb::module_& m) {
            "stored_bytes, num_chunks.")
       .def_prop_ro("created_unix_ms", &Reader::created_unix_ms)
       .def_prop_ro("process_count", &Reader::process_count)
+      .def_prop_ro("format", &Reader::format,
+                   "The detected format: \"tensorstash\", \"orbax-ocdbt\", "
+                   "\"orbax-zarr-folders\" or \"zarr-group\".")
+      .def_prop_ro("dir", &Reader::dir, "The folder read, relative to root (an Orbax manager "
+                   "step's item folder when one was found inside `step`).")
       .def("read_many", &Reader::ReadMany, nb::arg("requests"), nb::kw_only(),
            nb::arg("progress").none() = nb::none(),
            nb::sig("def read_many(self, requests: list[tuple[str, collections.abc.Sequence[int], "
@@ -236,7 +248,8 @@ void DefineReader(nb::module_& m) {
            "against the size and CRC-32C in COMMIT. FileNotFoundError when the step has no such "
            "file, OSError when it is missing, truncated or altered.")
       .def("verify", &Reader::Verify, nb::sig("def verify(self) -> list[dict[str, str]]"),
-           "Reads every stored chunk and checks its CRC-32C; returns the bad chunks as dicts "
+           "Reads every stored chunk and checks its CRC-32C (foreign formats: decodes it, with the "
+           "checks that format has); returns the bad chunks as dicts "
            "(array_path, chunk, file, error).");
 }
 

@@ -165,7 +165,8 @@ def _open(path, verify_checksums: bool, max_inflight_bytes: int, io_threads: int
 
 def metadata(path: str | os.PathLike) -> Any:
     """The saved tree with each array replaced by its ArrayMetadata (and scalars by their
-    values), as plain dicts, lists and tuples. Reads no array data."""
+    values), as plain dicts, lists and tuples. Reads no array data (Orbax scalars excepted:
+    they are 0-d arrays). Any format restore() reads."""
     reader = _open(path, True, 1 << 20, 1)
     infos = {a["path"]: a for a in reader.arrays()}
 
@@ -384,7 +385,11 @@ class _Restore:
 def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = False,
             verify_checksums: bool = True, max_inflight_bytes: int = 256 << 20,
             io_threads: int = 0, progress: Any = None) -> Any:
-    """Restores the checkpoint step folder `path`.
+    """Restores the checkpoint step folder `path`: a tensorstash step, or an Orbax checkpoint
+    (OCDBT or per-parameter zarr folders, zarr3 or zarr2; an Orbax CheckpointManager step opens
+    its item) or a zarr-group checkpoint, detected from the folder's files
+    (docs/foreign_formats.md, "Orbax checkpoints"). Orbax sequences come back as lists and its
+    custom nodes as dicts without a target; a target gives them their types.
 
     Without `target`: the saved tree as plain dicts, lists and tuples, arrays as NumPy arrays of
     the saved shapes and dtypes. With `target` (a pytree of jax.ShapeDtypeStruct with .sharding,

@@ -1,0 +1,719 @@
+#include "tensorstash/checkpoint/orbax_reader.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <map>
+#include <optional>
+
+#include "nlohmann/json.hpp"
+#include "tensorstash/array/convert.h"
+#include "tensorstash/util/byte_limiter.h"
+#include "tensorstash/util/str_util.h"
+
+namespace tensorstash {
+namespace {
+
+using OrderedJson = nlohmann::ordered_json;
+
+// Orbax's file names (orbax/checkpoint/_src: metadata/tree.py, serialization/type_handlers.py,
+// metadata/checkpoint.py).
+constexpr char kOrbaxMetadataFile[] = "_METADATA";
+constexpr char kOrbaxStringsFile[] = "_strings.json";
+constexpr char kOrbaxCheckpointMetadataFile[] = "_CHECKPOINT_METADATA";
+// Metadata documents larger than this are rejected unread.
+constexpr uint64_t kMaxOrbaxMetadataBytes = uint64_t{256} << 20;
+// KeyType in _METADATA's key_metadata.
+constexpr int kOrbaxSequenceKey = 1;
+constexpr int kOrbaxDictKey = 2;
+
+struct KeyPart {
+  std::string name;
+  bool sequence = false;
+};
+
+std::string KeysText(const std::vector<KeyPart>& keys) {
+  std::string out = "(";
+  for (size_t i = 0; i < keys.size(); ++i) {
+    out += StrCat(i ? ", " : "", "'", keys[i].name, "'");
+  }
+  return out + ")";
+}
+
+// Reads a JSON document of at most kMaxOrbaxMetadataBytes. NotFound passes through.
+Result<std::string> ReadSmallFile(KvStore* kv, const std::string& key) {
+  TS_ASSIGN_OR_RETURN(uint64_t size, kv->Size(key));
+  if (size > kMaxOrbaxMetadataBytes) {
+    return DataLossError(StrCat("'", key, "' is ", size, " bytes, more than the limit of ",
+                                kMaxOrbaxMetadataBytes));
+  }
+  return kv->Read(key);
+}
+
+Result<OrderedJson> ParseJsonFile(KvStore* kv, const std::string& key) {
+  TS_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(kv, key));
+  OrderedJson doc = OrderedJson::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded()) return DataLossError(StrCat("'", key, "' is not valid JSON"));
+  return doc;
+}
+
+// Parses a jax.tree_util.keystr path ("['params']['w'][0].bias") into keys. Returns false when
+// `text` is not such a path.
+bool ParseKeystr(std::string_view text, std::vector<KeyPart>* keys) {
+  size_t i = 0;
+  while (i < text.size()) {
+    if (text[i] == '.') {
+      size_t j = i + 1;
+      while (j < text.size() && (std::isalnum(static_cast<unsigned char>(text[j])) || text[j] == '_')) ++j;
+      if (j == i + 1) return false;
+      keys->push_back({std::string(text.substr(i + 1, j - i - 1)), false});
+      i = j;
+    } else if (text[i] == '[') {
+      if (i + 1 >= text.size()) return false;
+      const char quote = text[i + 1];
+      if (quote == '\'' || quote == '"') {
+        std::string key;
+        size_t j = i + 2;
+        for (; j < text.size() && text[j] != quote; ++j) {
+          if (text[j] == '\\' && j + 1 < text.size()) ++j;  // \\ \' \"
+          key += text[j];
+        }
+        if (j + 1 >= text.size() || text[j + 1] != ']') return false;
+        keys->push_back({std::move(key), false});
+        i = j + 2;
+      } else {
+        size_t j = i + 1;
+        while (j < text.size() && std::isdigit(static_cast<unsigned char>(text[j]))) ++j;
+        if (j == i + 1 || j >= text.size() || text[j] != ']' || j - i - 1 > 9) return false;
+        keys->push_back({std::string(text.substr(i + 1, j - i - 1)), true});
+        i = j + 1;
+      }
+    } else {
+      return false;
+    }
+  }
+  return !keys->empty();
+}
+
+// The grid positions of every chunk of `array`, in C order.
+void ForEachGridPosition(const ZarrArray& array,
+                         const std::function<void(const std::vector<int64_t>&)>& fn) {
+  const std::vector<int64_t>& shape = array.shape();
+  const std::vector<int64_t>& chunk = array.chunk_shape();
+  std::vector<int64_t> extent(shape.size());
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] == 0) return;
+    extent[d] = (shape[d] + chunk[d] - 1) / chunk[d];
+  }
+  std::vector<int64_t> grid(shape.size(), 0);
+  while (true) {
+    fn(grid);
+    int d = static_cast<int>(shape.size()) - 1;
+    for (; d >= 0; --d) {
+      if (++grid[d] < extent[d]) break;
+      grid[d] = 0;
+    }
+    if (d < 0) return;
+  }
+}
+
+int64_t GridSize(const ZarrArray& array) {
+  int64_t n = 1;
+  for (size_t d = 0; d < array.shape().size(); ++d) {
+    if (array.shape()[d] == 0) return 0;
+    n *= (array.shape()[d] + array.chunk_shape()[d] - 1) / array.chunk_shape()[d];
+  }
+  return n;
+}
+
+std::string GridName(const std::vector<int64_t>& grid) { return StrCat("[", StrJoin(grid, ", "), "]"); }
+
+std::string CodecChainName(const std::vector<ZarrCodec>& codecs) {
+  std::vector<std::string> names;
+  for (const ZarrCodec& c : codecs) {
+    switch (c.kind) {
+      case ZarrCodecKind::kTranspose: names.push_back("transpose"); break;
+      case ZarrCodecKind::kBytes: break;  // always there; says nothing
+      case ZarrCodecKind::kSharding:
+        names.push_back(StrCat("sharded(", c.inner_codecs ? CodecChainName(*c.inner_codecs) : "", ")"));
+        break;
+      case ZarrCodecKind::kZstd: names.push_back("zstd"); break;
+      case ZarrCodecKind::kGzip: names.push_back("gzip"); break;
+      case ZarrCodecKind::kBlosc: names.push_back("blosc"); break;
+      case ZarrCodecKind::kCrc32c: names.push_back("crc32c"); break;
+    }
+  }
+  return names.empty() ? "raw" : StrJoin(names, "+");
+}
+
+}  // namespace
+
+Result<std::string> CountingKvStore::Read(std::string_view key) {
+  Result<std::string> r = base()->Read(key);
+  requests_.fetch_add(1);
+  if (r.ok()) bytes_.fetch_add(r->size());
+  return r;
+}
+
+Status CountingKvStore::ReadRange(std::string_view key, uint64_t offset, size_t size, void* dest) {
+  requests_.fetch_add(1);
+  bytes_.fetch_add(size);
+  return base()->ReadRange(key, offset, size, dest);
+}
+
+// The pytree while it is collected from _METADATA or array names: dicts keep their first-seen
+// order, sequences are ordered by index and must end up dense.
+struct OrbaxReader::Builder {
+  enum class Kind { kUnset, kDict, kSeq, kLeaf };
+  enum class LeafKind { kValue, kArray, kScalar };
+  Kind kind = Kind::kUnset;
+  std::vector<std::pair<std::string, std::unique_ptr<Builder>>> dict;
+  std::map<std::string, size_t> dict_index;
+  std::map<int64_t, std::unique_ptr<Builder>> seq;
+  LeafKind leaf_kind = LeafKind::kValue;
+  TreeNode value;      // kValue
+  std::string prefix;  // kArray, kScalar: the zarr array's prefix under array_root_
+  std::string where;   // the leaf's key path, for messages
+
+  // The child for `key`, made a container of the right kind; nullptr on a conflict.
+  Builder* Child(const KeyPart& key) {
+    if (key.sequence) {
+      if (kind != Kind::kUnset && kind != Kind::kSeq) return nullptr;
+      kind = Kind::kSeq;
+      int64_t index = 0;
+      for (char c : key.name) {  // checked by Leaf: 1 to 9 digits
+        index = index * 10 + (c - '0');
+      }
+      auto& slot = seq[index];
+      if (!slot) slot = std::make_unique<Builder>();
+      return slot.get();
+    }
+    if (kind != Kind::kUnset && kind != Kind::kDict) return nullptr;
+    kind = Kind::kDict;
+    auto [it, inserted] = dict_index.emplace(key.name, dict.size());
+    if (inserted) dict.emplace_back(key.name, std::make_unique<Builder>());
+    return dict[it->second].second.get();
+  }
+
+  // The leaf node at `keys`, or DataLoss when the path clashes with another leaf.
+  static Result<Builder*> Leaf(Builder* root, const std::vector<KeyPart>& keys,
+                               const std::string& where) {
+    if (keys.size() > static_cast<size_t>(kMaxTreeDepth)) {
+      return DataLossError(StrCat(where, ": key path ", KeysText(keys), " is deeper than ",
+                                  kMaxTreeDepth));
+    }
+    for (const KeyPart& key : keys) {
+      if (key.sequence && (key.name.empty() || key.name.size() > 9 ||
+                           !std::all_of(key.name.begin(), key.name.end(), [](char c) {
+                             return std::isdigit(static_cast<unsigned char>(c));
+                           }))) {
+        return DataLossError(StrCat(where, ": sequence key '", key.name,
+                                    "' is not an index (up to 9 digits)"));
+      }
+    }
+    Builder* node = root;
+    for (const KeyPart& key : keys) {
+      node = node->Child(key);
+      if (node == nullptr) {
+        return DataLossError(StrCat(where, ": key path ", KeysText(keys),
+                                    " clashes with another leaf's path"));
+      }
+    }
+    if (node->kind != Kind::kUnset) {
+      return DataLossError(StrCat(where, ": key path ", KeysText(keys), " appears twice"));
+    }
+    node->kind = Kind::kLeaf;
+    return node;
+  }
+};
+
+OrbaxReader::OrbaxReader(KvStore* kv, std::string dir, StepFormat format, ReaderOptions options)
+    : base_(kv), dir_(std::move(dir)), format_(format), options_(options) {}
+
+OrbaxReader::~OrbaxReader() {
+  // The pools run tasks that use the arrays and stores: stop them first.
+  request_pool_.reset();
+  chunk_pool_.reset();
+}
+
+Result<std::unique_ptr<OrbaxReader>> OrbaxReader::Open(KvStore* kv, std::string dir,
+                                                       StepFormat format, ReaderOptions options) {
+  TS_RETURN_IF_ERROR(ValidateKey(dir));
+  if (options.io_threads <= 0) options.io_threads = DefaultIoThreads();
+  std::unique_ptr<OrbaxReader> reader(new OrbaxReader(kv, std::move(dir), format, options));
+  switch (format) {
+    case StepFormat::kOrbaxOcdbt:
+    case StepFormat::kOrbaxFolders:
+      TS_RETURN_IF_ERROR(reader->LoadOrbax());
+      break;
+    case StepFormat::kZarrGroup:
+      TS_RETURN_IF_ERROR(reader->LoadZarrGroup());
+      break;
+    case StepFormat::kNative:
+      return InvalidArgumentError("OrbaxReader cannot open a native tensorstash step");
+  }
+  reader->request_pool_ = std::make_unique<ThreadPool>(reader->options_.io_threads);
+  reader->chunk_pool_ = std::make_unique<ThreadPool>(reader->options_.io_threads);
+  return reader;
+}
+
+Status OrbaxReader::LoadOrbax() {
+  const std::string metadata_key = StrCat(dir_, "/", kOrbaxMetadataFile);
+  TS_ASSIGN_OR_RETURN(OrderedJson doc, ParseJsonFile(base_, metadata_key));
+  const std::string where = StrCat("Orbax metadata '", metadata_key, "'");
+  if (!doc.is_object() || !doc.contains("tree_metadata") || !doc["tree_metadata"].is_object()) {
+    return DataLossError(StrCat(where, " has no \"tree_metadata\" object (an Orbax version "
+                                "before 0.5 or not an Orbax PyTree checkpoint)"));
+  }
+  if (format_ == StepFormat::kOrbaxOcdbt) {
+    TS_ASSIGN_OR_RETURN(ocdbt_, OcdbtKvStore::Open(base_, dir_));
+    counting_ = std::make_unique<CountingKvStore>(ocdbt_.get());
+  } else {
+    counting_ = std::make_unique<CountingKvStore>(base_);
+    array_root_ = StrCat(dir_, "/");
+  }
+
+  Builder root;
+  std::optional<OrderedJson> strings;
+  for (const auto& [entry_key, entry] : doc["tree_metadata"].items()) {
+    const std::string leaf_where = StrCat(where, ", entry ", entry_key);
+    if (!entry.is_object() || !entry.contains("key_metadata") || !entry["key_metadata"].is_array() ||
+        !entry.contains("value_metadata") || !entry["value_metadata"].is_object()) {
+      return DataLossError(StrCat(leaf_where, ": expected key_metadata and value_metadata"));
+    }
+    std::vector<KeyPart> keys;
+    for (const OrderedJson& k : entry["key_metadata"]) {
+      if (!k.is_object() || !k.contains("key") || !k["key"].is_string() || !k.contains("key_type") ||
+          !k["key_type"].is_number_integer()) {
+        return DataLossError(StrCat(leaf_where, ": malformed key_metadata"));
+      }
+      const int type = k["key_type"].get<int>();
+      if (type != kOrbaxSequenceKey && type != kOrbaxDictKey) {
+        return DataLossError(StrCat(leaf_where, ": unknown key_type ", type));
+      }
+      keys.push_back({k["key"].get<std::string>(), type == kOrbaxSequenceKey});
+    }
+    const OrderedJson& value = entry["value_metadata"];
+    if (!value.contains("value_type") || !value["value_type"].is_string()) {
+      return DataLossError(StrCat(leaf_where, ": value_metadata has no value_type"));
+    }
+    const std::string type = value["value_type"].get<std::string>();
+    TS_ASSIGN_OR_RETURN(Builder * leaf, Builder::Leaf(&root, keys, leaf_where));
+    leaf->where = StrCat("leaf ", KeysText(keys), " of ", dir_);
+    // Orbax names a parameter by its keys joined with '.'.
+    std::vector<std::string> names;
+    for (const KeyPart& k : keys) names.push_back(k.name);
+    const std::string param = StrJoin(names, ".");
+    if (type == "jax.Array" || type == "np.ndarray") {
+      leaf->leaf_kind = Builder::LeafKind::kArray;
+      leaf->prefix = param;
+    } else if (type == "scalar") {
+      leaf->leaf_kind = Builder::LeafKind::kScalar;
+      leaf->prefix = param;
+    } else if (type == "None" || type == "NamedTuple") {
+      leaf->value.kind = TreeNode::Kind::kNone;
+    } else if (type == "Dict") {
+      leaf->value.kind = TreeNode::Kind::kDict;
+    } else if (type == "List") {
+      leaf->value.kind = TreeNode::Kind::kList;
+    } else if (type == "Tuple") {
+      leaf->value.kind = TreeNode::Kind::kTuple;
+    } else if (type == "string") {
+      if (!strings.has_value()) {
+        TS_ASSIGN_OR_RETURN(strings, ParseJsonFile(base_, StrCat(dir_, "/", kOrbaxStringsFile)));
+      }
+      if (!strings->is_object() || !strings->contains(param) || !(*strings)[param].is_string()) {
+        return DataLossError(StrCat("'", dir_, "/", kOrbaxStringsFile, "' has no string for '",
+                                    param, "'"));
+      }
+      leaf->value.kind = TreeNode::Kind::kString;
+      leaf->value.string_value = (*strings)[param].get<std::string>();
+    } else {
+      return UnimplementedError(StrCat(leaf_where, ": value type '", type,
+                                       "' (a custom Orbax TypeHandler) cannot be read"));
+    }
+  }
+
+  // Creation time: _CHECKPOINT_METADATA of the item or of its manager step. Optional.
+  for (const std::string& key : {StrCat(dir_, "/", kOrbaxCheckpointMetadataFile),
+                                 dir_.find('/') == std::string::npos
+                                     ? std::string()
+                                     : StrCat(dir_.substr(0, dir_.rfind('/')), "/",
+                                              kOrbaxCheckpointMetadataFile)}) {
+    if (key.empty()) continue;
+    Result<OrderedJson> meta = ParseJsonFile(base_, key);
+    if (!meta.ok() || !meta->is_object()) continue;
+    for (const char* field : {"commit_timestamp_nsecs", "init_timestamp_nsecs"}) {
+      if (meta->contains(field) && (*meta)[field].is_number_integer()) {
+        created_unix_ms_ = (*meta)[field].get<int64_t>() / 1000000;
+        break;
+      }
+    }
+    break;
+  }
+  // Orbax's per-process OCDBT databases: ocdbt.process_<N>/.
+  if (format_ == StepFormat::kOrbaxOcdbt) {
+    Result<std::vector<std::string>> keys = base_->List(StrCat(dir_, "/"));
+    if (keys.ok()) {
+      for (const std::string& key : *keys) {
+        const std::string rest = key.substr(dir_.size() + 1);
+        if (rest.rfind("ocdbt.process_", 0) == 0 && rest.ends_with("/manifest.ocdbt")) ++process_count_;
+      }
+    }
+    if (process_count_ == 0) process_count_ = 1;
+  }
+  return Finish(root);
+}
+
+Status OrbaxReader::LoadZarrGroup() {
+  counting_ = std::make_unique<CountingKvStore>(base_);
+  array_root_ = StrCat(dir_, "/");
+  // The commit mark: attribute write_completed of the group (.zattrs, or zarr.json attributes).
+  bool completed = false;
+  const std::string v2_attrs = StrCat(dir_, "/.zattrs");
+  const std::string v3_doc = StrCat(dir_, "/zarr.json");
+  Result<OrderedJson> attrs = ParseJsonFile(base_, v2_attrs);
+  if (attrs.ok()) {
+    completed = attrs->is_object() && attrs->contains("write_completed") &&
+                (*attrs)["write_completed"] == true;
+  } else if (!absl::IsNotFound(attrs.status())) {
+    return attrs.status();
+  } else {
+    Result<OrderedJson> group = ParseJsonFile(base_, v3_doc);
+    if (group.ok()) {
+      completed = group->is_object() && group->contains("attributes") &&
+                  (*group)["attributes"].is_object() &&
+                  (*group)["attributes"].contains("write_completed") &&
+                  (*group)["attributes"]["write_completed"] == true;
+    } else if (!absl::IsNotFound(group.status())) {
+      return group.status();
+    }
+  }
+  if (!completed) {
+    return FailedPreconditionError(StrCat(
+        "zarr checkpoint '", dir_, "' has no 'write_completed' attribute: the save did not "
+        "finish (an incomplete or crashed save); it cannot be read"));
+  }
+  TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, base_->List(array_root_));
+  Builder root;
+  for (const std::string& key : keys) {
+    std::string_view rest = std::string_view(key).substr(array_root_.size());
+    std::string_view name;
+    if (rest.ends_with("/.zarray")) {
+      name = rest.substr(0, rest.size() - 8);
+    } else if (rest.ends_with("/zarr.json")) {
+      name = rest.substr(0, rest.size() - 10);
+      Result<OrderedJson> doc = ParseJsonFile(base_, key);
+      if (!doc.ok()) return doc.status();
+      if (!doc->is_object() || !doc->contains("node_type") || (*doc)["node_type"] != "array") continue;
+    } else {
+      continue;
+    }
+    // Names are keystr paths; anything else is a nested dict by '/'.
+    std::vector<KeyPart> parts;
+    size_t start = 0;
+    while (true) {
+      const size_t slash = name.find('/', start);
+      const std::string_view segment = name.substr(start, slash == std::string_view::npos ? slash : slash - start);
+      std::vector<KeyPart> sub;
+      if (ParseKeystr(segment, &sub)) {
+        parts.insert(parts.end(), sub.begin(), sub.end());
+      } else {
+        parts.push_back({std::string(segment), false});
+      }
+      if (slash == std::string_view::npos) break;
+      start = slash + 1;
+    }
+    const std::string where = StrCat("zarr checkpoint '", dir_, "', array '", name, "'");
+    TS_ASSIGN_OR_RETURN(Builder * leaf, Builder::Leaf(&root, parts, where));
+    leaf->where = StrCat("array '", name, "' of ", dir_);
+    leaf->leaf_kind = Builder::LeafKind::kArray;
+    leaf->prefix = std::string(name);
+  }
+  return Finish(root);
+}
+
+Status OrbaxReader::Finish(Builder& root) {
+  // Depth-first, in order: array ids follow the tree order, as in native steps.
+  std::function<Result<TreeNode>(Builder&, const std::string&, bool)> build =
+      [&](Builder& b, const std::string& path, bool at_root) -> Result<TreeNode> {
+    auto join = [&](const std::string& segment) {
+      return at_root ? segment : StrCat(path, "/", segment);
+    };
+    switch (b.kind) {
+      case Builder::Kind::kUnset:
+        return TreeNode::Dict();  // an empty tree
+      case Builder::Kind::kDict: {
+        TreeNode node = TreeNode::Dict();
+        for (auto& [key, child] : b.dict) {
+          TS_ASSIGN_OR_RETURN(TreeNode sub, build(*child, join(EscapePathKey(key)), false));
+          node.entries.emplace_back(key, std::move(sub));
+        }
+        return node;
+      }
+      case Builder::Kind::kSeq: {
+        TreeNode node;
+        node.kind = TreeNode::Kind::kList;
+        int64_t expect = 0;
+        for (auto& [index, child] : b.seq) {
+          if (index != expect) {
+            return DataLossError(StrCat("item ", expect, " of the list at '", path, "' in ", dir_,
+                                        " is missing"));
+          }
+          ++expect;
+          TS_ASSIGN_OR_RETURN(TreeNode sub, build(*child, join(StrCat(index)), false));
+          node.items.push_back(std::move(sub));
+        }
+        return node;
+      }
+      case Builder::Kind::kLeaf:
+        break;
+    }
+    if (b.leaf_kind == Builder::LeafKind::kValue) return std::move(b.value);
+    Result<std::unique_ptr<ZarrArray>> opened =
+        ZarrArray::Open(counting_.get(), StrCat(array_root_, b.prefix));
+    if (!opened.ok()) {
+      Status status = opened.status();
+      // A missing array of a readable checkpoint is damage, not a wrong path.
+      if (absl::IsNotFound(status)) status = DataLossError(status.message());
+      return Annotate(status, b.where);
+    }
+    std::unique_ptr<ZarrArray> array = std::move(opened).value();
+    if (b.leaf_kind == Builder::LeafKind::kScalar && array->shape().empty() &&
+        Kind(array->dtype()) != DTypeKind::kComplex) {
+      TreeNode node;
+      union {
+        int64_t i;
+        uint64_t u;
+        double f;
+        bool b;
+      } v{};
+      const DTypeKind kind = Kind(array->dtype());
+      const DType as = kind == DTypeKind::kBool          ? DType::kBool
+                       : kind == DTypeKind::kSignedInt   ? DType::kInt64
+                       : kind == DTypeKind::kUnsignedInt ? DType::kUint64
+                                                         : DType::kFloat64;
+      TS_RETURN_IF_ERROR(Annotate(array->Read(Box({}, {}), as, &v), b.where));
+      if (kind == DTypeKind::kBool) {
+        node.kind = TreeNode::Kind::kBool;
+        node.bool_value = v.b;
+      } else if (kind == DTypeKind::kSignedInt) {
+        node.kind = TreeNode::Kind::kInt;
+        node.int_value = StrCat(v.i);
+      } else if (kind == DTypeKind::kUnsignedInt) {
+        node.kind = TreeNode::Kind::kInt;
+        node.int_value = StrCat(v.u);
+      } else {
+        node.kind = TreeNode::Kind::kFloat;
+        node.float_value = v.f;
+      }
+      return node;
+    }
+    ArrayMetadata meta;
+    meta.path = at_root ? std::string() : path;
+    meta.dtype = array->dtype();
+    meta.grid.shape = array->shape();
+    meta.grid.chunk_shape = array->chunk_shape();
+    meta.grid.cell_shape = array->chunk_shape();
+    meta.codec = Codec::kNone;
+    metadata_.push_back(std::move(meta));
+    zarr_.push_back(std::move(array));
+    return TreeNode::Array(static_cast<int64_t>(metadata_.size() - 1));
+  };
+  TS_ASSIGN_OR_RETURN(tree_, build(root, "", true));
+  for (size_t i = 0; i < metadata_.size(); ++i) by_path_.emplace(metadata_[i].path, i);
+  return OkStatus();
+}
+
+std::string OrbaxReader::ArrayWhat(size_t id) const {
+  return StrCat("array '", metadata_[id].path, "' (zarr '", zarr_[id]->prefix(), "') of ", dir_);
+}
+
+void OrbaxReader::ListStored() const {
+  std::call_once(stored_once_, [&] {
+    stored_bytes_.assign(zarr_.size(), 0);
+    stored_chunks_.assign(zarr_.size(), 0);
+    KvStore* store = ocdbt_ ? static_cast<KvStore*>(ocdbt_.get()) : base_;
+    for (size_t i = 0; i < zarr_.size(); ++i) {
+      const std::string prefix = StrCat(zarr_[i]->prefix(), "/");
+      Result<std::vector<std::string>> keys = store->List(prefix);
+      if (!keys.ok()) continue;
+      for (const std::string& key : *keys) {
+        const std::string_view rest = std::string_view(key).substr(prefix.size());
+        if (rest.ends_with("zarr.json") || rest.ends_with(".zarray") || rest.ends_with(".zattrs") ||
+            rest.ends_with(".zgroup")) {
+          continue;  // metadata documents, not chunks
+        }
+        Result<uint64_t> size = store->Size(key);
+        if (!size.ok()) continue;
+        stored_bytes_[i] += *size;
+        ++stored_chunks_[i];
+      }
+    }
+  });
+}
+
+uint64_t OrbaxReader::StoredBytes(size_t id) const {
+  ListStored();
+  return id < stored_bytes_.size() ? stored_bytes_[id] : 0;
+}
+
+int64_t OrbaxReader::NumChunks(size_t id) const {
+  ListStored();
+  return id < stored_chunks_.size() ? stored_chunks_[id] : 0;
+}
+
+std::string OrbaxReader::CodecDescription(size_t id) const {
+  const ZarrArray& a = *zarr_[id];
+  return StrCat("zarr", a.zarr_format(), " ", CodecChainName(a.metadata().codecs));
+}
+
+Status OrbaxReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats,
+                             const std::function<void(uint64_t, uint64_t)>& progress) {
+  std::vector<size_t> ids(requests.size());
+  uint64_t total = 0;
+  for (size_t r = 0; r < requests.size(); ++r) {
+    const ReadRequest& req = requests[r];
+    auto it = by_path_.find(req.path);
+    if (it == by_path_.end()) {
+      return NotFoundError(StrCat("no array '", req.path, "' in ", dir_));
+    }
+    ids[r] = it->second;
+    const ArrayMetadata& a = metadata_[it->second];
+    const std::string what = StrCat("read of array '", a.path, "'");
+    if (req.box.rank() != a.grid.rank()) {
+      return InvalidArgumentError(StrCat(what, ": box ", req.box.ToString(), " has rank ",
+                                         req.box.rank(), " but the array has rank ", a.grid.rank()));
+    }
+    TS_RETURN_IF_ERROR(ValidateBox(req.box, ItemSize(req.dtype), what));
+    if (!CanConvert(a.dtype, req.dtype)) {
+      return InvalidArgumentError(StrCat(what, ": cannot convert stored ", DTypeName(a.dtype),
+                                         " to ", DTypeName(req.dtype)));
+    }
+    if (!req.box.empty() && req.dest == nullptr) {
+      return InvalidArgumentError(StrCat(what, ": no destination"));
+    }
+    total += static_cast<uint64_t>(req.box.num_elements()) * ItemSize(req.dtype);
+  }
+  const uint64_t bytes_before = counting_->bytes(), requests_before = counting_->requests();
+  std::mutex mutex;
+  uint64_t done = 0;
+  Status status;
+  {
+    TaskGroup group(request_pool_.get());
+    for (size_t r = 0; r < requests.size(); ++r) {
+      if (requests[r].box.empty()) continue;
+      group.Run([&, r]() -> Status {
+        const ReadRequest& req = requests[r];
+        // Requests run on request_pool_, the chunks of each on chunk_pool_ (a task must not
+        // wait on its own pool), so one large array is read in parallel too.
+        Status read = zarr_[ids[r]]->Read(req.box, req.dtype, req.dest, chunk_pool_.get());
+        if (!read.ok()) return Annotate(read, StrCat("reading ", ArrayWhat(ids[r])));
+        if (progress) {
+          std::lock_guard<std::mutex> lock(mutex);
+          done += static_cast<uint64_t>(req.box.num_elements()) * ItemSize(req.dtype);
+          progress(done, total);
+        }
+        return OkStatus();
+      });
+    }
+    status = group.Wait();
+  }
+  if (stats != nullptr) {
+    *stats = ReadStats();
+    stats->bytes_read = counting_->bytes() - bytes_before;
+    stats->requests = counting_->requests() - requests_before;
+  }
+  return status;
+}
+
+Result<std::string> OrbaxReader::ReadFile(std::string_view name) const {
+  return NotFoundError(StrCat("'", dir_, "' is a ", StepFormatName(format_),
+                              " checkpoint: it has no tensorstash files such as '", name, "'"));
+}
+
+uint64_t OrbaxReader::VerifyTotalBytes() const {
+  uint64_t total = 0;
+  for (const ArrayMetadata& a : metadata_) {
+    int64_t n = 1;
+    for (int64_t e : a.shape()) n *= e;
+    total += static_cast<uint64_t>(n) * ItemSize(a.dtype);
+  }
+  return total;
+}
+
+size_t OrbaxReader::VerifyTotalItems() const {
+  size_t n = 0;
+  for (const auto& a : zarr_) n += static_cast<size_t>(GridSize(*a));
+  return n;
+}
+
+Result<std::vector<BadChunk>> OrbaxReader::Verify(
+    const std::function<void(uint64_t, uint64_t)>& progress) {
+  std::mutex mutex;
+  std::vector<BadChunk> bad;
+  // Every node of the OCDBT B+tree (List walks them all; each is checked when decoded), and of
+  // each process's own database: Orbax merges those into the top-level one, whose tree then
+  // reaches their values but not their nodes; damage there is damage too.
+  if (ocdbt_) {
+    if (Result<std::vector<std::string>> all = ocdbt_->List(""); !all.ok()) {
+      bad.push_back({"", "", StrCat(dir_, "/manifest.ocdbt"), std::string(all.status().message())});
+    }
+    Result<std::vector<std::string>> keys = base_->List(StrCat(dir_, "/"));
+    if (keys.ok()) {
+      for (const std::string& key : *keys) {
+        const std::string rest = key.substr(dir_.size() + 1);
+        if (rest.rfind("ocdbt.process_", 0) != 0 || !rest.ends_with("/manifest.ocdbt") ||
+            rest.find('/') != rest.size() - 15) {
+          continue;
+        }
+        const std::string root = key.substr(0, key.size() - 15);
+        Result<std::unique_ptr<OcdbtKvStore>> db = OcdbtKvStore::Open(base_, root);
+        Status status = db.status();
+        if (db.ok()) status = (*db)->List("").status();
+        if (!status.ok()) bad.push_back({"", "", key, std::string(status.message())});
+      }
+    }
+  }
+  const uint64_t total = VerifyTotalBytes();
+  uint64_t done = 0;
+  // Decoded chunks held at once stay under max_inflight_bytes (one larger chunk alone).
+  ByteLimiter limiter(options_.max_inflight_bytes);
+  {
+    TaskGroup group(request_pool_.get());
+    for (size_t id = 0; id < zarr_.size(); ++id) {
+      const ZarrArray& array = *zarr_[id];
+      ForEachGridPosition(array, [&, id](const std::vector<int64_t>& grid) {
+        group.Run([&, id, grid]() -> Status {
+          const ZarrArray& a = *zarr_[id];
+          std::vector<int64_t> origin(grid.size()), shape(grid.size());
+          for (size_t d = 0; d < grid.size(); ++d) {
+            origin[d] = grid[d] * a.chunk_shape()[d];
+            shape[d] = std::min(a.chunk_shape()[d], a.shape()[d] - origin[d]);
+          }
+          Box box(origin, shape);
+          const uint64_t bytes = static_cast<uint64_t>(box.num_elements()) * ItemSize(a.dtype());
+          ByteReservation reservation(&limiter, bytes);
+          std::unique_ptr<char[]> scratch(new (std::nothrow) char[std::max<uint64_t>(bytes, 1)]);
+          Status status = scratch ? a.Read(box, a.dtype(), scratch.get())
+                                  : ResourceExhaustedError(StrCat("no memory for ", bytes, " bytes"));
+          std::lock_guard<std::mutex> lock(mutex);
+          if (!status.ok()) {
+            bad.push_back({metadata_[id].path, GridName(grid), a.ChunkKey(grid),
+                           std::string(status.message())});
+          }
+          done += bytes;
+          if (progress) progress(done, total);
+          return OkStatus();
+        });
+      });
+    }
+    TS_RETURN_IF_ERROR(group.Wait());
+  }
+  std::sort(bad.begin(), bad.end(), [](const BadChunk& a, const BadChunk& b) {
+    return std::tie(a.array_path, a.chunk) < std::tie(b.array_path, b.chunk);
+  });
+  return bad;
+}
+
+}  // namespace tensorstash

@@ -1,0 +1,161 @@
+// Unit tests of format detection and OrbaxReader on small layouts built in memory. The real
+// Orbax / TensorStore / zarr-python checkpoints are tested in tests/python/test_orbax_read.py;
+// these pin down the tree rebuilding, detection rules and errors without Python.
+#include "tensorstash/checkpoint/orbax_reader.h"
+
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tensorstash/checkpoint/step_source.h"
+#include "tensorstash/kvstore/memory/memory_kvstore.h"
+
+namespace tensorstash {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Writes a float32 array of `shape` holding 0, 1, 2, ... under `prefix`.
+void WriteArray(KvStore* kv, const std::string& prefix, std::vector<int64_t> shape,
+                std::vector<int64_t> chunks, int zarr_format = 3) {
+  ZarrArraySpec spec;
+  spec.zarr_format = zarr_format;
+  spec.dtype = DType::kFloat32;
+  spec.shape = shape;
+  spec.chunk_shape = chunks;
+  auto writer = ZarrArrayWriter::Create(kv, prefix, spec);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  std::vector<float> values(Box::FromShape(shape).num_elements());
+  std::iota(values.begin(), values.end(), 0.0f);
+  ASSERT_TRUE((*writer)->WriteBox(Box::FromShape(shape), values.data()).ok());
+}
+
+std::string Leaf(const std::vector<std::pair<std::string, int>>& keys, const std::string& type) {
+  std::string key_text = "(", key_metadata;
+  for (const auto& [name, key_type] : keys) {
+    key_text += "'" + name + "', ";
+    key_metadata += std::string(key_metadata.empty() ? "" : ", ") + "{\"key\": \"" + name +
+                    "\", \"key_type\": " + std::to_string(key_type) + "}";
+  }
+  return "\"" + key_text + ")\": {\"key_metadata\": [" + key_metadata +
+         "], \"value_metadata\": {\"value_type\": \"" + type + "\"}}";
+}
+
+TEST(DetectStepFormatTest, MarkersDecide) {
+  MemoryKvStore kv;
+  ASSERT_TRUE(kv.Write("native/COMMIT", "x").ok());
+  ASSERT_TRUE(kv.Write("ocdbt/_METADATA", "{}").ok());
+  ASSERT_TRUE(kv.Write("ocdbt/manifest.ocdbt", "x").ok());
+  ASSERT_TRUE(kv.Write("folders/_METADATA", "{}").ok());
+  ASSERT_TRUE(kv.Write("group/.zgroup", "{}").ok());
+  ASSERT_TRUE(kv.Write("mgr/_CHECKPOINT_METADATA", "{}").ok());
+  ASSERT_TRUE(kv.Write("mgr/default/_METADATA", "{}").ok());
+  ASSERT_TRUE(kv.Write("two/a/_METADATA", "{}").ok());
+  ASSERT_TRUE(kv.Write("two/b/_METADATA", "{}").ok());
+  ASSERT_TRUE(kv.Write("half/_CHECKPOINT_METADATA", "{}").ok());
+  ASSERT_TRUE(kv.Write("x.orbax-checkpoint-tmp-1/_METADATA", "{}").ok());
+
+  EXPECT_EQ(DetectStepFormat(&kv, "native")->format, StepFormat::kNative);
+  EXPECT_EQ(DetectStepFormat(&kv, "ocdbt")->format, StepFormat::kOrbaxOcdbt);
+  EXPECT_EQ(DetectStepFormat(&kv, "folders")->format, StepFormat::kOrbaxFolders);
+  EXPECT_EQ(DetectStepFormat(&kv, "group")->format, StepFormat::kZarrGroup);
+  Result<DetectedStep> mgr = DetectStepFormat(&kv, "mgr");
+  ASSERT_TRUE(mgr.ok());
+  EXPECT_EQ(mgr->format, StepFormat::kOrbaxFolders);
+  EXPECT_EQ(mgr->dir, "mgr/default");
+  EXPECT_THAT(DetectStepFormat(&kv, "two").status().message(), HasSubstr("several items (a, b)"));
+  EXPECT_TRUE(absl::IsFailedPrecondition(DetectStepFormat(&kv, "half").status()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(DetectStepFormat(&kv, "x.orbax-checkpoint-tmp-1").status()));
+  EXPECT_EQ(DetectStepFormat(&kv, "absent")->format, StepFormat::kNative);
+}
+
+TEST(OrbaxReaderTest, RebuildsTreeAndReadsBoxes) {
+  MemoryKvStore kv;
+  WriteArray(&kv, "step/params.w", {6, 4}, {4, 4});
+  WriteArray(&kv, "step/opt.0", {5}, {2}, /*zarr_format=*/2);
+  const std::string metadata =
+      "{\"tree_metadata\": {" + Leaf({{"opt", 2}, {"0", 1}}, "np.ndarray") + ", " +
+      Leaf({{"opt", 2}, {"1", 1}}, "None") + ", " + Leaf({{"params", 2}, {"w", 2}}, "jax.Array") +
+      ", " + Leaf({{"empty", 2}}, "Dict") + "}}";
+  ASSERT_TRUE(kv.Write("step/_METADATA", metadata).ok());
+  Result<std::unique_ptr<StepSource>> source = OpenStepSource(&kv, "step");
+  ASSERT_TRUE(source.ok()) << source.status();
+  StepSource& s = **source;
+  EXPECT_EQ(s.format(), StepFormat::kOrbaxFolders);
+  ASSERT_EQ(s.arrays().size(), 2u);
+  EXPECT_EQ(s.arrays()[0].path, "opt/0");
+  EXPECT_EQ(s.arrays()[1].path, "params/w");
+  const TreeNode& root = s.tree();
+  ASSERT_EQ(root.kind, TreeNode::Kind::kDict);
+  ASSERT_EQ(root.entries.size(), 3u);
+  EXPECT_EQ(root.entries[0].first, "opt");
+  EXPECT_EQ(root.entries[0].second.kind, TreeNode::Kind::kList);
+  EXPECT_EQ(root.entries[0].second.items[1].kind, TreeNode::Kind::kNone);
+  EXPECT_EQ(root.entries[2].second.kind, TreeNode::Kind::kDict);
+  EXPECT_EQ(s.NumChunks(1), 2);
+
+  // A box across chunks and past the shape, cast to float64.
+  std::vector<double> out(3 * 2, -1);
+  ReadStats stats;
+  Status read = s.ReadMany({{"params/w", Box({4, 2}, {3, 2}), DType::kFloat64, out.data()}},
+                           &stats, nullptr);
+  ASSERT_TRUE(read.ok()) << read;
+  EXPECT_EQ(out, (std::vector<double>{18, 19, 22, 23, 0, 0}));
+  EXPECT_GT(stats.bytes_read, 0u);
+
+  Result<std::vector<BadChunk>> bad = s.Verify(nullptr);
+  ASSERT_TRUE(bad.ok());
+  EXPECT_TRUE(bad->empty());
+  // Damage one chunk: Verify names its array, grid position and key.
+  ASSERT_TRUE(kv.Write("step/opt.0/1", "garbage").ok());
+  bad = s.Verify(nullptr);
+  ASSERT_TRUE(bad.ok());
+  ASSERT_EQ(bad->size(), 1u);
+  EXPECT_EQ((*bad)[0].array_path, "opt/0");
+  EXPECT_EQ((*bad)[0].chunk, "[1]");
+  EXPECT_EQ((*bad)[0].file, "step/opt.0/1");
+  EXPECT_FALSE(s.ReadMany({{"opt/0", Box({0}, {5}), DType::kFloat32, out.data()}}, nullptr,
+                          nullptr).ok());
+}
+
+TEST(OrbaxReaderTest, MalformedMetadataIsDataLoss) {
+  MemoryKvStore kv;
+  WriteArray(&kv, "s/a", {2}, {2});
+  for (const std::string& metadata :
+       {std::string("{not json"), std::string("{\"tree_metadata\": 3}"),
+        "{\"tree_metadata\": {" + Leaf({{"a", 1}}, "np.ndarray") + "}}",
+        "{\"tree_metadata\": {" + Leaf({{"a", 2}}, "np.ndarray") + ", " +
+            Leaf({{"a", 2}, {"b", 2}}, "np.ndarray") + "}}",
+        "{\"tree_metadata\": {" + Leaf({{"missing", 2}}, "np.ndarray") + "}}",
+        "{\"tree_metadata\": {" + Leaf({{"x", 2}, {"2", 1}}, "None") + "}}"}) {
+    ASSERT_TRUE(kv.Write("s/_METADATA", metadata).ok());
+    Result<std::unique_ptr<StepSource>> source = OpenStepSource(&kv, "s");
+    EXPECT_TRUE(absl::IsDataLoss(source.status())) << metadata << ": " << source.status();
+  }
+}
+
+TEST(OrbaxReaderTest, ZarrGroupNeedsWriteCompleted) {
+  MemoryKvStore kv;
+  ASSERT_TRUE(kv.Write("g/.zgroup", "{\"zarr_format\": 2}").ok());
+  WriteArray(&kv, "g/['params']['w']", {3}, {2}, 2);
+  WriteArray(&kv, "g/['opt'][1].mu", {2}, {2}, 2);
+  WriteArray(&kv, "g/['opt'][0]", {2}, {2}, 2);
+  WriteArray(&kv, "g/plain name", {1}, {1}, 2);
+  Result<std::unique_ptr<StepSource>> source = OpenStepSource(&kv, "g");
+  EXPECT_TRUE(absl::IsFailedPrecondition(source.status())) << source.status();
+  EXPECT_THAT(source.status().message(), HasSubstr("write_completed"));
+
+  ASSERT_TRUE(kv.Write("g/.zattrs", "{\"write_completed\": true}").ok());
+  source = OpenStepSource(&kv, "g");
+  ASSERT_TRUE(source.ok()) << source.status();
+  std::vector<std::string> paths;
+  for (const ArrayMetadata& a : (*source)->arrays()) paths.push_back(a.path);
+  EXPECT_THAT(paths, ::testing::ElementsAre("opt/0", "opt/1/mu", "params/w", "plain name"));
+  EXPECT_EQ((*source)->format(), StepFormat::kZarrGroup);
+}
+
+}  // namespace
+}  // namespace tensorstash
