@@ -225,3 +225,42 @@ def test_failed_convert_leaves_no_destination(tmp_path):
                              text=True)
     assert missing.returncode != 0 and "error:" in missing.stderr
     assert not os.path.exists(dst)
+
+
+def test_convert_to_manager_item_and_native_copy(tmp_path):
+    tree = {"w": pattern((6, 10), np.float32), "n": {"b": pattern((5,), np.int64)}, "step": 3}
+    src = str(tmp_path / "native" / "0000000003")
+    tensorstash.save(src, tree, chunk_bytes=40)
+    root = tmp_path / "orbax_run"
+    result = subprocess.run([cli(), "convert", "--item", "default", src, str(root / "3")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    mgr = ocp.CheckpointManager(str(root))
+    assert mgr.all_steps() == [3]
+    m = mesh((2,), ("x",))
+    target = {"w": abstract(tree["w"], named(m, "x")), "n": {"b": abstract(tree["n"]["b"], named(m))},
+              "step": 0}
+    got = mgr.restore(3, args=ocp.args.StandardRestore(target))
+    assert_jax_array(got["w"], tree["w"], named(m, "x"), "w")
+    assert_jax_array(got["n"]["b"], tree["n"]["b"], named(m), "b")
+    assert got["step"] == 3
+
+    # --to native re-chunks a native step (the path Orbax -> native takes once it can read).
+    copy = str(tmp_path / "copy" / "0000000003")
+    result = subprocess.run([cli(), "convert", "--to", "native", src, copy], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    got = tensorstash.restore(copy)
+    assert_same_array(got["w"], tree["w"], "w")
+    assert_same_array(got["n"]["b"], tree["n"]["b"], "b")
+    assert got["step"] == 3
+
+
+def test_convert_from_orbax_is_reported_until_the_reader_lands(tmp_path):
+    src = str(tmp_path / "ckpt")
+    tensorstash.save(src, {"a": np.arange(4)}, format="orbax")
+    result = subprocess.run([cli(), "convert", src, str(tmp_path / "out")], capture_output=True,
+                            text=True)
+    assert result.returncode != 0
+    assert "Orbax checkpoint" in result.stderr
+    assert not os.path.exists(tmp_path / "out")
