@@ -264,3 +264,28 @@ def test_convert_from_orbax_is_reported_until_the_reader_lands(tmp_path):
     assert result.returncode != 0
     assert "Orbax checkpoint" in result.stderr
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "int64", "bool", "complex64"])
+def test_0d_and_empty_arrays(tmp_path, name):
+    dt = dtype(name)
+    m, m2 = mesh((8,), ("x",)), mesh((2, 2), ("a", "b"))
+    zero_d = pattern((), dt, seed=9)
+    tree = {"zero_d": global_array(zero_d, named(m)), "np_zero_d": pattern((), dt, seed=10),
+            "empty": global_array(np.zeros((0, 3), dt), named(m)),
+            "np_empty": np.zeros((4, 0, 2), dt), "one": pattern((1,), dt, seed=11)}
+    path = str(tmp_path / "ckpt")
+    tensorstash.save(path, tree, format="orbax")
+    target = {"zero_d": abstract(zero_d, named(m2)),
+              "np_zero_d": abstract(tree["np_zero_d"], named(m2)),
+              "empty": abstract(np.zeros((0, 3), dt), named(m2, None, None)),
+              "np_empty": abstract(tree["np_empty"], named(m2, "a")),
+              "one": abstract(tree["one"], named(m2))}
+    got = ocp.StandardCheckpointer().restore(path, target)
+    assert_jax_array(got["zero_d"], zero_d, named(m2), "zero_d")
+    assert_jax_array(got["np_zero_d"], tree["np_zero_d"], named(m2), "np_zero_d")
+    assert_jax_array(got["empty"], np.zeros((0, 3), dt), named(m2, None, None), "empty")
+    assert_jax_array(got["np_empty"], tree["np_empty"], named(m2, "a"), "np_empty")
+    assert_jax_array(got["one"], tree["one"], named(m2), "one")
+    plain = ocp.PyTreeCheckpointer().restore(path)
+    assert_same_array(np.asarray(plain["np_empty"]), tree["np_empty"], "np_empty")
