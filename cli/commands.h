@@ -10,6 +10,7 @@ namespace tensorstash::cli {
 void AddLsCommand(CLI::App& app, int* exit_code);
 void AddInspectCommand(CLI::App& app, int* exit_code);
 void AddVerifyCommand(CLI::App& app, int* exit_code);
+void AddConvertCommand(CLI::App& app, int* exit_code);
 
 }  // namespace tensorstash::cli
 

@@ -10,6 +10,7 @@ namespace tensorstash::python {
 void DefineWriter(nanobind::module_& m);   // writer.cc
 void DefineReader(nanobind::module_& m);   // reader.cc
 void DefineManager(nanobind::module_& m);  // manager.cc
+void DefineOrbaxWriter(nanobind::module_& m);  // orbax_writer.cc
 
 }  // namespace tensorstash::python
 

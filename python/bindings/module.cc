@@ -38,4 +38,5 @@ NB_MODULE(_ext, m) {
   py::DefineWriter(m);
   py::DefineReader(m);
   py::DefineManager(m);
+  py::DefineOrbaxWriter(m);
 }

@@ -17,6 +17,7 @@ TypeError (unsupported leaves), OSError (corrupt or unreadable data).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import math
@@ -128,8 +129,18 @@ def _arrays_to_save(tree: Any, coordinator: Any) -> tuple[list[tuple], str]:
 def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: str | None = None,
          zstd_level: int = 3, chunk_bytes: int = 8 << 20, data_file_bytes: int = 1 << 30,
          max_inflight_bytes: int = 256 << 20, io_threads: int = 0, sync: bool = True,
-         coordinator: Any = None) -> dict:
+         coordinator: Any = None, format: str = "native", orbax_item: str | None = None) -> dict:
     """Saves `tree` as the checkpoint step folder `path` (e.g. ".../ckpts/0000001000").
+
+    `format="orbax"` writes an Orbax checkpoint instead (OCDBT + zarr3, what orbax-checkpoint
+    0.12 writes by default), which `orbax.checkpoint.StandardCheckpointer().restore(path, ...)`
+    restores; with `orbax_item="default"` the folder is laid out as a step of an Orbax
+    CheckpointManager with that item. Orbax format: a single process only; chunks are zstd
+    (`zstd_level`), one per shard of each jax.Array and one per NumPy array; `chunk_bytes`,
+    `data_file_bytes` and `max_inflight_bytes` do not apply; Python scalars are stored as Orbax
+    stores them (0-d int64/float64/bool); str and bytes leaves raise NotImplementedError; dict
+    keys must not contain '/' nor collide once joined with '.' (Orbax's parameter names).
+    Returns raw_bytes, chunks and seconds.
 
     Leaves may be jax.Array (any sharding; each process writes its own shards, replicated data
     once), np.ndarray and NumPy scalars, bool, int, float, str and bytes. In a job with several
@@ -142,6 +153,14 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     new is visible at `path`.
     """
     root, step = _split(path)
+    if format == "orbax":
+        return _save_orbax(root, step, tree, overwrite=overwrite, codec=codec,
+                           zstd_level=zstd_level, io_threads=io_threads, sync=sync,
+                           coordinator=coordinator, item=orbax_item)
+    if format != "native":
+        raise ValueError(f"unknown format {format!r}; use 'native' or 'orbax'")
+    if orbax_item is not None:
+        raise ValueError("orbax_item applies to format='orbax' only")
     _check_codec(codec)
     if coordinator is None:
         coordinator = _default_coordinator()
@@ -153,6 +172,61 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     for array_path, dtype, shape, shards, _stable in arrays:
         writer.add_array(array_path, dtype, shape, shards, codec=codec or "none",
                          zstd_level=zstd_level)
+    writer.set_tree(tree_json)
+    return writer.commit()
+
+
+def _orbax_name(array_path: str) -> str:
+    """Orbax's parameter name of the leaf at `array_path`: its keys joined by '.'."""
+    return ".".join(k.replace("~1", "/").replace("~0", "~") for k in array_path.split("/"))
+
+
+def _orbax_sharding(sharding: Any) -> str | None:
+    """The JSON Orbax keeps in `_sharding` for a NamedSharding or SingleDeviceSharding (None
+    for other shardings, whose arrays are then recorded as NumPy arrays)."""
+    if isinstance(sharding, _jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
+        doc = {"sharding_type": "NamedSharding", "shape": [int(n) for n in mesh.devices.shape],
+               "axis_names": list(mesh.axis_names),
+               "axis_types": [str(t) for t in mesh.axis_types], "partition_spec": spec,
+               "device_mesh": {"mesh": np.vectorize(lambda d: {"id": d.id}, otypes=[object])(
+                   mesh.devices).tolist()}}
+        return json.dumps(doc)
+    if isinstance(sharding, _jax.sharding.SingleDeviceSharding):
+        device = next(iter(sharding.device_set))
+        return json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": str(device)})
+    return None
+
+
+def _save_orbax(root: str, step: str, tree: Any, *, overwrite: bool, codec: str | None,
+                zstd_level: int, io_threads: int, sync: bool, coordinator: Any,
+                item: str | None) -> dict:
+    """save(format="orbax"): the tree through _ext.OrbaxWriter."""
+    if codec not in (None, "zstd"):
+        raise ValueError(f"the Orbax format stores zstd chunks; codec {codec!r} is not available")
+    if coordinator is None:
+        coordinator = _default_coordinator()
+    if coordinator is not None and coordinator.process_count() > 1:
+        raise NotImplementedError("format='orbax' writes from a single process only")
+    arrays, tree_json = _arrays_to_save(tree, None)
+    writer = _ext.OrbaxWriter(root, step, item=item or "", overwrite=overwrite, sync=sync,
+                              io_threads=io_threads, zstd_level=zstd_level)
+    shardings = {}
+    leaves: dict[str, Any] = {}
+    _tree.encode(tree, lambda p, x: leaves.__setitem__(p, x))
+    for array_path, dtype, shape, shards, _stable in arrays:
+        value_type = "np.ndarray"
+        x = leaves[array_path]
+        if _is_jax_array(x):
+            serialized = _orbax_sharding(x.sharding)
+            if serialized is not None:
+                value_type = "jax.Array"
+                name = base64.urlsafe_b64encode(_orbax_name(array_path).encode()).decode("ascii")
+                shardings[name] = serialized
+        writer.add_array(array_path, dtype, shape, shards, value_type=value_type)
+    if shardings:
+        writer.add_file("_sharding", json.dumps(shardings))
     writer.set_tree(tree_json)
     return writer.commit()
 

@@ -1,0 +1,232 @@
+// `tensorstash convert SRC DST`: rewrite a checkpoint in the other format.
+//
+// native -> Orbax (OCDBT + zarr3, what orbax-checkpoint restores) streams: each zarr chunk is
+// read from the source when the writer needs it, so memory stays at a few chunks. Orbax ->
+// native needs a reader of Orbax checkpoints (OpenOrbaxSource below); the native writer then
+// holds each array whole in memory until the commit. DST appears whole or not at all, and an
+// existing DST is refused unless --overwrite.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "common.h"
+#include "tensorstash/checkpoint/checkpoint_reader.h"
+#include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/checkpoint/orbax_writer.h"
+#include "tensorstash/util/str_util.h"
+
+namespace tensorstash::cli {
+namespace {
+
+// One array of a checkpoint being converted.
+struct SourceArray {
+  std::string path;  // array path (format/tree.h)
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> chunk_shape;  // how the source stores it: the unit the writer asks for
+};
+
+// A checkpoint to convert from: its tree (array leaves index arrays()) and reads of any box.
+// Read may be called from several threads at once.
+class ConvertSource {
+ public:
+  virtual ~ConvertSource() = default;
+  virtual const TreeNode& tree() const = 0;
+  virtual const std::vector<SourceArray>& arrays() const = 0;
+  // Fills `dest` (C order over `box`, the array's dtype) with array `id`'s values.
+  virtual Status Read(size_t id, const Box& box, void* dest) = 0;
+};
+
+class NativeSource final : public ConvertSource {
+ public:
+  static Result<std::unique_ptr<NativeSource>> Open(const std::string& path) {
+    auto source = std::unique_ptr<NativeSource>(new NativeSource());
+    TS_ASSIGN_OR_RETURN(source->location_, OpenStepPath(path));
+    TS_ASSIGN_OR_RETURN(source->reader_,
+                        CheckpointReader::Open(source->location_.kv.get(), source->location_.key));
+    for (const ArrayMetadata& a : source->reader_->arrays()) {
+      source->arrays_.push_back({a.path, a.dtype, a.shape(), a.grid.chunk_shape});
+    }
+    return source;
+  }
+  const TreeNode& tree() const override { return reader_->tree(); }
+  const std::vector<SourceArray>& arrays() const override { return arrays_; }
+  Status Read(size_t id, const Box& box, void* dest) override {
+    return reader_->Read({arrays_[id].path, box, arrays_[id].dtype, dest});
+  }
+
+ private:
+  NativeSource() = default;
+  StepLocation location_;
+  std::unique_ptr<CheckpointReader> reader_;
+  std::vector<SourceArray> arrays_;
+};
+
+// Orbax -> native: the read side (OrbaxReader, issue 7) provides this. It must open the Orbax
+// item folder `path` (or a CheckpointManager step with `item`), give its tree as a TreeNode
+// (Orbax's scalars as int / float / bool leaves, its arrays as array leaves in arrays() order)
+// and read boxes of its zarr arrays.
+Result<std::unique_ptr<ConvertSource>> OpenOrbaxSource(const std::string& path,
+                                                       const std::string& item) {
+  (void)item;
+  return UnimplementedError(StrCat("'", path, "' is an Orbax checkpoint; reading Orbax "
+                                   "checkpoints is not available in this build"));
+}
+
+enum class Format { kNative, kOrbax };
+
+// What SRC is: a native step has COMMIT; an Orbax item has _METADATA (or manifest.ocdbt), an
+// Orbax CheckpointManager step has _CHECKPOINT_METADATA and `<item>/_METADATA`.
+Result<Format> DetectFormat(const std::string& path, const std::string& item) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  if (!fs::is_directory(path, error)) {
+    return NotFoundError(StrCat("'", path, "' is not a directory"));
+  }
+  const fs::path p(path);
+  if (fs::exists(p / "COMMIT", error)) return Format::kNative;
+  if (fs::exists(p / "_METADATA", error) || fs::exists(p / "manifest.ocdbt", error) ||
+      fs::exists(p / item / "_METADATA", error)) {
+    return Format::kOrbax;
+  }
+  return InvalidArgumentError(StrCat("'", path, "' is neither a tensorstash step (no COMMIT) "
+                                     "nor an Orbax checkpoint (no _METADATA)"));
+}
+
+// DST's parent folder as a store (created if missing) and DST's name in it.
+Result<StepLocation> OpenDestination(const std::string& path) {
+  if (path.empty()) return InvalidArgumentError("empty destination path");
+  std::error_code error;
+  std::filesystem::path full = std::filesystem::absolute(path, error).lexically_normal();
+  if (error) return InvalidArgumentError(StrCat("bad path '", path, "': ", error.message()));
+  if (!full.has_filename()) full = full.parent_path();
+  StepLocation location;
+  TS_ASSIGN_OR_RETURN(location.kv, FileKvStore::Open(full.parent_path().string(), /*create=*/true));
+  location.key = full.filename().string();
+  return location;
+}
+
+uint64_t TotalBytes(const ConvertSource& source) {
+  uint64_t total = 0;
+  for (const SourceArray& a : source.arrays()) {
+    total += static_cast<uint64_t>(Box::FromShape(a.shape).num_elements()) * ItemSize(a.dtype);
+  }
+  return total;
+}
+
+Status WriteOrbax(ConvertSource* source, StepLocation* dst, bool overwrite,
+                  const std::string& item) {
+  OrbaxWriterOptions options;
+  options.overwrite = overwrite;
+  options.item = item;
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<OrbaxWriter> writer,
+                      OrbaxWriter::Create(dst->kv.get(), dst->key, options));
+  const std::vector<SourceArray>& arrays = source->arrays();
+  for (size_t id = 0; id < arrays.size(); ++id) {
+    const SourceArray& a = arrays[id];
+    std::vector<int64_t> chunk = a.chunk_shape;
+    for (int64_t& c : chunk) c = std::max<int64_t>(c, 1);
+    TS_RETURN_IF_ERROR(writer->AddArray(
+        {a.path, a.dtype, a.shape, OrbaxValueType::kNumpyArray}, std::move(chunk),
+        [source, id](const Box& box, void* dest) { return source->Read(id, box, dest); }));
+  }
+  writer->SetTree(source->tree());
+  ProgressBar bar("convert", TotalBytes(*source));
+  return writer->Commit(nullptr, [&](uint64_t done, uint64_t) { bar.Update(done); });
+}
+
+Status WriteNative(ConvertSource* source, StepLocation* dst, bool overwrite) {
+  WriterOptions options;
+  options.overwrite = overwrite;
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
+                      CheckpointWriter::Create(dst->kv.get(), dst->key, options));
+  // The native writer reads its shards during Commit: each array is read whole first.
+  std::vector<std::string> buffers;
+  const std::vector<SourceArray>& arrays = source->arrays();
+  ProgressBar bar("read", TotalBytes(*source));
+  uint64_t done = 0;
+  for (size_t id = 0; id < arrays.size(); ++id) {
+    const SourceArray& a = arrays[id];
+    const Box box = Box::FromShape(a.shape);
+    buffers.emplace_back(static_cast<size_t>(box.num_elements()) * ItemSize(a.dtype), '\0');
+    TS_RETURN_IF_ERROR(source->Read(id, box, buffers.back().data()));
+    done += buffers.back().size();
+    bar.Update(done);
+    ArraySpec spec;
+    spec.path = a.path;
+    spec.dtype = a.dtype;
+    spec.shape = a.shape;
+    TS_RETURN_IF_ERROR(writer->AddArray(std::move(spec), {{box, buffers.back().data(), 0, 1}}));
+  }
+  writer->SetTree(source->tree());
+  return writer->Commit();
+}
+
+int RunConvert(const std::string& src, const std::string& dst, const std::string& to,
+               const std::string& item, bool overwrite) {
+  Result<Format> from = DetectFormat(src, item.empty() ? "default" : item);
+  if (!from.ok()) return Fail(from.status());
+  Format target = *from == Format::kNative ? Format::kOrbax : Format::kNative;
+  if (to == "orbax") target = Format::kOrbax;
+  if (to == "native") target = Format::kNative;
+
+  std::error_code error;
+  if (std::filesystem::exists(dst, error) && !overwrite) {
+    return Fail(AlreadyExistsError(StrCat("'", dst, "' exists; pass --overwrite to replace it")));
+  }
+  std::unique_ptr<ConvertSource> source;
+  if (*from == Format::kNative) {
+    Result<std::unique_ptr<NativeSource>> native = NativeSource::Open(src);
+    if (!native.ok()) return Fail(native.status());
+    source = *std::move(native);
+  } else {
+    Result<std::unique_ptr<ConvertSource>> orbax = OpenOrbaxSource(src, item);
+    if (!orbax.ok()) return Fail(orbax.status());
+    source = *std::move(orbax);
+  }
+  Result<StepLocation> destination = OpenDestination(dst);
+  if (!destination.ok()) return Fail(destination.status());
+  const auto start = std::chrono::steady_clock::now();
+  Status status = target == Format::kOrbax ? WriteOrbax(source.get(), &*destination, overwrite, item)
+                                           : WriteNative(source.get(), &*destination, overwrite);
+  if (!status.ok()) return Fail(status);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("converted %zu arrays (%s) from %s to %s at %s in %.2f s\n",
+              source->arrays().size(), HumanBytes(TotalBytes(*source)).c_str(),
+              *from == Format::kNative ? "tensorstash" : "Orbax",
+              target == Format::kNative ? "tensorstash" : "Orbax", dst.c_str(), seconds);
+  return 0;
+}
+
+}  // namespace
+
+void AddConvertCommand(CLI::App& app, int* exit_code) {
+  auto* cmd = app.add_subcommand(
+      "convert", "Rewrite a checkpoint in the other format: tensorstash step <-> Orbax (OCDBT + zarr3)");
+  struct Args {
+    std::string src, dst, to, item;
+    bool overwrite = false;
+  };
+  auto args = std::make_shared<Args>();
+  cmd->add_option("SRC", args->src, "A tensorstash step folder or an Orbax checkpoint folder")
+      ->required();
+  cmd->add_option("DST", args->dst, "The folder to create")->required();
+  cmd->add_option("--to", args->to, "Target format (default: the other one)")
+      ->check(CLI::IsMember({"orbax", "native"}));
+  cmd->add_option("--item", args->item,
+                  "Orbax CheckpointManager item: write DST as a step holding this item (e.g. "
+                  "default), or read SRC's item");
+  cmd->add_flag("--overwrite", args->overwrite, "Replace DST if it exists");
+  cmd->callback([args, exit_code] {
+    *exit_code = RunConvert(args->src, args->dst, args->to, args->item, args->overwrite);
+  });
+}
+
+}  // namespace tensorstash::cli

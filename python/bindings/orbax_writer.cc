@@ -1,0 +1,140 @@
+// tensorstash._ext.OrbaxWriter: OrbaxWriter (checkpoint/orbax_writer.h) on a FileKvStore.
+//
+// Like the Writer, it reads the caller's shard buffers during commit() and keeps a reference to
+// each of them until commit() returns; commit() releases the GIL. Single process only.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings.h"
+#include "buffers.h"
+#include "errors.h"
+#include "save_args.h"
+#include "tensorstash/checkpoint/orbax_writer.h"
+#include "tensorstash/format/tree.h"
+#include "tensorstash/kvstore/file/file_kvstore.h"
+#include "tensorstash/util/str_util.h"
+
+namespace nb = nanobind;
+
+namespace tensorstash::python {
+namespace {
+
+class PyOrbaxWriter {
+ public:
+  PyOrbaxWriter(std::unique_ptr<FileKvStore> kv, std::unique_ptr<OrbaxWriter> writer)
+      : kv_(std::move(kv)), writer_(std::move(writer)) {}
+
+  void AddArray(const std::string& path, const std::string& dtype,
+                const std::vector<int64_t>& shape, const std::vector<ShardTuple>& shards,
+                const std::string& value_type) {
+    ThrowIfError(CheckUsable());
+    OrbaxValueType type;
+    if (value_type == "jax.Array") {
+      type = OrbaxValueType::kJaxArray;
+    } else if (value_type == "np.ndarray") {
+      type = OrbaxValueType::kNumpyArray;
+    } else {
+      ThrowIfError(InvalidArgumentError(
+          StrCat("value_type must be 'jax.Array' or 'np.ndarray', not '", value_type, "'")));
+    }
+    std::vector<ReadOnlyBytes> buffers;
+    ArrayToSave array =
+        ArrayToSaveFromPython(path, dtype, shape, shards, "none", 0, 0, &buffers);
+    OrbaxArraySpec spec{array.spec.path, array.spec.dtype, array.spec.shape, type};
+    ThrowIfError(writer_->AddArray(std::move(spec), std::move(array.shards)));
+    for (ReadOnlyBytes& buffer : buffers) buffers_.push_back(std::move(buffer));
+  }
+
+  void AddFile(const std::string& name, const std::string& contents) {
+    ThrowIfError(CheckUsable());
+    ThrowIfError(writer_->AddFile(name, contents));
+  }
+
+  void SetTree(const std::string& tree_json) {
+    ThrowIfError(CheckUsable());
+    writer_->SetTree(ValueOrThrow(TreeNodeFromJson(tree_json)));
+  }
+
+  nb::dict Commit() {
+    ThrowIfError(CheckUsable());
+    committing_ = true;
+    OrbaxWriteStats stats;
+    Status status;
+    {
+      nb::gil_scoped_release release;
+      status = writer_->Commit(&stats);
+    }
+    committing_ = false;
+    buffers_.clear();
+    ThrowIfError(status);
+    nb::dict result;
+    result["raw_bytes"] = stats.raw_bytes;
+    result["chunks"] = stats.chunks;
+    result["seconds"] = stats.seconds;
+    return result;
+  }
+
+ private:
+  Status CheckUsable() const {
+    if (committing_) return FailedPreconditionError("commit() is running in another thread");
+    return OkStatus();
+  }
+
+  std::unique_ptr<FileKvStore> kv_;
+  std::vector<ReadOnlyBytes> buffers_;
+  std::unique_ptr<OrbaxWriter> writer_;  // after the buffers and the store it reads and writes
+  bool committing_ = false;
+};
+
+void InitOrbaxWriter(PyOrbaxWriter* self, const std::string& root, const std::string& step,
+                     const std::string& item, bool overwrite, bool sync, int io_threads,
+                     int zstd_level) {
+  OrbaxWriterOptions options;
+  options.item = item;
+  options.overwrite = overwrite;
+  options.sync = sync;
+  options.io_threads = io_threads;
+  options.zstd_level = zstd_level;
+  SaveTarget target = OpenSaveTarget(root, nb::none());
+  std::unique_ptr<OrbaxWriter> writer =
+      ValueOrThrow(OrbaxWriter::Create(target.kv.get(), step, options));
+  new (self) PyOrbaxWriter(std::move(target.kv), std::move(writer));
+}
+
+}  // namespace
+
+void DefineOrbaxWriter(nb::module_& m) {
+  nb::class_<PyOrbaxWriter>(m, "OrbaxWriter",
+                            "Saves arrays and a pytree as an Orbax checkpoint (OCDBT + zarr3) "
+                            "at folder `step` of `root`.")
+      .def("__init__", &InitOrbaxWriter, nb::arg("root"), nb::arg("step"), nb::kw_only(),
+           nb::arg("item") = "", nb::arg("overwrite") = false, nb::arg("sync") = true,
+           nb::arg("io_threads") = 0, nb::arg("zstd_level") = 3)
+      .def("add_array", &PyOrbaxWriter::AddArray, nb::arg("path"), nb::arg("dtype"),
+           nb::arg("shape"), nb::arg("shards"), nb::kw_only(), nb::arg("value_type"),
+           nb::sig("def add_array(self, path: str, dtype: str, "
+                   "shape: collections.abc.Sequence[int], "
+                   "shards: list[tuple[collections.abc.Sequence[int], "
+                   "collections.abc.Sequence[int], numpy.typing.NDArray[numpy.uint8], int, int]], "
+                   "*, value_type: str) -> None"),
+           "Adds an array and its shards, as Writer.add_array; value_type is 'jax.Array' or "
+           "'np.ndarray' (what Orbax restores it as without a target).")
+      .def("add_file", &PyOrbaxWriter::AddFile, nb::arg("name"), nb::arg("contents"),
+           "Adds a file to the item folder (e.g. '_sharding').")
+      .def("set_tree", &PyOrbaxWriter::SetTree, nb::arg("tree_json"),
+           "Replaces the default tree with a node in the \"tree\" schema of docs/format.md.")
+      .def("commit", &PyOrbaxWriter::Commit,
+           nb::sig("def commit(self) -> dict[str, int | float]"),
+           "Writes the checkpoint and renames it into place; returns raw_bytes, chunks and "
+           "seconds. May be called once.");
+}
+
+}  // namespace tensorstash::python

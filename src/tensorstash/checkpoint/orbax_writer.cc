@@ -1,0 +1,673 @@
+// How an Orbax checkpoint is written.
+//
+//  1. Commit checks the tree: every leaf gets its Orbax parameter name (the keys from the root
+//     joined by '.', list and tuple positions in decimal) and must not collide with another;
+//     every array is referenced by exactly one leaf; every array's shards tile it on one grid.
+//  2. It refuses an existing `dir` (unless `overwrite`) and writes into the temporary folder
+//     `<dir>.orbax-checkpoint-tmp-<nonce>` (the suffix Orbax uses, so that Orbax's
+//     CheckpointManager skips a leftover of a crash).
+//  3. An OcdbtWriter receives the zarr arrays: ZarrArrayWriter writes `<name>/zarr.json` and the
+//     chunks through a KvStore whose Write adds the key to the database (OcdbtSink below).
+//     Chunks are encoded and added in parallel on a thread pool; OCDBT values go straight to
+//     its data files. OcdbtWriter::Finish writes the B+tree and manifest.ocdbt, synced.
+//  4. `_METADATA` (and the caller's files, `array_metadatas/process_0` for jax.Array leaves) go
+//     into the item folder and `_CHECKPOINT_METADATA` into the top folder; each is synced.
+//  5. The temporary folder is renamed to `dir` and the parent folder synced. With `overwrite`
+//     an existing `dir` is first renamed aside and removed only after the new one is in place.
+// Any failure before step 5 removes the temporary folder.
+
+#include "tensorstash/checkpoint/orbax_writer.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "tensorstash/format/zarr/zarr_array.h"
+#include "tensorstash/kvstore/ocdbt/ocdbt_kvstore.h"
+#include "tensorstash/util/str_util.h"
+#include "tensorstash/util/thread_pool.h"
+
+namespace tensorstash {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+constexpr std::string_view kTmpSuffix = ".orbax-checkpoint-tmp-";
+constexpr std::string_view kStandardHandler =
+    "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler";
+constexpr int kSequenceKey = 1;  // Orbax's KeyType.SEQUENCE
+constexpr int kDictKey = 2;      // Orbax's KeyType.DICT
+
+// A KvStore that adds every written key to an OcdbtWriter: how ZarrArrayWriter's output lands
+// in the database. It is write-once: nothing can be read back or deleted.
+class OcdbtSink final : public KvStore {
+ public:
+  explicit OcdbtSink(OcdbtWriter* writer) : writer_(writer) {}
+  std::string Describe() const override { return "ocdbt (being written)"; }
+  Result<std::string> Read(std::string_view key) override { return Missing(key); }
+  Status ReadRange(std::string_view key, uint64_t, size_t, void*) override { return Missing(key); }
+  Result<uint64_t> Size(std::string_view key) override { return Missing(key); }
+  Result<std::unique_ptr<ReadableFile>> OpenForRead(std::string_view key) override {
+    return Missing(key);
+  }
+  Status Write(std::string_view key, std::string_view value) override {
+    return writer_->Add(key, value);
+  }
+  Result<std::unique_ptr<WritableFile>> OpenForWrite(std::string_view) override {
+    return Unsupported();
+  }
+  Result<std::vector<std::string>> List(std::string_view) override {
+    return std::vector<std::string>();
+  }
+  // ZarrArrayWriter deletes the chunks it leaves out (all fill value); none were added.
+  Status Delete(std::string_view key) override { return Missing(key); }
+  Status DeletePrefix(std::string_view) override { return OkStatus(); }
+  bool SupportsRename() const override { return false; }
+  Status RenameDirectory(std::string_view, std::string_view) override { return Unsupported(); }
+  Status Sync(std::string_view) override { return OkStatus(); }
+  Status SyncDirectory(std::string_view) override { return OkStatus(); }
+
+ private:
+  static Status Missing(std::string_view key) {
+    return NotFoundError(StrCat("'", key, "' is not readable while the database is written"));
+  }
+  static Status Unsupported() {
+    return FailedPreconditionError("the OCDBT database being written only takes whole values");
+  }
+  OcdbtWriter* writer_;
+};
+
+// One leaf of the tree as Orbax records it.
+struct Leaf {
+  std::vector<std::pair<std::string, int>> keys;  // (name, kSequenceKey / kDictKey)
+  std::string name;                               // Orbax's parameter name
+  const TreeNode* node = nullptr;  // kArray, kInt, kFloat, kBool, or None / an empty container
+
+  bool has_data() const { return IsScalar() || node->kind == TreeNode::Kind::kArray; }
+  bool IsScalar() const {
+    return node->kind == TreeNode::Kind::kInt || node->kind == TreeNode::Kind::kFloat ||
+           node->kind == TreeNode::Kind::kBool;
+  }
+};
+
+// Orbax's value type of a leaf without data (empty_values.py in orbax-checkpoint).
+const char* EmptyValueType(const TreeNode& node) {
+  switch (node.kind) {
+    case TreeNode::Kind::kDict:
+      return "Dict";
+    case TreeNode::Kind::kList:
+      return "List";
+    case TreeNode::Kind::kTuple:
+      return "Tuple";
+    default:
+      return "None";
+  }
+}
+
+Status CollectLeaves(const TreeNode& node, std::vector<std::pair<std::string, int>>* keys,
+                     std::vector<Leaf>* out, int depth) {
+  if (depth > kMaxTreeDepth) {
+    return InvalidArgumentError(StrCat("the tree is nested deeper than ", kMaxTreeDepth));
+  }
+  const auto where = [&] {
+    std::string path;
+    for (const auto& k : *keys) path += (path.empty() ? "" : "/") + EscapePathKey(k.first);
+    return path.empty() ? std::string("the root") : StrCat("'", path, "'");
+  };
+  const bool empty_container = (node.kind == TreeNode::Kind::kDict && node.entries.empty()) ||
+                               ((node.kind == TreeNode::Kind::kList ||
+                                 node.kind == TreeNode::Kind::kTuple) && node.items.empty());
+  if ((node.kind == TreeNode::Kind::kNone || empty_container) && !keys->empty()) {
+    // Orbax records None and empty containers as leaves without data ("skip_deserialize").
+    Leaf leaf;
+    leaf.keys = *keys;
+    for (const auto& k : *keys) leaf.name += (leaf.name.empty() ? "" : ".") + k.first;
+    leaf.node = &node;
+    out->push_back(std::move(leaf));
+    return OkStatus();
+  }
+  switch (node.kind) {
+    case TreeNode::Kind::kNone:
+      return OkStatus();
+    case TreeNode::Kind::kDict:
+      for (const auto& [key, child] : node.entries) {
+        if (key.empty() || key.find('/') != std::string::npos) {
+          return InvalidArgumentError(StrCat("key '", key, "' under ", where(),
+                                             " cannot be an Orbax parameter name (empty or "
+                                             "containing '/')"));
+        }
+        keys->emplace_back(key, kDictKey);
+        TS_RETURN_IF_ERROR(CollectLeaves(child, keys, out, depth + 1));
+        keys->pop_back();
+      }
+      return OkStatus();
+    case TreeNode::Kind::kList:
+    case TreeNode::Kind::kTuple:
+      for (size_t i = 0; i < node.items.size(); ++i) {
+        keys->emplace_back(std::to_string(i), kSequenceKey);
+        TS_RETURN_IF_ERROR(CollectLeaves(node.items[i], keys, out, depth + 1));
+        keys->pop_back();
+      }
+      return OkStatus();
+    case TreeNode::Kind::kString:
+    case TreeNode::Kind::kBytes:
+      return UnimplementedError(StrCat("the string or bytes leaf at ", where(),
+                                       " cannot be written to an Orbax checkpoint"));
+    case TreeNode::Kind::kArray:
+    case TreeNode::Kind::kInt:
+    case TreeNode::Kind::kFloat:
+    case TreeNode::Kind::kBool: {
+      if (keys->empty()) {
+        return InvalidArgumentError("the tree's root is a leaf; Orbax saves dicts and lists");
+      }
+      Leaf leaf;
+      leaf.keys = *keys;
+      for (const auto& k : *keys) leaf.name += (leaf.name.empty() ? "" : ".") + k.first;
+      leaf.node = &node;
+      out->push_back(std::move(leaf));
+      return OkStatus();
+    }
+  }
+  return InternalError("unknown tree node kind");
+}
+
+// Python's repr() of a str, as Orbax's `str(tuple(keys))` spells each key (the _METADATA entry
+// names; Orbax reads the keys from key_metadata, so this is cosmetic).
+std::string PyRepr(const std::string& s) {
+  const bool has_single = s.find('\'') != std::string::npos;
+  const bool has_double = s.find('"') != std::string::npos;
+  const char quote = has_single && !has_double ? '"' : '\'';
+  std::string out(1, quote);
+  for (unsigned char c : s) {
+    if (c == '\\' || c == static_cast<unsigned char>(quote)) {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c < 0x20 || c == 0x7f) {
+      static const char* kHex = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  out += quote;
+  return out;
+}
+
+std::string KeypathRepr(const Leaf& leaf) {
+  std::string out = "(";
+  for (size_t i = 0; i < leaf.keys.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += PyRepr(leaf.keys[i].first);
+  }
+  if (leaf.keys.size() == 1) out += ",";
+  return out + ")";
+}
+
+std::string Nonce() {
+  std::random_device rd;
+  const uint64_t v = (uint64_t{rd()} << 32) ^ rd();
+  static const char* kHex = "0123456789abcdef";
+  std::string out;
+  for (int i = 15; i >= 0; --i) out += kHex[(v >> (4 * i)) & 15];
+  return out;
+}
+
+std::string ParentKey(const std::string& key) {
+  const size_t slash = key.rfind('/');
+  return slash == std::string::npos ? std::string() : key.substr(0, slash);
+}
+
+int64_t NowNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+struct OrbaxWriter::Impl {
+  struct ArrayEntry {
+    OrbaxArraySpec spec;
+    std::vector<ShardData> shards;  // replica 0 only; unused with `source`
+    std::vector<int64_t> chunk_shape;
+    OrbaxChunkSource source;
+  };
+
+  KvStore* kv;
+  std::string dir;
+  OrbaxWriterOptions options;
+  std::vector<ArrayEntry> arrays;
+  std::vector<std::pair<std::string, std::string>> files;
+  std::optional<TreeNode> tree;
+  bool committed = false;
+
+  Status CommitImpl(OrbaxWriteStats* stats, const std::function<void(uint64_t, uint64_t)>& progress);
+  Status WriteInto(const std::string& tmp, const std::vector<Leaf>& leaves,
+                   OrbaxWriteStats* stats, const std::function<void(uint64_t, uint64_t)>& progress);
+  Status WriteFile(const std::string& key, const std::string& contents) {
+    TS_RETURN_IF_ERROR(kv->Write(key, contents));
+    return options.sync ? kv->Sync(key) : OkStatus();
+  }
+};
+
+OrbaxWriter::OrbaxWriter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+OrbaxWriter::~OrbaxWriter() = default;
+
+Result<std::unique_ptr<OrbaxWriter>> OrbaxWriter::Create(KvStore* kv, std::string dir,
+                                                        OrbaxWriterOptions options) {
+  TS_RETURN_IF_ERROR(ValidateKey(dir));
+  if (!options.item.empty()) {
+    TS_RETURN_IF_ERROR(ValidateKey(options.item));
+    if (options.item.find('/') != std::string::npos || options.item.starts_with("_")) {
+      return InvalidArgumentError(StrCat("Orbax item name '", options.item,
+                                         "' must be one folder name not starting with '_'"));
+    }
+  }
+  if (options.zstd_level < -131072 || options.zstd_level > 22) {
+    return InvalidArgumentError(StrCat("zstd level ", options.zstd_level, " is out of range"));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->kv = kv;
+  impl->dir = std::move(dir);
+  impl->options = std::move(options);
+  return std::unique_ptr<OrbaxWriter>(new OrbaxWriter(std::move(impl)));
+}
+
+Status OrbaxWriter::AddArray(OrbaxArraySpec spec, std::vector<ShardData> shards) {
+  const std::string what = StrCat("array '", spec.path, "'");
+  TS_RETURN_IF_ERROR(Annotate(CheckedNumElements(spec.shape, what).status(), what));
+  const int rank = static_cast<int>(spec.shape.size());
+  Impl::ArrayEntry entry;
+  entry.chunk_shape.assign(rank, 0);
+  for (ShardData& shard : shards) {
+    if (shard.box.rank() != rank) {
+      return InvalidArgumentError(StrCat(what, ": shard ", shard.box.ToString(), " has rank ",
+                                         shard.box.rank(), ", the array ", rank));
+    }
+    TS_RETURN_IF_ERROR(ValidateBox(shard.box, ItemSize(spec.dtype), what));
+    if (!Box::FromShape(spec.shape).Contains(shard.box)) {
+      return InvalidArgumentError(StrCat(what, ": shard ", shard.box.ToString(),
+                                         " reaches past the shape [", StrJoin(spec.shape, ", "),
+                                         "]"));
+    }
+    if (shard.replica_id < 0 || shard.replica_id >= shard.num_replicas) {
+      return InvalidArgumentError(StrCat(what, ": replica id ", shard.replica_id,
+                                         " out of range for ", shard.num_replicas, " replicas"));
+    }
+    if (shard.replica_id != 0) continue;
+    if (shard.data == nullptr && !shard.box.empty()) {
+      return InvalidArgumentError(StrCat(what, ": shard ", shard.box.ToString(), " has no data"));
+    }
+    for (int d = 0; d < rank; ++d) {
+      entry.chunk_shape[d] = std::max(entry.chunk_shape[d], shard.box.shape[d]);
+    }
+    entry.shards.push_back(std::move(shard));
+  }
+  for (int64_t& c : entry.chunk_shape) c = std::max<int64_t>(c, 1);
+  // The shards must tile the array on the grid of chunk_shape: each one exactly one cell (cut
+  // by the array's end), every cell once.
+  std::set<std::vector<int64_t>> cells;
+  int64_t num_cells = 1;
+  for (int d = 0; d < rank; ++d) {
+    num_cells *= (spec.shape[d] + entry.chunk_shape[d] - 1) / entry.chunk_shape[d];
+  }
+  for (const ShardData& shard : entry.shards) {
+    if (shard.box.empty()) continue;
+    std::vector<int64_t> cell(rank);
+    for (int d = 0; d < rank; ++d) {
+      const int64_t c = entry.chunk_shape[d];
+      const int64_t o = shard.box.origin[d];
+      if (o % c != 0 || shard.box.shape[d] != std::min(c, spec.shape[d] - o)) {
+        return InvalidArgumentError(StrCat(what, ": shard ", shard.box.ToString(),
+                                           " is not a cell of the regular grid [",
+                                           StrJoin(entry.chunk_shape, ", "),
+                                           "] (Orbax stores one zarr chunk per shard)"));
+      }
+      cell[d] = o / c;
+    }
+    cells.insert(std::move(cell));
+  }
+  if (static_cast<int64_t>(cells.size()) != num_cells) {
+    return InvalidArgumentError(StrCat(what, ": the shards cover ", cells.size(), " of the ",
+                                       num_cells, " cells of the grid [",
+                                       StrJoin(entry.chunk_shape, ", "),
+                                       "]; a single-process writer needs all of them"));
+  }
+  entry.spec = std::move(spec);
+  impl_->arrays.push_back(std::move(entry));
+  return OkStatus();
+}
+
+Status OrbaxWriter::AddArray(OrbaxArraySpec spec, std::vector<int64_t> chunk_shape,
+                             OrbaxChunkSource source) {
+  const std::string what = StrCat("array '", spec.path, "'");
+  TS_RETURN_IF_ERROR(Annotate(CheckedNumElements(spec.shape, what).status(), what));
+  if (chunk_shape.size() != spec.shape.size()) {
+    return InvalidArgumentError(StrCat(what, ": chunk shape [", StrJoin(chunk_shape, ", "),
+                                       "] does not match the rank ", spec.shape.size()));
+  }
+  for (int64_t c : chunk_shape) {
+    if (c < 1) {
+      return InvalidArgumentError(StrCat(what, ": chunk shape [", StrJoin(chunk_shape, ", "),
+                                         "] has an extent below 1"));
+    }
+  }
+  if (source == nullptr) return InvalidArgumentError(StrCat(what, ": no chunk source"));
+  Impl::ArrayEntry entry;
+  entry.spec = std::move(spec);
+  entry.chunk_shape = std::move(chunk_shape);
+  entry.source = std::move(source);
+  impl_->arrays.push_back(std::move(entry));
+  return OkStatus();
+}
+
+Status OrbaxWriter::AddFile(std::string name, std::string contents) {
+  TS_RETURN_IF_ERROR(ValidateKey(name));
+  if (name == "_METADATA" || name == "_CHECKPOINT_METADATA" || name == "manifest.ocdbt" ||
+      name.starts_with("d/") || name.starts_with("array_metadatas/") ||
+      name.starts_with("ocdbt.process_")) {
+    return InvalidArgumentError(StrCat("'", name, "' is written by the Orbax writer itself"));
+  }
+  impl_->files.emplace_back(std::move(name), std::move(contents));
+  return OkStatus();
+}
+
+void OrbaxWriter::SetTree(TreeNode root) { impl_->tree = std::move(root); }
+
+Status OrbaxWriter::Commit(OrbaxWriteStats* stats,
+                           const std::function<void(uint64_t, uint64_t)>& progress) {
+  if (impl_->committed) return FailedPreconditionError("Commit was already called");
+  impl_->committed = true;
+  const auto start = std::chrono::steady_clock::now();
+  OrbaxWriteStats local;
+  Status status = impl_->CommitImpl(&local, progress);
+  local.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (stats != nullptr) *stats = local;
+  return Annotate(status, StrCat("writing Orbax checkpoint '", impl_->dir, "'"));
+}
+
+Status OrbaxWriter::Impl::CommitImpl(OrbaxWriteStats* stats,
+                                     const std::function<void(uint64_t, uint64_t)>& progress) {
+  // 1. The tree and its leaves.
+  if (!tree.has_value()) {
+    std::vector<ArrayMetadata> paths(arrays.size());
+    for (size_t i = 0; i < arrays.size(); ++i) paths[i].path = arrays[i].spec.path;
+    TS_ASSIGN_OR_RETURN(TreeNode built, TreeFromArrayPaths(paths));
+    tree = std::move(built);
+  }
+  std::vector<Leaf> leaves;
+  std::vector<std::pair<std::string, int>> keys;
+  TS_RETURN_IF_ERROR(CollectLeaves(*tree, &keys, &leaves, 0));
+  if (leaves.empty()) return InvalidArgumentError("the tree is empty; Orbax needs a leaf");
+  std::map<std::string, const Leaf*> names;
+  std::vector<int> references(arrays.size(), 0);
+  for (const Leaf& leaf : leaves) {
+    TS_RETURN_IF_ERROR(Annotate(ValidateKey(leaf.name), "Orbax parameter name"));
+    auto [it, inserted] = names.emplace(leaf.name, &leaf);
+    if (!inserted) {
+      return InvalidArgumentError(StrCat("leaves ", KeypathRepr(*it->second), " and ",
+                                         KeypathRepr(leaf), " have the same Orbax name '",
+                                         leaf.name, "'"));
+    }
+    if (leaf.node->kind == TreeNode::Kind::kArray) {
+      const int64_t id = leaf.node->array_id;
+      if (id < 0 || id >= static_cast<int64_t>(arrays.size())) {
+        return InvalidArgumentError(StrCat("leaf '", leaf.name, "' refers to array ", id, " of ",
+                                           arrays.size()));
+      }
+      ++references[id];
+    } else if (leaf.node->kind == TreeNode::Kind::kInt) {
+      int64_t v;
+      if (!ParseInt(leaf.node->int_value, &v)) {
+        return InvalidArgumentError(StrCat("int leaf '", leaf.name, "' (", leaf.node->int_value,
+                                           ") does not fit in int64"));
+      }
+    }
+  }
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    if (references[i] != 1) {
+      return InvalidArgumentError(StrCat("array '", arrays[i].spec.path, "' is referenced by ",
+                                         references[i], " leaves of the tree instead of one"));
+    }
+  }
+
+  // 2. The destination, and the temporary folder.
+  if (!kv->SupportsRename()) {
+    return UnimplementedError(StrCat(kv->Describe(), " cannot rename folders, which the Orbax "
+                                     "writer needs to publish a checkpoint whole"));
+  }
+  TS_ASSIGN_OR_RETURN(std::vector<std::string> existing, kv->List(dir + "/"));
+  if (!existing.empty() && !options.overwrite) {
+    return AlreadyExistsError(StrCat("'", dir, "' already exists (", kv->Describe(), ")"));
+  }
+  const std::string tmp = StrCat(dir, kTmpSuffix, Nonce());
+  TS_RETURN_IF_ERROR(kv->DeletePrefix(tmp + "/"));
+  Status status = WriteInto(tmp, leaves, stats, progress);
+
+  // 5. Into place.
+  std::string old;
+  if (status.ok() && !existing.empty()) {
+    old = StrCat(dir, kTmpSuffix, "old-", Nonce());
+    status = kv->RenameDirectory(dir, old);
+  }
+  if (status.ok()) status = kv->RenameDirectory(tmp, dir);
+  if (!status.ok()) {
+    (void)kv->DeletePrefix(tmp + "/");
+    if (!old.empty()) (void)kv->RenameDirectory(old, dir);  // put the old one back if we can
+    return status;
+  }
+  if (options.sync) TS_RETURN_IF_ERROR(kv->SyncDirectory(ParentKey(dir)));
+  if (!old.empty()) TS_RETURN_IF_ERROR(kv->DeletePrefix(old + "/"));
+  return OkStatus();
+}
+
+Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Leaf>& leaves,
+                                    OrbaxWriteStats* stats,
+                                    const std::function<void(uint64_t, uint64_t)>& progress) {
+  const std::string item_dir = options.item.empty() ? tmp : StrCat(tmp, "/", options.item);
+  // 3. The arrays, into one OCDBT database.
+  OcdbtWriter::Options ocdbt_options;
+  ocdbt_options.target_data_file_bytes = options.target_data_file_bytes;
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<OcdbtWriter> ocdbt,
+                      OcdbtWriter::Create(kv, item_dir, ocdbt_options));
+  OcdbtSink sink(ocdbt.get());
+  ZarrArraySpec zarr;
+  zarr.level = options.zstd_level;
+
+  uint64_t total = 0;
+  for (const ArrayEntry& a : arrays) {
+    total += static_cast<uint64_t>(Box::FromShape(a.spec.shape).num_elements()) *
+             ItemSize(a.spec.dtype);
+  }
+  std::atomic<uint64_t> done{0};
+  std::atomic<uint64_t> chunks{0};
+  std::mutex progress_mutex;
+  const auto report = [&](uint64_t bytes) {
+    const uint64_t now = done.fetch_add(bytes) + bytes;
+    if (progress) {
+      std::lock_guard<std::mutex> lock(progress_mutex);
+      progress(now, total);
+    }
+  };
+
+  ThreadPool pool(options.io_threads > 0 ? options.io_threads : DefaultIoThreads());
+  std::vector<std::unique_ptr<ZarrArrayWriter>> writers;
+  Status status;
+  {
+    TaskGroup tasks(&pool);
+    for (const Leaf& leaf : leaves) {
+      if (leaf.node->kind != TreeNode::Kind::kArray) continue;
+      const ArrayEntry& a = arrays[leaf.node->array_id];
+      zarr.dtype = a.spec.dtype;
+      zarr.shape = a.spec.shape;
+      zarr.chunk_shape = a.chunk_shape;
+      Result<std::unique_ptr<ZarrArrayWriter>> writer =
+          ZarrArrayWriter::Create(&sink, leaf.name, zarr);
+      if (!writer.ok()) {
+        tasks.Fail(writer.status());
+        break;
+      }
+      const ZarrArrayWriter* w = writer->get();
+      writers.push_back(*std::move(writer));
+      const size_t item = ItemSize(a.spec.dtype);
+      if (a.source == nullptr) {
+        for (const ShardData& shard : a.shards) {
+          if (shard.box.empty()) continue;
+          tasks.Run([w, &shard, item, &report, &chunks]() -> Status {
+            TS_RETURN_IF_ERROR(w->WriteBox(shard.box, shard.data));
+            chunks.fetch_add(1);
+            report(static_cast<uint64_t>(shard.box.num_elements()) * item);
+            return OkStatus();
+          });
+        }
+        continue;
+      }
+      // Chunks from the source: one buffer per running task.
+      const int rank = static_cast<int>(a.spec.shape.size());
+      std::vector<int64_t> grid_shape(rank);
+      int64_t num_cells = Box::FromShape(a.spec.shape).empty() ? 0 : 1;
+      for (int d = 0; d < rank; ++d) {
+        grid_shape[d] = (a.spec.shape[d] + a.chunk_shape[d] - 1) / a.chunk_shape[d];
+        num_cells *= grid_shape[d];
+      }
+      for (int64_t linear = 0; linear < num_cells; ++linear) {
+        std::vector<int64_t> cell(rank);
+        Box box{std::vector<int64_t>(rank), std::vector<int64_t>(rank)};
+        for (int64_t d = rank - 1, rest = linear; d >= 0; --d) {
+          cell[d] = rest % grid_shape[d];
+          rest /= grid_shape[d];
+          box.origin[d] = cell[d] * a.chunk_shape[d];
+          box.shape[d] = std::min(a.chunk_shape[d], a.spec.shape[d] - box.origin[d]);
+        }
+        tasks.Run([w, &a, cell = std::move(cell), box = std::move(box), item, &report,
+                   &chunks]() -> Status {
+          const uint64_t bytes = static_cast<uint64_t>(box.num_elements()) * item;
+          std::string buffer(bytes, '\0');
+          TS_RETURN_IF_ERROR(Annotate(a.source(box, buffer.data()),
+                                      StrCat("reading ", box.ToString(), " of array '",
+                                             a.spec.path, "'")));
+          TS_RETURN_IF_ERROR(w->WriteChunk(cell, buffer.data()));
+          chunks.fetch_add(1);
+          report(bytes);
+          return OkStatus();
+        });
+      }
+    }
+    status = tasks.Wait();
+  }
+  // Scalars: 0-d arrays, as Orbax's ScalarHandler stores np.asarray(value).
+  for (const Leaf& leaf : leaves) {
+    if (!status.ok()) break;
+    const TreeNode& n = *leaf.node;
+    if (!leaf.IsScalar()) continue;
+    int64_t i = 0;
+    double f = n.float_value;
+    uint8_t b = n.bool_value ? 1 : 0;
+    const void* value = &b;
+    zarr.dtype = DType::kBool;
+    if (n.kind == TreeNode::Kind::kInt) {
+      ParseInt(n.int_value, &i);
+      zarr.dtype = DType::kInt64;
+      value = &i;
+    } else if (n.kind == TreeNode::Kind::kFloat) {
+      zarr.dtype = DType::kFloat64;
+      value = &f;
+    }
+    zarr.shape.clear();
+    zarr.chunk_shape.clear();
+    Result<std::unique_ptr<ZarrArrayWriter>> writer =
+        ZarrArrayWriter::Create(&sink, leaf.name, zarr);
+    status = writer.ok() ? (*writer)->WriteChunk({}, value) : writer.status();
+  }
+  if (status.ok()) status = ocdbt->Finish();
+  if (!status.ok()) {
+    (void)kv->DeletePrefix(tmp + "/");
+    return status;
+  }
+  stats->raw_bytes = done.load();
+  stats->chunks = chunks.load();
+
+  // 4. The metadata files.
+  Json tree_metadata = Json::object();
+  Json array_metadatas = Json::array();
+  for (const Leaf& leaf : leaves) {
+    Json key_metadata = Json::array();
+    for (const auto& [key, type] : leaf.keys) {
+      key_metadata.push_back(Json{{"key", key}, {"key_type", type}});
+    }
+    Json value = Json::object();
+    if (!leaf.has_data()) {
+      value["value_type"] = EmptyValueType(*leaf.node);
+      value["skip_deserialize"] = true;
+    } else if (leaf.IsScalar()) {
+      value["value_type"] = "scalar";
+      value["skip_deserialize"] = false;
+    } else {
+      const ArrayEntry& a = arrays[leaf.node->array_id];
+      if (a.spec.value_type == OrbaxValueType::kJaxArray) {
+        value["value_type"] = "jax.Array";
+        value["skip_deserialize"] = false;
+        value["write_shape"] = a.chunk_shape;
+        array_metadatas.push_back(Json{{"array_metadata",
+                                        Json{{"param_name", leaf.name},
+                                             {"write_shape", a.chunk_shape},
+                                             {"chunk_shape", a.chunk_shape},
+                                             {"ext_metadata", nullptr}}}});
+      } else {
+        value["value_type"] = "np.ndarray";
+        value["skip_deserialize"] = false;
+      }
+    }
+    tree_metadata[KeypathRepr(leaf)] =
+        Json{{"key_metadata", std::move(key_metadata)}, {"value_metadata", std::move(value)}};
+  }
+  // Chunks equal to the fill value are left out, so Orbax must not treat them as missing data.
+  Json metadata = {{"tree_metadata", std::move(tree_metadata)},
+                   {"use_ocdbt", true},
+                   {"use_zarr3", true},
+                   {"store_array_data_equal_to_fill_value", false},
+                   {"custom_metadata", nullptr}};
+  status = WriteFile(item_dir + "/_METADATA", metadata.dump());
+  if (status.ok() && !array_metadatas.empty()) {
+    status = WriteFile(item_dir + "/array_metadatas/process_0",
+                       Json{{"array_metadatas", std::move(array_metadatas)}}.dump());
+  }
+  for (const auto& [name, contents] : files) {
+    if (status.ok()) status = WriteFile(StrCat(item_dir, "/", name), contents);
+  }
+  if (status.ok()) {
+    const int64_t now = NowNanos();
+    Json handlers = options.item.empty() ? Json(kStandardHandler)
+                                         : Json{{options.item, kStandardHandler}};
+    Json checkpoint_metadata = {{"item_handlers", std::move(handlers)},
+                                {"metrics", Json::object()},
+                                {"performance_metrics", Json::object()},
+                                {"init_timestamp_nsecs", now},
+                                {"commit_timestamp_nsecs", now},
+                                {"custom_metadata", Json::object()}};
+    status = WriteFile(tmp + "/_CHECKPOINT_METADATA", checkpoint_metadata.dump());
+  }
+  if (status.ok() && options.sync) {
+    status = kv->SyncDirectory(item_dir);
+    if (status.ok() && item_dir != tmp) status = kv->SyncDirectory(tmp);
+  }
+  if (!status.ok()) (void)kv->DeletePrefix(tmp + "/");
+  return status;
+}
+
+}  // namespace tensorstash

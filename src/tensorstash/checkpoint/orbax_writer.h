@@ -1,0 +1,124 @@
+// OrbaxWriter: writes a checkpoint folder in Orbax's default format (OCDBT + zarr v3), which
+// orbax-checkpoint restores (StandardCheckpointer, PyTreeCheckpointer, CheckpointManager).
+//
+// The folder holds `_METADATA` (Orbax's tree metadata: one entry per leaf, with its key path and
+// value type), `_CHECKPOINT_METADATA`, any extra files the caller adds (the Python front adds
+// `_sharding`), and one OCDBT database (`manifest.ocdbt`, `d/`) in which each leaf is a zarr v3
+// array under its Orbax parameter name (the tree keys joined by '.'): `<name>/zarr.json`,
+// `<name>/c/...`. Chunks are one shard each (sharding_indexed, zstd), as Orbax writes them.
+// With `item` set the folder is a CheckpointManager step and the item lives in `<dir>/<item>/`.
+// docs/foreign_formats.md ("## Orbax checkpoints", "### Writing") lists what is written and the
+// limits.
+//
+//   OrbaxWriter::Create(&kv, "ckpt/100", {}) -> writer
+//   writer->AddArray({"params/w", DType::kFloat32, {1024, 512}, OrbaxValueType::kJaxArray},
+//                    {{box, data, replica, n}})
+//   writer->Commit()
+//
+// Commit writes everything into a temporary folder `<dir>.orbax-checkpoint-tmp-<nonce>` (which
+// Orbax's CheckpointManager ignores) and renames it to `<dir>` last, so a checkpoint is visible
+// whole or not at all; on failure the temporary folder is removed.
+//
+// Single process only: every array's shards must cover it (replica 0 of each box is written).
+//
+// Thread-safety: one thread uses a writer. Shard buffers must stay valid and unchanged until
+// Commit returns; chunk sources are called from several threads at once during Commit.
+#ifndef TENSORSTASH_CHECKPOINT_ORBAX_WRITER_H_
+#define TENSORSTASH_CHECKPOINT_ORBAX_WRITER_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tensorstash/array/box.h"
+#include "tensorstash/array/dtype.h"
+#include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/format/tree.h"
+#include "tensorstash/kvstore/kvstore.h"
+#include "tensorstash/util/status.h"
+
+namespace tensorstash {
+
+// What Orbax restores a leaf as, when restored without a target ("value_type" in _METADATA).
+enum class OrbaxValueType : uint8_t {
+  kNumpyArray,  // "np.ndarray"
+  kJaxArray,    // "jax.Array" (needs a `_sharding` entry to be restored without a target)
+};
+
+struct OrbaxArraySpec {
+  std::string path;  // array path as in format/tree.h; used for the default tree and messages
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  OrbaxValueType value_type = OrbaxValueType::kNumpyArray;
+};
+
+// Fills `dest` (C order over `box`, the array's dtype) with the array's values over `box`.
+// Called during Commit, from several threads at once.
+using OrbaxChunkSource = std::function<Status(const Box& box, void* dest)>;
+
+struct OrbaxWriterOptions {
+  // "": `dir` is the item folder (what StandardCheckpointer writes). Otherwise `dir` is a
+  // CheckpointManager step folder and the item is written to `dir/<item>` (e.g. "default").
+  std::string item;
+  int zstd_level = 3;  // zarr chunks (Orbax: 3)
+  int io_threads = 0;  // 0: DefaultIoThreads()
+  bool sync = true;    // fsync before the rename
+  bool overwrite = false;
+  uint64_t target_data_file_bytes = uint64_t{1} << 30;  // OCDBT data files
+};
+
+struct OrbaxWriteStats {
+  uint64_t raw_bytes = 0;  // array bytes written (before compression)
+  uint64_t chunks = 0;     // zarr chunks written
+  double seconds = 0;
+};
+
+class OrbaxWriter {
+ public:
+  // `dir` is the checkpoint folder's key in `kv` (e.g. "run1/100"). InvalidArgument for a bad
+  // key or item name. Nothing is written before Commit.
+  static Result<std::unique_ptr<OrbaxWriter>> Create(KvStore* kv, std::string dir,
+                                                     OrbaxWriterOptions options = {});
+  ~OrbaxWriter();
+
+  // Adds an array with the shards of it this process holds. The shards (replica 0 of each box)
+  // must cover the array and lie on one regular grid: every shard has the same shape except
+  // where it is cut by the array's end (what a jax.Array's sharding gives). That shape is the
+  // zarr chunk shape. InvalidArgument naming the array otherwise (checked here or at Commit).
+  Status AddArray(OrbaxArraySpec spec, std::vector<ShardData> shards);
+  // Adds an array whose chunks of `chunk_shape` (each >= 1) are produced by `source` during
+  // Commit, a few at a time, so that converting a large checkpoint holds little memory.
+  Status AddArray(OrbaxArraySpec spec, std::vector<int64_t> chunk_shape, OrbaxChunkSource source);
+
+  // Adds a file to the item folder (e.g. "_sharding"). InvalidArgument for a name that is not a
+  // plain relative key or that the writer writes itself.
+  Status AddFile(std::string name, std::string contents);
+
+  // Replaces the default tree (nested dicts built from the array paths). Array leaves refer to
+  // arrays by the order of AddArray calls. Int, float and bool leaves are stored as Orbax
+  // stores Python scalars (0-d int64, float64, bool arrays, value type "scalar"). None, empty
+  // dicts, lists and tuples are recorded in _METADATA as Orbax records them, without data.
+  // Strings and bytes are Unimplemented. Checked at Commit.
+  void SetTree(TreeNode root);
+
+  // Writes the checkpoint and renames it into place. AlreadyExists when `dir` exists and not
+  // `overwrite`; InvalidArgument for a bad tree (leaves whose Orbax names collide, keys with
+  // '/', arrays not referenced exactly once), bad shards; the storage or source error
+  // otherwise. On failure nothing new is visible at `dir` (with `overwrite`, an old checkpoint
+  // there is only removed once the new one is complete). `progress(done, total)` (array bytes)
+  // is called from the writing threads, one call at a time. May be called once.
+  Status Commit(OrbaxWriteStats* stats = nullptr,
+                const std::function<void(uint64_t, uint64_t)>& progress = nullptr);
+
+ private:
+  struct Impl;
+  explicit OrbaxWriter(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tensorstash
+
+#endif  // TENSORSTASH_CHECKPOINT_ORBAX_WRITER_H_

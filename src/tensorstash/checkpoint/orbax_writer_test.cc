@@ -1,0 +1,202 @@
+// OrbaxWriter in the memory store: the OCDBT database and zarr arrays read back with our own
+// readers, the metadata documents, and the commit's all-or-nothing behaviour. Orbax itself
+// restores what the writer writes in tests/python/test_orbax_write.py.
+#include "tensorstash/checkpoint/orbax_writer.h"
+
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tensorstash/format/zarr/zarr_array.h"
+#include "tensorstash/kvstore/memory/memory_kvstore.h"
+#include "tensorstash/kvstore/ocdbt/ocdbt_kvstore.h"
+
+namespace tensorstash {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+std::vector<float> Iota(size_t n) {
+  std::vector<float> v(n);
+  std::iota(v.begin(), v.end(), 1.0f);
+  return v;
+}
+
+// The rows [r0, r0 + rows) of a row-major [R, C] matrix.
+std::vector<float> Rows(const std::vector<float>& m, int64_t cols, int64_t r0, int64_t rows) {
+  return std::vector<float>(m.begin() + r0 * cols, m.begin() + (r0 + rows) * cols);
+}
+
+TEST(OrbaxWriterTest, WritesZarrArraysInOcdbtAndMetadata) {
+  MemoryKvStore kv;
+  const std::vector<float> w = Iota(10 * 3);
+  // Uneven sharding over 4 devices (3, 3, 3, 1 rows), as jax gives it.
+  std::vector<std::vector<float>> parts;
+  std::vector<ShardData> shards;
+  for (int64_t r = 0; r < 10; r += 3) {
+    const int64_t rows = std::min<int64_t>(3, 10 - r);
+    parts.push_back(Rows(w, 3, r, rows));
+  }
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const int64_t r = static_cast<int64_t>(i) * 3;
+    shards.push_back({Box({r, 0}, {static_cast<int64_t>(parts[i].size() / 3), 3}),
+                      parts[i].data(), 0, 2});
+    shards.push_back({Box({r, 0}, {static_cast<int64_t>(parts[i].size() / 3), 3}),
+                      parts[i].data(), 1, 2});  // a replica: not written twice
+  }
+  const int32_t b[4] = {7, 0, 0, -1};
+  auto writer = OrbaxWriter::Create(&kv, "run/5").value();
+  ASSERT_TRUE(writer->AddArray({"params/w", DType::kFloat32, {10, 3}, OrbaxValueType::kJaxArray},
+                               std::move(shards)).ok());
+  ASSERT_TRUE(writer->AddArray({"b", DType::kInt32, {4}}, {{Box({0}, {4}), b, 0, 1}}).ok());
+  TreeNode root = TreeNode::Dict();
+  TreeNode params = TreeNode::Dict();
+  params.entries.emplace_back("w", TreeNode::Array(0));
+  root.entries.emplace_back("params", std::move(params));
+  TreeNode list;
+  list.kind = TreeNode::Kind::kList;
+  list.items.push_back(TreeNode::Array(1));
+  TreeNode step;
+  step.kind = TreeNode::Kind::kInt;
+  step.int_value = "-12";
+  list.items.push_back(step);
+  list.items.push_back(TreeNode());  // None: recorded without data
+  root.entries.emplace_back("l", std::move(list));
+  writer->SetTree(std::move(root));
+  OrbaxWriteStats stats;
+  ASSERT_TRUE(writer->Commit(&stats).ok());
+  EXPECT_EQ(stats.chunks, 5u);
+  EXPECT_EQ(stats.raw_bytes, 10u * 3 * 4 + 16);
+
+  // Nothing is left of the temporary folder.
+  const std::vector<std::string> keys = kv.List("").value();
+  for (const std::string& key : keys) EXPECT_THAT(key, HasSubstr("run/5/")) << key;
+
+  auto db = OcdbtKvStore::Open(&kv, "run/5").value();
+  auto zw = ZarrArray::Open(db.get(), "params.w").value();
+  EXPECT_EQ(zw->zarr_format(), 3);
+  EXPECT_TRUE(zw->sharded());
+  EXPECT_THAT(zw->chunk_shape(), ElementsAre(3, 3));
+  std::vector<float> got(30);
+  ASSERT_TRUE(zw->Read(Box({0, 0}, {10, 3}), DType::kFloat32, got.data()).ok());
+  EXPECT_EQ(got, w);
+  auto zb = ZarrArray::Open(db.get(), "l.0").value();
+  int32_t got_b[4];
+  ASSERT_TRUE(zb->Read(Box({0}, {4}), DType::kInt32, got_b).ok());
+  EXPECT_EQ(std::memcmp(got_b, b, sizeof(b)), 0);
+  auto zs = ZarrArray::Open(db.get(), "l.1").value();
+  EXPECT_EQ(zs->dtype(), DType::kInt64);
+  int64_t got_step = 0;
+  ASSERT_TRUE(zs->Read(Box({}, {}), DType::kInt64, &got_step).ok());
+  EXPECT_EQ(got_step, -12);
+  EXPECT_FALSE(ZarrArray::Open(db.get(), "l.2").ok());
+
+  const auto metadata = nlohmann::json::parse(kv.Read("run/5/_METADATA").value());
+  EXPECT_EQ(metadata["use_ocdbt"], true);
+  EXPECT_EQ(metadata["use_zarr3"], true);
+  EXPECT_EQ(metadata["store_array_data_equal_to_fill_value"], false);
+  const auto& tree = metadata["tree_metadata"];
+  ASSERT_EQ(tree.size(), 4u);
+  EXPECT_EQ(tree["('l', '2')"]["value_metadata"]["value_type"], "None");
+  EXPECT_EQ(tree["('l', '2')"]["value_metadata"]["skip_deserialize"], true);
+  EXPECT_EQ(tree["('params', 'w')"]["value_metadata"]["value_type"], "jax.Array");
+  EXPECT_EQ(tree["('params', 'w')"]["value_metadata"]["write_shape"], nlohmann::json({3, 3}));
+  EXPECT_EQ(tree["('l', '0')"]["value_metadata"]["value_type"], "np.ndarray");
+  EXPECT_EQ(tree["('l', '1')"]["value_metadata"]["value_type"], "scalar");
+  EXPECT_EQ(tree["('l', '1')"]["key_metadata"],
+            nlohmann::json::parse(R"([{"key": "l", "key_type": 2}, {"key": "1", "key_type": 1}])"));
+  const auto checkpoint = nlohmann::json::parse(kv.Read("run/5/_CHECKPOINT_METADATA").value());
+  EXPECT_THAT(checkpoint["item_handlers"].get<std::string>(), HasSubstr("StandardCheckpointHandler"));
+  const auto arrays = nlohmann::json::parse(kv.Read("run/5/array_metadatas/process_0").value());
+  EXPECT_EQ(arrays["array_metadatas"][0]["array_metadata"]["param_name"], "params.w");
+}
+
+TEST(OrbaxWriterTest, ManagerItemLayoutAndChunkSource) {
+  MemoryKvStore kv;
+  OrbaxWriterOptions options;
+  options.item = "default";
+  auto writer = OrbaxWriter::Create(&kv, "ckpts/3", options).value();
+  const std::vector<float> m = Iota(5 * 4);
+  ASSERT_TRUE(writer->AddArray({"m", DType::kFloat32, {5, 4}}, {2, 4},
+                               [&](const Box& box, void* dest) {
+                                 std::vector<float> rows = Rows(m, 4, box.origin[0], box.shape[0]);
+                                 std::memcpy(dest, rows.data(), rows.size() * 4);
+                                 return OkStatus();
+                               }).ok());
+  ASSERT_TRUE(writer->AddFile("_sharding", "{}").ok());
+  uint64_t last = 0, total = 0;
+  ASSERT_TRUE(writer->Commit(nullptr, [&](uint64_t d, uint64_t t) { last = d; total = t; }).ok());
+  EXPECT_EQ(last, 80u);
+  EXPECT_EQ(total, 80u);
+  EXPECT_TRUE(kv.Read("ckpts/3/_CHECKPOINT_METADATA").ok());
+  EXPECT_TRUE(kv.Read("ckpts/3/default/_METADATA").ok());
+  EXPECT_EQ(kv.Read("ckpts/3/default/_sharding").value(), "{}");
+  const auto checkpoint = nlohmann::json::parse(kv.Read("ckpts/3/_CHECKPOINT_METADATA").value());
+  EXPECT_TRUE(checkpoint["item_handlers"].contains("default"));
+  auto db = OcdbtKvStore::Open(&kv, "ckpts/3/default").value();
+  auto za = ZarrArray::Open(db.get(), "m").value();
+  EXPECT_THAT(za->chunk_shape(), ElementsAre(2, 4));
+  std::vector<float> got(20);
+  ASSERT_TRUE(za->Read(Box({0, 0}, {5, 4}), DType::kFloat32, got.data()).ok());
+  EXPECT_EQ(got, m);
+}
+
+TEST(OrbaxWriterTest, FailuresLeaveNothing) {
+  MemoryKvStore kv;
+  {  // A failing source: no checkpoint, no temporary folder.
+    auto writer = OrbaxWriter::Create(&kv, "c/1").value();
+    ASSERT_TRUE(writer->AddArray({"x", DType::kFloat32, {8}}, {2},
+                                 [](const Box& box, void*) {
+                                   return box.origin[0] == 4 ? DataLossError("bad chunk")
+                                                             : OkStatus();
+                                 }).ok());
+    Status s = writer->Commit();
+    EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("bad chunk"));
+    EXPECT_TRUE(kv.List("").value().empty());
+  }
+  {  // Colliding names ("a.b" and a/b).
+    auto writer = OrbaxWriter::Create(&kv, "c/1").value();
+    const float v = 1;
+    ASSERT_TRUE(writer->AddArray({"a.b", DType::kFloat32, {}}, {{Box(), &v, 0, 1}}).ok());
+    ASSERT_TRUE(writer->AddArray({"a/b", DType::kFloat32, {}}, {{Box(), &v, 0, 1}}).ok());
+    Status s = writer->Commit();
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("same Orbax name 'a.b'"));
+    EXPECT_TRUE(kv.List("").value().empty());
+  }
+  {  // Shards that do not tile the array.
+    auto writer = OrbaxWriter::Create(&kv, "c/1").value();
+    const std::vector<float> v = Iota(8);
+    Status s = writer->AddArray({"x", DType::kFloat32, {8}}, {{Box({0}, {4}), v.data(), 0, 1}});
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("cover 1 of the 2 cells"));
+  }
+  {  // An existing checkpoint is kept unless `overwrite`.
+    const float v = 2;
+    auto writer = OrbaxWriter::Create(&kv, "c/1").value();
+    ASSERT_TRUE(writer->AddArray({"x", DType::kFloat32, {}}, {{Box(), &v, 0, 1}}).ok());
+    ASSERT_TRUE(writer->Commit().ok());
+    auto again = OrbaxWriter::Create(&kv, "c/1").value();
+    ASSERT_TRUE(again->AddArray({"y", DType::kFloat32, {}}, {{Box(), &v, 0, 1}}).ok());
+    EXPECT_TRUE(absl::IsAlreadyExists(again->Commit()));
+    OrbaxWriterOptions options;
+    options.overwrite = true;
+    auto over = OrbaxWriter::Create(&kv, "c/1", options).value();
+    ASSERT_TRUE(over->AddArray({"y", DType::kFloat32, {}}, {{Box(), &v, 0, 1}}).ok());
+    ASSERT_TRUE(over->Commit().ok());
+    auto db = OcdbtKvStore::Open(&kv, "c/1").value();
+    EXPECT_THAT(db->List("").value(), ElementsAre("y/c", "y/zarr.json"));
+    const std::vector<std::string> keys = kv.List("").value();
+    for (const std::string& key : keys) EXPECT_THAT(key, HasSubstr("c/1/")) << key;
+  }
+}
+
+}  // namespace
+}  // namespace tensorstash
