@@ -250,6 +250,8 @@ class Bench:
         reads = [op for op in sc.ops if op.kind == "restore"]
 
         def setup_ops(tool):
+            if sc.reads_tool is not None and tool != sc.reads_tool:
+                return []  # every tool reads the reads_tool's checkpoint: that tool sets it up
             if sc.reads_from and not os.path.exists(self.ckpt_marker(sc.reads_from[0], tool,
                                                                        sc.reads_from[1])):
                 return [f"setup:{sc.reads_from[0]}"]
@@ -275,6 +277,8 @@ class Bench:
                 log(f"    {'raw':<11} " + ", ".join(shown))
 
         if args.isolation == "scenario":
+            if sc.reads_tool is not None and setup_ops(sc.reads_tool):  # before anyone reads it
+                run_worker(args, sc.reads_tool, sc.name, setup_ops(sc.reads_tool), run, False)
             for p in parts:
                 if p == RAW:
                     raw(writes + reads)
@@ -286,7 +290,8 @@ class Bench:
                 raw(writes)
             elif writes:
                 worker(p, [op.name for op in writes])
-        for tool in args.tools:
+        setup_tools = args.tools + ([sc.reads_tool] if sc.reads_tool not in (None, *args.tools) else [])
+        for tool in setup_tools:
             setup = setup_ops(tool)
             if setup:
                 run_worker(args, tool, sc.name, setup, run, False)

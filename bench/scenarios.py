@@ -80,6 +80,8 @@ class Scenario:
     ops: tuple  # of Op, in the order they run
     # (scenario, tree) whose checkpoint the restores read when this scenario saves none.
     reads_from: tuple | None = None
+    # The tool whose checkpoint of `reads_from` every tool restores (None: each its own).
+    reads_tool: str | None = None
 
 
 # --- values ---------------------------------------------------------------------------------
@@ -291,7 +293,15 @@ def make_scenarios(scale: float) -> dict[str, Scenario]:
         (Op("restore_cold", "restore", "main", cold=True, raw="read_cold", raw_bytes=n,
             label="restore, cold cache"),),
         reads_from=("large", "main"))
+
+    out["orbax-format"] = Scenario(
+        "orbax-format", "the checkpoint Orbax saved in 'large' (OCDBT + zarr), restored by both",
+        {"main": large},
+        (Op("restore_orbax_ckpt", "restore", "main", raw="read", raw_bytes=n,
+            label="restore an Orbax checkpoint"),),
+        reads_from=("large", "main"), reads_tool="orbax")
     return out
 
 
-SCENARIO_NAMES = ("large", "many-small", "stacked", "reshard", "partial", "async", "cold")
+SCENARIO_NAMES = ("large", "many-small", "stacked", "reshard", "partial", "async", "cold",
+                  "orbax-format")

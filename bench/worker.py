@@ -300,7 +300,7 @@ TOOLS = {"tensorstash": Tensorstash, "orbax": Orbax}
 
 def ckpt_path(job: dict, scenario: S.Scenario, tree: str) -> str:
     name = scenario.reads_from[0] if scenario.reads_from else scenario.name
-    return os.path.join(job["dir"], name, job["tool"], tree)
+    return os.path.join(job["dir"], name, scenario.reads_tool or job["tool"], tree)
 
 
 def remove(path: str) -> None:

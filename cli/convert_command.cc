@@ -1,9 +1,9 @@
 // `tensorstash convert SRC DST`: rewrite a checkpoint in the other format.
 //
 // native -> Orbax (OCDBT + zarr3, what orbax-checkpoint restores) streams: each zarr chunk is
-// read from the source when the writer needs it, so memory stays at a few chunks. Orbax ->
-// native needs a reader of Orbax checkpoints (OpenOrbaxSource below); the native writer then
-// holds each array whole in memory until the commit. DST appears whole or not at all, and an
+// read from the source when the writer needs it, so memory stays at a few chunks. Orbax (or a
+// zarr group) -> native reads through StepSource; the native writer then holds each array whole
+// in memory until the commit. DST appears whole or not at all, and an
 // existing DST is refused unless --overwrite.
 #include <algorithm>
 #include <atomic>
@@ -19,6 +19,7 @@
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/checkpoint/orbax_writer.h"
+#include "tensorstash/checkpoint/step_source.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash::cli {
@@ -43,41 +44,31 @@ class ConvertSource {
   virtual Status Read(size_t id, const Box& box, void* dest) = 0;
 };
 
-class NativeSource final : public ConvertSource {
+// Any step the readers understand (StepSource: native, Orbax, zarr group), as a ConvertSource.
+class StepConvertSource final : public ConvertSource {
  public:
-  static Result<std::unique_ptr<NativeSource>> Open(const std::string& path) {
-    auto source = std::unique_ptr<NativeSource>(new NativeSource());
+  static Result<std::unique_ptr<StepConvertSource>> Open(const std::string& path) {
+    auto source = std::unique_ptr<StepConvertSource>(new StepConvertSource());
     TS_ASSIGN_OR_RETURN(source->location_, OpenStepPath(path));
-    TS_ASSIGN_OR_RETURN(source->reader_,
-                        CheckpointReader::Open(source->location_.kv.get(), source->location_.key));
-    for (const ArrayMetadata& a : source->reader_->arrays()) {
+    TS_ASSIGN_OR_RETURN(source->step_,
+                        OpenStepSource(source->location_.kv.get(), source->location_.key));
+    for (const ArrayMetadata& a : source->step_->arrays()) {
       source->arrays_.push_back({a.path, a.dtype, a.shape(), a.grid.chunk_shape});
     }
     return source;
   }
-  const TreeNode& tree() const override { return reader_->tree(); }
+  const TreeNode& tree() const override { return step_->tree(); }
   const std::vector<SourceArray>& arrays() const override { return arrays_; }
   Status Read(size_t id, const Box& box, void* dest) override {
-    return reader_->Read({arrays_[id].path, box, arrays_[id].dtype, dest});
+    return step_->ReadMany({{arrays_[id].path, box, arrays_[id].dtype, dest}}, nullptr, nullptr);
   }
 
  private:
-  NativeSource() = default;
+  StepConvertSource() = default;
   StepLocation location_;
-  std::unique_ptr<CheckpointReader> reader_;
+  std::unique_ptr<StepSource> step_;
   std::vector<SourceArray> arrays_;
 };
-
-// Orbax -> native: the read side (OrbaxReader, issue 7) provides this. It must open the Orbax
-// item folder `path` (or a CheckpointManager step with `item`), give its tree as a TreeNode
-// (Orbax's scalars as int / float / bool leaves, its arrays as array leaves in arrays() order)
-// and read boxes of its zarr arrays.
-Result<std::unique_ptr<ConvertSource>> OpenOrbaxSource(const std::string& path,
-                                                       const std::string& item) {
-  (void)item;
-  return UnimplementedError(StrCat("'", path, "' is an Orbax checkpoint; reading Orbax "
-                                   "checkpoints is not available in this build"));
-}
 
 enum class Format { kNative, kOrbax };
 
@@ -180,16 +171,15 @@ int RunConvert(const std::string& src, const std::string& dst, const std::string
   if (std::filesystem::exists(dst, error) && !overwrite) {
     return Fail(AlreadyExistsError(StrCat("'", dst, "' exists; pass --overwrite to replace it")));
   }
-  std::unique_ptr<ConvertSource> source;
-  if (*from == Format::kNative) {
-    Result<std::unique_ptr<NativeSource>> native = NativeSource::Open(src);
-    if (!native.ok()) return Fail(native.status());
-    source = *std::move(native);
-  } else {
-    Result<std::unique_ptr<ConvertSource>> orbax = OpenOrbaxSource(src, item);
-    if (!orbax.ok()) return Fail(orbax.status());
-    source = *std::move(orbax);
-  }
+  // An Orbax manager step: its named item (the readers find "default" by themselves).
+  namespace fs = std::filesystem;
+  const std::string src_item =
+      *from == Format::kOrbax && !item.empty() && fs::exists(fs::path(src) / item / "_METADATA", error)
+          ? (fs::path(src) / item).string()
+          : src;
+  Result<std::unique_ptr<StepConvertSource>> opened = StepConvertSource::Open(src_item);
+  if (!opened.ok()) return Fail(opened.status());
+  std::unique_ptr<ConvertSource> source = *std::move(opened);
   Result<StepLocation> destination = OpenDestination(dst);
   if (!destination.ok()) return Fail(destination.status());
   const auto start = std::chrono::steady_clock::now();

@@ -84,6 +84,10 @@ class ThrottledProgress {
   std::optional<nb::python_error> error_;  // written with the GIL held
 };
 
+// (path, origin, shape, dtype name) of a box to map.
+using MapRequestTuple =
+    std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>, std::string>;
+
 class Reader {
  public:
   Reader(std::unique_ptr<FileKvStore> kv, std::unique_ptr<StepSource> reader)
@@ -154,6 +158,35 @@ class Reader {
     result["direct_chunks"] = stats.direct_chunks;
     result["staged_chunks"] = stats.staged_chunks;
     result["peak_staging_bytes"] = stats.peak_staging_bytes;
+    return result;
+  }
+
+  // One entry per request: a NumPy uint8 array over the box's bytes mapped from the data files
+  // (owning the mapping), or None where the box cannot be mapped (the caller reads it instead).
+  nb::list MapMany(const std::vector<MapRequestTuple>& requests) {
+    std::vector<ReadRequest> maps;
+    for (const auto& [path, origin, shape, dtype_name] : requests) {
+      maps.push_back({path, Box(origin, shape), ValueOrThrow(ParseDType(dtype_name)), nullptr});
+    }
+    std::vector<Result<MappedBox>> mapped;
+    if (CheckpointReader* native = reader_->native(); native != nullptr) {
+      nb::gil_scoped_release release;
+      mapped = native->MapMany(maps);
+    }
+    nb::list result;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      if (i >= mapped.size() || absl::IsUnimplemented(mapped[i].status())) {
+        result.append(nb::none());
+        continue;
+      }
+      ThrowIfError(mapped[i].status());
+      auto* owned = new MappedBox(*std::move(mapped[i]));
+      nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<MappedBox*>(p); });
+      const size_t size = owned->size();
+      result.append(nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(
+                        reinterpret_cast<uint8_t*>(owned->data()), {size}, owner)
+                        .cast());
+    }
     return result;
   }
 
@@ -243,6 +276,14 @@ void DefineReader(nb::module_& m) {
            "total), in stored bytes, is called from the reading threads (with the GIL) at most "
            "about ten times a second, and finally with done == total once the read succeeded; "
            "an exception it raises stops the calls and is raised once the read is over.")
+      .def("map_many", &Reader::MapMany, nb::arg("requests"),
+           nb::sig("def map_many(self, requests: list[tuple[str, collections.abc.Sequence[int], "
+                   "collections.abc.Sequence[int], str]]) -> "
+                   "list[numpy.typing.NDArray[numpy.uint8] | None]"),
+           "For each (path, origin, shape, dtype): the box's bytes (C order, stored dtype) as a "
+           "uint8 array mapped copy-on-write from the data files, its checksums checked, or "
+           "None where the box cannot be mapped (compressed, small or unaligned chunks, a cast, "
+           "a foreign format): read those. Raises as read_many for unknown arrays and damage.")
       .def("read_file", &Reader::ReadFile, nb::arg("name"),
            "The bytes of a file committed with the step (e.g. \"metadata.json\"), checked "
            "against the size and CRC-32C in COMMIT. FileNotFoundError when the step has no such "

@@ -340,6 +340,8 @@ class _Reads:
         self.bytes_read = 0  # stored bytes read from storage
 
     def read(self, requests: list[tuple]) -> None:
+        if not requests:  # everything of this batch was mapped
+            return
         size = sum(r[4].nbytes for r in requests)
         if self.display is None:
             stats = self.reader.read_many(requests)
@@ -356,13 +358,38 @@ class _Reads:
             self.display.close()
 
 
+# Boxes of at least this many bytes are mapped from the files where they can be (map_many).
+_MAP_FROM_BYTES = 1 << 20
+
+
+def _map_boxes(reader: _ext.Reader, path: str, info: dict, boxes: list[tuple], dtype: np.dtype,
+               enabled: bool) -> list[np.ndarray | None]:
+    """Each (origin, shape) box of array `path` as an array mapped copy-on-write from the data
+    files (no copy, and no zeroing of fresh memory: the costliest part of a restore into host
+    memory), or None where it must be read: a cast, a small box, compressed or unaligned chunks,
+    a foreign format (CheckpointReader::MapMany)."""
+    name = tnp.dtype_name(dtype)
+    wanted = [i for i, (_, shape) in enumerate(boxes)
+              if math.prod(shape) * dtype.itemsize >= _MAP_FROM_BYTES]
+    out: list[np.ndarray | None] = [None] * len(boxes)
+    if not enabled or name != info["dtype"] or info.get("codec") != "none" or not wanted:
+        return out
+    mapped = reader.map_many([(path, boxes[i][0], boxes[i][1], name) for i in wanted])
+    for i, m in zip(wanted, mapped):
+        if m is not None:
+            out[i] = m.view(dtype).reshape(boxes[i][1])
+    return out
+
+
 class _Restore:
     """Plans the reads a target needs, runs them, and builds the leaves."""
 
-    def __init__(self, reader: _ext.Reader, ckpt: str, truncate: bool):
+    def __init__(self, reader: _ext.Reader, ckpt: str, truncate: bool, mmap: bool = True):
         self.reader = reader
         self.ckpt = ckpt
         self.truncate = truncate
+        self.mmap = mmap
+        self.mapped_bytes = 0  # bytes of the boxes mapped instead of read
         self.node = json.loads(reader.tree_json())
         self.leaves = _tree.index_leaves(self.node)
         self.infos = {a["path"]: a for a in reader.arrays()}
@@ -411,18 +438,30 @@ class _Restore:
             if sharding is None:
                 sharding = _jax.sharding.SingleDeviceSharding(_jax.devices()[0])
             boxes = tjax.device_boxes(sharding, shape)
+            distinct = list(dict.fromkeys(boxes.values()))
             unique: dict[tuple, np.ndarray] = {}
             requests = []
-            for box in boxes.values():
-                if box not in unique:
+            for box, mapped in zip(distinct, _map_boxes(self.reader, path, self.infos[path],
+                                                        distinct, dtype, self.mmap)):
+                if mapped is not None:
+                    unique[box] = mapped
+                    self.mapped_bytes += mapped.nbytes
+                else:
                     unique[box] = tnp.empty_aligned(box[1], dtype)
                     requests.append((path, box[0], box[1], name, tnp.byte_view(unique[box])))
             finish = lambda shape=shape, sharding=sharding, boxes=boxes, unique=unique: tjax.assemble(
                 shape, sharding, {d: unique[b] for d, b in boxes.items()})
             self.pending.append((path, requests, finish))
             return
-        out = tnp.empty_aligned(shape, dtype)
-        self.pending.append((path, [(path, (0,) * len(shape), shape, name, tnp.byte_view(out))],
+        box = ((0,) * len(shape), shape)
+        out = _map_boxes(self.reader, path, self.infos[path], [box], dtype, self.mmap)[0]
+        if out is not None:
+            self.mapped_bytes += out.nbytes
+            requests = []
+        else:
+            out = tnp.empty_aligned(shape, dtype)
+            requests = [(path, box[0], shape, name, tnp.byte_view(out))]
+        self.pending.append((path, requests,
                              lambda out=out, scalar=isinstance(target, np.generic): out[()] if scalar else out))
 
     def total_bytes(self) -> int:
@@ -458,7 +497,7 @@ class _Restore:
 
 def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = False,
             verify_checksums: bool = True, max_inflight_bytes: int = 256 << 20,
-            io_threads: int = 0, progress: Any = None) -> Any:
+            io_threads: int = 0, progress: Any = None, mmap: bool = True) -> Any:
     """Restores the checkpoint step folder `path`: a tensorstash step, or an Orbax checkpoint
     (OCDBT or per-parameter zarr folders, zarr3 or zarr2; an Orbax CheckpointManager step opens
     its item) or a zarr-group checkpoint, detected from the folder's files
@@ -478,6 +517,13 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     arrays, from the engine's reading threads, at most about ten times a second and finally
     with done_bytes == total_bytes.
 
+    `mmap`: host buffers of at least 1 MiB whose stored chunks allow it (tensorstash format,
+    uncompressed, the stored dtype) are mapped copy-on-write from the data files instead of
+    read into fresh memory, their checksums checked all the same: much faster, and pages of the
+    page cache rather than new memory. The arrays stay valid whatever happens to the checkpoint
+    afterwards, except if its files were truncated in place (tensorstash never does; their
+    pages would then fault). False reads everything.
+
     Raises FileNotFoundError for a missing step, ValueError for an incomplete step or a shape
     mismatch, KeyError naming the path of a target leaf the checkpoint lacks, OSError when stored
     bytes are corrupt (CRC-32C mismatch, truncated files); an exception raised by a `progress`
@@ -485,11 +531,12 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     """
     return _restore(path, target, truncate=truncate, verify_checksums=verify_checksums,
                     max_inflight_bytes=max_inflight_bytes, io_threads=io_threads,
-                    progress=progress)[0]
+                    progress=progress, mmap=mmap)[0]
 
 
 def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_checksums: bool,
-             max_inflight_bytes: int, io_threads: int, progress: Any) -> tuple[Any, int]:
+             max_inflight_bytes: int, io_threads: int, progress: Any,
+             mmap: bool = True) -> tuple[Any, int]:
     """restore(), returning (the restored tree, the stored bytes read)."""
     ckpt = os.fspath(path)
     reader = _open(path, verify_checksums, max_inflight_bytes, io_threads)
@@ -497,10 +544,19 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
     if target is None:
         requests = []
 
+        mapped_bytes = 0
+
         def read_array(array_path: str, _id: int) -> np.ndarray:
+            nonlocal mapped_bytes
             info = reader_infos[array_path]
-            out = np.empty(tuple(info["shape"]), tnp.dtype_from_name(info["dtype"]))
-            requests.append((array_path, (0,) * out.ndim, out.shape, info["dtype"], tnp.byte_view(out)))
+            shape, dtype = tuple(info["shape"]), tnp.dtype_from_name(info["dtype"])
+            box = ((0,) * len(shape), shape)
+            out = _map_boxes(reader, array_path, info, [box], dtype, mmap)[0]
+            if out is not None:
+                mapped_bytes += out.nbytes
+                return out
+            out = np.empty(shape, dtype)
+            requests.append((array_path, box[0], shape, info["dtype"], tnp.byte_view(out)))
             return out
 
         reader_infos = {a["path"]: a for a in reader.arrays()}
@@ -510,16 +566,16 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
             reads.read(requests)
         finally:
             reads.close()
-        return tree, reads.bytes_read
+        return tree, reads.bytes_read + mapped_bytes
 
-    plan = _Restore(reader, ckpt, truncate)
+    plan = _Restore(reader, ckpt, truncate, mmap)
     _tree.map_target(target, plan.plan)
     reads = _Reads(reader, plan.total_bytes(), progress, desc)
     try:
         plan.run(reads)
     finally:
         reads.close()
-    return _tree.map_target(target, lambda p, _: plan.values[p]), reads.bytes_read
+    return _tree.map_target(target, lambda p, _: plan.values[p]), reads.bytes_read + plan.mapped_bytes
 
 
 # Last: the manager builds on the functions above.

@@ -4,7 +4,8 @@
 
 Prints one JSON line with the measurements. Modes:
   save         builds the checkpoint: "big" (512 MiB float32) and "parts" (4 x 32 MiB)
-  numpy        restores "big" into a NumPy target
+  numpy        restores "big" into a NumPy target, reading it (mmap=False)
+  mapped       restores "big" into a NumPy target, mapping it from the files (the default)
   staged       restores a truncated "big" (rows shorter than the chunks': staged reads)
   jax          restores "parts" onto 8 CPU devices, with the host batch set to 32 MiB
   gil          restores "big" while a Python thread counts, and saves it again likewise
@@ -75,8 +76,8 @@ def main() -> None:
         result.update(seconds=time.perf_counter() - t0, before=before, peak=rss_peak(),
                       held_bytes=sum(a.nbytes for a in [tree["big"], *tree["parts"]]),
                       stats=stats)
-    elif mode in ("numpy", "staged"):
-        shape = BIG if mode == "numpy" else (BIG[0], BIG[1] - 384)
+    elif mode in ("numpy", "staged", "mapped"):
+        shape = (BIG[0], BIG[1] - 384) if mode == "staged" else BIG
         # A target without memory of its own: restore allocates the result.
         target = {"big": np.broadcast_to(np.zeros((), np.float32), shape)}
         from tshelpers import record_read_stats
@@ -84,9 +85,9 @@ def main() -> None:
         before = rss_now()
         t0 = time.perf_counter()
         got = tensorstash.restore(step, target=target, truncate=True, max_inflight_bytes=CAP,
-                                  io_threads=IO_THREADS)
+                                  io_threads=IO_THREADS, mmap=mode == "mapped")
         result.update(seconds=time.perf_counter() - t0, before=before, peak=rss_peak(),
-                      restored_bytes=got["big"].nbytes, stats=merged(calls))
+                      restored_bytes=got["big"].nbytes, stats=merged(calls), read_calls=len(calls))
         want = big_values()
         result["correct"] = bool(np.array_equal(got["big"].view(np.uint32),
                                                 want[:, :shape[1]].view(np.uint32)))

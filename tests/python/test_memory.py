@@ -67,6 +67,18 @@ def test_restore_memory_numpy(saved, tmp_path):
                                 f"MiB restored (limit {limit / MiB:.1f})", r)
 
 
+def test_restore_memory_mapped(saved, tmp_path):
+    """The default restore maps "big" from the data files: nothing is read, and the memory it
+    adds (page-cache pages mapped copy-on-write) stays within the same bound."""
+    step, _ = saved
+    r = run_worker("mapped", step, str(tmp_path))
+    assert r["correct"], r
+    assert r["read_calls"] == 0 and r["stats"] == {}, r  # mapped, not read
+    limit = r["restored_bytes"] + CAP + allowance(r["restored_bytes"])
+    assert growth(r) <= limit, (f"grew {growth(r) / MiB:.1f} MiB for {r['restored_bytes'] / MiB} "
+                                f"MiB restored (limit {limit / MiB:.1f})", r)
+
+
 def test_restore_memory_staged(saved, tmp_path):
     """Target rows shorter than the stored chunks' rows: every chunk goes through staging,
     whose bytes in flight stay within the cap."""

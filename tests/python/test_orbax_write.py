@@ -256,14 +256,46 @@ def test_convert_to_manager_item_and_native_copy(tmp_path):
     assert got["step"] == 3
 
 
-def test_convert_from_orbax_is_reported_until_the_reader_lands(tmp_path):
-    src = str(tmp_path / "ckpt")
-    tensorstash.save(src, {"a": np.arange(4)}, format="orbax")
-    result = subprocess.run([cli(), "convert", src, str(tmp_path / "out")], capture_output=True,
-                            text=True)
+def test_convert_an_orbax_checkpoint_to_native_and_back(tmp_path):
+    """Orbax writes; convert makes a native step of it (restored bit for bit by tensorstash),
+    and converting that back gives a checkpoint Orbax restores bit for bit."""
+    m = mesh((2, 4))
+    w = pattern((24, 40), np.float32, seed=21)
+    tree = {"params": {"w": global_array(w, named(m, "a", "b")),
+                       "b": pattern((7,), np.int32, seed=22)},
+            "step": 12}
+    src = str(tmp_path / "orbax")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(src, tree)
+    checkpointer.wait_until_finished()
+    native = str(tmp_path / "native")
+    result = subprocess.run([cli(), "convert", src, native], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert os.path.exists(os.path.join(native, "COMMIT"))
+    got = tensorstash.restore(native)
+    assert_same_array(got["params"]["w"], w, "w")
+    assert_same_array(got["params"]["b"], tree["params"]["b"], "b")
+    assert got["step"] == 12
+    back = str(tmp_path / "back")
+    result = subprocess.run([cli(), "convert", native, back], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    m2 = mesh((4, 2))
+    target = {"params": {"w": abstract(w, named(m2, "b", "a")),
+                         "b": abstract(tree["params"]["b"], named(m2))},
+              "step": 0}
+    restored = ocp.StandardCheckpointer().restore(back, target)
+    assert_jax_array(restored["params"]["w"], w, named(m2, "b", "a"), "w")
+    assert_same_array(np.asarray(restored["params"]["b"]), tree["params"]["b"], "b")
+    # A damaged source fails the conversion and leaves nothing behind.
+    data = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(src, "d")) for f in fs]
+    for path in data:
+        with open(path, "r+b") as f:
+            f.truncate(max(0, os.path.getsize(path) // 2))
+    bad = str(tmp_path / "bad")
+    result = subprocess.run([cli(), "convert", src, bad], capture_output=True, text=True)
     assert result.returncode != 0
-    assert "Orbax checkpoint" in result.stderr
-    assert not os.path.exists(tmp_path / "out")
+    assert "error" in result.stderr
+    assert not os.path.exists(bad)
 
 
 @pytest.mark.parametrize("name", ["float32", "bfloat16", "int64", "bool", "complex64"])

@@ -568,7 +568,7 @@ class FileReadableFile final : public ReadableFile {
 
   Status MapAt(uint64_t offset, size_t size, void* address) const override {
     if (offset > size_ || size > size_ - offset) return Truncated(path_, offset, size, size_);
-    void* mapped = ::mmap(address, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_POPULATE, fd_.get(),
+    void* mapped = ::mmap(address, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd_.get(),
                           static_cast<off_t>(offset));
     if (mapped == MAP_FAILED) {
       return FsError(errno, StrCat("map ", size, " bytes at offset ", offset, " of"), path_);
