@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "tensorstash/array/chunk_grid.h"
@@ -73,6 +74,23 @@ struct CheckpointReader::Impl {
       return DataLossError(StrCat("CRC-32C mismatch in ", ChunkWhat(e), ": stored ", Hex32(e.crc32c), ", computed ", Hex32(crc)));
     }
     return OkStatus();
+  }
+  // The id of the array a request names, after checking the box against it (its rank, and
+  // ValidateBox for elements of `dtype`, default the stored one). NotFound for an unknown path.
+  Result<size_t> CheckRequest(const ReadRequest& req, std::optional<DType> dtype,
+                              std::string_view what) const {
+    auto it = array_by_path.find(req.path);
+    if (it == array_by_path.end()) {
+      return NotFoundError(StrCat("no array '", req.path, "' in checkpoint '", dir, "'"));
+    }
+    const ArrayMetadata& a = tree.arrays[it->second];
+    if (req.box.rank() != a.grid.rank()) {
+      return InvalidArgumentError(StrCat(what, ": box ", req.box.ToString(), " has rank ",
+                                         req.box.rank(), " but the array has rank ",
+                                         a.grid.rank()));
+    }
+    TS_RETURN_IF_ERROR(ValidateBox(req.box, ItemSize(dtype.value_or(a.dtype)), what));
+    return it->second;
   }
   Status ReadFile(uint32_t file_id, uint64_t offset, uint64_t length, void* dest) const {
     if (!file_errors[file_id].ok()) return file_errors[file_id];
@@ -299,15 +317,9 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
   ReadStats local;
   for (size_t r = 0; r < requests.size(); ++r) {
     const ReadRequest& req = requests[r];
-    TS_ASSIGN_OR_RETURN(const ArrayMetadata* a, FindArray(req.path));
-    const size_t array_id = s.array_by_path.find(req.path)->second;
-    const std::string what = StrCat("read of array '", a->path, "'");
-    if (req.box.rank() != a->grid.rank()) {
-      return InvalidArgumentError(StrCat(what, ": box ", req.box.ToString(), " has rank ",
-                                                     req.box.rank(), " but the array has rank ",
-                                                     a->grid.rank()));
-    }
-    TS_RETURN_IF_ERROR(ValidateBox(req.box, ItemSize(req.dtype), what));
+    const std::string what = StrCat("read of array '", req.path, "'");
+    TS_ASSIGN_OR_RETURN(const size_t array_id, s.CheckRequest(req, req.dtype, what));
+    const ArrayMetadata* a = &s.tree.arrays[array_id];
     if (!CanConvert(a->dtype, req.dtype)) {
       return InvalidArgumentError(StrCat(what, ": cannot convert stored ",
                                                      DTypeName(a->dtype), " to ", DTypeName(req.dtype)));
@@ -481,15 +493,9 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
   Impl& s = *impl_;
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   auto map_one = [&](const ReadRequest& req) -> Result<MappedBox> {
-    TS_ASSIGN_OR_RETURN(const ArrayMetadata* a, FindArray(req.path));
-    const size_t array_id = s.array_by_path.find(req.path)->second;
-    const std::string what = StrCat("mapping of array '", a->path, "'");
-    if (req.box.rank() != a->grid.rank()) {
-      return InvalidArgumentError(StrCat(what, ": box ", req.box.ToString(), " has rank ",
-                                         req.box.rank(), " but the array has rank ",
-                                         a->grid.rank()));
-    }
-    TS_RETURN_IF_ERROR(ValidateBox(req.box, ItemSize(a->dtype), what));
+    const std::string what = StrCat("mapping of array '", req.path, "'");
+    TS_ASSIGN_OR_RETURN(const size_t array_id, s.CheckRequest(req, std::nullopt, what));
+    const ArrayMetadata* a = &s.tree.arrays[array_id];
     if (req.dtype != a->dtype) return NotMappable(a->path, "a dtype conversion");
     if (a->codec != Codec::kNone) return NotMappable(a->path, "compressed");
     if (req.box.empty()) return NotMappable(a->path, "empty");

@@ -121,17 +121,21 @@ Status CollectLeaves(const TreeNode& node, std::vector<std::pair<std::string, in
     for (const auto& k : *keys) path += (path.empty() ? "" : "/") + EscapePathKey(k.first);
     return path.empty() ? std::string("the root") : StrCat("'", path, "'");
   };
-  const bool empty_container = (node.kind == TreeNode::Kind::kDict && node.entries.empty()) ||
-                               ((node.kind == TreeNode::Kind::kList ||
-                                 node.kind == TreeNode::Kind::kTuple) && node.items.empty());
-  if ((node.kind == TreeNode::Kind::kNone || empty_container) && !keys->empty()) {
-    // Orbax records None and empty containers as leaves without data ("skip_deserialize").
+  // A leaf named by its keys joined with '.', as Orbax names parameters.
+  const auto add_leaf = [&] {
     Leaf leaf;
     leaf.keys = *keys;
     for (const auto& k : *keys) leaf.name += (leaf.name.empty() ? "" : ".") + k.first;
     leaf.node = &node;
     out->push_back(std::move(leaf));
     return OkStatus();
+  };
+  const bool empty_container = (node.kind == TreeNode::Kind::kDict && node.entries.empty()) ||
+                               ((node.kind == TreeNode::Kind::kList ||
+                                 node.kind == TreeNode::Kind::kTuple) && node.items.empty());
+  if ((node.kind == TreeNode::Kind::kNone || empty_container) && !keys->empty()) {
+    // Orbax records None and empty containers as leaves without data ("skip_deserialize").
+    return add_leaf();
   }
   switch (node.kind) {
     case TreeNode::Kind::kNone:
@@ -167,12 +171,7 @@ Status CollectLeaves(const TreeNode& node, std::vector<std::pair<std::string, in
       if (keys->empty()) {
         return InvalidArgumentError("the tree's root is a leaf; Orbax saves dicts and lists");
       }
-      Leaf leaf;
-      leaf.keys = *keys;
-      for (const auto& k : *keys) leaf.name += (leaf.name.empty() ? "" : ".") + k.first;
-      leaf.node = &node;
-      out->push_back(std::move(leaf));
-      return OkStatus();
+      return add_leaf();
     }
   }
   return InternalError("unknown tree node kind");
