@@ -18,7 +18,8 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 BENCH = os.path.join(REPO, "bench")
-SCENARIOS = ("large", "many-small", "stacked", "reshard", "partial", "async", "cold")
+SCENARIOS = ("large", "many-small", "stacked", "reshard", "partial", "async", "cold",
+             "orbax-format")
 TOOLS = ("tensorstash", "orbax")
 
 
