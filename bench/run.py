@@ -54,16 +54,6 @@ def log(msg: str) -> None:
 
 # --- the raw storage speed ------------------------------------------------------------------
 
-def drop_page_cache() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
-
-
 class RawFile:
     """Plain sequential write (optionally with fsync) and read of one file, in 8 MiB blocks,
     from and into one buffer as large as the data."""
@@ -102,7 +92,7 @@ class RawFile:
             self.write(path, n, True)
         data = self._buffer(n)
         os.sync()  # as before each timed restore: no writeback competing with the read
-        if cold and not drop_page_cache():
+        if cold and not S.drop_page_cache():
             return None
         t0 = time.perf_counter()
         fd = os.open(path, os.O_RDONLY)
@@ -318,7 +308,7 @@ class Bench:
         started = time.time()
         shutil.rmtree(args.dir, ignore_errors=True)
         os.makedirs(args.dir, exist_ok=True)
-        cold_permitted = drop_page_cache()
+        cold_permitted = S.drop_page_cache()
         meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "args": {"scale": args.scale, "runs": args.runs, "warmup": args.warmup,
                          "scenarios": args.scenarios, "tools": args.tools, "dir": args.dir,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import numpy as np
 
@@ -82,6 +83,20 @@ class Scenario:
     reads_from: tuple | None = None
     # The tool whose checkpoint of `reads_from` every tool restores (None: each its own).
     reads_tool: str | None = None
+
+
+# --- the machine ---------------------------------------------------------------------------
+
+def drop_page_cache() -> bool:
+    """Writes back dirty pages, then drops the page cache (for cold reads). False where the
+    machine does not permit it (not root, or a read-only /proc/sys)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False
 
 
 # --- values ---------------------------------------------------------------------------------

@@ -308,16 +308,6 @@ def remove(path: str) -> None:
         shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
 
 
-def drop_page_cache() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
-
-
 def warm_up(tool, job: dict) -> None:
     """A tiny save and restore, so that first-call costs stay out of the timed region."""
     leaf = S.Leaf("w", (64, 128), "float32", ("a", "b"), 7)
@@ -360,7 +350,7 @@ def run_restore(tool, job, scenario, op) -> dict:
     target = target_tree(leaves, op)
     # No writeback of the saves before (some without fsync) may compete with the timed restore.
     os.sync()
-    if op.cold and not drop_page_cache():
+    if op.cold and not S.drop_page_cache():
         return {"seconds": None, "cold": "not permitted"}
     with Memory() as mem:
         t0 = time.perf_counter()
