@@ -8,14 +8,16 @@ struct DataFileSet::File {
   std::string name;  // relative to the item folder
   std::unique_ptr<WritableFile> handle;
   uint64_t size = 0;
+  uint64_t unqueued = 0;  // bytes written since its writeback was last started
 };
 
 DataFileSet::DataFileSet(KvStore* kv, std::string item_dir, int process_index,
-                         uint64_t target_file_bytes, int lanes)
+                         uint64_t target_file_bytes, int lanes, uint64_t writeback_bytes)
     : kv_(kv),
       item_dir_(std::move(item_dir)),
       process_index_(process_index),
       target_file_bytes_(target_file_bytes == 0 ? 1 : target_file_bytes),
+      writeback_bytes_(writeback_bytes),
       lane_file_(std::max(1, lanes), -1) {}
 
 DataFileSet::~DataFileSet() {
@@ -52,15 +54,41 @@ Status DataFileSet::Write(const Location& where, const void* data, size_t size) 
     handle = files_.at(where.file_id)->handle.get();
   }
   if (handle == nullptr) return FailedPreconditionError("data file already closed");
-  return handle->WriteAt(where.offset, data, size);
+  TS_RETURN_IF_ERROR(handle->WriteAt(where.offset, data, size));
+  if (writeback_bytes_ == 0) return OkStatus();
+  bool start = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    File& file = *files_[where.file_id];
+    file.unqueued += size;
+    if (file.unqueued >= writeback_bytes_) {
+      file.unqueued = 0;
+      start = true;
+    }
+  }
+  return start ? handle->StartWriteback() : OkStatus();
 }
 
-Status DataFileSet::Finish(bool sync, std::vector<DataFileInfo>* files) {
+Status DataFileSet::Finish(bool sync, std::vector<DataFileInfo>* files, ThreadPool* pool) {
   std::lock_guard<std::mutex> lock(mutex_);
   files->clear();
   for (auto& file : files_) {
     if (!file->handle) return FailedPreconditionError("data files already finished");
-    if (sync) TS_RETURN_IF_ERROR(file->handle->Sync());
+  }
+  if (sync) {
+    // One fsync per file, side by side: each waits mostly on the storage.
+    if (pool != nullptr && files_.size() > 1) {
+      TaskGroup group(pool);
+      for (auto& file : files_) {
+        WritableFile* handle = file->handle.get();
+        group.Run([handle] { return handle->Sync(); });
+      }
+      TS_RETURN_IF_ERROR(group.Wait());
+    } else {
+      for (auto& file : files_) TS_RETURN_IF_ERROR(file->handle->Sync());
+    }
+  }
+  for (auto& file : files_) {
     TS_RETURN_IF_ERROR(file->handle->Close());
     file->handle.reset();
     files->push_back({file->name, file->size});

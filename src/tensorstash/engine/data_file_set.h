@@ -9,6 +9,10 @@
 // file are serialized by the filesystem (one inode lock), so a big save writes a few files at
 // once to use more than one core.
 //
+// A save that syncs passes `writeback_bytes`: each file's writeback is then started whenever that
+// many more bytes were written into it, so that the storage writes while the save still copies,
+// and the final fsyncs (run side by side) find little left to do.
+//
 // Thread-safety: all methods are thread-safe.
 #ifndef TENSORSTASH_ENGINE_DATA_FILE_SET_H_
 #define TENSORSTASH_ENGINE_DATA_FILE_SET_H_
@@ -22,6 +26,7 @@
 #include "tensorstash/format/index_format.h"
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/util/status.h"
+#include "tensorstash/util/thread_pool.h"
 
 namespace tensorstash {
 
@@ -31,8 +36,9 @@ inline constexpr uint64_t kAlignChunksFrom = 64 * 1024;
 class DataFileSet {
  public:
   // `item_dir` is the key of the item folder ("<step>.tmp-x/state").
+  // `writeback_bytes` 0: writeback is left to the kernel.
   DataFileSet(KvStore* kv, std::string item_dir, int process_index, uint64_t target_file_bytes,
-              int lanes = 1);
+              int lanes = 1, uint64_t writeback_bytes = 0);
   ~DataFileSet();
 
   struct Location {
@@ -43,9 +49,10 @@ class DataFileSet {
   // one is full. ResourceExhausted past the format's limit on data files.
   Result<Location> Allocate(uint64_t length, int lane = 0);
   Status Write(const Location& where, const void* data, size_t size);
-  // Syncs (when `sync`) and closes every file; fills `files` (names relative to the item folder,
-  // sizes as allocated). Further calls fail.
-  Status Finish(bool sync, std::vector<DataFileInfo>* files);
+  // Syncs (when `sync`; the files side by side on `pool` when given) and closes every file;
+  // fills `files` (names relative to the item folder, sizes as allocated). Further calls fail.
+  // Must not run on a thread of `pool`.
+  Status Finish(bool sync, std::vector<DataFileInfo>* files, ThreadPool* pool = nullptr);
 
  private:
   struct File;
@@ -53,6 +60,7 @@ class DataFileSet {
   std::string item_dir_;
   int process_index_;
   uint64_t target_file_bytes_;
+  uint64_t writeback_bytes_;
   std::mutex mutex_;
   std::vector<std::unique_ptr<File>> files_;
   std::vector<int> lane_file_;  // per lane: index into files_ of its current file, or -1

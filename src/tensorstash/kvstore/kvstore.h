@@ -36,6 +36,11 @@ class WritableFile {
   virtual Status WriteAt(uint64_t offset, const void* data, size_t size) = 0;
   // Makes every byte written so far durable (fsync). Memory backend: marks it synced.
   virtual Status Sync() = 0;
+  // A hint: start sending the bytes written so far to storage now, without waiting for them.
+  // Durability still needs Sync(); what this buys is that the storage works while later bytes
+  // are written, so that Sync() has little left to do. OK without effect where a backend has
+  // nothing to start (the default); an error is the backend's (e.g. EIO), naming the key.
+  virtual Status StartWriteback() { return OkStatus(); }
   // Releases the file. Further calls are FailedPrecondition. Called by the destructor if needed.
   virtual Status Close() = 0;
 };

@@ -281,6 +281,21 @@ TEST_P(KvStoreConformanceTest, ClosedWritableFileIsFailedPrecondition) {
   EXPECT_EQ(Get("k2"), "kept");
 }
 
+TEST_P(KvStoreConformanceTest, StartWritebackKeepsTheBytesAndTheFileOpen) {
+  Result<std::unique_ptr<WritableFile>> file = store_->OpenForWrite("wb");
+  TS_ASSERT_OK(file.status());
+  const std::string first = Pattern(3 << 20, 1);
+  const std::string second = Pattern(1 << 20, 2);
+  TS_ASSERT_OK((*file)->WriteAt(0, first.data(), first.size()));
+  TS_ASSERT_OK((*file)->StartWriteback());
+  TS_ASSERT_OK((*file)->StartWriteback());  // nothing new to start: still OK
+  TS_ASSERT_OK((*file)->WriteAt(first.size(), second.data(), second.size()));
+  TS_ASSERT_OK((*file)->StartWriteback());
+  TS_ASSERT_OK((*file)->Sync());
+  TS_ASSERT_OK((*file)->Close());
+  EXPECT_EQ(Get("wb"), first + second);
+}
+
 TEST_P(KvStoreConformanceTest, ConcurrentWriteAtFromSeveralThreads) {
   constexpr size_t kChunk = 64 << 10;
   constexpr int kThreads = 8;

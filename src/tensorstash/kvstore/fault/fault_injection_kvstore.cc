@@ -250,6 +250,12 @@ class FaultWritableFile final : public WritableFile {
     return OkStatus();
   }
 
+  // A hint with no effect on what survives a simulated crash: passed on, never failed.
+  Status StartWriteback() override {
+    TS_RETURN_IF_ERROR(CheckGeneration("file writeback"));
+    return base_->StartWriteback();
+  }
+
   Status Close() override {
     FaultInjectionKvStore::Decision d = store_->Decide(KvOp::kFileClose, key_);
     // A failed close still releases the descriptor, as close(2) does.

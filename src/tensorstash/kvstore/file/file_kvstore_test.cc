@@ -234,5 +234,17 @@ TEST_F(FileKvStoreTest, PermissionDeniedWhenNotRoot) {
   fs::permissions(root_ / "ro", fs::perms::owner_all);
 }
 
+TEST_F(FileKvStoreTest, StartWritebackOfAClosedFileIsFailedPrecondition) {
+  Result<std::unique_ptr<WritableFile>> file = store_->OpenForWrite("a/b");
+  ASSERT_EQ(absl::OkStatus(), file.status());
+  ASSERT_EQ(absl::OkStatus(), (*file)->WriteAt(0, "abc", 3));
+  ASSERT_EQ(absl::OkStatus(), (*file)->StartWriteback());
+  ASSERT_EQ(absl::OkStatus(), (*file)->Close());
+  Status started = (*file)->StartWriteback();
+  EXPECT_TRUE(absl::IsFailedPrecondition(started)) << started;
+  EXPECT_THAT(std::string(started.message()), HasSubstr("a/b"));
+  EXPECT_EQ(ReadFile(root_ / "a" / "b"), "abc");
+}
+
 }  // namespace
 }  // namespace tensorstash
