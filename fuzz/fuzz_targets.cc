@@ -7,6 +7,7 @@
 
 #include "tensorstash/array/dtype.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
+#include "tensorstash/checkpoint/step_source.h"
 #include "tensorstash/format/chunk_codec.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/format/index_format.h"
@@ -131,6 +132,30 @@ void FuzzOcdbt(const uint8_t* data, size_t size) {
     Result<std::string> value = (*store)->Read(key);
     TS_FUZZ_CHECK(!value.ok() || value->size() == *size_of);
   }
+}
+
+void FuzzForeignStep(const uint8_t* data, size_t size) {
+  MemoryKvStore kv;
+  for (const auto& [key, value] : DecodeBundle(AsView(data, size))) {
+    if (!ValidateKey(key).ok()) continue;
+    (void)kv.Write(StrCat("step/", key), value);
+  }
+  ReaderOptions options;
+  options.io_threads = 1;
+  options.max_inflight_bytes = 1 << 20;
+  Result<std::unique_ptr<StepSource>> source = OpenStepSource(&kv, "step", options);
+  if (!source.ok()) {
+    TS_FUZZ_CHECK(!source.status().message().empty());
+    return;
+  }
+  for (const ArrayMetadata& array : (*source)->arrays()) {
+    const Box whole = Box::FromShape(array.shape());
+    const uint64_t bytes = static_cast<uint64_t>(whole.num_elements()) * ItemSize(array.dtype);
+    if (bytes > kMaxReadBytes) continue;
+    std::vector<char> dest(bytes);
+    (void)(*source)->ReadMany({{array.path, whole, array.dtype, dest.data()}}, nullptr, nullptr);
+  }
+  (void)(*source)->Verify(nullptr);
 }
 
 std::string EncodeBundle(const std::map<std::string, std::string>& files) {

@@ -31,6 +31,10 @@ void FuzzStep(const uint8_t* data, size_t size);
 // An OCDBT database: the input is a bundle (EncodeBundle) of files put under "db/";
 // OcdbtKvStore opens it, and if that succeeds lists and reads every key.
 void FuzzOcdbt(const uint8_t* data, size_t size);
+// A foreign step (Orbax _METADATA over OCDBT or zarr folders, or a zarr group; zarr v2/v3
+// metadata and codecs): the input is a bundle put under "step/"; OpenStepSource opens it, and if
+// that succeeds reads every array and verifies.
+void FuzzForeignStep(const uint8_t* data, size_t size);
 
 // The bundle format of FuzzStep: repeated [u16 key length][key][u32 value length][value],
 // little-endian. Decoding stops at the first record that does not fit.

@@ -9,13 +9,17 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "fuzz/fuzz_targets.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/checkpoint/orbax_writer.h"
 #include "tensorstash/format/chunk_codec.h"
+#include "tensorstash/format/zarr/zarr_array.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/kvstore/ocdbt/ocdbt_kvstore.h"
+#include "tensorstash/util/str_util.h"
 
 namespace ts = tensorstash;
 
@@ -146,6 +150,56 @@ int main(int argc, char** argv) {
     const std::vector<std::string> keys = *kv.List("db/");
     for (const std::string& key : keys) files[key.substr(3)] = *kv.Read(key);
     Put(out / "ocdbt" / ("seed" + std::to_string(i)), ts::fuzz::EncodeBundle(files));
+  }
+  // Foreign steps: Orbax over OCDBT (OrbaxWriter); Orbax zarr folders (v3 sharded zstd, v2
+  // blosc and gzip); a zarr group (v2 zstd).
+  const std::vector<float> values = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+  for (int i = 0; i < 3; ++i) {
+    ts::MemoryKvStore kv;
+    if (i == 0) {
+      auto writer = ts::OrbaxWriter::Create(&kv, "s", {.sync = false});
+      if (!writer.ok()) Die(writer.status());
+      const ts::Box box = ts::Box::FromShape({3, 4});
+      if (ts::Status s = (*writer)->AddArray({"params/w", ts::DType::kFloat32, {3, 4}},
+                                             {{box, values.data(), 0, 1}}); !s.ok()) Die(s);
+      if (ts::Status s = (*writer)->Commit(); !s.ok()) Die(s);
+    }
+    const std::vector<std::pair<std::string, ts::ZarrArraySpec>> zarrs =
+        i == 1 ? std::vector<std::pair<std::string, ts::ZarrArraySpec>>{
+                     {"s/params.w", {3, ts::DType::kFloat32, {3, 4}, {2, 4}, true, {1, 4}}},
+                     {"s/opt.0", {2, ts::DType::kFloat32, {12}, {5}, true, {},
+                                  ts::ZarrCompressor::kBlosc}},
+                     {"s/opt.1", {2, ts::DType::kFloat32, {12}, {12}, true, {},
+                                  ts::ZarrCompressor::kGzip, 1, '/'}}}
+        : i == 2 ? std::vector<std::pair<std::string, ts::ZarrArraySpec>>{
+                       {"s/['params']['w']", {2, ts::DType::kFloat32, {3, 4}, {2, 2}}}}
+                 : std::vector<std::pair<std::string, ts::ZarrArraySpec>>{};
+    for (const auto& [prefix, spec] : zarrs) {
+      auto writer = ts::ZarrArrayWriter::Create(&kv, prefix, spec);
+      if (!writer.ok()) Die(writer.status());
+      if (ts::Status s = (*writer)->WriteBox(ts::Box::FromShape(spec.shape), values.data());
+          !s.ok()) Die(s);
+    }
+    if (i == 1) {  // Orbax's tree metadata of params.w, opt.0, opt.1 (a dict and a list)
+      const std::vector<std::tuple<std::string, std::string, int>> leaves = {
+          {"params", "w", 2}, {"opt", "0", 1}, {"opt", "1", 1}};
+      std::string tree;
+      for (const auto& [a, b, type] : leaves) {
+        tree += ts::StrCat(tree.empty() ? "" : ", ", "\"('", a, "', '", b, "')\": ",
+                           "{\"key_metadata\": [{\"key\": \"", a, "\", \"key_type\": 2}, ",
+                           "{\"key\": \"", b, "\", \"key_type\": ", type, "}], ",
+                           "\"value_metadata\": {\"value_type\": \"np.ndarray\"}}");
+      }
+      (void)kv.Write("s/_METADATA", ts::StrCat("{\"tree_metadata\": {", tree, "}}"));
+    }
+    if (i == 2) {
+      (void)kv.Write("s/.zgroup", R"({"zarr_format": 2})");
+      (void)kv.Write("s/.zattrs", R"({"write_completed": true})");
+    }
+    std::map<std::string, std::string> files;
+    const std::vector<std::string> keys = *kv.List("s/");
+    for (const std::string& key : keys) files[key.substr(2)] = *kv.Read(key);
+    Put(out / "foreign_step" / ("seed" + std::to_string(i)), ts::fuzz::EncodeBundle(files));
   }
   // One compressed chunk, with its raw size in front.
   std::string raw(300, '\0');

@@ -1,7 +1,7 @@
 // CheckpointManager under injected faults and simulated crashes (issue "Reliability"): the
 // error reaches the caller, the manager keeps working once the fault is gone, every step it
-// lists restores bit for bit, and nothing incomplete is ever listed, also after a crash and a
-// reopen.
+// lists restores bit for bit, no thread or descriptor is leaked, and nothing incomplete is ever
+// listed, also after a crash and a reopen.
 #include <cstdlib>
 #include <random>
 #include <string>
@@ -67,6 +67,8 @@ TEST(ManagerFaultTest, KeepsWorkingAfterRandomFaults) {
   std::mt19937_64 random(seed);
   for (int round = 0; round < 12; ++round) {
     SCOPED_TRACE(StrCat("round ", round, " seed ", seed));
+    const int fds = test::CountProcEntries("fd");
+    const int threads = test::CountThreads();
     MemoryKvStore base;
     FaultInjectionKvStore kv(&base, random());
     auto mgr = CheckpointManager::Open(&kv, Options());
@@ -111,6 +113,10 @@ TEST(ManagerFaultTest, KeepsWorkingAfterRandomFaults) {
     for (const std::string& folder : test::TopFolders(&kv, "")) {
       EXPECT_FALSE(IsTemporaryStepName(folder)) << folder;
     }
+    // The failed saves (sync and async) and retention left no thread or descriptor behind.
+    TS_ASSERT_OK((*again)->Close());
+    EXPECT_EQ(test::CountProcEntries("fd"), fds) << "file descriptors leaked";
+    EXPECT_EQ(test::CountThreads(), threads) << "threads leaked";
     std::printf("round %d: %d of 8 saves failed\n", round, failures);
   }
 }

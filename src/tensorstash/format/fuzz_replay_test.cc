@@ -27,7 +27,8 @@ std::vector<Target> Targets() {
           {"commit_record", fuzz::FuzzCommitRecord},
           {"chunk_codec", fuzz::FuzzChunkCodec},
           {"step", fuzz::FuzzStep},
-          {"ocdbt", fuzz::FuzzOcdbt}};
+          {"ocdbt", fuzz::FuzzOcdbt},
+          {"foreign_step", fuzz::FuzzForeignStep}};
 }
 
 // Runs every file under `dir` (if it exists) through `target`; returns how many.
