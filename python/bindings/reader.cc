@@ -222,7 +222,8 @@ class Reader {
 };
 
 void InitReader(Reader* self, const std::string& root, const std::string& step,
-                bool verify_checksums, int64_t max_inflight_bytes, int io_threads) {
+                bool verify_checksums, int64_t max_inflight_bytes, int io_threads,
+                bool map_spans) {
   if (max_inflight_bytes <= 0) {
     ThrowIfError(InvalidArgumentError(
         StrCat("max_inflight_bytes must be > 0, not ", max_inflight_bytes)));
@@ -231,6 +232,7 @@ void InitReader(Reader* self, const std::string& root, const std::string& step,
   options.verify_checksums = verify_checksums;
   options.max_inflight_bytes = static_cast<uint64_t>(max_inflight_bytes);
   options.io_threads = io_threads;
+  options.map_spans = map_spans;
   std::unique_ptr<FileKvStore> kv;
   Result<std::unique_ptr<StepSource>> reader = [&] {
     nb::gil_scoped_release release;
@@ -251,7 +253,8 @@ void DefineReader(nb::module_& m) {
                      "manager step opens its item) or a zarr group; the format is detected.")
       .def("__init__", &InitReader, nb::arg("root"), nb::arg("step"), nb::kw_only(),
            nb::arg("verify_checksums") = true,
-           nb::arg("max_inflight_bytes") = int64_t{256} << 20, nb::arg("io_threads") = 0)
+           nb::arg("max_inflight_bytes") = int64_t{256} << 20, nb::arg("io_threads") = 0,
+           nb::arg("map_spans") = true)
       .def("tree_json", &Reader::TreeJson,
            "The step's tree as a node in the \"tree\" schema of docs/format.md.")
       .def("arrays", &Reader::Arrays, nb::sig("def arrays(self) -> list[dict[str, typing.Any]]"),

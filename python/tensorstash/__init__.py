@@ -231,10 +231,12 @@ def _save_orbax(root: str, step: str, tree: Any, *, overwrite: bool, codec: str 
     return writer.commit()
 
 
-def _open(path, verify_checksums: bool, max_inflight_bytes: int, io_threads: int) -> _ext.Reader:
+def _open(path, verify_checksums: bool, max_inflight_bytes: int, io_threads: int,
+          mmap: bool = True) -> _ext.Reader:
     root, step = _split(path)
     return _ext.Reader(root, step, verify_checksums=verify_checksums,
-                       max_inflight_bytes=max_inflight_bytes, io_threads=io_threads)
+                       max_inflight_bytes=max_inflight_bytes, io_threads=io_threads,
+                       map_spans=mmap)
 
 
 def metadata(path: str | os.PathLike) -> Any:
@@ -522,7 +524,9 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     read into fresh memory, their checksums checked all the same: much faster, and pages of the
     page cache rather than new memory. The arrays stay valid whatever happens to the checkpoint
     afterwards, except if its files were truncated in place (tensorstash never does; their
-    pages would then fault). False reads everything.
+    pages would then fault). Chunks cut into pieces for another layout are likewise copied out
+    of a mapping of the data file rather than out of a staging copy, when uncompressed. False
+    reads everything.
 
     Raises FileNotFoundError for a missing step, ValueError for an incomplete step or a shape
     mismatch, KeyError naming the path of a target leaf the checkpoint lacks, OSError when stored
@@ -539,7 +543,7 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
              mmap: bool = True) -> tuple[Any, int]:
     """restore(), returning (the restored tree, the stored bytes read)."""
     ckpt = os.fspath(path)
-    reader = _open(path, verify_checksums, max_inflight_bytes, io_threads)
+    reader = _open(path, verify_checksums, max_inflight_bytes, io_threads, mmap)
     desc = f"restoring {os.path.basename(os.path.abspath(ckpt))}"
     if target is None:
         requests = []

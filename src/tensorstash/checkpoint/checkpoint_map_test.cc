@@ -150,5 +150,86 @@ TEST_F(CheckpointMapTest, ACorruptChunkIsDataLossNamingIt) {
   EXPECT_THAT(std::string(mapped[0].status().message()), HasSubstr("array 'big'"));
 }
 
+// ReadMany with map_spans: chunks cut into pieces for another layout are copied out of a mapping.
+class CheckpointMappedSpanTest : public CheckpointMapTest {
+ protected:
+  // Reads "big" (row chunks) as two column halves and "packed" whole; returns the stats.
+  ReadStats ReadColumns(KvStore* kv, bool map_spans, Status* status, bool with_packed = false) {
+    ReaderOptions options;
+    options.map_spans = map_spans;
+    Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(kv, kStep, options);
+    EXPECT_TRUE(reader.ok()) << reader.status();
+    ReadStats stats;
+    if (!reader.ok()) return stats;
+    const Box left({0, 0}, {1024, 512});
+    const Box right({0, 512}, {1024, 512});
+    std::vector<char> a(left.num_elements() * 4), b(right.num_elements() * 4);
+    std::vector<char> packed(1024 * 1024 * 4);
+    std::vector<ReadRequest> requests = {{"big", left, DType::kFloat32, a.data()},
+                                         {"big", right, DType::kFloat32, b.data()}};
+    if (with_packed) requests.push_back({"packed", Box::FromShape(kShape), DType::kFloat32, packed.data()});
+    *status = (*reader)->ReadMany(requests, &stats);
+    if (status->ok()) {
+      EXPECT_EQ(a, test::MakeBoxData(DType::kFloat32, kShape, 11, left));
+      EXPECT_EQ(b, test::MakeBoxData(DType::kFloat32, kShape, 11, right));
+      if (with_packed) EXPECT_EQ(packed, test::MakeBoxData(DType::kFloat32, kShape, 11, Box::FromShape(kShape)));
+    }
+    return stats;
+  }
+};
+
+TEST_F(CheckpointMappedSpanTest, PiecesComeFromAMappingBitForBit) {
+  Status status;
+  ReadStats mapped = ReadColumns(kv_.get(), true, &status);
+  TS_ASSERT_OK(status);
+  EXPECT_GT(mapped.mapped_spans, 0u);
+  EXPECT_EQ(mapped.staged_chunks, 2u);
+  ReadStats staged = ReadColumns(kv_.get(), false, &status);
+  TS_ASSERT_OK(status);
+  EXPECT_EQ(staged.mapped_spans, 0u);
+  EXPECT_EQ(staged.bytes_read, mapped.bytes_read);
+}
+
+TEST_F(CheckpointMappedSpanTest, CompressedChunksInTheReadMeanNoMapping) {
+  Status status;
+  ReadStats stats = ReadColumns(kv_.get(), true, &status, /*with_packed=*/true);
+  TS_ASSERT_OK(status);
+  EXPECT_EQ(stats.mapped_spans, 0u);
+}
+
+TEST_F(CheckpointMappedSpanTest, StoresWithoutMappableFilesRead) {
+  MemoryKvStore memory;
+  Write(&memory);
+  Status status;
+  ReadStats stats = ReadColumns(&memory, true, &status);
+  TS_ASSERT_OK(status);
+  EXPECT_EQ(stats.mapped_spans, 0u);
+  EXPECT_EQ(stats.staged_chunks, 2u);
+}
+
+TEST_F(CheckpointMappedSpanTest, ACorruptChunkInAMappedSpanIsDataLoss) {
+  Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(kv_.get(), kStep);
+  TS_ASSERT_OK(reader.status());
+  const IndexEntry* victim = nullptr;
+  for (const IndexEntry& e : (*reader)->index().entries) {
+    if ((*reader)->arrays()[e.array_id].path == "big") victim = &e;
+  }
+  ASSERT_NE(victim, nullptr);
+  const std::string path = temp_dir() + "/root/" + ItemDir(kStep, kStateItem) + "/" +
+                           (*reader)->index().files[victim->file_id].name;
+  const int fd = ::open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << path;
+  char byte = 0;
+  const off_t at = static_cast<off_t>(victim->offset + 7);
+  ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
+  byte ^= 0x01;
+  ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
+  ::close(fd);
+  Status status;
+  ReadColumns(kv_.get(), true, &status);
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr("array 'big'"));
+}
+
 }  // namespace
 }  // namespace tensorstash

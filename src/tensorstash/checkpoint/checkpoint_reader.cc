@@ -16,6 +16,7 @@
 #include "tensorstash/checkpoint/layout.h"
 #include "tensorstash/engine/read_plan.h"
 #include "tensorstash/format/chunk_codec.h"
+#include "tensorstash/util/byte_limiter.h"
 #include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/staging_buffer.h"
 #include "tensorstash/util/staging_pool.h"
@@ -23,6 +24,9 @@
 
 namespace tensorstash {
 namespace {
+
+// Mapping pays for a kernel mapping entry and an unmap; spans smaller than this are copied.
+constexpr uint64_t kMinMappedSpanBytes = 1 << 20;
 
 // One chunk needed by one request.
 struct Piece {
@@ -95,6 +99,22 @@ struct CheckpointReader::Impl {
   Status ReadFile(uint32_t file_id, uint64_t offset, uint64_t length, void* dest) const {
     if (!file_errors[file_id].ok()) return file_errors[file_id];
     return files[file_id]->ReadAt(offset, length, dest);
+  }
+  // `length` bytes at `offset` (a multiple of `page`) of a data file, mapped copy-on-write.
+  // Unimplemented where the backend cannot map.
+  Result<MappedBox> MapSpan(uint32_t file_id, uint64_t offset, uint64_t length,
+                            uint64_t page) const {
+    if (!file_errors[file_id].ok()) return file_errors[file_id];
+    const size_t mapped_size = (length + page - 1) / page * page;
+    // An address range first (nothing is read or allocated), then the file's pages over it.
+    void* base = ::mmap(nullptr, mapped_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                        -1, 0);
+    if (base == MAP_FAILED) {
+      return ResourceExhaustedError(StrCat("cannot reserve ", mapped_size, " bytes of address space"));
+    }
+    MappedBox mapped(static_cast<char*>(base), length, mapped_size);
+    TS_RETURN_IF_ERROR(files[file_id]->MapAt(offset, length, mapped.data()));
+    return mapped;
   }
 };
 
@@ -386,6 +406,22 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
        PlanReadRequests(std::move(staged_reads), s.options.coalesce_gap_bytes, staged_limit)) {
     plans.push_back(std::move(plan));
   }
+  // Mapped spans: see ReaderOptions::map_spans. Only when every staged span qualifies, so that
+  // mapped and staged bytes never add up past the cap (mappings count against it as well: their
+  // pages are resident while the pieces are copied out).
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  bool map_spans = s.options.map_spans;
+  for (const ReadRequestPlan& plan : plans) {
+    if (!map_spans) break;
+    if (plan.direct_dest != nullptr) continue;
+    map_spans = plan.offset % page == 0 && plan.length >= kMinMappedSpanBytes &&
+                s.file_errors[plan.file_id].ok();
+    for (const ChunkRead& c : plan.chunks) {
+      const Piece& p = pieces[targets[c.tag].front()];
+      if (s.tree.arrays[p.entry->array_id].codec != Codec::kNone) map_spans = false;
+    }
+  }
+  ByteLimiter mapped_bytes(s.options.max_inflight_bytes);
   StagingPool staging(s.options.max_inflight_bytes);
   std::mutex stats_mutex;
   uint64_t total_bytes = 0;
@@ -410,6 +446,44 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
         report_progress();
         return OkStatus();
       }
+      // Each chunk of the span at `span`: checked, decoded into `decoded` when compressed, and
+      // copied piece by piece into the destinations.
+      auto scatter = [&](const char* span, char* decoded, bool mapped) -> Status {
+        for (const ChunkRead& c : plan.chunks) {
+          const Piece& first = pieces[targets[c.tag].front()];
+          const IndexEntry& e = *first.entry;
+          const ArrayMetadata& a = s.tree.arrays[e.array_id];
+          const char* stored = span + (e.offset - plan.offset);
+          TS_RETURN_IF_ERROR(s.CheckCrc(e, stored));
+          const char* raw = stored;
+          if (a.codec != Codec::kNone) {
+            const uint64_t raw_size = first.chunk_box.num_elements() * ItemSize(a.dtype);
+            TS_RETURN_IF_ERROR(DecodeChunk(a.codec, std::string_view(stored, e.length), decoded,
+                                           raw_size, s.ChunkWhat(e)));
+            raw = decoded;
+          }
+          for (size_t piece_index : targets[c.tag]) {
+            const Piece& p = pieces[piece_index];
+            const ReadRequest& req = requests[p.request];
+            TS_RETURN_IF_ERROR(CopyBox(p.region, a.dtype, raw, p.chunk_box, req.dtype, req.dest,
+                                       req.box, StrCat("array '", a.path, "'")));
+          }
+        }
+        std::lock_guard<std::mutex> lock(stats_mutex);
+        local.bytes_read += plan.length;
+        ++local.requests;
+        local.staged_chunks += plan.chunks.size();
+        local.mapped_spans += mapped ? 1 : 0;
+        report_progress();
+        return OkStatus();
+      };
+      if (map_spans) {
+        ByteReservation held(&mapped_bytes, plan.length);
+        Result<MappedBox> mapped = s.MapSpan(plan.file_id, plan.offset, plan.length, page);
+        if (mapped.ok()) return scatter(mapped->data(), nullptr, /*mapped=*/true);
+        // A backend without mappable files reads instead; any other failure is the read's.
+        if (!absl::IsUnimplemented(mapped.status())) return mapped.status();
+      }
       // Staged: the span, plus room to decode the largest chunk when the codec needs it.
       uint64_t decode_room = 0;
       for (const ChunkRead& c : plan.chunks) {
@@ -424,32 +498,7 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
       char* const span = lease.data();
       char* const decoded = span + plan.length;
       TS_RETURN_IF_ERROR(s.ReadFile(plan.file_id, plan.offset, plan.length, span));
-      for (const ChunkRead& c : plan.chunks) {
-        const Piece& first = pieces[targets[c.tag].front()];
-        const IndexEntry& e = *first.entry;
-        const ArrayMetadata& a = s.tree.arrays[e.array_id];
-        const char* stored = span + (e.offset - plan.offset);
-        TS_RETURN_IF_ERROR(s.CheckCrc(e, stored));
-        const char* raw = stored;
-        if (a.codec != Codec::kNone) {
-          const uint64_t raw_size = first.chunk_box.num_elements() * ItemSize(a.dtype);
-          TS_RETURN_IF_ERROR(DecodeChunk(a.codec, std::string_view(stored, e.length), decoded,
-                                         raw_size, s.ChunkWhat(e)));
-          raw = decoded;
-        }
-        for (size_t piece_index : targets[c.tag]) {
-          const Piece& p = pieces[piece_index];
-          const ReadRequest& req = requests[p.request];
-          TS_RETURN_IF_ERROR(CopyBox(p.region, a.dtype, raw, p.chunk_box, req.dtype, req.dest,
-                                     req.box, StrCat("array '", a.path, "'")));
-        }
-      }
-      std::lock_guard<std::mutex> lock(stats_mutex);
-      local.bytes_read += plan.length;
-      ++local.requests;
-      local.staged_chunks += plan.chunks.size();
-      report_progress();
-      return OkStatus();
+      return scatter(span, decoded, /*mapped=*/false);
     });
   }
   Status status = group.Wait();
@@ -481,7 +530,7 @@ namespace {
 
 // Smaller chunks are read: each mapping costs a kernel mapping entry (vm.max_map_count is
 // about 65,000 per process), and copying a small chunk is cheap.
-constexpr uint64_t kMinMappedChunkBytes = 1 << 20;
+constexpr uint64_t kMinMappedChunkBytes = kMinMappedSpanBytes;
 
 Status NotMappable(std::string_view path, std::string_view why) {
   return UnimplementedError(StrCat("array '", path, "': the box cannot be mapped (", why, ")"));

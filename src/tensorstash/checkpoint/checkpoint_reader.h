@@ -42,6 +42,11 @@ struct ReaderOptions {
   // Open even when data files are missing or truncated; reads of their chunks then fail. For
   // `verify`, which reports every damaged chunk instead of stopping at the first file.
   bool open_damaged = false;
+  // Chunks that must be cut into pieces (another layout, a cast) are read from a mapping of the
+  // data file rather than from a staging copy when every chunk of the read is uncompressed and
+  // page-aligned: each byte is then copied once, from the page cache into its destination.
+  // False: always staged.
+  bool map_spans = true;
 };
 
 struct ReadRequest {
@@ -55,7 +60,8 @@ struct ReadStats {
   uint64_t bytes_read = 0;  // stored bytes fetched from storage
   uint64_t requests = 0;    // storage read calls
   uint64_t direct_chunks = 0;  // chunks read straight into the destination
-  uint64_t staged_chunks = 0;  // chunks read through a staging buffer
+  uint64_t staged_chunks = 0;  // chunks read through a staging buffer or a mapped span
+  uint64_t mapped_spans = 0;   // of the staged spans, those mapped (ReaderOptions::map_spans)
   uint64_t peak_staging_bytes = 0;
 };
 
