@@ -234,6 +234,7 @@ OrbaxReader::~OrbaxReader() {
   // The pools run tasks that use the arrays and stores: stop them first.
   request_pool_.reset();
   chunk_pool_.reset();
+  staging_.reset();
 }
 
 Result<std::unique_ptr<OrbaxReader>> OrbaxReader::Open(KvStore* kv, std::string dir,
@@ -254,6 +255,7 @@ Result<std::unique_ptr<OrbaxReader>> OrbaxReader::Open(KvStore* kv, std::string 
   }
   reader->request_pool_ = std::make_unique<ThreadPool>(reader->options_.io_threads);
   reader->chunk_pool_ = std::make_unique<ThreadPool>(reader->options_.io_threads);
+  reader->staging_ = std::make_unique<StagingPool>(reader->options_.max_inflight_bytes);
   return reader;
 }
 
@@ -607,7 +609,8 @@ Status OrbaxReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats
         const ReadRequest& req = requests[r];
         // Requests run on request_pool_, the chunks of each on chunk_pool_ (a task must not
         // wait on its own pool), so one large array is read in parallel too.
-        Status read = zarr_[ids[r]]->Read(req.box, req.dtype, req.dest, chunk_pool_.get());
+        Status read = zarr_[ids[r]]->Read(req.box, req.dtype, req.dest, chunk_pool_.get(),
+                                          staging_.get());
         if (!read.ok()) return Annotate(read, StrCat("reading ", ArrayWhat(ids[r])));
         if (progress) {
           std::lock_guard<std::mutex> lock(mutex);

@@ -26,6 +26,7 @@
 #include "tensorstash/format/zarr/zarr_array.h"
 #include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/ocdbt/ocdbt_kvstore.h"
+#include "tensorstash/util/staging_pool.h"
 #include "tensorstash/util/thread_pool.h"
 
 namespace tensorstash {
@@ -105,6 +106,7 @@ class OrbaxReader final : public StepSource {
   int process_count_ = 0;
   std::unique_ptr<ThreadPool> request_pool_;  // one task per request (or per verified chunk)
   std::unique_ptr<ThreadPool> chunk_pool_;    // chunks of one request
+  std::unique_ptr<StagingPool> staging_;      // stored chunks read whole, reused (under the cap)
   mutable std::once_flag stored_once_;
   mutable std::vector<uint64_t> stored_bytes_;
   mutable std::vector<int64_t> stored_chunks_;

@@ -1,6 +1,8 @@
 #include "tensorstash/format/zarr/zarr_array.h"
 
 #include <cstring>
+
+#include <zstd.h>
 #include <functional>
 
 #include "tensorstash/array/convert.h"
@@ -91,7 +93,8 @@ std::string ZarrArray::ChunkKey(const std::vector<int64_t>& grid) const {
   return JoinKey(prefix_, ZarrChunkKey(metadata_, grid));
 }
 
-Status ZarrArray::Read(const Box& box, DType dest_dtype, void* dest, ThreadPool* pool) const {
+Status ZarrArray::Read(const Box& box, DType dest_dtype, void* dest, ThreadPool* pool,
+                       StagingPool* staging) const {
   const std::string what = StrCat("read of ", ArrayWhat(prefix_));
   if (box.rank() != metadata_.rank()) {
     return InvalidArgumentError(StrCat(what, ": box ", box.ToString(), " has rank ", box.rank(),
@@ -117,16 +120,66 @@ Status ZarrArray::Read(const Box& box, DType dest_dtype, void* dest, ThreadPool*
   return ForEachChunkMaybeParallel(
       metadata_.chunk_shape, inside, pool,
       [&](const std::vector<int64_t>& grid, const Box& chunk_box) {
-        return ReadChunk(grid, Intersect(chunk_box, inside), box, dest_dtype, dest, dest_fill);
+        return ReadChunk(grid, Intersect(chunk_box, inside), box, dest_dtype, dest, dest_fill,
+                         staging);
       });
 }
 
+Status ZarrArray::ReadChunkInPlace(const std::string& key, const Box& chunk_box,
+                                   const Box& region, const Box& box, DType dest_dtype,
+                                   void* dest, const std::string& dest_fill,
+                                   StagingPool* staging, bool* done) const {
+  *done = false;
+  const std::vector<ZarrCodec>& codecs = metadata_.codecs;
+  const size_t item = ItemSize(metadata_.dtype);
+  const bool plain_bytes = !codecs.empty() && codecs[0].kind == ZarrCodecKind::kBytes &&
+                           (!codecs[0].big_endian || item == 1);
+  const bool zstd = codecs.size() == 2 && codecs[1].kind == ZarrCodecKind::kZstd;
+  if (staging == nullptr || !plain_bytes || !(codecs.size() == 1 || zstd) ||
+      dest_dtype != metadata_.dtype || !(region == chunk_box) || !IsContiguousIn(chunk_box, box)) {
+    return OkStatus();
+  }
+  *done = true;
+  const std::string what = StrCat(ArrayWhat(prefix_), ", chunk '", key, "'");
+  const uint64_t bytes = static_cast<uint64_t>(chunk_box.num_elements()) * item;
+  char* out = static_cast<char*>(dest) + ByteOffsetIn(chunk_box, box, item);
+  Result<std::unique_ptr<ReadableFile>> file = kv_->OpenForRead(key);
+  if (absl::IsNotFound(file.status())) {
+    FillBox(region, dest_fill, dest, box);
+    return OkStatus();
+  }
+  if (!file.ok()) return Annotate(file.status(), what);
+  const uint64_t size = (*file)->size();
+  if (codecs.size() == 1) {  // uncompressed: read into place
+    if (size != bytes) {
+      return DataLossError(StrCat(what, ": chunk holds ", size, " bytes, expected ", bytes));
+    }
+    return Annotate((*file)->ReadAt(0, size, out), what);
+  }
+  // More stored bytes than the chunk can compress to (skippable frames, say, or a hostile
+  // size): the general path, which bounds what it reads and decodes.
+  if (size > ZSTD_compressBound(bytes) + 4096) {
+    *done = false;
+    return OkStatus();
+  }
+  StagingPool::Lease stored = staging->Acquire(size);
+  TS_RETURN_IF_ERROR(Annotate((*file)->ReadAt(0, size, stored.data()), what));
+  return ZstdDecodeInto(std::string_view(stored.data(), size), out, bytes, what);
+}
+
 Status ZarrArray::ReadChunk(const std::vector<int64_t>& grid, const Box& region, const Box& box,
-                            DType dest_dtype, void* dest, const std::string& dest_fill) const {
+                            DType dest_dtype, void* dest, const std::string& dest_fill,
+                            StagingPool* staging) const {
   const std::string key = ChunkKey(grid);
   const std::string what = StrCat(ArrayWhat(prefix_), ", chunk '", key, "'");
   Box chunk_box(std::vector<int64_t>(grid.size()), metadata_.chunk_shape);
   for (size_t d = 0; d < grid.size(); ++d) chunk_box.origin[d] = grid[d] * metadata_.chunk_shape[d];
+  if (metadata_.sole_sharding() == nullptr) {
+    bool done = false;
+    TS_RETURN_IF_ERROR(ReadChunkInPlace(key, chunk_box, region, box, dest_dtype, dest, dest_fill,
+                                        staging, &done));
+    if (done) return OkStatus();
+  }
 
   if (const ZarrCodec* sharding = metadata_.sole_sharding()) {
     // Read the whole shard in one request when all of it is wanted; else its index and the

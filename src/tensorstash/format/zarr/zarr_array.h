@@ -21,6 +21,7 @@
 #include "tensorstash/format/zarr/zarr_metadata.h"
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/util/status.h"
+#include "tensorstash/util/staging_pool.h"
 #include "tensorstash/util/thread_pool.h"
 
 namespace tensorstash {
@@ -53,7 +54,11 @@ class ZarrArray {
   // unsupported cast; DataLoss naming the chunk key for corrupt or inconsistent chunk data;
   // the KvStore's error otherwise. On error `dest` holds unspecified data. With `pool`, chunks
   // (or shards) are read in parallel on it; Read must then not run on one of its threads.
-  Status Read(const Box& box, DType dest_dtype, void* dest, ThreadPool* pool = nullptr) const;
+  // With `staging`, whole chunks that land as one run of `dest` (uncompressed or zstd, no
+  // transpose or byte swap, no cast) are read into its reused buffers and decoded straight
+  // into place, instead of through fresh chunk-sized buffers.
+  Status Read(const Box& box, DType dest_dtype, void* dest, ThreadPool* pool = nullptr,
+              StagingPool* staging = nullptr) const;
 
   // The key of the chunk (shard) at grid position `grid`, with the prefix.
   std::string ChunkKey(const std::vector<int64_t>& grid) const;
@@ -62,7 +67,12 @@ class ZarrArray {
   ZarrArray(KvStore* kv, std::string prefix, ZarrMetadata metadata);
   // Reads the part `region` (inside the array's shape and `box`) of chunk `grid` into `dest`.
   Status ReadChunk(const std::vector<int64_t>& grid, const Box& region, const Box& box,
-                   DType dest_dtype, void* dest, const std::string& dest_fill) const;
+                   DType dest_dtype, void* dest, const std::string& dest_fill,
+                   StagingPool* staging) const;
+  // ReadChunk's fast path (see Read): OK with *done false when it does not apply.
+  Status ReadChunkInPlace(const std::string& key, const Box& chunk_box, const Box& region,
+                          const Box& box, DType dest_dtype, void* dest,
+                          const std::string& dest_fill, StagingPool* staging, bool* done) const;
 
   KvStore* kv_;
   std::string prefix_;

@@ -621,6 +621,87 @@ TEST(ZarrArrayHostileTest, CorruptChunkDataIsDataLossNamingTheKey) {
   }
 }
 
+// With a StagingPool, whole chunks landing as one run of the destination are decoded straight
+// into it: the same values as the general path, for every layout; damage is still DataLoss.
+TEST(ZarrArrayTest, InPlaceReadsMatchTheGeneralPath) {
+  const std::vector<int64_t> shape = {20, 84};  // most layouts divide it; clipped edges go the general way
+  for (const Layout& layout : Layouts()) {
+    for (DType dtype : {DType::kFloat32, DType::kUint8, DType::kBfloat16}) {
+      SCOPED_TRACE(StrCat(layout.name, " ", DTypeName(dtype)));
+      MemoryKvStore kv;
+      ZarrArraySpec spec = layout.spec;
+      spec.dtype = dtype;
+      spec.shape = shape;
+      auto writer = ZarrArrayWriter::Create(&kv, "p", spec);
+      ASSERT_TRUE(writer.ok()) << writer.status();
+      const std::string data = RandomData(dtype, 20 * 84, 3);
+      TS_ASSERT_OK((*writer)->WriteBox(Box::FromShape(shape), data.data()));
+      auto array = ZarrArray::Open(&kv, "p");
+      ASSERT_TRUE(array.ok()) << array.status();
+      StagingPool staging(1 << 20);
+      ThreadPool pool(3);
+      // Each stored chunk as its own box (contiguous: the fast path), and the whole array.
+      const std::vector<int64_t>& chunk = (*array)->chunk_shape();
+      for (int64_t r = 0; r < shape[0]; r += chunk[0]) {
+        for (int64_t c = 0; c < shape[1]; c += chunk[1]) {
+          const Box box({r, c}, chunk);
+          std::string got(static_cast<size_t>(box.num_elements()) * ItemSize(dtype), '\x55');
+          TS_ASSERT_OK((*array)->Read(box, dtype, got.data(), nullptr, &staging));
+          EXPECT_TRUE(got == Slice(data, Box::FromShape(shape), box, dtype)) << box.ToString();
+        }
+      }
+      std::string all(data.size(), '\x55');
+      TS_ASSERT_OK((*array)->Read(Box::FromShape(shape), dtype, all.data(), &pool, &staging));
+      EXPECT_TRUE(all == data);
+      // Unsharded zstd chunks went through the pool's buffers.
+      if (!(*array)->sharded() && spec.compressor == ZarrCompressor::kZstd) {
+        EXPECT_GT(staging.buffers_created(), 0u);
+      }
+    }
+  }
+}
+
+TEST(ZarrArrayHostileTest, InPlaceReadsOfDamagedChunksAreDataLoss) {
+  for (ZarrCompressor compressor : {ZarrCompressor::kZstd, ZarrCompressor::kNone}) {
+    SCOPED_TRACE(static_cast<int>(compressor));
+    MemoryKvStore kv;
+    ZarrArraySpec spec;
+    spec.zarr_format = 2;
+    spec.sharded = false;
+    spec.compressor = compressor;
+    spec.dtype = DType::kFloat32;
+    spec.shape = {64};
+    spec.chunk_shape = {64};
+    auto w = ZarrArrayWriter::Create(&kv, "c", spec);
+    ASSERT_TRUE(w.ok());
+    const std::string data = RandomData(DType::kFloat32, 64, 9);
+    TS_ASSERT_OK((*w)->WriteBox(Box::FromShape({64}), data.data()));
+    auto a = ZarrArray::Open(&kv, "c");
+    ASSERT_TRUE(a.ok());
+    const std::string key = (*a)->ChunkKey({0});
+    const std::string good = *kv.Read(key);
+    // Twice the data, compressed: a chunk that decodes to more bytes than its shape holds.
+    std::string twice(ZSTD_compressBound(2 * data.size()), '\0');
+    twice.resize(ZSTD_compress(twice.data(), twice.size(), (data + data).data(), 2 * data.size(), 1));
+    std::vector<std::string> bad = {good.substr(0, good.size() / 2), "", "garbage!",
+                                    good + "trailing junk"};
+    if (compressor == ZarrCompressor::kZstd) bad.push_back(twice);
+    StagingPool staging(1 << 20);
+    for (size_t i = 0; i < bad.size(); ++i) {
+      TS_ASSERT_OK(kv.Write(key, bad[i]));
+      std::string got(data.size(), '\0');
+      Status s = (*a)->Read(Box::FromShape({64}), DType::kFloat32, got.data(), nullptr, &staging);
+      EXPECT_TRUE(absl::IsDataLoss(s)) << i << " " << s;
+      EXPECT_THAT(std::string(s.message()), HasSubstr(key)) << i;
+    }
+    // A missing chunk reads the fill value (0).
+    TS_ASSERT_OK(kv.Delete(key));
+    std::string got(data.size(), '\x55');
+    TS_ASSERT_OK((*a)->Read(Box::FromShape({64}), DType::kFloat32, got.data(), nullptr, &staging));
+    EXPECT_EQ(got, std::string(data.size(), '\0'));
+  }
+}
+
 TEST(ZarrArrayHostileTest, DecompressionBombIsBounded) {
   MemoryKvStore kv;
   TS_ASSERT_OK(kv.Write("b/.zarray", R"({"zarr_format":2,"shape":[16],"chunks":[16],"dtype":"<f4",

@@ -413,6 +413,42 @@ Status EncodeShard(const ZarrCodec& sharding, DType dtype, const std::vector<int
 
 }  // namespace
 
+Status ZstdDecodeInto(std::string_view in, char* out, size_t size, std::string_view what) {
+  const unsigned long long declared = ZSTD_getFrameContentSize(in.data(), in.size());
+  if (declared == ZSTD_CONTENTSIZE_ERROR) return DataLossError(StrCat(what, ": zstd data is malformed"));
+  if (declared != ZSTD_CONTENTSIZE_UNKNOWN && declared != size &&
+      ZSTD_findFrameCompressedSize(in.data(), in.size()) == in.size()) {
+    return DataLossError(StrCat(what, ": chunk decodes to ", declared, " bytes, expected ", size));
+  }
+  std::unique_ptr<ZSTD_DStream, size_t (*)(ZSTD_DStream*)> ds(ZSTD_createDStream(), ZSTD_freeDStream);
+  if (!ds) return InternalError("ZSTD_createDStream failed");
+  ZSTD_initDStream(ds.get());
+  ZSTD_inBuffer input{in.data(), in.size(), 0};
+  ZSTD_outBuffer output{out, size, 0};
+  for (;;) {
+    const size_t ret = ZSTD_decompressStream(ds.get(), &output, &input);
+    if (ZSTD_isError(ret)) {
+      return DataLossError(StrCat(what, ": zstd decompression failed: ", ZSTD_getErrorName(ret)));
+    }
+    if (ret == 0 && input.pos == input.size) break;  // every frame decoded and flushed
+    if (output.pos == output.size) {
+      // Full: more to come means the chunk is larger than its shape says.
+      char extra;
+      ZSTD_outBuffer probe{&extra, 1, 0};
+      const size_t more = ZSTD_decompressStream(ds.get(), &probe, &input);
+      if (ZSTD_isError(more) || probe.pos != 0 || input.pos != input.size || more != 0) {
+        return DataLossError(StrCat(what, ": chunk decodes to more than ", size, " bytes"));
+      }
+      break;
+    }
+    if (input.pos == input.size) return DataLossError(StrCat(what, ": zstd data is truncated"));
+  }
+  if (output.pos != size) {
+    return DataLossError(StrCat(what, ": chunk decodes to ", output.pos, " bytes, expected ", size));
+  }
+  return OkStatus();
+}
+
 uint64_t ShardIndexBytes(const ZarrCodec& sharding, const std::vector<int64_t>& shard_shape) {
   const uint64_t count = NumElements(ChunksPerShard(sharding, shard_shape));
   return SatAdd(SatMul(count, 16), 4 * (sharding.index_codecs->size() - 1));

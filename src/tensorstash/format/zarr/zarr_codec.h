@@ -22,6 +22,10 @@
 
 namespace tensorstash {
 
+// Decodes one zstd stream (one or more frames) into exactly `size` bytes at `out`. DataLoss
+// naming `what` when the data is malformed or decodes to more or fewer bytes.
+Status ZstdDecodeInto(std::string_view in, char* out, size_t size, std::string_view what);
+
 // Decodes `stored` into `*out` (resized to the chunk's element bytes). `fill_value` (one element)
 // fills inner chunks a shard leaves out.
 Status DecodeZarrChunk(const std::vector<ZarrCodec>& codecs, DType dtype,
