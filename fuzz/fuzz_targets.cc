@@ -89,16 +89,27 @@ void FuzzChunkCodec(const uint8_t* data, size_t size) {
                     "fuzz chunk");
 }
 
-void FuzzStep(const uint8_t* data, size_t size) {
-  MemoryKvStore kv;
+// The files of a bundle (see DecodeBundle), each under `prefix`/; invalid keys are skipped.
+void LoadBundle(const uint8_t* data, size_t size, std::string_view prefix, MemoryKvStore* kv) {
   for (const auto& [key, value] : DecodeBundle(AsView(data, size))) {
     if (!ValidateKey(key).ok()) continue;
-    (void)kv.Write(StrCat("step/", key), value);
+    (void)kv->Write(StrCat(prefix, "/", key), value);
   }
+}
+
+// Small caps and one thread: a fuzz run must stay fast and deterministic.
+ReaderOptions FuzzReaderOptions() {
   ReaderOptions options;
   options.io_threads = 1;
   options.max_inflight_bytes = 1 << 20;
-  Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(&kv, "step", options);
+  return options;
+}
+
+void FuzzStep(const uint8_t* data, size_t size) {
+  MemoryKvStore kv;
+  LoadBundle(data, size, "step", &kv);
+  Result<std::unique_ptr<CheckpointReader>> reader =
+      CheckpointReader::Open(&kv, "step", FuzzReaderOptions());
   if (!reader.ok()) {
     TS_FUZZ_CHECK(!reader.status().message().empty());
     return;
@@ -115,10 +126,7 @@ void FuzzStep(const uint8_t* data, size_t size) {
 
 void FuzzOcdbt(const uint8_t* data, size_t size) {
   MemoryKvStore kv;
-  for (const auto& [key, value] : DecodeBundle(AsView(data, size))) {
-    if (!ValidateKey(key).ok()) continue;
-    (void)kv.Write(StrCat("db/", key), value);
-  }
+  LoadBundle(data, size, "db", &kv);
   Result<std::unique_ptr<OcdbtKvStore>> store = OcdbtKvStore::Open(&kv, "db");
   if (!store.ok()) {
     TS_FUZZ_CHECK(!store.status().message().empty());
@@ -136,14 +144,8 @@ void FuzzOcdbt(const uint8_t* data, size_t size) {
 
 void FuzzForeignStep(const uint8_t* data, size_t size) {
   MemoryKvStore kv;
-  for (const auto& [key, value] : DecodeBundle(AsView(data, size))) {
-    if (!ValidateKey(key).ok()) continue;
-    (void)kv.Write(StrCat("step/", key), value);
-  }
-  ReaderOptions options;
-  options.io_threads = 1;
-  options.max_inflight_bytes = 1 << 20;
-  Result<std::unique_ptr<StepSource>> source = OpenStepSource(&kv, "step", options);
+  LoadBundle(data, size, "step", &kv);
+  Result<std::unique_ptr<StepSource>> source = OpenStepSource(&kv, "step", FuzzReaderOptions());
   if (!source.ok()) {
     TS_FUZZ_CHECK(!source.status().message().empty());
     return;

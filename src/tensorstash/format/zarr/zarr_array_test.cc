@@ -57,6 +57,23 @@ std::string Slice(const std::string& data, const Box& outer, const Box& sub, DTy
   return out;
 }
 
+// A float32 array "c" of 64 elements in one unsharded chunk holding `data`, opened for reading.
+Result<std::unique_ptr<ZarrArray>> WriteOneChunk(MemoryKvStore* kv, int format,
+                                                 ZarrCompressor compressor,
+                                                 const std::string& data) {
+  ZarrArraySpec spec;
+  spec.zarr_format = format;
+  spec.sharded = false;
+  spec.compressor = compressor;
+  spec.dtype = DType::kFloat32;
+  spec.shape = {64};
+  spec.chunk_shape = {64};
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<ZarrArrayWriter> writer,
+                      ZarrArrayWriter::Create(kv, "c", spec));
+  TS_RETURN_IF_ERROR(writer->WriteBox(Box::FromShape({64}), data.data()));
+  return ZarrArray::Open(kv, "c");
+}
+
 struct Layout {
   const char* name;
   ZarrArraySpec spec;  // dtype and shape filled in per test
@@ -583,19 +600,9 @@ TEST(ZarrArrayHostileTest, CorruptChunkDataIsDataLossNamingTheKey) {
     for (int format : {2, 3}) {
       SCOPED_TRACE(StrCat(static_cast<int>(compressor), " v", format));
       MemoryKvStore kv;
-      ZarrArraySpec spec;
-      spec.zarr_format = format;
-      spec.sharded = false;
-      spec.compressor = compressor;
-      spec.dtype = DType::kFloat32;
-      spec.shape = {64};
-      spec.chunk_shape = {64};
-      auto w = ZarrArrayWriter::Create(&kv, "c", spec);
-      ASSERT_TRUE(w.ok());
       const std::string data = RandomData(DType::kFloat32, 64, 9);
-      TS_ASSERT_OK((*w)->WriteBox(Box::FromShape({64}), data.data()));
-      auto a = ZarrArray::Open(&kv, "c");
-      ASSERT_TRUE(a.ok());
+      Result<std::unique_ptr<ZarrArray>> a = WriteOneChunk(&kv, format, compressor, data);
+      ASSERT_TRUE(a.ok()) << a.status();
       const std::string key = (*a)->ChunkKey({0});
       const std::string good = *kv.Read(key);
       std::vector<std::string> bad = {good.substr(0, good.size() / 2), "", "garbage!",
@@ -665,19 +672,9 @@ TEST(ZarrArrayHostileTest, InPlaceReadsOfDamagedChunksAreDataLoss) {
   for (ZarrCompressor compressor : {ZarrCompressor::kZstd, ZarrCompressor::kNone}) {
     SCOPED_TRACE(static_cast<int>(compressor));
     MemoryKvStore kv;
-    ZarrArraySpec spec;
-    spec.zarr_format = 2;
-    spec.sharded = false;
-    spec.compressor = compressor;
-    spec.dtype = DType::kFloat32;
-    spec.shape = {64};
-    spec.chunk_shape = {64};
-    auto w = ZarrArrayWriter::Create(&kv, "c", spec);
-    ASSERT_TRUE(w.ok());
     const std::string data = RandomData(DType::kFloat32, 64, 9);
-    TS_ASSERT_OK((*w)->WriteBox(Box::FromShape({64}), data.data()));
-    auto a = ZarrArray::Open(&kv, "c");
-    ASSERT_TRUE(a.ok());
+    Result<std::unique_ptr<ZarrArray>> a = WriteOneChunk(&kv, 2, compressor, data);
+    ASSERT_TRUE(a.ok()) << a.status();
     const std::string key = (*a)->ChunkKey({0});
     const std::string good = *kv.Read(key);
     // Twice the data, compressed: a chunk that decodes to more bytes than its shape holds.
