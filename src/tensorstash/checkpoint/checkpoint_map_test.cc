@@ -172,7 +172,9 @@ class CheckpointMappedSpanTest : public CheckpointMapTest {
     if (status->ok()) {
       EXPECT_EQ(a, test::MakeBoxData(DType::kFloat32, kShape, 11, left));
       EXPECT_EQ(b, test::MakeBoxData(DType::kFloat32, kShape, 11, right));
-      if (with_packed) EXPECT_EQ(packed, test::MakeBoxData(DType::kFloat32, kShape, 11, Box::FromShape(kShape)));
+      if (with_packed) {
+        EXPECT_EQ(packed, test::MakeBoxData(DType::kFloat32, kShape, 11, Box::FromShape(kShape)));
+      }
     }
     return stats;
   }

@@ -798,9 +798,9 @@ Result<std::string> EncodeZarrMetadata(const ZarrMetadata& m) {
 }
 
 std::string ZarrChunkKey(const ZarrMetadata& m, const std::vector<int64_t>& grid) {
-  std::string key;
   if (m.key_encoding == ZarrKeyEncoding::kDefault) {
-    key = "c";
+    // Built by appending only: GCC 12 warns (-Wrestrict, a false positive) on key = "c".
+    std::string key(1, 'c');
     for (int64_t g : grid) {
       key.push_back(m.separator);
       key += std::to_string(g);
@@ -808,6 +808,7 @@ std::string ZarrChunkKey(const ZarrMetadata& m, const std::vector<int64_t>& grid
     return key;
   }
   if (grid.empty()) return "0";
+  std::string key;
   for (size_t d = 0; d < grid.size(); ++d) {
     if (d > 0) key.push_back(m.separator);
     key += std::to_string(grid[d]);
