@@ -559,7 +559,7 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
             if out is not None:
                 mapped_bytes += out.nbytes
                 return out
-            out = np.empty(shape, dtype)
+            out = tnp.empty_aligned(shape, dtype)
             requests.append((array_path, box[0], shape, info["dtype"], tnp.byte_view(out)))
             return out
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _ext
+
 try:  # ml_dtypes registers bfloat16 and the float8 types with NumPy.
     import ml_dtypes
 except ImportError:  # pragma: no cover - ml_dtypes is a declared dependency
@@ -44,6 +46,11 @@ def byte_view(array: np.ndarray) -> np.ndarray:
 # XLA's CPU client adopts a host buffer as a device buffer without copying it when its address
 # is a multiple of 64 bytes; NumPy's own allocations are only 16-byte aligned.
 _ALIGNMENT = 64
+# From this size (NumPy's own threshold for advising transparent huge pages) restored buffers are
+# mapped by the engine instead (page-aligned, no huge-page advice): where the system grants huge
+# pages only on request, NumPy's request can stall a restore in memory compaction
+# (_ext.host_buffer).
+_OWN_MEMORY_FROM = 4 << 20
 
 
 def empty_aligned(shape, dtype) -> np.ndarray:
@@ -53,6 +60,8 @@ def empty_aligned(shape, dtype) -> np.ndarray:
     over instead of copying them: one copy of every restored byte fewer, and half the memory."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes >= _OWN_MEMORY_FROM:
+        return _ext.host_buffer(nbytes).view(dtype).reshape(shape)
     raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % _ALIGNMENT
     return raw[start:start + nbytes].view(dtype).reshape(shape)

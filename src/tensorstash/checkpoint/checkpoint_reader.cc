@@ -18,6 +18,7 @@
 #include "tensorstash/format/chunk_codec.h"
 #include "tensorstash/util/byte_limiter.h"
 #include "tensorstash/util/crc32c.h"
+#include "tensorstash/util/prefault.h"
 #include "tensorstash/util/staging_buffer.h"
 #include "tensorstash/util/staging_pool.h"
 #include "tensorstash/util/thread_pool.h"
@@ -35,6 +36,21 @@ struct Piece {
   Box chunk_box;
   Box region;  // chunk_box ∩ request box
 };
+
+// Faults in the bytes of `req.dest` that `region` covers, from its first element to its last,
+// before the copy into them (see prefault.h).
+void PrefaultRegion(const Box& region, const ReadRequest& req) {
+  if (region.empty()) return;
+  const size_t item = ItemSize(req.dtype);
+  const int64_t first = ByteOffsetIn(region, req.box, item);
+  Box last = region;
+  for (int d = 0; d < last.rank(); ++d) {
+    last.origin[d] += last.shape[d] - 1;
+    last.shape[d] = 1;
+  }
+  const int64_t end = ByteOffsetIn(last, req.box, item) + static_cast<int64_t>(item);
+  PrefaultForWrite(static_cast<char*>(req.dest) + first, static_cast<size_t>(end - first));
+}
 
 }  // namespace
 
@@ -435,6 +451,7 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
     group.Run([&, plan_ptr = &each]() -> Status {
       const ReadRequestPlan& plan = *plan_ptr;
       if (plan.direct_dest != nullptr) {
+        PrefaultForWrite(plan.direct_dest, plan.length);
         TS_RETURN_IF_ERROR(s.ReadFile(plan.file_id, plan.offset, plan.length, plan.direct_dest));
         for (const ChunkRead& c : plan.chunks) {
           TS_RETURN_IF_ERROR(s.CheckCrc(*pieces[targets[c.tag].front()].entry, c.direct_dest));
@@ -465,6 +482,7 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
           for (size_t piece_index : targets[c.tag]) {
             const Piece& p = pieces[piece_index];
             const ReadRequest& req = requests[p.request];
+            PrefaultRegion(p.region, req);
             TS_RETURN_IF_ERROR(CopyBox(p.region, a.dtype, raw, p.chunk_box, req.dtype, req.dest,
                                        req.box, StrCat("array '", a.path, "'")));
           }
