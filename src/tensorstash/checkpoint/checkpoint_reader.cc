@@ -26,7 +26,8 @@
 namespace tensorstash {
 namespace {
 
-// Mapping pays for a kernel mapping entry and an unmap; spans smaller than this are copied.
+// Mapping pays for a kernel mapping entry (vm.max_map_count is about 65,000 per process) and an
+// unmap; spans and chunks smaller than this are read and copied, which is cheap at that size.
 constexpr uint64_t kMinMappedSpanBytes = 1 << 20;
 
 // One chunk needed by one request.
@@ -546,10 +547,6 @@ MappedBox::~MappedBox() {
 
 namespace {
 
-// Smaller chunks are read: each mapping costs a kernel mapping entry (vm.max_map_count is
-// about 65,000 per process), and copying a small chunk is cheap.
-constexpr uint64_t kMinMappedChunkBytes = kMinMappedSpanBytes;
-
 Status NotMappable(std::string_view path, std::string_view why) {
   return UnimplementedError(StrCat("array '", path, "': the box cannot be mapped (", why, ")"));
 }
@@ -587,7 +584,7 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
       if (!(Intersect(chunk_box, req.box) == chunk_box) || !IsContiguousIn(chunk_box, req.box) ||
           e->length != chunk_box.num_elements() * item) {
         bad = NotMappable(a->path, "a chunk is not a contiguous run of the box");
-      } else if (e->length < kMinMappedChunkBytes) {
+      } else if (e->length < kMinMappedSpanBytes) {
         bad = NotMappable(a->path, "small chunks");
       } else if (offset % page != 0 || e->offset % page != 0 ||
                  (e->length % page != 0 && offset + e->length != bytes)) {

@@ -1,9 +1,9 @@
 #include "tensorstash/format/zarr/zarr_array.h"
 
 #include <cstring>
+#include <functional>
 
 #include <zstd.h>
-#include <functional>
 
 #include "tensorstash/array/convert.h"
 #include "tensorstash/format/zarr/zarr_codec.h"

@@ -136,12 +136,7 @@ Status ZstdDecode(std::string_view in, uint64_t limit, std::string* out, std::st
       ZSTD_findFrameCompressedSize(in.data(), in.size()) == in.size()) {
     if (declared > limit) return TooLarge(what, "zstd", limit);
     out->resize(declared);
-    const size_t n = ZSTD_decompress(out->data(), out->size(), in.data(), in.size());
-    if (ZSTD_isError(n) || n != declared) {
-      return DataLossError(StrCat(what, ": zstd decompression failed: ",
-                                  ZSTD_isError(n) ? ZSTD_getErrorName(n) : "short output"));
-    }
-    return OkStatus();
+    return ZstdDecodeInto(in, out->data(), out->size(), what);
   }
   // Frames without a declared size: stream into a buffer grown up to the limit.
   std::unique_ptr<ZSTD_DStream, size_t (*)(ZSTD_DStream*)> ds(ZSTD_createDStream(),
