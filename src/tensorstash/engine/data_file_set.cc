@@ -12,12 +12,14 @@ struct DataFileSet::File {
 };
 
 DataFileSet::DataFileSet(KvStore* kv, std::string item_dir, int process_index,
-                         uint64_t target_file_bytes, int lanes, uint64_t writeback_bytes)
+                         uint64_t target_file_bytes, int lanes, uint64_t writeback_bytes,
+                         bool direct_writes)
     : kv_(kv),
       item_dir_(std::move(item_dir)),
       process_index_(process_index),
       target_file_bytes_(target_file_bytes == 0 ? 1 : target_file_bytes),
       writeback_bytes_(writeback_bytes),
+      direct_writes_(direct_writes),
       lane_file_(std::max(1, lanes), -1) {}
 
 DataFileSet::~DataFileSet() {
@@ -37,6 +39,7 @@ Result<DataFileSet::Location> DataFileSet::Allocate(uint64_t length, int lane) {
     auto file = std::make_unique<File>();
     file->name = StrCat("data/", process_index_, "-", files_.size(), ".dat");
     TS_ASSIGN_OR_RETURN(file->handle, kv_->OpenForWrite(StrCat(item_dir_, "/", file->name)));
+    if (direct_writes_) file->handle->PreferDirectWrites();
     files_.push_back(std::move(file));
     current = static_cast<int>(files_.size() - 1);
   }

@@ -13,6 +13,9 @@
 // many more bytes were written into it, so that the storage writes while the save still copies,
 // and the final fsyncs (run side by side) find little left to do.
 //
+// A save that syncs also passes `direct_writes`: its files are then opened with
+// WritableFile::PreferDirectWrites(), so that large chunks bypass the page cache.
+//
 // Thread-safety: all methods are thread-safe.
 #ifndef TENSORSTASH_ENGINE_DATA_FILE_SET_H_
 #define TENSORSTASH_ENGINE_DATA_FILE_SET_H_
@@ -38,7 +41,7 @@ class DataFileSet {
   // `item_dir` is the key of the item folder ("<step>.tmp-x/state").
   // `writeback_bytes` 0: writeback is left to the kernel.
   DataFileSet(KvStore* kv, std::string item_dir, int process_index, uint64_t target_file_bytes,
-              int lanes = 1, uint64_t writeback_bytes = 0);
+              int lanes = 1, uint64_t writeback_bytes = 0, bool direct_writes = false);
   ~DataFileSet();
 
   struct Location {
@@ -61,6 +64,7 @@ class DataFileSet {
   int process_index_;
   uint64_t target_file_bytes_;
   uint64_t writeback_bytes_;
+  bool direct_writes_;
   std::mutex mutex_;
   std::vector<std::unique_ptr<File>> files_;
   std::vector<int> lane_file_;  // per lane: index into files_ of its current file, or -1

@@ -41,6 +41,11 @@ class WritableFile {
   // are written, so that Sync() has little left to do. OK without effect where a backend has
   // nothing to start (the default); an error is the backend's (e.g. EIO), naming the key.
   virtual Status StartWriteback() { return OkStatus(); }
+  // A hint for a file that will be synced before anyone reads it: large writes may then bypass
+  // the page cache (O_DIRECT) for the part of them that covers whole 4 KiB blocks, where the
+  // backend and the file system allow it. The bytes written, what a reader sees and what Sync()
+  // makes durable are unchanged; so are the errors. No effect by default.
+  virtual void PreferDirectWrites() {}
   // Releases the file. Further calls are FailedPrecondition. Called by the destructor if needed.
   virtual Status Close() = 0;
 };

@@ -19,6 +19,7 @@
 #include "tensorstash/kvstore/file/file_kvstore.h"
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
+#include "tensorstash/util/staging_buffer.h"
 
 namespace tensorstash {
 namespace {
@@ -294,6 +295,56 @@ TEST_P(KvStoreConformanceTest, StartWritebackKeepsTheBytesAndTheFileOpen) {
   TS_ASSERT_OK((*file)->Sync());
   TS_ASSERT_OK((*file)->Close());
   EXPECT_EQ(Get("wb"), first + second);
+}
+
+// Writes of every shape after PreferDirectWrites(), from several threads: large ones that start
+// on a block boundary or not, end on one or not, from aligned memory or not, and small ones
+// sharing blocks with them. Every byte must be as written.
+TEST_P(KvStoreConformanceTest, PreferDirectWritesKeepsEveryByte) {
+  constexpr size_t kMiB = size_t{1} << 20;
+  struct Piece {
+    size_t offset, size, source;  // source: offset into `from` (0: page-aligned in `aligned`)
+  };
+  const std::vector<Piece> pieces = {
+      {0, 2 * kMiB, 1},                        // aligned start and end, unaligned source
+      {2 * kMiB, 100, 5},                      // small, shares a block with the next
+      {2 * kMiB + 100, kMiB + 3000, 7},        // unaligned start and end
+      {3 * kMiB + 3100, 50, 0},                // small, in the previous piece's last block
+      {3 * kMiB + 3150, 946, 3},               // fills that block up to the boundary
+      {3 * kMiB + 4096, 5 * kMiB + 17, 0},     // aligned start, unaligned end, aligned source
+      {8 * kMiB + 4113, 2 * kMiB - 4113, 9},   // unaligned start, aligned end
+      {10 * kMiB, kMiB / 2, 11},               // below the direct threshold
+      {10 * kMiB + kMiB / 2, 6 * kMiB, 0},     // large, aligned everything
+  };
+  const size_t total = 16 * kMiB + kMiB / 2;
+  const std::string expected = Pattern(total, 12);
+  // Sources: `from` holds the expected bytes at an odd shift; `aligned`, page-aligned ones.
+  const std::string from = std::string(13, 'x') + expected;
+  StagingBuffer aligned(total);
+  std::memcpy(aligned.data(), expected.data(), total);
+
+  Result<std::unique_ptr<WritableFile>> file = store_->OpenForWrite("direct");
+  TS_ASSERT_OK(file.status());
+  WritableFile* writable = file->get();
+  writable->PreferDirectWrites();
+  writable->PreferDirectWrites();  // twice: no effect
+  std::vector<std::thread> threads;
+  std::vector<Status> results(pieces.size());
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    threads.emplace_back([&, i] {
+      const Piece& p = pieces[i];
+      const char* source = p.source == 0 ? aligned.data() + p.offset : from.data() + 13 + p.offset;
+      results[i] = writable->WriteAt(p.offset, source, p.size);
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (const Status& status : results) TS_EXPECT_OK(status);
+  TS_ASSERT_OK(writable->Sync());
+  TS_ASSERT_OK(writable->Close());
+  const std::string got = Get("direct");
+  ASSERT_EQ(got.size(), expected.size());
+  EXPECT_TRUE(got == expected) << "first difference at byte "
+                               << std::mismatch(got.begin(), got.end(), expected.begin()).first - got.begin();
 }
 
 TEST_P(KvStoreConformanceTest, ConcurrentWriteAtFromSeveralThreads) {

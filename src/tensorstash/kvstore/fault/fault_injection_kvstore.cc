@@ -256,6 +256,9 @@ class FaultWritableFile final : public WritableFile {
     return base_->StartWriteback();
   }
 
+  // A hint as well; the crash model still keeps only what Sync() made durable.
+  void PreferDirectWrites() override { base_->PreferDirectWrites(); }
+
   Status Close() override {
     FaultInjectionKvStore::Decision d = store_->Decide(KvOp::kFileClose, key_);
     // A failed close still releases the descriptor, as close(2) does.

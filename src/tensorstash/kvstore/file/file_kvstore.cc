@@ -40,6 +40,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -52,6 +53,8 @@
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include "tensorstash/util/staging_buffer.h"
 
 #if __has_include(<linux/openat2.h>) && defined(SYS_openat2) && \
     !defined(TS_FILE_KVSTORE_DISABLE_OPENAT2)
@@ -509,6 +512,39 @@ Result<std::string> ReadWhole(int fd, std::string_view path) {
   return value;
 }
 
+// Direct writes (WritableFile::PreferDirectWrites). A second descriptor of the file, opened with
+// O_DIRECT through /proc/self/fd (a new open file description, so the first stays buffered),
+// writes the whole 4 KiB blocks of each large write, which then never pass through the page
+// cache. Filling fresh page-cache memory was the costliest part of a synced save on a VM whose
+// host reclaims free memory: writing 1 GiB took 190 ms into memory the kernel had just freed and
+// about 1000 ms into memory the host had taken back, against 550-675 ms every time for O_DIRECT,
+// storage included. Every direct block lies wholly inside one write and writes never overlap, so
+// no block is ever written both ways; the partial blocks at either end of a write go through the
+// buffered descriptor. Source memory that is not block-aligned is copied through a bounce buffer
+// of each writing thread's own (kDirectBounceBytes, kept for the thread's life).
+constexpr uint64_t kDirectBlock = 4096;
+constexpr size_t kMinDirectBytes = size_t{1} << 20;
+constexpr size_t kDirectBounceBytes = size_t{4} << 20;
+
+// Writes [offset, offset + size) through an O_DIRECT descriptor: offset and size are multiples
+// of kDirectBlock. Returns 0 or an errno; EINVAL when the file system wants other alignment.
+int PwriteDirect(int fd, const char* data, size_t size, uint64_t offset) {
+  if (reinterpret_cast<uintptr_t>(data) % kDirectBlock == 0) {
+    return PwriteFully(fd, data, size, offset);
+  }
+  thread_local StagingBuffer bounce;
+  if (bounce.size() == 0) bounce = StagingBuffer(kDirectBounceBytes);  // mapped: page-aligned
+  while (size > 0) {
+    const size_t n = std::min(size, kDirectBounceBytes);
+    std::memcpy(bounce.data(), data, n);
+    if (int error = PwriteFully(fd, bounce.data(), n, offset)) return error;
+    data += n;
+    size -= n;
+    offset += n;
+  }
+  return 0;
+}
+
 class FileWritableFile final : public WritableFile {
  public:
   FileWritableFile(UniqueFd fd, std::string path) : fd_(std::move(fd)), path_(std::move(path)) {}
@@ -517,10 +553,33 @@ class FileWritableFile final : public WritableFile {
 
   Status WriteAt(uint64_t offset, const void* data, size_t size) override {
     TS_RETURN_IF_ERROR(CheckOpen("write"));
-    if (int error = PwriteFully(fd_.get(), static_cast<const char*>(data), size, offset)) {
-      return FsError(error, StrCat("write ", size, " bytes at offset ", offset, " of"), path_);
+    const char* bytes = static_cast<const char*>(data);
+    if (size >= kMinDirectBytes && direct_fd_.valid() && direct_ok_.load(std::memory_order_relaxed) &&
+        offset <= kMaxOffset - size) {
+      // The whole blocks inside the write go direct; the partial ones at its ends, buffered.
+      const uint64_t begin = (offset + kDirectBlock - 1) / kDirectBlock * kDirectBlock;
+      const uint64_t end = (offset + size) / kDirectBlock * kDirectBlock;
+      if (end > begin && end - begin >= kMinDirectBytes) {
+        TS_RETURN_IF_ERROR(WriteBuffered(offset, bytes, begin - offset));
+        const int error = PwriteDirect(direct_fd_.get(), bytes + (begin - offset), end - begin, begin);
+        if (error == EINVAL) {
+          // This file system wants other alignment: buffered from now on (the same bytes again).
+          direct_ok_.store(false, std::memory_order_relaxed);
+          TS_RETURN_IF_ERROR(WriteBuffered(begin, bytes + (begin - offset), end - begin));
+        } else if (error != 0) {
+          return FsError(error, StrCat("write ", end - begin, " bytes at offset ", begin, " of"), path_);
+        }
+        return WriteBuffered(end, bytes + (end - offset), offset + size - end);
+      }
     }
-    return OkStatus();
+    return WriteBuffered(offset, bytes, size);
+  }
+
+  void PreferDirectWrites() override {
+    if (!fd_.valid() || direct_fd_.valid()) return;
+    const std::string self = StrCat("/proc/self/fd/", fd_.get());
+    // Without /proc, or on a file system without O_DIRECT, writes stay buffered.
+    direct_fd_ = UniqueFd(RetryOnEintr([&] { return ::open(self.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC); }));
   }
 
   Status Sync() override {
@@ -541,7 +600,9 @@ class FileWritableFile final : public WritableFile {
 
   Status Close() override {
     TS_RETURN_IF_ERROR(CheckOpen("close"));
+    const int direct_error = direct_fd_.valid() ? CloseFd(direct_fd_) : 0;
     if (int error = CloseFd(fd_)) return FsError(error, "close", path_);
+    if (direct_error != 0) return FsError(direct_error, "close", path_);
     return OkStatus();
   }
 
@@ -551,8 +612,18 @@ class FileWritableFile final : public WritableFile {
     return FailedPreconditionError(StrCat(operation, " '", path_, "' failed: file already closed"));
   }
 
-  // Not synchronized: Close() must not race with other calls (WriteAt from several threads may).
+  Status WriteBuffered(uint64_t offset, const char* data, size_t size) {
+    if (int error = PwriteFully(fd_.get(), data, size, offset)) {
+      return FsError(error, StrCat("write ", size, " bytes at offset ", offset, " of"), path_);
+    }
+    return OkStatus();
+  }
+
+  // Not synchronized: Close() and PreferDirectWrites() must not race with other calls (WriteAt
+  // from several threads may).
   UniqueFd fd_;
+  UniqueFd direct_fd_;  // O_DIRECT, same file; invalid unless PreferDirectWrites() opened it
+  std::atomic<bool> direct_ok_{true};
   const std::string path_;
 };
 

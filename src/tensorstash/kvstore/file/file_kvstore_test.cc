@@ -1,7 +1,9 @@
 // FileKvStore behaviour beyond the conformance suite: what is on disk, symlinks, permissions.
 #include "tensorstash/kvstore/file/file_kvstore.h"
 
+#include <fcntl.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -214,6 +216,51 @@ TEST_F(FileKvStoreTest, KeepsWorkingWhenRootIsRenamed) {
   EXPECT_EQ(*store_->Read("k"), "v");
   ASSERT_EQ(absl::OkStatus(), store_->Write("k2", "v2"));
   EXPECT_EQ(ReadFile(scratch_ / "moved" / "k2"), "v2");
+}
+
+// How many of the file's pages are in the page cache (mincore over a mapping of it).
+size_t PagesCached(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  EXPECT_GE(fd, 0) << std::strerror(errno);
+  const size_t size = fs::file_size(path);
+  void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  EXPECT_NE(mapped, MAP_FAILED) << std::strerror(errno);
+  if (mapped == MAP_FAILED) return 0;
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident((size + page - 1) / page);
+  EXPECT_EQ(::mincore(mapped, size, resident.data()), 0) << std::strerror(errno);
+  ::munmap(mapped, size);
+  size_t cached = 0;
+  for (unsigned char r : resident) cached += r & 1;
+  return cached;
+}
+
+TEST_F(FileKvStoreTest, PreferDirectWritesBypassesThePageCache) {
+  // Only where this file system takes O_DIRECT at all.
+  const fs::path probe = scratch_ / "probe";
+  const int probe_fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_DIRECT | O_CLOEXEC, 0644);
+  if (probe_fd < 0) GTEST_SKIP() << "no O_DIRECT on " << scratch_ << ": " << std::strerror(errno);
+  ::close(probe_fd);
+
+  const size_t size = size_t{4} << 20;
+  std::string bytes(size + 1, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i * 7 + i / 4096);
+  for (const bool direct : {true, false}) {
+    const std::string key = direct ? "direct" : "buffered";
+    Result<std::unique_ptr<WritableFile>> file = store_->OpenForWrite(key);
+    ASSERT_EQ(absl::OkStatus(), file.status());
+    if (direct) (*file)->PreferDirectWrites();
+    // From an odd address (a bounce copy), the whole blocks of 4 MiB, and one byte past them.
+    ASSERT_EQ(absl::OkStatus(), (*file)->WriteAt(0, bytes.data() + 1, size));
+    ASSERT_EQ(absl::OkStatus(), (*file)->WriteAt(size, bytes.data(), 1));
+    ASSERT_EQ(absl::OkStatus(), (*file)->Sync());
+    ASSERT_EQ(absl::OkStatus(), (*file)->Close());
+  }
+  const size_t pages = size / static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  EXPECT_EQ(PagesCached(root_ / "buffered"), pages + 1);
+  EXPECT_EQ(PagesCached(root_ / "direct"), 1u);  // just the last byte's page
+  EXPECT_TRUE(ReadFile(root_ / "direct") == bytes.substr(1, size) + bytes.substr(0, 1));
 }
 
 TEST_F(FileKvStoreTest, PermissionDeniedWhenNotRoot) {
