@@ -28,8 +28,9 @@ std::vector<std::string> DTypeNames() {
 size_t ItemSizeOf(const std::string& dtype) { return ItemSize(ValueOrThrow(ParseDType(dtype))); }
 
 // A uint8 array over memory mapped for it alone (see StagingBuffer), freed with the array.
-// NumPy advises its own large allocations into transparent huge pages; where the system grants
-// those only on request, a request can stall in memory compaction, which made restores into
+// NumPy advises its own large allocations into transparent huge pages. The first write to a huge
+// page can cost many times that of small pages (on a VM whose host has reclaimed that memory,
+// 348-730 ms against 33 ms for 256 MiB, nearly all in clearing it), which made restores into
 // NumPy's memory take anywhere from 63 to 215 ms for the same 256 MiB on a 2-core VM.
 nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> HostBuffer(size_t nbytes) {
   auto* owned = new StagingBuffer(nbytes);  // MemoryError when memory runs out

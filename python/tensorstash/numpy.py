@@ -47,8 +47,8 @@ def byte_view(array: np.ndarray) -> np.ndarray:
 # is a multiple of 64 bytes; NumPy's own allocations are only 16-byte aligned.
 _ALIGNMENT = 64
 # From this size (NumPy's own threshold for advising transparent huge pages) restored buffers are
-# mapped by the engine instead (page-aligned, no huge-page advice): where the system grants huge
-# pages only on request, NumPy's request can stall a restore in memory compaction
+# mapped by the engine instead (page-aligned, no huge-page advice): the first write to a huge page
+# can cost many times that of small pages, as on a VM whose host has reclaimed the memory
 # (_ext.host_buffer).
 _OWN_MEMORY_FROM = 4 << 20
 
