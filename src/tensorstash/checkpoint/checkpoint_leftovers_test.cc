@@ -32,17 +32,22 @@ Result<int32_t> FirstValue(KvStore* kv, const std::string& dir) {
 
 TEST(CheckpointLeftoversTest, TemporaryFoldersOfAStepAreRemovedByItsNextSave) {
   MemoryKvStore kv;
-  ASSERT_TRUE(kv.Write("0001.tmp-dead/state/data/0-0.dat", "partial").ok());
-  ASSERT_TRUE(kv.Write("0001.tmp-beef/COMMIT", "{}").ok());
-  ASSERT_TRUE(kv.Write("0002.tmp-cafe/state/index", "other step's").ok());
-  ASSERT_TRUE(kv.Write("0001.5.tmp-f00d/state/index", "step 0001.5's").ok());
+  ASSERT_TRUE(kv.Write("0001.tmp-00000000deaddead/state/data/0-0.dat", "partial").ok());
+  ASSERT_TRUE(kv.Write("0001.tmp-00000000beefbeef/COMMIT", "{}").ok());
+  ASSERT_TRUE(kv.Write("0002.tmp-00000000cafecafe/state/index", "other step's").ok());
+  ASSERT_TRUE(kv.Write("0001.5.tmp-00000000f00df00d/state/index", "step 0001.5's").ok());
+  // Not ours: the id is not 16 hex digits (docs/format.md, "Layout").
+  ASSERT_TRUE(kv.Write("0001.tmp-mine/notes", "the user's").ok());
   ASSERT_TRUE(SaveStep(&kv, "0001", 10, 5).ok());
   auto keys = kv.List("").value();
   for (const std::string& key : keys) {
-    EXPECT_EQ(key.find("0001.tmp-"), std::string::npos) << key;
+    if (key != "0001.tmp-mine/notes") {
+      EXPECT_EQ(key.find("0001.tmp-"), std::string::npos) << key;
+    }
   }
-  EXPECT_TRUE(kv.Size("0001.5.tmp-f00d/state/index").ok());  // step "0001.5" is another step
-  EXPECT_TRUE(kv.Size("0002.tmp-cafe/state/index").ok());  // another step's folder is left alone
+  EXPECT_TRUE(kv.Size("0001.5.tmp-00000000f00df00d/state/index").ok());  // step "0001.5" is another step
+  EXPECT_TRUE(kv.Size("0002.tmp-00000000cafecafe/state/index").ok());  // another step's folder is left alone
+  EXPECT_TRUE(kv.Size("0001.tmp-mine/notes").ok());
   EXPECT_EQ(FirstValue(&kv, "0001").value(), 5);
 }
 
@@ -50,9 +55,9 @@ TEST(CheckpointLeftoversTest, AnOverwriteInterruptedBetweenItsRenamesIsUndone) {
   MemoryKvStore kv;
   ASSERT_TRUE(SaveStep(&kv, "0007", 10, 100).ok());
   // A crash after the old step was moved aside and before the new one was moved in.
-  ASSERT_TRUE(kv.RenameDirectory("0007", "0007.old-1234").ok());
+  ASSERT_TRUE(kv.RenameDirectory("0007", "0007.old-0000000000001234").ok());
   ASSERT_TRUE(SaveStep(&kv, "new", 10, 200).ok());
-  ASSERT_TRUE(kv.RenameDirectory("new", "0007.tmp-1234").ok());
+  ASSERT_TRUE(kv.RenameDirectory("new", "0007.tmp-0000000000001234").ok());
   // The next save of the step restores the old one first: without overwrite it is refused...
   Status refused = SaveStep(&kv, "0007", 10, 300);
   EXPECT_TRUE(absl::IsAlreadyExists(refused)) << refused;

@@ -17,6 +17,7 @@
 
 #include "nlohmann/json.hpp"
 #include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/checkpoint/step_folder.h"
 #include "tensorstash/coordination/single_process_coordinator.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/util/crc32c.h"
@@ -81,10 +82,6 @@ struct SaveJob {
 };
 
 }  // namespace
-
-std::string ProcessStateFileName(int process_index) {
-  return StrCat("process/", process_index);
-}
 
 struct CheckpointManager::Impl {
   KvStore* kv = nullptr;
@@ -220,18 +217,33 @@ Status CheckpointManager::Impl::CleanUpAndListSteps() {
       complete = true;
     }
   }
-  // An overwrite that crashed between its two renames left "<step>.old-<nonce>" complete and
-  // <step> incomplete: the old step is the one to keep (rolled back as the writer does). Only
-  // the first such folder by name, like the writer.
+  // Folders tensorstash wrote and nothing reads: "<step>.tmp-<id>", "<step>.old-<id>" of a
+  // 10-digit step, and step folders without COMMIT that hold only what a save writes (a crashed
+  // save on a store without rename, or a crashed deletion: COMMIT goes first). Anything else in
+  // the root is the user's and left alone (step_folder.h).
+  const auto is_ours_incomplete = [&](const std::string& name) -> Result<bool> {
+    TS_ASSIGN_OR_RETURN(FolderContent content, ClassifyStepFolder(kv, name));
+    return content == FolderContent::kEmpty || content == FolderContent::kTensorstashLeftover;
+  };
+  // An overwrite that crashed between its two renames left "<step>.old-<id>" complete and
+  // <step> absent (or incomplete): the old step is the one to keep (rolled back as the writer
+  // does). Only the first such folder by name, like the writer.
   std::set<std::string> restored;
   if (kv->SupportsRename()) {
     for (const auto& [name, complete] : folders) {
-      const size_t old = name.find(kOldMarker);
-      if (old == std::string::npos || !complete) continue;
-      const std::string base = name.substr(0, old);
+      const std::optional<std::string_view> base_view = LeftoverBase(name);
+      if (!base_view || !complete || !ParseStepName(*base_view) ||
+          name.compare(base_view->size(), std::strlen(kOldMarker), kOldMarker) != 0) {
+        continue;
+      }
+      const std::string base(*base_view);
       auto base_it = folders.find(base);
       if ((base_it != folders.end() && base_it->second) || restored.count(base) > 0) continue;
-      TS_RETURN_IF_ERROR(kv->DeletePrefix(base + "/"));
+      if (base_it != folders.end()) {
+        TS_ASSIGN_OR_RETURN(bool ours, is_ours_incomplete(base));
+        if (!ours) continue;  // someone else's folder took the step's name: leave both
+        TS_RETURN_IF_ERROR(kv->DeletePrefix(base + "/"));
+      }
       TS_RETURN_IF_ERROR(kv->RenameDirectory(name, base));
       restored.insert(base);
       restored.insert(name);
@@ -243,20 +255,19 @@ Status CheckpointManager::Impl::CleanUpAndListSteps() {
   }
   for (const auto& [name, complete] : folders) {
     if (restored.count(name) > 0) continue;
-    if (IsTemporaryStepName(name)) {
-      TS_RETURN_IF_ERROR(kv->DeletePrefix(name + "/"));
+    if (const std::optional<std::string_view> base = LeftoverBase(name)) {
+      if (ParseStepName(*base)) TS_RETURN_IF_ERROR(kv->DeletePrefix(name + "/"));
       continue;
     }
     std::optional<int64_t> step = ParseStepName(name);
     if (!step) continue;  // not ours: left alone
     if (complete) {
       complete_steps.insert(*step);
-    } else {
-      // A step without COMMIT is a crashed save on a store without rename, or a crashed
-      // deletion (COMMIT goes first): unreadable either way, and no save runs while we hold
-      // the lock.
-      TS_RETURN_IF_ERROR(kv->DeletePrefix(name + "/"));
+      continue;
     }
+    // No save runs while we hold the lock, so an incomplete step of ours is dead.
+    TS_ASSIGN_OR_RETURN(bool ours, is_ours_incomplete(name));
+    if (ours) TS_RETURN_IF_ERROR(kv->DeletePrefix(name + "/"));
   }
   std::lock_guard<std::mutex> guard(mutex);
   steps = std::move(complete_steps);

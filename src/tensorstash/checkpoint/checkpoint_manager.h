@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/checkpoint/layout.h"
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/util/status.h"
 
@@ -110,10 +111,8 @@ struct SaveRequest {
   std::shared_ptr<void> keep_alive;
 };
 
-// Names of the files a manager's steps hold besides the arrays (CheckpointReader::ReadFile).
-inline constexpr char kMetadataFileName[] = "metadata.json";
-inline constexpr char kMetricsFileName[] = "metrics.json";
-std::string ProcessStateFileName(int process_index);  // "process/<index>"
+// The names of the files a manager's steps hold besides the arrays (kMetadataFileName,
+// kMetricsFileName, ProcessStateFileName) are in layout.h.
 
 class CheckpointManager {
  public:

@@ -3,8 +3,9 @@
 // Every process runs the same steps; the coordinator's key-value store carries what they must
 // agree on, under keys "tensorstash/<dir>/<operation id>/...".
 //
-//  1. Process 0 prepares the step: it refuses a complete step unless `overwrite`, removes an
-//     incomplete leftover of the same name, and picks the folder to write into. With a backend
+//  1. Process 0 prepares the step: it refuses a complete step unless `overwrite`, and anything
+//     at <dir> that tensorstash did not write (step_folder.h), removes tensorstash's own
+//     leftovers of the same name, and picks the folder to write into. With a backend
 //     that can rename (POSIX) that is a temporary "<dir>.tmp-<nonce>"; without rename it is <dir>
 //     itself (any old COMMIT removed first, so the step is invisible while it is rewritten). It
 //     publishes the folder (or its error) as "workdir".
@@ -38,13 +39,16 @@
 
 #include "tensorstash/array/chunk_grid.h"
 #include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/checkpoint/step_folder.h"
 #include "tensorstash/coordination/single_process_coordinator.h"
 #include "tensorstash/engine/data_file_set.h"
+#include "tensorstash/engine/publish.h"
 #include "tensorstash/format/chunk_codec.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/format/index_format.h"
 #include "tensorstash/util/byte_limiter.h"
 #include "tensorstash/util/crc32c.h"
+#include "tensorstash/util/random_id.h"
 #include "tensorstash/util/staging_buffer.h"
 #include "tensorstash/util/staging_pool.h"
 #include "tensorstash/util/thread_pool.h"
@@ -67,13 +71,6 @@ struct ChunkTask {
   int lane = 0;
   DataFileSet::Location location{};
 };
-
-std::string RandomNonce() {
-  std::random_device device;
-  std::mt19937_64 gen(device() ^ static_cast<uint64_t>(
-                                      std::chrono::steady_clock::now().time_since_epoch().count()));
-  return StrCat(Hex32(static_cast<uint32_t>(gen())), Hex32(static_cast<uint32_t>(gen())));
-}
 
 // The most data files one process writes at once.
 constexpr int kMaxLanes = 4;
@@ -356,33 +353,30 @@ Status CheckpointWriter::Commit(WriteStats* stats,
 }
 
 Result<std::string> CheckpointWriter::Impl::PrepareStepFolder() {
-  const std::string commit_key = StrCat(dir, "/", kCommitFileName);
-  Result<uint64_t> commit_size = kv->Size(commit_key);
-  bool complete = commit_size.ok();
-  if (!complete && !absl::IsNotFound(commit_size.status())) return commit_size.status();
-  if (complete && !options.overwrite && !kv->SupportsRename()) {
-    return AlreadyExistsError(StrCat(
-        "step '", dir, "' already exists in ", kv->Describe(),
-        " and is complete; pass overwrite to replace it"));
-  }
-  nonce = RandomNonce();
+  // What is at <dir> decides what the save may do (step_folder.h): never delete a folder that
+  // tensorstash did not write.
+  TS_ASSIGN_OR_RETURN(FolderContent content, ClassifyStepFolder(kv, dir));
+  nonce = RandomHexId();
   if (kv->SupportsRename()) {
-    // Leftovers of earlier saves of this step: "<dir>.tmp-*" (failed or crashed saves) and
-    // "<dir>.old-*" (a replaced step whose removal was cut short). When <dir> has no COMMIT but
-    // an ".old-" folder has one, a crash hit an overwrite between its two renames: the old
-    // step is put back first so that it is not lost. (One save per step at a time: a second
-    // writer of the same step would see the first one's folder as a leftover.)
+    // Leftovers of earlier saves of this step: "<dir>.tmp-<id>" (failed or crashed saves) and
+    // "<dir>.old-<id>" (a replaced step whose removal was cut short). When <dir> has no COMMIT
+    // (nor anything else but our leftovers) and an ".old-" folder has one, a crash hit an
+    // overwrite between its two renames: the old step is put back first so that it is not lost.
+    // (One save per step at a time: a second writer of the same step would see the first one's
+    // folder as a leftover.)
     TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, kv->List(dir + "."));
     std::set<std::string> leftovers;
     for (const std::string& key : keys) {
-      const std::string folder = key.substr(0, key.find('/', dir.size()));
-      // Only "<dir>.tmp-*" and "<dir>.old-*": not "<dir>.b.tmp-*", which belongs to step "<dir>.b".
-      const std::string_view suffix = std::string_view(folder).substr(dir.size());
-      const bool ours = suffix.rfind(kTempMarker, 0) == 0 || suffix.rfind(kOldMarker, 0) == 0;
-      if (folder != key && ours && suffix.find('.', 1) == std::string_view::npos) leftovers.insert(folder);
+      const size_t slash = key.find('/', dir.size());
+      if (slash == std::string::npos) continue;
+      const std::string folder = key.substr(0, slash);
+      // Only "<dir>.tmp-<id>" and "<dir>.old-<id>": not "<dir>.b.tmp-<id>" (step "<dir>.b").
+      if (LeftoverBase(folder) == std::string_view(dir)) leftovers.insert(folder);
     }
     for (const std::string& folder : leftovers) {
-      if (!complete && folder.compare(dir.size(), std::strlen(kOldMarker), kOldMarker) == 0) {
+      const bool rollback_possible = content == FolderContent::kEmpty ||
+                                     content == FolderContent::kTensorstashLeftover;
+      if (rollback_possible && folder.compare(dir.size(), std::strlen(kOldMarker), kOldMarker) == 0) {
         // An error here must not read as "no COMMIT": the folder may hold the only copy of a
         // committed step, which the deletion below would destroy.
         Result<uint64_t> old_commit = kv->Size(StrCat(folder, "/", kCommitFileName));
@@ -392,24 +386,29 @@ Result<std::string> CheckpointWriter::Impl::PrepareStepFolder() {
         if (old_commit.ok()) {
           TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
           TS_RETURN_IF_ERROR(kv->RenameDirectory(folder, dir));
-          complete = true;
+          content = FolderContent::kTensorstashStep;
           continue;
         }
       }
       TS_RETURN_IF_ERROR(kv->DeletePrefix(folder + "/"));
     }
-    if (complete && !options.overwrite) {
-      return AlreadyExistsError(StrCat("step '", dir, "' already exists in ", kv->Describe(),
-                                       " and is complete; pass overwrite to replace it"));
-    }
-    // An incomplete folder of the same name can only be a leftover; it is never read.
-    if (!complete) TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
+  }
+  // AlreadyExists for a complete step without `overwrite`, and for anything not ours.
+  TS_ASSIGN_OR_RETURN(content, CheckSaveDestination(kv, dir, options.overwrite));
+  // An empty folder, or a crashed save's or deletion's leftover: nothing in it is ever read.
+  if (content == FolderContent::kEmpty || content == FolderContent::kTensorstashLeftover) {
+    TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
+  }
+  if (kv->SupportsRename()) {
+    // What is left at <dir> (a step or an Orbax checkpoint to overwrite) is replaced at publish.
     const std::string temp = StrCat(dir, kTempMarker, nonce);
     TS_RETURN_IF_ERROR(kv->DeletePrefix(temp + "/"));
     return temp;
   }
   // Without rename the step is rewritten in place; removing COMMIT first makes it invisible.
-  if (complete) TS_RETURN_IF_ERROR(kv->Delete(commit_key));
+  if (content == FolderContent::kTensorstashStep) {
+    TS_RETURN_IF_ERROR(kv->Delete(StrCat(dir, "/", kCommitFileName)));
+  }
   TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
   return dir;
 }
@@ -754,33 +753,9 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local,
   if (options.sync) TS_RETURN_IF_ERROR(kv->Sync(commit_key));
   if (work_dir == dir) return OkStatus();  // no rename: COMMIT written last was the commit
 
-  // Rename the finished folder into place. An existing complete step (overwrite) is moved
-  // aside first and removed after.
-  std::string old_dir;
-  Result<uint64_t> existing = kv->Size(StrCat(dir, "/", kCommitFileName));
-  if (!existing.ok() && !absl::IsNotFound(existing.status())) return existing.status();
-  if (existing.ok()) {
-    old_dir = StrCat(dir, kOldMarker, nonce);
-    TS_RETURN_IF_ERROR(kv->RenameDirectory(dir, old_dir));
-  }
-  if (Status moved = kv->RenameDirectory(work_dir, dir); !moved.ok()) {
-    // Put the replaced step back: a failed save leaves the committed step as it was.
-    if (!old_dir.empty()) (void)kv->RenameDirectory(old_dir, dir);
-    return moved;
-  }
-  if (options.sync) {
-    if (Status synced = kv->SyncDirectory(ParentKey(dir)); !synced.ok()) {
-      // The rename may not be durable, and Commit is about to fail: undo it, so that a failed
-      // save leaves nothing new visible (the caller then removes work_dir).
-      (void)kv->RenameDirectory(dir, work_dir);
-      if (!old_dir.empty()) (void)kv->RenameDirectory(old_dir, dir);
-      return synced;
-    }
-  }
-  // The new step is committed; removing the replaced one is best effort (a leftover ".old-"
-  // folder is never read), and its failure must not report the save as failed.
-  if (!old_dir.empty()) (void)kv->DeletePrefix(old_dir + "/");
-  return OkStatus();
+  // Rename the finished folder into place; what <dir> held (an overwrite) is moved aside first
+  // and removed after. On failure PublishFolder puts everything back as it was.
+  return PublishFolder(kv, work_dir, dir, StrCat(dir, kOldMarker, nonce), options.sync);
 }
 
 void CheckpointWriter::Impl::RemoveWorkDir() {

@@ -17,6 +17,14 @@ inline constexpr char kIndexFileName[] = "index";
 // replaced is moved aside to "<step>.old-<nonce>" (hex nonces, no dots).
 inline constexpr char kTempMarker[] = ".tmp-";
 inline constexpr char kOldMarker[] = ".old-";
+// The files a manager's steps hold besides the arrays (CheckpointReader::ReadFile).
+inline constexpr char kMetadataFileName[] = "metadata.json";
+inline constexpr char kMetricsFileName[] = "metrics.json";
+inline constexpr char kProcessStateFolder[] = "process";
+// "process/<index>": one process's own state (e.g. its data-iterator position).
+inline std::string ProcessStateFileName(int process_index) {
+  return StrCat(kProcessStateFolder, "/", process_index);
+}
 
 inline std::string ItemDir(std::string_view step_dir, std::string_view item) {
   return StrCat(step_dir, "/", item);

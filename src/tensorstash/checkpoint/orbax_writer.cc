@@ -3,7 +3,8 @@
 //  1. Commit checks the tree: every leaf gets its Orbax parameter name (the keys from the root
 //     joined by '.', list and tuple positions in decimal) and must not collide with another;
 //     every array is referenced by exactly one leaf; every array's shards tile it on one grid.
-//  2. It refuses an existing `dir` (unless `overwrite`) and writes into the temporary folder
+//  2. It refuses an existing checkpoint at `dir` (unless `overwrite`) and anything there that is
+//     not a checkpoint (step_folder.h), and writes into the temporary folder
 //     `<dir>.orbax-checkpoint-tmp-<nonce>` (the suffix Orbax uses, so that Orbax's
 //     CheckpointManager skips a leftover of a crash).
 //  3. An OcdbtWriter receives the zarr arrays: ZarrArrayWriter writes `<name>/zarr.json` and the
@@ -12,9 +13,10 @@
 //     its data files. OcdbtWriter::Finish writes the B+tree and manifest.ocdbt, synced.
 //  4. `_METADATA` (and the caller's files, `array_metadatas/process_0` for jax.Array leaves) go
 //     into the item folder and `_CHECKPOINT_METADATA` into the top folder; each is synced.
-//  5. The temporary folder is renamed to `dir` and the parent folder synced. With `overwrite`
-//     an existing `dir` is first renamed aside and removed only after the new one is in place.
-// Any failure before step 5 removes the temporary folder.
+//  5. PublishFolder (engine/publish.h) renames the temporary folder to `dir` and syncs the
+//     parent folder. With `overwrite` an existing `dir` is first renamed aside and removed only
+//     after the new one is in place; a failure puts the old one back.
+// Any failure removes the temporary folder: nothing new is visible.
 
 #include "tensorstash/checkpoint/orbax_writer.h"
 
@@ -23,14 +25,16 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <random>
 #include <set>
 #include <utility>
 
 #include <nlohmann/json.hpp>
 
+#include "tensorstash/checkpoint/step_folder.h"
+#include "tensorstash/engine/publish.h"
 #include "tensorstash/format/zarr/zarr_array.h"
 #include "tensorstash/kvstore/ocdbt/ocdbt_kvstore.h"
+#include "tensorstash/util/random_id.h"
 #include "tensorstash/util/str_util.h"
 #include "tensorstash/util/thread_pool.h"
 
@@ -215,20 +219,6 @@ std::string KeypathRepr(const Leaf& leaf) {
   }
   if (leaf.keys.size() == 1) out += ",";
   return out + ")";
-}
-
-std::string Nonce() {
-  std::random_device rd;
-  const uint64_t v = (uint64_t{rd()} << 32) ^ rd();
-  static const char* kHex = "0123456789abcdef";
-  std::string out;
-  for (int i = 15; i >= 0; --i) out += kHex[(v >> (4 * i)) & 15];
-  return out;
-}
-
-std::string ParentKey(const std::string& key) {
-  const size_t slash = key.rfind('/');
-  return slash == std::string::npos ? std::string() : key.substr(0, slash);
 }
 
 int64_t NowNanos() {
@@ -450,29 +440,22 @@ Status OrbaxWriter::Impl::CommitImpl(OrbaxWriteStats* stats,
     return UnimplementedError(StrCat(kv->Describe(), " cannot rename folders, which the Orbax "
                                      "writer needs to publish a checkpoint whole"));
   }
-  TS_ASSIGN_OR_RETURN(std::vector<std::string> existing, kv->List(dir + "/"));
-  if (!existing.empty() && !options.overwrite) {
-    return AlreadyExistsError(StrCat("'", dir, "' already exists (", kv->Describe(), ")"));
-  }
-  const std::string tmp = StrCat(dir, kTmpSuffix, Nonce());
+  // Never replaces what tensorstash did not write, nor a complete checkpoint without
+  // `overwrite` (step_folder.h).
+  TS_ASSIGN_OR_RETURN(FolderContent content, CheckSaveDestination(kv, dir, options.overwrite));
+  if (content == FolderContent::kTensorstashLeftover) TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
+  const std::string tmp = StrCat(dir, kTmpSuffix, RandomHexId());
   TS_RETURN_IF_ERROR(kv->DeletePrefix(tmp + "/"));
   Status status = WriteInto(tmp, leaves, stats, progress);
 
-  // 5. Into place.
-  std::string old;
-  if (status.ok() && !existing.empty()) {
-    old = StrCat(dir, kTmpSuffix, "old-", Nonce());
-    status = kv->RenameDirectory(dir, old);
+  // 5. Into place: the old checkpoint (overwrite) is moved aside and removed once the new one is
+  // in place and durable; on failure nothing new is visible and the old one is as it was.
+  if (status.ok()) {
+    status = PublishFolder(kv, tmp, dir, StrCat(dir, kTmpSuffix, "old-", RandomHexId()),
+                           options.sync);
   }
-  if (status.ok()) status = kv->RenameDirectory(tmp, dir);
-  if (!status.ok()) {
-    (void)kv->DeletePrefix(tmp + "/");
-    if (!old.empty()) (void)kv->RenameDirectory(old, dir);  // put the old one back if we can
-    return status;
-  }
-  if (options.sync) TS_RETURN_IF_ERROR(kv->SyncDirectory(ParentKey(dir)));
-  if (!old.empty()) TS_RETURN_IF_ERROR(kv->DeletePrefix(old + "/"));
-  return OkStatus();
+  if (!status.ok()) (void)kv->DeletePrefix(tmp + "/");
+  return status;
 }
 
 Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Leaf>& leaves,

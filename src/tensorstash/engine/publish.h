@@ -1,0 +1,30 @@
+// PublishFolder: how a finished save becomes visible on a store that can rename folders.
+//
+// Both writers (the native CheckpointWriter and the OrbaxWriter) build a checkpoint in a
+// temporary folder and call this to put it in place. Thread-safety: one publish per
+// destination at a time; the store itself may be shared.
+#ifndef TENSORSTASH_ENGINE_PUBLISH_H_
+#define TENSORSTASH_ENGINE_PUBLISH_H_
+
+#include <string>
+
+#include "tensorstash/kvstore/kvstore.h"
+#include "tensorstash/util/status.h"
+
+namespace tensorstash {
+
+// Moves folder `work_dir` of `kv` to `dir`:
+//  1. whatever is at `dir` (anything listed under it) is renamed aside to `aside_dir`;
+//  2. `work_dir` is renamed to `dir`;
+//  3. with `sync`, the parent folder of `dir` is synced, so that both renames are durable;
+//  4. the folder moved aside is removed, best effort (a leftover there is never read as a
+//     checkpoint, and its removal failing does not fail a publish that has committed).
+// On success the new folder is at `dir`. On failure (at 1-3) every rename done so far is
+// undone: `dir` holds what it held before, and `work_dir` still holds the new folder for the
+// caller to remove; the error names the step that failed. Requires kv->SupportsRename().
+Status PublishFolder(KvStore* kv, const std::string& work_dir, const std::string& dir,
+                     const std::string& aside_dir, bool sync);
+
+}  // namespace tensorstash
+
+#endif  // TENSORSTASH_ENGINE_PUBLISH_H_
