@@ -101,8 +101,12 @@ struct CheckpointManager::Impl {
   std::set<int64_t> steps;            // Guarded by mutex.
   std::map<int64_t, double> metrics;  // best_metric per step (process 0). Guarded by mutex.
 
+  // Held for the whole of every call that joins or starts the worker (Save, SaveAsync,
+  // WaitUntilFinished, Close): calls from several threads at once run one after the other,
+  // instead of joining and reassigning `worker` at the same time.
+  std::mutex calls_mutex;
   // The background work in flight (an async save, or deletions) and the error of the last one
-  // not yet returned to the caller.
+  // not yet returned to the caller. Guarded by calls_mutex.
   std::thread worker;
   Status background_error;  // Written by the worker; read after joining it.
 
@@ -485,6 +489,7 @@ Status CheckpointManager::Impl::JoinWorker() {
 
 Status CheckpointManager::Save(int64_t step, SaveRequest request, SaveStats* stats) {
   Impl& s = *impl_;
+  std::lock_guard<std::mutex> call(s.calls_mutex);
   TS_RETURN_IF_ERROR(s.CheckOpen());
   TS_RETURN_IF_ERROR(s.JoinWorker());
   TS_ASSIGN_OR_RETURN(SaveJob job, s.Prepare(step, std::move(request), /*async=*/false));
@@ -505,6 +510,7 @@ Status CheckpointManager::Save(int64_t step, SaveRequest request, SaveStats* sta
 
 Status CheckpointManager::SaveAsync(int64_t step, SaveRequest request) {
   Impl& s = *impl_;
+  std::lock_guard<std::mutex> call(s.calls_mutex);
   TS_RETURN_IF_ERROR(s.CheckOpen());
   TS_RETURN_IF_ERROR(s.JoinWorker());
   TS_ASSIGN_OR_RETURN(SaveJob job, s.Prepare(step, std::move(request), /*async=*/true));
@@ -555,9 +561,13 @@ bool CheckpointManager::ReachedPreemption(int64_t step) {
   return any;
 }
 
-Status CheckpointManager::WaitUntilFinished() { return impl_->JoinWorker(); }
+Status CheckpointManager::WaitUntilFinished() {
+  std::lock_guard<std::mutex> call(impl_->calls_mutex);
+  return impl_->JoinWorker();
+}
 
 Status CheckpointManager::Close() {
+  std::lock_guard<std::mutex> call(impl_->calls_mutex);
   if (impl_->closed) return OkStatus();
   Status result = impl_->JoinWorker();
   impl_->lock.reset();

@@ -23,8 +23,10 @@
 // Close, which returns them; they are never dropped (except by the destructor, which cannot
 // return them: call Close).
 //
-// Thread-safety: the methods are meant for one thread (the training loop); AllSteps, LatestStep,
-// ShouldSave and StepDir may also be called from other threads and from the commit callback.
+// Thread-safety: the methods are meant for one thread (the training loop), but any method may be
+// called from several threads: Save, SaveAsync, WaitUntilFinished and Close called at once run
+// one after the other (a second SaveAsync waits for the first to commit). AllSteps, LatestStep,
+// ShouldSave and StepDir may also be called from the commit callback; the others may not.
 #ifndef TENSORSTASH_CHECKPOINT_CHECKPOINT_MANAGER_H_
 #define TENSORSTASH_CHECKPOINT_CHECKPOINT_MANAGER_H_
 
