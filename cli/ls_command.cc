@@ -6,6 +6,7 @@
 #include "commands.h"
 #include "common.h"
 #include "nlohmann/json.hpp"
+#include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/layout.h"
 #include "tensorstash/checkpoint/step_source.h"
 #include "tensorstash/format/commit_record.h"
@@ -33,6 +34,7 @@ int RunLs(const std::string& root) {
     if (key.substr(slash + 1) == kCommitFileName) row.has_commit = true;
   }
   std::printf("%-28s %-11s %12s  %s\n", "STEP", "STATUS", "SIZE", "CREATED");
+  std::vector<std::string> damaged;  // why each damaged step does not open
   for (const auto& [step, row] : steps) {
     std::string status = "incomplete";
     std::string created = "-";
@@ -61,21 +63,22 @@ int RunLs(const std::string& root) {
         }
       }
     } else {
-      const std::string commit_key = StrCat(step, "/", kCommitFileName);
-      Result<std::string> text = (*kv)->Read(commit_key);
-      Result<CommitRecord> record =
-          text.ok() ? DecodeCommitRecord(*text, commit_key) : Result<CommitRecord>(text.status());
-      if (record.ok()) {
+      // Complete only when it opens: COMMIT (size checked before it is read), tree.json and
+      // index all check, as a restore and the manager require.
+      Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(kv->get(), step);
+      if (reader.ok()) {
         status = "complete";
-        created = HumanTime(record->created_unix_ms);
+        created = HumanTime((*reader)->commit_record().created_unix_ms);
       } else {
         status = "damaged";
+        damaged.push_back(StrCat(step, ": ", reader.status().message()));
       }
     }
     std::printf("%-28s %-11s %12s  %s\n", step.c_str(), status.c_str(), HumanBytes(row.bytes).c_str(),
                 created.c_str());
   }
   if (steps.empty()) std::printf("(no steps under %s)\n", root.c_str());
+  for (const std::string& why : damaged) std::fprintf(stderr, "damaged: %s\n", why.c_str());
   return 0;
 }
 

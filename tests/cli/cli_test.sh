@@ -23,6 +23,19 @@ mkdir -p "$WORK/ckpt/0000000044/state" && echo x > "$WORK/ckpt/0000000044/state/
 "$CLI" ls "$WORK/ckpt" > "$WORK/ls.txt" 2>&1
 check "ls shows a temporary folder as temporary" grep -Eq "^0000000043.tmp-abc +temporary" "$WORK/ls.txt"
 check "ls shows a folder without COMMIT as incomplete" grep -Eq "^0000000044 +incomplete" "$WORK/ls.txt"
+# Issue 13, item 15: a COMMIT that still parses but whose checks are wrong is damaged, not complete.
+cp -r "$STEP" "$WORK/ckpt/0000000045"
+python3 - "$WORK/ckpt/0000000045/COMMIT" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+text = re.sub(r'"tree_crc32c": (\d+)', lambda m: f'"tree_crc32c": {(int(m[1]) + 1) % 2**32}', text)
+open(sys.argv[1], "w").write(text)
+PY
+"$CLI" ls "$WORK/ckpt" > "$WORK/ls.txt" 2> "$WORK/ls_err.txt"
+check "ls shows a step whose COMMIT does not check as damaged" grep -Eq "^0000000045 +damaged" "$WORK/ls.txt"
+check "ls says why a step is damaged" grep -q "damaged: 0000000045: .*tree.json" "$WORK/ls_err.txt"
+check "ls still shows the good step as complete" grep -Eq "^0000000042 +complete" "$WORK/ls.txt"
+rm -rf "$WORK/ckpt/0000000045"
 
 "$CLI" inspect "$STEP" > "$WORK/inspect.txt" 2>&1
 check "inspect shows a row per array" grep -Eq "^params/embedding +float32 +\(128, 2048\)" "$WORK/inspect.txt"

@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "nlohmann/json.hpp"
+#include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/layout.h"
 #include "tensorstash/checkpoint/step_folder.h"
 #include "tensorstash/coordination/single_process_coordinator.h"
@@ -100,6 +101,8 @@ struct CheckpointManager::Impl {
   mutable std::mutex mutex;
   std::set<int64_t> steps;            // Guarded by mutex.
   std::map<int64_t, double> metrics;  // best_metric per step (process 0). Guarded by mutex.
+  // Steps with a COMMIT that do not open, and why (process 0, at open). Guarded by mutex.
+  std::map<int64_t, std::string> damaged;
 
   // Held for the whole of every call that joins or starts the worker (Save, SaveAsync,
   // WaitUntilFinished, Close): calls from several threads at once run one after the other,
@@ -254,6 +257,7 @@ Status CheckpointManager::Impl::CleanUpAndListSteps() {
     }
   }
   std::set<int64_t> complete_steps;
+  std::map<int64_t, std::string> damaged_steps;
   for (const std::string& name : restored) {
     if (std::optional<int64_t> step = ParseStepName(name)) complete_steps.insert(*step);
   }
@@ -266,7 +270,14 @@ Status CheckpointManager::Impl::CleanUpAndListSteps() {
     std::optional<int64_t> step = ParseStepName(name);
     if (!step) continue;  // not ours: left alone
     if (complete) {
-      complete_steps.insert(*step);
+      // Listed only when it opens: a damaged COMMIT (or tree.json, index) would otherwise be the
+      // latest step and fail at restore. It is reported, never deleted.
+      Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(kv, name);
+      if (reader.ok()) {
+        complete_steps.insert(*step);
+      } else {
+        damaged_steps[*step] = std::string(reader.status().message());
+      }
       continue;
     }
     // No save runs while we hold the lock, so an incomplete step of ours is dead.
@@ -275,6 +286,7 @@ Status CheckpointManager::Impl::CleanUpAndListSteps() {
   }
   std::lock_guard<std::mutex> guard(mutex);
   steps = std::move(complete_steps);
+  damaged = std::move(damaged_steps);
   return OkStatus();
 }
 
@@ -287,17 +299,11 @@ void CheckpointManager::Impl::LoadMetrics() {
     listed.assign(steps.begin(), steps.end());
   }
   for (int64_t step : listed) {
-    const std::string dir = StepDir(step).value();
-    Result<std::string> commit_text = kv->Read(StrCat(dir, "/", kCommitFileName));
-    if (!commit_text.ok()) continue;
-    Result<CommitRecord> record = DecodeCommitRecord(*commit_text, dir);
-    if (!record.ok()) continue;
-    auto file = record->files.find(kMetricsFileName);
-    if (file == record->files.end() || file->second.size > kMaxStepFileBytes) continue;
-    Result<std::string> text = kv->Read(StrCat(dir, "/", kMetricsFileName));
-    if (!text.ok() || text->size() != file->second.size || Crc32c(*text) != file->second.crc32c) {
-      continue;
-    }
+    // The reader checks COMMIT's size before reading it, and the file's size and CRC-32C.
+    Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(kv, StepDir(step).value());
+    if (!reader.ok()) continue;
+    Result<std::string> text = (*reader)->ReadFile(kMetricsFileName);
+    if (!text.ok()) continue;
     json doc = json::parse(*text, nullptr, /*allow_exceptions=*/false);
     if (!doc.is_object() || !doc.contains(options.best_metric)) continue;
     const json& value = doc[options.best_metric];
@@ -320,6 +326,11 @@ Result<std::string> CheckpointManager::StepDir(int64_t step) {
 std::vector<int64_t> CheckpointManager::AllSteps() const {
   std::lock_guard<std::mutex> guard(impl_->mutex);
   return std::vector<int64_t>(impl_->steps.begin(), impl_->steps.end());
+}
+
+std::map<int64_t, std::string> CheckpointManager::DamagedSteps() const {
+  std::lock_guard<std::mutex> guard(impl_->mutex);
+  return impl_->damaged;
 }
 
 std::optional<int64_t> CheckpointManager::LatestStep() const {

@@ -136,8 +136,14 @@ class CheckpointManager {
   // of more than 10 digits.
   static Result<std::string> StepDir(int64_t step);
 
-  // Complete steps, ascending. A save in flight is not listed until it commits.
+  // Complete steps, ascending: folders whose COMMIT, tree.json and index check (the step opens).
+  // A save in flight is not listed until it commits.
   std::vector<int64_t> AllSteps() const;
+  // Steps that have a COMMIT but do not open (a damaged COMMIT, tree.json or index), found by
+  // process 0 when the manager opened, each with the error that opening it gave. They are not
+  // listed (LatestStep is the newest step that opens), never deleted by retention, and left on
+  // storage for inspection. Empty on processes other than 0.
+  std::map<int64_t, std::string> DamagedSteps() const;
   // The newest complete step, or nullopt when there is none.
   std::optional<int64_t> LatestStep() const;
   // Whether `step` is due for a save under save_interval_steps.

@@ -229,6 +229,53 @@ TEST_P(CheckpointManagerTest, LeftoversAreIgnoredAndRemovedAtOpen) {
   ExpectStep(kv_.get(), 30);
 }
 
+// Issue 13, item 15: a damaged COMMIT on the newest step made LatestStep return a step that
+// cannot be restored. Damage that still parses (a CRC digit changed, a size changed) and damage
+// that does not (torn) are both caught; the previous step is the latest and the damaged one is
+// reported, left on storage and never deleted by retention.
+TEST_P(CheckpointManagerTest, ADamagedCommitOnTheNewestStepIsReportedAndSkipped) {
+  const std::vector<std::pair<std::string, std::string>> damages = {
+      {"\"tree_crc32c\": ", "\"tree_crc32c\": 1"},
+      {"\"index_size\": ", "\"index_size\": 9"},
+      {"\"format\"", "\"fo"},
+  };
+  for (const auto& [find, replace] : damages) {
+    SCOPED_TRACE(replace);
+    TS_ASSERT_OK(kv_->DeletePrefix(""));
+    {
+      auto mgr = OpenManager();
+      ASSERT_NE(mgr, nullptr);
+      TS_ASSERT_OK(SaveStep(mgr.get(), 10));
+      TS_ASSERT_OK(SaveStep(mgr.get(), 20));
+      TS_ASSERT_OK(mgr->Close());
+    }
+    const std::string commit_key = "0000000020/COMMIT";
+    std::string bad = kv_->Read(commit_key).value();
+    const size_t at = bad.find(find);
+    ASSERT_NE(at, std::string::npos) << bad;
+    bad.replace(at, find.size(), replace);
+    if (replace.find("fo") != std::string::npos) bad.resize(at + replace.size());
+    TS_ASSERT_OK(kv_->Write(commit_key, bad));
+
+    ManagerOptions options = Fast();
+    options.max_to_keep = 1;
+    auto mgr = OpenManager(options);
+    ASSERT_NE(mgr, nullptr);
+    EXPECT_THAT(mgr->AllSteps(), ElementsAre(10));
+    EXPECT_EQ(mgr->LatestStep(), 10);
+    const std::map<int64_t, std::string> damaged = mgr->DamagedSteps();
+    ASSERT_EQ(damaged.size(), 1u);
+    EXPECT_EQ(damaged.begin()->first, 20);
+    EXPECT_THAT(damaged.begin()->second, HasSubstr("0000000020"));
+    // Retention (max_to_keep=1) deletes the old good step after a new save, never the damaged one.
+    TS_ASSERT_OK(SaveStep(mgr.get(), 30));
+    TS_ASSERT_OK(mgr->WaitUntilFinished());
+    EXPECT_THAT(mgr->AllSteps(), ElementsAre(30));
+    EXPECT_EQ(kv_->Read(commit_key).value(), bad);
+    TS_ASSERT_OK(mgr->Close());
+  }
+}
+
 TEST_P(CheckpointManagerTest, InterruptedOverwriteIsRolledBackAtOpen) {
   if (!kv_->SupportsRename()) GTEST_SKIP() << "only stores with rename move steps aside";
   {
