@@ -2,7 +2,10 @@
 // step names that try to leave it, and dtype names that do not exist. Each is refused with an
 // error naming the file or step; where a link is planted, its target outside is a perfectly
 // valid copy, so a reader that followed it would succeed: refusal shows it read nothing there.
+#include <sys/stat.h>
+
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,6 +25,12 @@ using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
 constexpr char kStep[] = "0000000001";
+
+void WriteFileOrDie(const fs::path& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text;
+  ASSERT_TRUE(out.good()) << path;
+}
 
 class CheckpointHostileTest : public test::TempDirTest {
  protected:
@@ -95,6 +104,34 @@ TEST_F(CheckpointHostileTest, SymlinkedFilesAndFoldersInsideAStepAreNotFollowed)
     // The error names what was refused: the file itself, or for a folder the file under it.
     const std::string named = fs::path(rel).filename().string();
     EXPECT_THAT(status.message(), AnyOf(HasSubstr(named), HasSubstr(kStep))) << status;
+  }
+}
+
+// Issue 13, item 16: a committed file replaced by a symlink, a FIFO or a directory is damage
+// (DataLoss: OSError in Python), and the message says it is not a regular file, not missing.
+TEST_F(CheckpointHostileTest, CommittedFilesThatAreNotRegularFilesAreDataLoss) {
+  const std::string data_file = FirstDataFile();
+  ASSERT_FALSE(data_file.empty());
+  for (const std::string& rel : {data_file, std::string("state/index"), std::string("state/tree.json")}) {
+    for (const std::string kind : {"symlink", "fifo", "directory"}) {
+      SCOPED_TRACE(StrCat(rel, " as a ", kind));
+      fs::remove_all(root_ / kStep);
+      fs::copy(outside_ / kStep, root_ / kStep, fs::copy_options::recursive);
+      const fs::path path = root_ / kStep / rel;
+      fs::remove(path);
+      if (kind == "symlink") {
+        fs::create_symlink(outside_ / kStep / rel, path);
+      } else if (kind == "fifo") {
+        ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+      } else {
+        fs::create_directories(path / "inner");
+        WriteFileOrDie(path / "inner" / "x", "x");
+      }
+      const Status status = OpenAndRead();
+      EXPECT_TRUE(absl::IsDataLoss(status)) << status;
+      EXPECT_THAT(status.message(), HasSubstr("not a regular file")) << status;
+      EXPECT_THAT(status.message(), HasSubstr(fs::path(rel).filename().string())) << status;
+    }
   }
 }
 

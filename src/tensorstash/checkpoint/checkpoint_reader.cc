@@ -138,6 +138,25 @@ struct CheckpointReader::Impl {
 CheckpointReader::CheckpointReader(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CheckpointReader::~CheckpointReader() = default;
 
+namespace {
+
+// A file that COMMIT or the index vouches for and that cannot be opened as a regular file is
+// damage to a committed step (DataLoss, OSError in Python), naming the file: missing, a
+// directory, a symlink, a FIFO or a device. Other errors (EIO, EACCES) stay as the store gave
+// them.
+Status CommittedFileError(const Status& status, std::string_view what, std::string_view key) {
+  if (IsNotAnObject(status) || absl::IsFailedPrecondition(status)) {
+    return DataLossError(StrCat(what, " '", key, "' of a committed step is not a regular file: ",
+                                status.message()));
+  }
+  if (absl::IsNotFound(status)) {
+    return DataLossError(StrCat(what, " '", key, "' is missing from a committed step"));
+  }
+  return status;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, std::string dir,
                                                                  ReaderOptions options) {
   TS_RETURN_IF_ERROR(ValidateKey(dir));
@@ -210,10 +229,7 @@ Status CheckpointReader::Impl::Load() {
                           uint32_t (*crc_of)(std::string_view)) -> Result<std::string> {
     const std::string key = StrCat(item_dir, "/", name);
     Result<uint64_t> size = kv->Size(key);
-    if (absl::IsNotFound(size.status())) {
-      return DataLossError(StrCat("'", key, "' is missing from a committed step"));
-    }
-    TS_RETURN_IF_ERROR(size.status());
+    if (!size.ok()) return CommittedFileError(size.status(), "file", key);
     if (*size != expected_size) {
       return DataLossError(StrCat("'", key, "' has ", *size, " bytes but its commit record says ",
                                   expected_size, ": the file is damaged or was replaced"));
@@ -278,10 +294,8 @@ Status CheckpointReader::Impl::Load() {
   for (uint32_t f = 0; f < index.files.size(); ++f) {
     const std::string key = FileKey(f);
     Result<std::unique_ptr<ReadableFile>> file = kv->OpenForRead(key);
-    if (absl::IsNotFound(file.status())) {
-      file_errors[f] = DataLossError(StrCat("data file '", key, "' is missing"));
-    } else if (!file.ok()) {
-      file_errors[f] = file.status();
+    if (!file.ok()) {
+      file_errors[f] = CommittedFileError(file.status(), "data file", key);
     } else if ((*file)->size() < index.files[f].size) {
       file_errors[f] = DataLossError(StrCat(
           "data file '", key, "' is truncated: ", (*file)->size(), " bytes, the index says ",
@@ -326,10 +340,7 @@ Result<std::string> CheckpointReader::ReadFile(std::string_view name) const {
   const CommitFile& expected = it->second;
   // The size is checked before the file is read whole: COMMIT bounds the allocation.
   Result<uint64_t> size = s.kv->Size(key);
-  if (absl::IsNotFound(size.status())) {
-    return DataLossError(StrCat("'", key, "' is missing from a committed step"));
-  }
-  TS_RETURN_IF_ERROR(size.status());
+  if (!size.ok()) return CommittedFileError(size.status(), "file", key);
   if (*size != expected.size) {
     return DataLossError(StrCat("'", key, "' has ", *size, " bytes but its commit record says ",
                                 expected.size, ": the file is damaged or was replaced"));

@@ -4,6 +4,9 @@
 #include <string>
 #include <string_view>
 
+#include "absl/strings/cord.h"
+#include "tensorstash/util/str_util.h"
+
 namespace tensorstash {
 namespace {
 
@@ -100,6 +103,20 @@ Status ReadableFile::MapAt(uint64_t /*offset*/, size_t /*size*/, void* /*address
 Result<std::unique_ptr<KvLock>> KvStore::TryLock(std::string_view key) {
   TS_RETURN_IF_ERROR(ValidateKey(key));
   return UnimplementedError(StrCat(Describe(), " does not support locks (key '", key, "')"));
+}
+
+namespace {
+constexpr char kNotAnObjectPayload[] = "tensorstash/kvstore/not-an-object";
+}  // namespace
+
+Status NotAnObjectError(std::string_view operation, std::string_view path) {
+  Status status = NotFoundError(StrCat(operation, " '", path, "' failed: is a directory, not an object"));
+  status.SetPayload(kNotAnObjectPayload, absl::Cord("1"));
+  return status;
+}
+
+bool IsNotAnObject(const Status& status) {
+  return absl::IsNotFound(status) && status.GetPayload(kNotAnObjectPayload).has_value();
 }
 
 }  // namespace tensorstash

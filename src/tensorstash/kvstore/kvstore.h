@@ -27,6 +27,12 @@ Status ValidateKey(std::string_view key);
 // Like ValidateKey, but also accepts "" (the whole store), as used for prefixes.
 Status ValidatePrefix(std::string_view prefix);
 
+// What a backend returns when a key names a "directory" (a prefix of other keys) rather than an
+// object: NotFound, as for a missing key, but marked, so that a caller that expected an object
+// there (a reader of a committed file) can say it is not a regular file rather than missing.
+Status NotAnObjectError(std::string_view operation, std::string_view path);
+bool IsNotAnObject(const Status& status);
+
 // A file opened for positional writes. Created empty (truncating an existing object).
 class WritableFile {
  public:

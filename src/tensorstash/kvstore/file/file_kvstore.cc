@@ -283,7 +283,7 @@ Status FsError(int error, std::string_view operation, std::string_view path) {
 }
 
 Status NotAnObject(std::string_view operation, std::string_view path) {
-  return NotFoundError(StrCat(operation, " '", path, "' failed: is a directory, not an object"));
+  return NotAnObjectError(operation, path);
 }
 
 Status UnderAnObject(std::string_view operation, std::string_view path) {

@@ -155,7 +155,7 @@ Result<std::shared_ptr<Object>> MemoryKvStore::FindLocked(std::string_view key,
   const auto it = objects_.find(key);
   if (it != objects_.end()) return it->second;
   if (IsDirectoryLocked(key)) {
-    return NotFoundError(StrCat(operation, " '", key, "' failed: is a directory, not an object"));
+    return NotAnObjectError(operation, key);
   }
   return NotFoundError(StrCat(operation, " '", key, "' failed: no such object"));
 }
