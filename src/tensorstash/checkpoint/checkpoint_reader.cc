@@ -56,6 +56,9 @@ void PrefaultRegion(const Box& region, const ReadRequest& req) {
 }  // namespace
 
 struct CheckpointReader::Impl {
+  // The step folder as it was when the reader opened it (KvStore::OpenFolderView): every file is
+  // read from that one version, even if an overwrite puts another in its place meanwhile.
+  std::unique_ptr<KvStore> folder_view;
   KvStore* kv;
   std::string dir;
   std::string item_dir;
@@ -155,6 +158,17 @@ Status CommittedFileError(const Status& status, std::string_view what, std::stri
   return status;
 }
 
+// COMMIT's bytes, its size checked before it is read (a hostile step must not make the reader
+// allocate more than the format allows): DataLoss past kMaxCommitRecordBytes.
+Result<std::string> ReadCommitText(KvStore* kv, const std::string& commit_key) {
+  TS_ASSIGN_OR_RETURN(uint64_t size, kv->Size(commit_key));
+  if (size > kMaxCommitRecordBytes) {
+    return DataLossError(StrCat("commit record '", commit_key, "' is ", size,
+                                " bytes, more than the format's limit of ", kMaxCommitRecordBytes));
+  }
+  return kv->Read(commit_key);
+}
+
 }  // namespace
 
 Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, std::string dir,
@@ -170,24 +184,33 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, st
   std::unique_ptr<Impl> impl;
   for (int attempt = 0;; ++attempt) {
     impl = std::make_unique<Impl>();
-    impl->kv = kv;
     impl->dir = dir;
     impl->item_dir = ItemDir(impl->dir, kStateItem);
     impl->options = options;
     if (impl->options.io_threads <= 0) impl->options.io_threads = DefaultIoThreads();
-    Status loaded = impl->Load();
-    if (loaded.ok()) break;
-    // An overwrite renames the old folder away and the new one into place, so a reader that
-    // opens the step meanwhile can see COMMIT of one version and files of the other. When
-    // COMMIT has changed since it was read, the step was replaced under us: open it again.
-    // An unchanged COMMIT means the damage is real.
-    constexpr int kMaxAttempts = 4;
-    if (attempt + 1 >= kMaxAttempts || impl->commit_text.empty() ||
-        !(absl::IsDataLoss(loaded) || absl::IsNotFound(loaded))) {
-      return loaded;
+    // Everything is read through a view of the folder pinned now (where the store can pin):
+    // COMMIT, tree.json, the index and the data files all come from one version of the step.
+    Result<std::unique_ptr<KvStore>> view = kv->OpenFolderView(dir);
+    Status loaded = view.status();
+    if (view.ok()) {
+      impl->folder_view = *std::move(view);
+      impl->kv = impl->folder_view.get();
+      loaded = impl->Load();
+    } else if (absl::IsNotFound(loaded)) {
+      loaded = NotFoundError(StrCat("no checkpoint step '", dir, "' in ", kv->Describe()));
     }
-    Result<std::string> now = kv->Read(StrCat(dir, "/", kCommitFileName));
-    if (now.ok() && *now == impl->commit_text) return loaded;
+    if (loaded.ok()) break;
+    // An overwrite replaces the folder while the reader opens it: the old version's files are
+    // deleted after the new one is in place, so the pinned old folder can lose files under the
+    // reader, or (stores that move the old folder aside first) the step can be missing for a
+    // moment. When COMMIT now differs from what was read (or appeared), the step was replaced
+    // under us: open it again. An unchanged COMMIT means the damage is real.
+    constexpr int kMaxAttempts = 6;
+    const bool may_be_replacement = absl::IsDataLoss(loaded) || absl::IsNotFound(loaded) ||
+                                    absl::IsFailedPrecondition(loaded);
+    if (attempt + 1 >= kMaxAttempts || !may_be_replacement) return loaded;
+    Result<std::string> now = ReadCommitText(kv, StrCat(dir, "/", kCommitFileName));
+    if (!now.ok() || *now == impl->commit_text) return loaded;
     std::this_thread::sleep_for(std::chrono::milliseconds(1 << attempt));
   }
   impl->pool = std::make_unique<ThreadPool>(impl->options.io_threads);
@@ -199,13 +222,7 @@ Status CheckpointReader::Impl::Load() {
   const std::string commit_key = StrCat(dir, "/", kCommitFileName);
   // Sizes are checked before anything is read whole, so a hostile step cannot make the reader
   // allocate more than the format allows.
-  Result<uint64_t> commit_size = kv->Size(commit_key);
-  if (commit_size.ok() && *commit_size > kMaxCommitRecordBytes) {
-    return DataLossError(StrCat("commit record '", commit_key, "' is ", *commit_size,
-                                " bytes, more than the format's limit of ", kMaxCommitRecordBytes));
-  }
-  Result<std::string> commit_read =
-      commit_size.ok() ? kv->Read(commit_key) : Result<std::string>(commit_size.status());
+  Result<std::string> commit_read = ReadCommitText(kv, commit_key);
   if (absl::IsNotFound(commit_read.status())) {
     TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, kv->List(dir + "/"));
     if (keys.empty()) {

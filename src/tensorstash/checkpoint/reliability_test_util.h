@@ -64,8 +64,9 @@ inline Status SaveReliabilityStep(KvStore* kv, const std::string& dir, int64_t s
 // match none of them.
 inline Status RestoreReliabilityStep(KvStore* kv, const std::string& dir, int64_t step,
                                      const std::set<int>& versions, int* version,
-                                     int scale = 1) {
-  TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(kv, dir));
+                                     int scale = 1, ReaderOptions options = {}) {
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
+                      CheckpointReader::Open(kv, dir, options));
   std::vector<std::vector<char>> got;
   const std::vector<TestArray> shapes = ReliabilityStepArrays(step, 0, scale);
   if (reader->arrays().size() != shapes.size()) {

@@ -30,6 +30,22 @@ Status PublishFolder(KvStore* kv, const std::string& work_dir, const std::string
   if (existing.empty()) TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
   const bool moved_aside = !existing.empty();
   if (moved_aside) {
+    // Where the store can, swap the two folders in one step: readers then never find `dir`
+    // missing, and the old folder ends up at `work_dir`, to be removed.
+    Status exchanged = kv->ExchangeDirectories(work_dir, dir);
+    if (exchanged.ok()) {
+      if (sync) {
+        if (Status synced = kv->SyncDirectory(ParentOf(dir)); !synced.ok()) {
+          (void)kv->ExchangeDirectories(work_dir, dir);  // undo: the new one back at work_dir
+          return synced;
+        }
+      }
+      (void)kv->DeletePrefix(work_dir + "/");
+      return OkStatus();
+    }
+    if (!absl::IsUnimplemented(exchanged)) return exchanged;
+  }
+  if (moved_aside) {
     TS_RETURN_IF_ERROR(Annotate(kv->RenameDirectory(dir, aside_dir),
                                 StrCat("moving the old '", dir, "' aside")));
   }

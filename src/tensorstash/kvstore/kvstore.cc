@@ -5,6 +5,7 @@
 #include <string_view>
 
 #include "absl/strings/cord.h"
+#include "tensorstash/kvstore/folder_view.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
@@ -117,6 +118,17 @@ Status NotAnObjectError(std::string_view operation, std::string_view path) {
 
 bool IsNotAnObject(const Status& status) {
   return absl::IsNotFound(status) && status.GetPayload(kNotAnObjectPayload).has_value();
+}
+
+Status KvStore::ExchangeDirectories(std::string_view a, std::string_view b) {
+  return UnimplementedError(
+      StrCat(Describe(), " cannot exchange folders ('", a, "' and '", b, "')"));
+}
+
+Result<std::unique_ptr<KvStore>> KvStore::OpenFolderView(std::string_view folder) {
+  TS_RETURN_IF_ERROR(ValidateKey(folder));
+  return std::unique_ptr<KvStore>(
+      std::make_unique<FolderView>(std::string(folder), this, StrCat(folder, "/")));
 }
 
 }  // namespace tensorstash

@@ -119,6 +119,22 @@ class KvStore {
   // (AlreadyExists otherwise). Unimplemented when !SupportsRename().
   virtual Status RenameDirectory(std::string_view from, std::string_view to) = 0;
 
+  // Atomically swaps the keys under `a` + "/" and `b` + "/" (both must exist): readers see the
+  // old folder or the new one at either name, never neither. Publishing a replacement this way
+  // leaves no moment without a step at its name. Unimplemented by default and where the store
+  // or file system cannot (callers then fall back to two RenameDirectory calls); decorators do
+  // not forward it unless they model it.
+  virtual Status ExchangeDirectories(std::string_view a, std::string_view b);
+
+  // A read-only view of folder `folder` for a reader that must see one version of it whole while
+  // it may be replaced (an overwrite renames or exchanges a new folder into its place). Keys of
+  // the view are the store's own ("<folder>/..."); writes through it are FailedPrecondition.
+  // File backend: every key resolves under the folder's directory as opened by this call, so a
+  // folder moved in later is not seen, and a file deleted from the old one later is NotFound.
+  // Memory backend: the objects under the folder now. Default: the live folder, unpinned.
+  // NotFound when a pinning backend finds no such folder.
+  virtual Result<std::unique_ptr<KvStore>> OpenFolderView(std::string_view folder);
+
   // Makes the object durable: fsync of the file and of its parent directory.
   virtual Status Sync(std::string_view key) = 0;
   // Makes the directory entry list of `dir` durable (fsync of the directory; "" = the root).

@@ -54,6 +54,7 @@
 #include <utility>
 #include <vector>
 
+#include "tensorstash/kvstore/folder_view.h"
 #include "tensorstash/util/staging_buffer.h"
 
 #if __has_include(<linux/openat2.h>) && defined(SYS_openat2) && \
@@ -920,6 +921,48 @@ Status FileKvStore::RenameDirectory(std::string_view from, std::string_view to) 
     return FsError(errno, operation, to_path);
   }
   return OkStatus();
+}
+
+Status FileKvStore::ExchangeDirectories(std::string_view a, std::string_view b) {
+  TS_RETURN_IF_ERROR(ValidateKey(a));
+  TS_RETURN_IF_ERROR(ValidateKey(b));
+  const std::string a_path = PathOf(a);
+  const std::string b_path = PathOf(b);
+  const std::string operation = StrCat("exchange directories '", a_path, "' and");
+#ifdef RENAME_EXCHANGE
+  TS_ASSIGN_OR_RETURN(ParentDir first, OpenParent(root_fd_, a, O_PATH, /*create=*/false,
+                                                  "exchange directories", a_path));
+  TS_ASSIGN_OR_RETURN(ParentDir second, OpenParent(root_fd_, b, O_PATH, /*create=*/false,
+                                                   "exchange directories", b_path));
+  // Both must be directories (never symlinks): the exchange would move whatever is there.
+  for (const auto& [dir, path] : {std::pair(&first, &a_path), std::pair(&second, &b_path)}) {
+    struct stat st;
+    if (::fstatat(dir->fd, dir->name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      return FsError(errno, "exchange directories", *path);
+    }
+    if (!S_ISDIR(st.st_mode)) {
+      return FailedPreconditionError(StrCat(operation, " '", b_path, "' failed: '", *path,
+                                            "' is not a directory"));
+    }
+  }
+  if (::renameat2(first.fd, first.name.c_str(), second.fd, second.name.c_str(),
+                  RENAME_EXCHANGE) == 0) {
+    return OkStatus();
+  }
+  if (errno != EINVAL && errno != ENOSYS) return FsError(errno, operation, b_path);
+#endif
+  return UnimplementedError(StrCat(operation, " '", b_path, "' failed: not supported here"));
+}
+
+Result<std::unique_ptr<KvStore>> FileKvStore::OpenFolderView(std::string_view folder) {
+  TS_RETURN_IF_ERROR(ValidateKey(folder));
+  std::string path = PathOf(folder);
+  OpenResult opened = OpenBeneath(root_fd_, folder, O_RDONLY | O_DIRECTORY);
+  if (opened.error != 0) return FsError(opened.error, "open folder", path);
+  std::unique_ptr<KvStore> pinned(new FileKvStore(std::move(path), opened.fd.Release()));
+  KvStore* target = pinned.get();
+  return std::unique_ptr<KvStore>(
+      std::make_unique<FolderView>(std::string(folder), target, "", std::move(pinned)));
 }
 
 Status FileKvStore::Sync(std::string_view key) {

@@ -54,6 +54,10 @@ class FileKvStore final : public KvStore {
   Status DeletePrefix(std::string_view prefix) override;
   bool SupportsRename() const override { return true; }
   Status RenameDirectory(std::string_view from, std::string_view to) override;
+  // renameat2(RENAME_EXCHANGE); Unimplemented where the file system or kernel lacks it.
+  Status ExchangeDirectories(std::string_view a, std::string_view b) override;
+  // Pinned: a store rooted at the folder's directory, opened now.
+  Result<std::unique_ptr<KvStore>> OpenFolderView(std::string_view folder) override;
   Status Sync(std::string_view key) override;
   Status SyncDirectory(std::string_view dir) override;
   Result<std::unique_ptr<KvLock>> TryLock(std::string_view key) override;

@@ -21,6 +21,8 @@
 #include <utility>
 #include <vector>
 
+#include "tensorstash/kvstore/folder_view.h"
+
 namespace tensorstash {
 
 struct MemoryKvStore::Object {
@@ -326,6 +328,61 @@ Status MemoryKvStore::RenameDirectory(std::string_view from, std::string_view to
     objects_.insert(std::move(node));
   }
   return OkStatus();
+}
+
+Status MemoryKvStore::ExchangeDirectories(std::string_view a, std::string_view b) {
+  TS_RETURN_IF_ERROR(ValidateKey(a));
+  TS_RETURN_IF_ERROR(ValidateKey(b));
+  const std::string operation = StrCat("exchange directories '", a, "' and '", b, "'");
+  if (!supports_rename_) {
+    return UnimplementedError(
+        StrCat(operation, " failed: this memory store was made without rename support"));
+  }
+  const std::string a_prefix = StrCat(a, "/");
+  const std::string b_prefix = StrCat(b, "/");
+  if (a_prefix.starts_with(b_prefix) || b_prefix.starts_with(a_prefix)) {
+    return InvalidArgumentError(StrCat(operation, " failed: one is inside the other"));
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!IsDirectoryLocked(a) || !IsDirectoryLocked(b)) {
+    return NotFoundError(StrCat(operation, " failed: no such directory"));
+  }
+  // Re-key the nodes rather than copy them, so open files keep sharing the same objects.
+  std::vector<ObjectMap::node_type> from_a, from_b;
+  for (auto it = objects_.lower_bound(a_prefix); it != objects_.end() && it->first.starts_with(a_prefix);) {
+    from_a.push_back(objects_.extract(it++));
+  }
+  for (auto it = objects_.lower_bound(b_prefix); it != objects_.end() && it->first.starts_with(b_prefix);) {
+    from_b.push_back(objects_.extract(it++));
+  }
+  for (ObjectMap::node_type& node : from_a) {
+    node.key() = StrCat(b_prefix, std::string_view(node.key()).substr(a_prefix.size()));
+    objects_.insert(std::move(node));
+  }
+  for (ObjectMap::node_type& node : from_b) {
+    node.key() = StrCat(a_prefix, std::string_view(node.key()).substr(b_prefix.size()));
+    objects_.insert(std::move(node));
+  }
+  return OkStatus();
+}
+
+Result<std::unique_ptr<KvStore>> MemoryKvStore::OpenFolderView(std::string_view folder) {
+  TS_RETURN_IF_ERROR(ValidateKey(folder));
+  const std::string prefix = StrCat(folder, "/");
+  auto snapshot = std::make_unique<MemoryKvStore>(supports_rename_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = objects_.lower_bound(prefix); it != objects_.end() && it->first.starts_with(prefix);
+         ++it) {
+      snapshot->objects_.emplace(it->first, it->second);
+    }
+  }
+  if (snapshot->objects_.empty()) {
+    return NotFoundError(StrCat("open folder '", folder, "' failed: no such directory"));
+  }
+  KvStore* target = snapshot.get();
+  return std::unique_ptr<KvStore>(
+      std::make_unique<FolderView>(std::string(folder), target, prefix, std::move(snapshot)));
 }
 
 Status MemoryKvStore::Sync(std::string_view key) {

@@ -46,6 +46,10 @@ class MemoryKvStore final : public KvStore {
   Status DeletePrefix(std::string_view prefix) override;
   bool SupportsRename() const override { return supports_rename_; }
   Status RenameDirectory(std::string_view from, std::string_view to) override;
+  // Atomic under the store's lock (Unimplemented without rename support).
+  Status ExchangeDirectories(std::string_view a, std::string_view b) override;
+  // Pinned: the objects under the folder now, shared (open files see the same bytes).
+  Result<std::unique_ptr<KvStore>> OpenFolderView(std::string_view folder) override;
   Status Sync(std::string_view key) override;
   Status SyncDirectory(std::string_view dir) override;
   // Locks live only in this object; the key is not stored as an object.
