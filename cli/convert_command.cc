@@ -5,12 +5,15 @@
 // zarr group) -> native reads through StepSource; the native writer then holds each array whole
 // in memory until the commit. DST appears whole or not at all, and an
 // existing DST is refused unless --overwrite.
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -137,23 +140,38 @@ Status WriteNative(ConvertSource* source, StepLocation* dst, bool overwrite) {
   options.overwrite = overwrite;
   TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
                       CheckpointWriter::Create(dst->kv.get(), dst->key, options));
-  // The native writer reads its shards during Commit: each array is read whole first.
-  std::vector<std::string> buffers;
+  // The native writer reads its shards during Commit: each array is read whole first, so the
+  // whole checkpoint is in memory at once. What the metadata claims is checked against the
+  // machine's memory before anything is allocated (a hostile shape must not abort us).
+  const uint64_t total = TotalBytes(*source);
+  const uint64_t memory = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+                          static_cast<uint64_t>(sysconf(_SC_PAGE_SIZE));
+  if (total > memory) {
+    return ResourceExhaustedError(StrCat(
+        "converting to the tensorstash format holds every array in memory: the source's arrays "
+        "claim ", total, " bytes, more than this machine's ", memory, " bytes of memory"));
+  }
+  std::vector<std::unique_ptr<char[]>> buffers;
   const std::vector<SourceArray>& arrays = source->arrays();
-  ProgressBar bar("read", TotalBytes(*source));
+  ProgressBar bar("read", total);
   uint64_t done = 0;
   for (size_t id = 0; id < arrays.size(); ++id) {
     const SourceArray& a = arrays[id];
     const Box box = Box::FromShape(a.shape);
-    buffers.emplace_back(static_cast<size_t>(box.num_elements()) * ItemSize(a.dtype), '\0');
-    TS_RETURN_IF_ERROR(source->Read(id, box, buffers.back().data()));
-    done += buffers.back().size();
+    const size_t bytes = static_cast<size_t>(box.num_elements()) * ItemSize(a.dtype);
+    buffers.emplace_back(new (std::nothrow) char[std::max<size_t>(bytes, 1)]);
+    if (buffers.back() == nullptr) {
+      return ResourceExhaustedError(
+          StrCat("no memory for the ", bytes, " bytes of array '", a.path, "'"));
+    }
+    TS_RETURN_IF_ERROR(source->Read(id, box, buffers.back().get()));
+    done += bytes;
     bar.Update(done);
     ArraySpec spec;
     spec.path = a.path;
     spec.dtype = a.dtype;
     spec.shape = a.shape;
-    TS_RETURN_IF_ERROR(writer->AddArray(std::move(spec), {{box, buffers.back().data(), 0, 1}}));
+    TS_RETURN_IF_ERROR(writer->AddArray(std::move(spec), {{box, buffers.back().get(), 0, 1}}));
   }
   writer->SetTree(source->tree());
   return writer->Commit();

@@ -1,6 +1,9 @@
 // tensorstash: list, inspect, verify and convert checkpoints.
 #include <CLI/CLI.hpp>
 
+#include <cstdio>
+#include <exception>
+
 #include "commands.h"
 
 int main(int argc, char** argv) {
@@ -11,6 +14,14 @@ int main(int argc, char** argv) {
   tensorstash::cli::AddInspectCommand(app, &exit_code);
   tensorstash::cli::AddVerifyCommand(app, &exit_code);
   tensorstash::cli::AddConvertCommand(app, &exit_code);
-  CLI11_PARSE(app, argc, argv);
+  // The library does not throw; this is the last line of defence against an allocation that
+  // fails (std::bad_alloc) or a library we call that throws: an error message and exit 2,
+  // never an abort.
+  try {
+    CLI11_PARSE(app, argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  }
   return exit_code;
 }

@@ -259,6 +259,33 @@ Result<std::unique_ptr<OrbaxReader>> OrbaxReader::Open(KvStore* kv, std::string 
   return reader;
 }
 
+Status OrbaxReader::CheckGridIsPlausible(const ZarrArray& array, const std::string& where) {
+  constexpr uint64_t kChunksAlwaysAllowed = uint64_t{1} << 20;
+  uint64_t chunks = 1;
+  for (size_t d = 0; d < array.shape().size(); ++d) {
+    const uint64_t extent = array.shape()[d] == 0 ? 0
+        : static_cast<uint64_t>((array.shape()[d] + array.chunk_shape()[d] - 1) / array.chunk_shape()[d]);
+    chunks = extent != 0 && chunks > UINT64_MAX / extent ? UINT64_MAX : chunks * extent;
+  }
+  if (chunks <= kChunksAlwaysAllowed) return OkStatus();
+  if (!stored_total_) {
+    uint64_t total = 0;
+    Result<std::vector<std::string>> keys = base_->List(StrCat(dir_, "/"));
+    if (keys.ok()) {
+      for (const std::string& key : *keys) {
+        if (Result<uint64_t> size = base_->Size(key); size.ok()) total += *size;
+      }
+    }
+    stored_total_ = total;
+  }
+  if (chunks <= *stored_total_) return OkStatus();
+  return InvalidArgumentError(StrCat(
+      where, ": array '", array.prefix(), "' claims a grid of ", chunks, " chunks (shape [",
+      StrJoin(array.shape(), ", "), "], chunks [", StrJoin(array.chunk_shape(), ", "),
+      "]), more than the ", *stored_total_, " bytes the checkpoint stores could hold: the "
+      "metadata is damaged or hostile"));
+}
+
 Status OrbaxReader::LoadOrbax() {
   const std::string metadata_key = StrCat(dir_, "/", kOrbaxMetadataFile);
   TS_ASSIGN_OR_RETURN(OrderedJson doc, ParseJsonFile(base_, metadata_key));
@@ -266,6 +293,10 @@ Status OrbaxReader::LoadOrbax() {
   if (!doc.is_object() || !doc.contains("tree_metadata") || !doc["tree_metadata"].is_object()) {
     return DataLossError(StrCat(where, " has no \"tree_metadata\" object (an Orbax version "
                                 "before 0.5 or not an Orbax PyTree checkpoint)"));
+  }
+  if (doc.contains("store_array_data_equal_to_fill_value") &&
+      doc["store_array_data_equal_to_fill_value"].is_boolean()) {
+    all_chunks_stored_ = doc["store_array_data_equal_to_fill_value"].get<bool>();
   }
   if (format_ == StepFormat::kOrbaxOcdbt) {
     TS_ASSIGN_OR_RETURN(ocdbt_, OcdbtKvStore::Open(base_, dir_));
@@ -481,6 +512,8 @@ Status OrbaxReader::Finish(Builder& root) {
       return Annotate(status, b.where);
     }
     std::unique_ptr<ZarrArray> array = std::move(opened).value();
+    array->set_all_chunks_stored(all_chunks_stored_);
+    TS_RETURN_IF_ERROR(CheckGridIsPlausible(*array, b.where));
     if (b.leaf_kind == Builder::LeafKind::kScalar && array->shape().empty() &&
         Kind(array->dtype()) != DTypeKind::kComplex) {
       TreeNode node;
@@ -683,7 +716,8 @@ Result<std::vector<BadChunk>> OrbaxReader::Verify(
   // Decoded chunks held at once stay under max_inflight_bytes (one larger chunk alone).
   ByteLimiter limiter(options_.max_inflight_bytes);
   {
-    TaskGroup group(request_pool_.get());
+    // A bounded queue: one task per chunk, but never millions of them held at once.
+    TaskGroup group(request_pool_.get(), /*max_pending=*/256);
     for (size_t id = 0; id < zarr_.size(); ++id) {
       const ZarrArray& array = *zarr_[id];
       ForEachGridPosition(array, [&, id](const std::vector<int64_t>& grid) {
@@ -696,6 +730,17 @@ Result<std::vector<BadChunk>> OrbaxReader::Verify(
           }
           Box box(origin, shape);
           const uint64_t bytes = static_cast<uint64_t>(box.num_elements()) * ItemSize(a.dtype());
+          if (!all_chunks_stored_) {
+            // A chunk left out holds the fill value: nothing stored to check (and a sparse
+            // grid of huge chunks must not cost a fill of each).
+            Result<bool> stored = a.ChunkStored(grid);
+            if (stored.ok() && !*stored) {
+              std::lock_guard<std::mutex> lock(mutex);
+              done += bytes;
+              if (progress) progress(done, total);
+              return OkStatus();
+            }
+          }
           ByteReservation reservation(&limiter, bytes);
           std::unique_ptr<char[]> scratch(new (std::nothrow) char[std::max<uint64_t>(bytes, 1)]);
           Status status = scratch ? a.Read(box, a.dtype(), scratch.get())

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -90,6 +91,10 @@ class OrbaxReader final : public StepSource {
   // leaves zeros: these are for display).
   void ListStored() const;
   std::string ArrayWhat(size_t id) const;
+  // InvalidArgument when `array`'s grid has more chunks than the checkpoint could have stored
+  // (more than 2^20, and more than its stored bytes): hostile metadata that would make a reader
+  // walk billions of chunks.
+  Status CheckGridIsPlausible(const ZarrArray& array, const std::string& where);
 
   KvStore* const base_;
   const std::string dir_;
@@ -102,6 +107,10 @@ class OrbaxReader final : public StepSource {
   std::vector<ArrayMetadata> metadata_;
   std::vector<std::unique_ptr<ZarrArray>> zarr_;
   std::map<std::string, size_t, std::less<>> by_path_;  // array path -> id
+  // _METADATA's store_array_data_equal_to_fill_value: every chunk was written, so a missing
+  // one is DataLoss (ZarrArray::set_all_chunks_stored).
+  bool all_chunks_stored_ = false;
+  std::optional<uint64_t> stored_total_;  // bytes of all files under dir_, listed on demand
   int64_t created_unix_ms_ = 0;
   int process_count_ = 0;
   std::unique_ptr<ThreadPool> request_pool_;  // one task per request (or per verified chunk)

@@ -11,7 +11,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tensorstash/checkpoint/step_source.h"
+#include "tensorstash/format/zarr/zarr_metadata.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
+#include "tensorstash/util/status_test_macros.h"
 
 namespace tensorstash {
 namespace {
@@ -155,6 +157,94 @@ TEST(OrbaxReaderTest, ZarrGroupNeedsWriteCompleted) {
   for (const ArrayMetadata& a : (*source)->arrays()) paths.push_back(a.path);
   EXPECT_THAT(paths, ::testing::ElementsAre("opt/0", "opt/1/mu", "params/w", "plain name"));
   EXPECT_EQ((*source)->format(), StepFormat::kZarrGroup);
+}
+
+// An Orbax folder-layout checkpoint (use_ocdbt=False) at `dir` with one float32 array "a" of
+// [4] in chunks of [2] (zarr v2: chunk keys "a/0", "a/1").
+void WriteFolderCheckpoint(KvStore* kv, const std::string& dir, bool all_chunks_stored) {
+  ASSERT_TRUE(kv->Write(dir + "/_METADATA",
+                        "{\"tree_metadata\": {" + Leaf({{"a", 2}}, "np.ndarray") +
+                            "}, \"use_ocdbt\": false, \"store_array_data_equal_to_fill_value\": " +
+                            (all_chunks_stored ? "true" : "false") + "}")
+                  .ok());
+  WriteArray(kv, dir + "/a", {4}, {2}, /*zarr_format=*/2);
+}
+
+Status ReadA(KvStore* kv, const std::string& dir, std::vector<float>* out) {
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<StepSource> source, OpenStepSource(kv, dir));
+  out->assign(4, -1.0f);
+  TS_RETURN_IF_ERROR(source->ReadMany({{"a", Box({0}, {4}), DType::kFloat32, out->data()}},
+                                      nullptr, nullptr));
+  Result<std::vector<BadChunk>> bad = source->Verify(nullptr);
+  TS_RETURN_IF_ERROR(bad.status());
+  if (!bad->empty()) return DataLossError(StrCat("verify: ", (*bad)[0].error));
+  return OkStatus();
+}
+
+// Issue 13, item 5: an Orbax checkpoint that lost a chunk file restored as zeros and verified
+// OK. When _METADATA says every chunk was written, a missing chunk is DataLoss naming it; a
+// directory where a chunk should be is DataLoss whatever _METADATA says.
+TEST(OrbaxReaderTest, AMissingChunkIsDataLossWhenEveryChunkWasWritten) {
+  for (bool all_chunks_stored : {true, false}) {
+    SCOPED_TRACE(all_chunks_stored);
+    MemoryKvStore kv;
+    WriteFolderCheckpoint(&kv, "s", all_chunks_stored);
+    std::vector<float> got;
+    TS_ASSERT_OK(ReadA(&kv, "s", &got));
+    EXPECT_EQ(got, std::vector<float>({0, 1, 2, 3}));
+    ASSERT_TRUE(kv.Delete("s/a/1").ok());
+    Status read = ReadA(&kv, "s", &got);
+    if (all_chunks_stored) {
+      EXPECT_TRUE(absl::IsDataLoss(read)) << read;
+      EXPECT_THAT(read.message(), HasSubstr("s/a/1"));
+      EXPECT_THAT(read.message(), HasSubstr("missing"));
+    } else {
+      TS_EXPECT_OK(read);  // zarr's rule: a chunk left out holds the fill value
+      EXPECT_EQ(got, std::vector<float>({0, 1, 0, 0}));
+    }
+    ASSERT_TRUE(kv.Write("s/a/1/inner", "x").ok());  // a directory at the chunk's key
+    read = ReadA(&kv, "s", &got);
+    EXPECT_TRUE(absl::IsDataLoss(read)) << read;
+    EXPECT_THAT(read.message(), HasSubstr("not a regular file"));
+  }
+}
+
+// Issue 13, item 9: a tiny zarr metadata file claiming 2^40 chunks made verify run forever
+// while its memory grew; such a grid is refused when the checkpoint opens.
+TEST(OrbaxReaderTest, AGridOfMoreChunksThanStoredBytesIsRefused) {
+  MemoryKvStore kv;
+  WriteFolderCheckpoint(&kv, "s", true);
+  ASSERT_TRUE(kv.Write("s/a/.zarray",
+                       "{\"zarr_format\": 2, \"shape\": [1099511627776], \"chunks\": [1], "
+                       "\"dtype\": \"<f4\", \"compressor\": null, \"fill_value\": 0, "
+                       "\"order\": \"C\", \"filters\": null}")
+                  .ok());
+  Result<std::unique_ptr<StepSource>> source = OpenStepSource(&kv, "s");
+  EXPECT_TRUE(absl::IsInvalidArgument(source.status())) << source.status();
+  EXPECT_THAT(source.status().message(), HasSubstr("1099511627776 chunks"));
+}
+
+// Issue 13, item 8: a zarr metadata file is sized before it is read.
+TEST(OrbaxReaderTest, AnOversizedZarrMetadataFileIsRefusedBeforeItIsRead) {
+  MemoryKvStore kv;
+  WriteFolderCheckpoint(&kv, "s", true);
+  std::string huge(kMaxZarrMetadataBytes + 1, ' ');
+  ASSERT_TRUE(kv.Write("s/a/.zarray", huge).ok());
+  Result<std::unique_ptr<StepSource>> source = OpenStepSource(&kv, "s");
+  EXPECT_FALSE(source.ok());
+  EXPECT_THAT(source.status().message(), HasSubstr("limit"));
+}
+
+// Issue 13, item 8: a chunk file is sized before it is read; one larger than any encoding of
+// its elements (a hostile sparse file, say) is DataLoss without reading it.
+TEST(OrbaxReaderTest, AChunkFileLargerThanAnyEncodingIsRefusedBeforeItIsRead) {
+  MemoryKvStore kv;
+  WriteFolderCheckpoint(&kv, "s", true);
+  ASSERT_TRUE(kv.Write("s/a/1", std::string(1 << 20, 'x')).ok());
+  std::vector<float> got;
+  Status read = ReadA(&kv, "s", &got);
+  EXPECT_TRUE(absl::IsDataLoss(read)) << read;
+  EXPECT_THAT(read.message(), HasSubstr("more than any encoding"));
 }
 
 }  // namespace

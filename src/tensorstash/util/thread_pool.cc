@@ -51,7 +51,10 @@ TaskGroup::~TaskGroup() { (void)Wait(); }
 
 void TaskGroup::Run(std::function<Status()> task) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
+    // A producer of millions of tasks (one per chunk) must not queue them all at once: each
+    // queued task holds memory. It waits for room instead.
+    if (max_pending_ > 0) done_cv_.wait(lock, [this] { return pending_ < max_pending_; });
     ++pending_;
   }
   pool_->Schedule([this, task = std::move(task)]() mutable {
@@ -65,7 +68,7 @@ void TaskGroup::Run(std::function<Status()> task) {
     }
     std::lock_guard<std::mutex> lock(mutex_);
     if (!status.ok() && first_error_.ok()) first_error_ = std::move(status);
-    if (--pending_ == 0) done_cv_.notify_all();
+    if (--pending_ == 0 || max_pending_ > 0) done_cv_.notify_all();
   });
 }
 

@@ -48,7 +48,11 @@ class ThreadPool {
 
 class TaskGroup {
  public:
-  explicit TaskGroup(ThreadPool* pool) : pool_(pool) {}
+  // With `max_pending` > 0, Run waits while that many tasks of the group are queued or running,
+  // so that a producer of very many tasks holds a bounded number at once. Run must then not be
+  // called from a task of the same pool (it could wait for itself).
+  explicit TaskGroup(ThreadPool* pool, int max_pending = 0)
+      : pool_(pool), max_pending_(max_pending) {}
   // Waits for outstanding tasks.
   ~TaskGroup();
 
@@ -62,6 +66,7 @@ class TaskGroup {
 
  private:
   ThreadPool* pool_;
+  const int max_pending_;
   std::mutex mutex_;
   std::condition_variable done_cv_;
   int pending_ = 0;

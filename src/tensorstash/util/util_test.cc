@@ -96,5 +96,32 @@ TEST(ByteLimiterTest, CapIsNeverExceededAndOversizeRequestsRunAlone) {
   EXPECT_LE(limiter.peak(), 250u);
 }
 
+// Issue 13, item 9: one task per chunk queued without limit held gigabytes for a grid of
+// millions of tiny chunks. With max_pending, Run waits until a queued task finishes.
+TEST(TaskGroupTest, MaxPendingBoundsTheTasksQueuedAtOnce) {
+  ThreadPool pool(2);
+  std::atomic<int> queued{0}, running_max{0}, running{0};
+  {
+    TaskGroup group(&pool, /*max_pending=*/3);
+    for (int i = 0; i < 200; ++i) {
+      group.Run([&]() -> Status {
+        const int now = ++running;
+        int seen = running_max.load();
+        while (now > seen && !running_max.compare_exchange_weak(seen, now)) {
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        --running;
+        --queued;
+        return OkStatus();
+      });
+      // Counted after Run returned: at most max_pending tasks can be outstanding then.
+      EXPECT_LE(++queued, 3);
+    }
+    ASSERT_TRUE(group.Wait().ok());
+  }
+  EXPECT_EQ(queued.load(), 0);
+  EXPECT_LE(running_max.load(), 2);
+}
+
 }  // namespace
 }  // namespace tensorstash

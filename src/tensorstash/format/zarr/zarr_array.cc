@@ -47,7 +47,10 @@ Status ForEachChunkMaybeParallel(
     const std::vector<int64_t>& chunk_shape, const Box& region, ThreadPool* pool,
     const std::function<Status(const std::vector<int64_t>&, const Box&)>& fn) {
   if (pool == nullptr) return ForEachChunk(chunk_shape, region, fn);
-  TaskGroup group(pool);
+  // At most a few tasks per thread queued at once: a grid of millions of tiny chunks must not
+  // hold a task for each of them in memory.
+  constexpr int kMaxQueuedChunks = 256;
+  TaskGroup group(pool, kMaxQueuedChunks);
   Status status = ForEachChunk(chunk_shape, region, [&](const std::vector<int64_t>& grid,
                                                         const Box& chunk_box) {
     if (group.failed()) return OkStatus();  // Wait() reports the error
@@ -62,6 +65,25 @@ Status ForEachChunkMaybeParallel(
 
 // ---- ZarrArray ----
 
+namespace {
+
+// A shard read whole, when no staging pool gives the byte cap, is at most this large; larger
+// ones are read by ranges (their index, then the inner chunks wanted).
+constexpr uint64_t kWholeShardReadBytes = uint64_t{64} << 20;
+
+// A metadata document, its size checked against kMaxZarrMetadataBytes before it is read (a
+// hostile 1 GiB zarr.json must not cost 1 GiB of memory).
+Result<std::string> ReadMetadataFile(KvStore* kv, const std::string& key, const std::string& what) {
+  TS_ASSIGN_OR_RETURN(uint64_t size, kv->Size(key));
+  if (size > kMaxZarrMetadataBytes) {
+    return InvalidArgumentError(StrCat(what, ": '", key, "' is ", size, " bytes, over the ",
+                                       kMaxZarrMetadataBytes, "-byte limit"));
+  }
+  return kv->Read(key);
+}
+
+}  // namespace
+
 ZarrArray::ZarrArray(KvStore* kv, std::string prefix, ZarrMetadata metadata)
     : kv_(kv), prefix_(std::move(prefix)), metadata_(std::move(metadata)) {}
 
@@ -69,13 +91,13 @@ Result<std::unique_ptr<ZarrArray>> ZarrArray::Open(KvStore* kv, std::string pref
   while (!prefix.empty() && prefix.back() == '/') prefix.pop_back();
   const std::string what = ArrayWhat(prefix);
   TS_RETURN_IF_ERROR(Annotate(ValidatePrefix(prefix), what));
-  Result<std::string> v3 = kv->Read(JoinKey(prefix, "zarr.json"));
+  Result<std::string> v3 = ReadMetadataFile(kv, JoinKey(prefix, "zarr.json"), what);
   if (v3.ok()) {
     TS_ASSIGN_OR_RETURN(ZarrMetadata m, ParseZarrV3Metadata(*v3, what));
     return std::unique_ptr<ZarrArray>(new ZarrArray(kv, std::move(prefix), std::move(m)));
   }
   if (!absl::IsNotFound(v3.status())) return Annotate(v3.status(), what);
-  Result<std::string> v2 = kv->Read(JoinKey(prefix, ".zarray"));
+  Result<std::string> v2 = ReadMetadataFile(kv, JoinKey(prefix, ".zarray"), what);
   if (v2.ok()) {
     TS_ASSIGN_OR_RETURN(ZarrMetadata m, ParseZarrV2Metadata(*v2, what));
     return std::unique_ptr<ZarrArray>(new ZarrArray(kv, std::move(prefix), std::move(m)));
@@ -145,8 +167,7 @@ Status ZarrArray::ReadChunkInPlace(const std::string& key, const Box& chunk_box,
   char* out = static_cast<char*>(dest) + ByteOffsetIn(chunk_box, box, item);
   Result<std::unique_ptr<ReadableFile>> file = kv_->OpenForRead(key);
   if (absl::IsNotFound(file.status())) {
-    FillBox(region, dest_fill, dest, box);
-    return OkStatus();
+    return MissingChunk(file.status(), what, region, dest_fill, dest, box);
   }
   if (!file.ok()) return Annotate(file.status(), what);
   const uint64_t size = (*file)->size();
@@ -167,6 +188,45 @@ Status ZarrArray::ReadChunkInPlace(const std::string& key, const Box& chunk_box,
   return ZstdDecodeInto(std::string_view(stored.data(), size), out, bytes, what);
 }
 
+Result<bool> ZarrArray::ChunkStored(const std::vector<int64_t>& grid) const {
+  const std::string key = ChunkKey(grid);
+  Result<uint64_t> size = kv_->Size(key);
+  if (size.ok()) return true;
+  if (IsNotAnObject(size.status())) {
+    return DataLossError(StrCat(ArrayWhat(prefix_), ", chunk '", key, "': not a regular file (",
+                                size.status().message(), ")"));
+  }
+  if (absl::IsNotFound(size.status())) return false;
+  return Annotate(size.status(), StrCat(ArrayWhat(prefix_), ", chunk '", key, "'"));
+}
+
+Status ZarrArray::CheckStoredSize(uint64_t size, const Box& chunk_box,
+                                  const std::string& what) const {
+  // No codec zarr uses makes data much larger than it was: compressors add a few bytes per block
+  // (zstd about 1/256, blosc 16 bytes, gzip 5 per 64 KiB), a shard's index 16 bytes per inner
+  // chunk (at most one per element).
+  const uint64_t elements = static_cast<uint64_t>(chunk_box.num_elements());
+  const uint64_t raw = elements * ItemSize(metadata_.dtype);
+  const uint64_t bound = 2 * raw + 16 * elements + (64 << 10);
+  if (size <= bound) return OkStatus();
+  return DataLossError(StrCat(what, ": holds ", size, " bytes, more than any encoding of its ",
+                              raw, " bytes could take"));
+}
+
+Status ZarrArray::MissingChunk(const Status& status, const std::string& what, const Box& region,
+                               const std::string& dest_fill, void* dest, const Box& box) const {
+  // A directory where a chunk should be is never a chunk left out.
+  if (IsNotAnObject(status)) {
+    return DataLossError(StrCat(what, ": not a regular file (", status.message(), ")"));
+  }
+  if (all_chunks_stored_) {
+    return DataLossError(StrCat(what, ": missing, though the checkpoint's metadata says every "
+                                "chunk was written (store_array_data_equal_to_fill_value)"));
+  }
+  FillBox(region, dest_fill, dest, box);  // zarr: a chunk left out holds the fill value
+  return OkStatus();
+}
+
 Status ZarrArray::ReadChunk(const std::vector<int64_t>& grid, const Box& region, const Box& box,
                             DType dest_dtype, void* dest, const std::string& dest_fill,
                             StagingPool* staging) const {
@@ -184,31 +244,37 @@ Status ZarrArray::ReadChunk(const std::vector<int64_t>& grid, const Box& region,
   if (const ZarrCodec* sharding = metadata_.sole_sharding()) {
     // Read the whole shard in one request when all of it is wanted; else its index and the
     // inner chunks that meet the region, each by a ranged read.
-    const bool whole = region == Intersect(chunk_box, Box::FromShape(metadata_.shape));
-    std::string shard;
-    uint64_t size = 0;
+    // The stored size is known before anything is read: a shard larger than any encoding of its
+    // elements is damage, and one larger than the byte cap is read by ranges, never whole.
+    Result<uint64_t> r = kv_->Size(key);
+    if (absl::IsNotFound(r.status())) {
+      return MissingChunk(r.status(), what, region, dest_fill, dest, box);
+    }
+    if (!r.ok()) return Annotate(r.status(), what);
+    const uint64_t size = *r;
+    TS_RETURN_IF_ERROR(CheckStoredSize(size, chunk_box, what));
+    const uint64_t whole_limit = staging != nullptr ? staging->cap() : kWholeShardReadBytes;
+    const bool whole =
+        region == Intersect(chunk_box, Box::FromShape(metadata_.shape)) && size <= whole_limit;
+    StagingPool::Lease leased;  // the whole shard, under the byte cap when there is one
+    std::string own;            // the whole shard otherwise
     ShardByteReader reader;
     if (whole) {
-      Result<std::string> r = kv_->Read(key);
-      if (absl::IsNotFound(r.status())) {
-        FillBox(region, dest_fill, dest, box);
-        return OkStatus();
+      char* bytes = nullptr;
+      if (staging != nullptr) {
+        leased = staging->Acquire(size);
+        bytes = leased.data();
+      } else {
+        own.resize(size);
+        bytes = own.data();
       }
-      if (!r.ok()) return Annotate(r.status(), what);
-      shard = std::move(*r);
-      size = shard.size();
-      reader = [&shard](uint64_t offset, uint64_t length, std::string* out) {
-        out->assign(shard, offset, length);  // the index entries were checked against the size
+      TS_RETURN_IF_ERROR(Annotate(kv_->ReadRange(key, 0, size, bytes), what));
+      // The index entries were checked against the size before `reader` is called.
+      reader = [bytes](uint64_t offset, uint64_t length, std::string* out) {
+        out->assign(bytes + offset, length);
         return OkStatus();
       };
     } else {
-      Result<uint64_t> r = kv_->Size(key);
-      if (absl::IsNotFound(r.status())) {
-        FillBox(region, dest_fill, dest, box);
-        return OkStatus();
-      }
-      if (!r.ok()) return Annotate(r.status(), what);
-      size = *r;
       reader = [&](uint64_t offset, uint64_t length, std::string* out) {
         out->resize(length);
         return Annotate(kv_->ReadRange(key, offset, length, out->data()), what);
@@ -218,10 +284,16 @@ Status ZarrArray::ReadChunk(const std::vector<int64_t>& grid, const Box& region,
                            chunk_box, region, dest_dtype, dest, box, dest_fill, what);
   }
 
+  // Sized before it is read: a chunk file larger than any encoding of its elements is damage.
+  Result<uint64_t> stored_size = kv_->Size(key);
+  if (absl::IsNotFound(stored_size.status())) {
+    return MissingChunk(stored_size.status(), what, region, dest_fill, dest, box);
+  }
+  if (!stored_size.ok()) return Annotate(stored_size.status(), what);
+  TS_RETURN_IF_ERROR(CheckStoredSize(*stored_size, chunk_box, what));
   Result<std::string> stored = kv_->Read(key);
   if (absl::IsNotFound(stored.status())) {
-    FillBox(region, dest_fill, dest, box);
-    return OkStatus();
+    return MissingChunk(stored.status(), what, region, dest_fill, dest, box);
   }
   if (!stored.ok()) return Annotate(stored.status(), what);
   std::string decoded;

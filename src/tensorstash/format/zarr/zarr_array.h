@@ -46,6 +46,11 @@ class ZarrArray {
   // One element of dtype(), host byte order (zeros for v2's null).
   const std::string& fill_value() const { return metadata_.fill_value; }
   const ZarrMetadata& metadata() const { return metadata_; }
+  // Whether every chunk (or shard) of the grid was written, so that a missing one is DataLoss
+  // naming its key rather than fill_value(): set when the checkpoint's metadata says so (Orbax's
+  // store_array_data_equal_to_fill_value). False by default (zarr's rule). A directory at a
+  // chunk's key is DataLoss either way. Set before the first Read.
+  void set_all_chunks_stored(bool all_chunks_stored) { all_chunks_stored_ = all_chunks_stored; }
 
   // Fills `dest` (box.num_elements() elements of `dest_dtype`, C order over `box`) with the
   // array's values over `box`: fill_value() where a chunk (or a shard's inner chunk) is
@@ -62,6 +67,10 @@ class ZarrArray {
 
   // The key of the chunk (shard) at grid position `grid`, with the prefix.
   std::string ChunkKey(const std::vector<int64_t>& grid) const;
+  // Whether the chunk (shard) at `grid` is stored: true, false when it is absent (reads give the
+  // fill value, or DataLoss with set_all_chunks_stored), DataLoss when a directory is there;
+  // the store's error otherwise.
+  Result<bool> ChunkStored(const std::vector<int64_t>& grid) const;
 
  private:
   ZarrArray(KvStore* kv, std::string prefix, ZarrMetadata metadata);
@@ -69,6 +78,12 @@ class ZarrArray {
   Status ReadChunk(const std::vector<int64_t>& grid, const Box& region, const Box& box,
                    DType dest_dtype, void* dest, const std::string& dest_fill,
                    StagingPool* staging) const;
+  // DataLoss when a chunk (shard) of `chunk_box` stores more bytes than any encoding could make.
+  Status CheckStoredSize(uint64_t size, const Box& chunk_box, const std::string& what) const;
+  // What a missing chunk (NotFound `status`) means: fill `region`, or DataLoss (see
+  // set_all_chunks_stored).
+  Status MissingChunk(const Status& status, const std::string& what, const Box& region,
+                      const std::string& dest_fill, void* dest, const Box& box) const;
   // ReadChunk's fast path (see Read): OK with *done false when it does not apply.
   Status ReadChunkInPlace(const std::string& key, const Box& chunk_box, const Box& region,
                           const Box& box, DType dest_dtype, void* dest,
@@ -77,6 +92,7 @@ class ZarrArray {
   KvStore* kv_;
   std::string prefix_;
   ZarrMetadata metadata_;
+  bool all_chunks_stored_ = false;
 };
 
 enum class ZarrCompressor { kNone, kZstd, kGzip, kBlosc };
