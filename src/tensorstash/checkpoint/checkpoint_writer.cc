@@ -170,6 +170,7 @@ struct CheckpointWriter::Impl {
   Coordinator* coordinator;
   SingleProcessCoordinator own_coordinator;
   std::vector<ArrayEntry> arrays;
+  std::set<std::string, std::less<>> array_paths;  // of `arrays`: duplicates found in O(log n)
   std::optional<TreeNode> tree;
   std::map<std::string, std::string> step_files;  // AddFile: name -> contents
   bool commit_started = false;
@@ -244,10 +245,8 @@ Status CheckpointWriter::AddArray(ArraySpec spec, std::vector<ShardData> shards)
                                                      " of ", shard.num_replicas));
     }
   }
-  for (const ArrayEntry& existing : impl_->arrays) {
-    if (existing.spec.path == spec.path) {
-      return InvalidArgumentError(StrCat(what, " was added twice"));
-    }
+  if (!impl_->array_paths.insert(spec.path).second) {
+    return InvalidArgumentError(StrCat(what, " was added twice"));
   }
   impl_->arrays.push_back({std::move(spec), std::move(shards), {}});
   return OkStatus();

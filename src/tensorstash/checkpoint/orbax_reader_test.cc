@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "tensorstash/checkpoint/step_source.h"
 #include "tensorstash/format/zarr/zarr_metadata.h"
+#include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/util/status_test_macros.h"
 
@@ -245,6 +246,38 @@ TEST(OrbaxReaderTest, AChunkFileLargerThanAnyEncodingIsRefusedBeforeItIsRead) {
   Status read = ReadA(&kv, "s", &got);
   EXPECT_TRUE(absl::IsDataLoss(read)) << read;
   EXPECT_THAT(read.message(), HasSubstr("more than any encoding"));
+}
+
+// Issue 13, item 12: restoring an Orbax checkpoint of 20k leaves took 15 s, one listing of the
+// store per array to count its stored chunks. One listing serves every array now.
+TEST(OrbaxReaderTest, StoredChunksOfAllArraysComeFromOneListing) {
+  class CountingLists final : public ForwardingKvStore {
+   public:
+    using ForwardingKvStore::ForwardingKvStore;
+    Result<std::vector<std::string>> List(std::string_view prefix) override {
+      ++lists;
+      return ForwardingKvStore::List(prefix);
+    }
+    int lists = 0;
+  };
+  MemoryKvStore memory;
+  std::string leaves;
+  constexpr int kArrays = 40;
+  for (int i = 0; i < kArrays; ++i) {
+    leaves += (i ? ", " : "") + Leaf({{StrCat("a", i), 2}}, "np.ndarray");
+    WriteArray(&memory, StrCat("s/a", i), {4}, {2}, /*zarr_format=*/2);
+  }
+  ASSERT_TRUE(memory.Write("s/_METADATA", "{\"tree_metadata\": {" + leaves + "}}").ok());
+  CountingLists kv(&memory);
+  Result<std::unique_ptr<StepSource>> source = OpenStepSource(&kv, "s");
+  TS_ASSERT_OK(source.status());
+  const int lists_at_open = kv.lists;
+  for (int i = 0; i < kArrays; ++i) {
+    EXPECT_EQ((*source)->NumChunks(i), 2);
+    EXPECT_EQ((*source)->StoredBytes(i), (*source)->StoredBytes(0));
+    EXPECT_GT((*source)->StoredBytes(i), 0u);
+  }
+  EXPECT_LE(kv.lists - lists_at_open, 1);
 }
 
 }  // namespace

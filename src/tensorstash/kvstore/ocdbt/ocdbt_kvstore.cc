@@ -295,9 +295,17 @@ Status OcdbtKvStore::ListNode(const DataFileId& file, const Location& location, 
                               std::vector<std::string>* out) {
   TS_ASSIGN_OR_RETURN(std::shared_ptr<const BtreeNode> node, GetNode(file, location, height));
   if (height == 0) {
-    for (const ocdbt::LeafEntry& e : node->leaves) {
-      std::string key = inherited + e.key;
-      if (StartsWith(key, prefix)) out->push_back(std::move(key));
+    // Entries are sorted: start at the first key >= prefix and stop at the first one past it,
+    // so that listing one array's keys does not scan a whole leaf of other arrays' keys.
+    const auto& leaves = node->leaves;
+    auto first = std::lower_bound(leaves.begin(), leaves.end(), prefix,
+                                  [&](const ocdbt::LeafEntry& e, std::string_view p) {
+                                    return inherited + e.key < p;
+                                  });
+    for (auto it = first; it != leaves.end(); ++it) {
+      std::string key = inherited + it->key;
+      if (!StartsWith(key, prefix)) break;
+      out->push_back(std::move(key));
     }
     return OkStatus();
   }
