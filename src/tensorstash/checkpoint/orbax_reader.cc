@@ -510,6 +510,12 @@ Status OrbaxReader::LoadZarrGroup() {
     } else {
       continue;
     }
+    // Names become the tree's keys, which are text (UTF-8): a name of other bytes is refused
+    // here rather than failing later in whichever front decodes it.
+    if (!IsValidUtf8(name)) {
+      return DataLossError(StrCat("zarr checkpoint '", dir_, "': array name '", EscapeBytes(name),
+                                  "' is not valid UTF-8"));
+    }
     // Names are keystr paths; anything else is a nested dict by '/'.
     std::vector<KeyPart> parts;
     size_t start = 0;

@@ -280,5 +280,29 @@ TEST(OrbaxReaderTest, StoredChunksOfAllArraysComeFromOneListing) {
   EXPECT_LE(kv.lists - lists_at_open, 1);
 }
 
+// Issue 13, item 14: a zarr-group array name that is not UTF-8 surfaced in Python as a
+// UnicodeDecodeError; it is DataLoss naming the bytes.
+TEST(OrbaxReaderTest, ZarrGroupArrayNamesMustBeUtf8) {
+  MemoryKvStore kv;
+  ASSERT_TRUE(kv.Write("g/.zgroup", "{\"zarr_format\": 2}").ok());
+  ASSERT_TRUE(kv.Write("g/.zattrs", "{\"write_completed\": true}").ok());
+  WriteArray(&kv, "g/ok", {4}, {2}, /*zarr_format=*/2);
+  WriteArray(&kv, "g/bad\xff\xfe", {4}, {2}, /*zarr_format=*/2);
+  Result<std::unique_ptr<StepSource>> source = OpenStepSource(&kv, "g");
+  EXPECT_TRUE(absl::IsDataLoss(source.status())) << source.status();
+  EXPECT_THAT(source.status().message(), HasSubstr("bad\\xff\\xfe"));
+  EXPECT_THAT(source.status().message(), HasSubstr("UTF-8"));
+}
+
+TEST(StrUtilTest, IsValidUtf8) {
+  EXPECT_TRUE(IsValidUtf8("plain ascii"));
+  EXPECT_TRUE(IsValidUtf8("\xc3\xa9t\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"));
+  EXPECT_FALSE(IsValidUtf8("\xff"));
+  EXPECT_FALSE(IsValidUtf8("\xc3"));              // truncated
+  EXPECT_FALSE(IsValidUtf8("\xc0\xaf"));          // overlong '/'
+  EXPECT_FALSE(IsValidUtf8("\xed\xa0\x80"));      // a surrogate (U+D800)
+  EXPECT_FALSE(IsValidUtf8("\xf4\x90\x80\x80"));  // past U+10FFFF
+}
+
 }  // namespace
 }  // namespace tensorstash

@@ -87,6 +87,55 @@ bool ParseInt(std::string_view text, Int* out) {
   return ec == std::errc() && ptr == end && !text.empty();
 }
 
+// Whether `text` is well-formed UTF-8 (no overlong forms, no surrogates, at most U+10FFFF).
+inline bool IsValidUtf8(std::string_view text) {
+  size_t i = 0;
+  while (i < text.size()) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    size_t n = 0;
+    uint32_t code = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xe0) == 0xc0) {
+      n = 1, code = c & 0x1f;
+    } else if ((c & 0xf0) == 0xe0) {
+      n = 2, code = c & 0x0f;
+    } else if ((c & 0xf8) == 0xf0) {
+      n = 3, code = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + n >= text.size()) return false;  // truncated sequence
+    for (size_t k = 1; k <= n; ++k) {
+      const auto next = static_cast<unsigned char>(text[i + k]);
+      if ((next & 0xc0) != 0x80) return false;
+      code = (code << 6) | (next & 0x3f);
+    }
+    static constexpr uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};
+    if (code < kMin[n] || code > 0x10ffff || (code >= 0xd800 && code <= 0xdfff)) return false;
+    i += n + 1;
+  }
+  return true;
+}
+
+// `text` with bytes outside printable ASCII written as \xNN, for messages.
+inline std::string EscapeBytes(std::string_view text) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (const char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte < 0x20 || byte >= 0x7f || c == '\\') {
+      out += "\\x";
+      out.push_back(kHex[byte >> 4]);
+      out.push_back(kHex[byte & 15]);
+    } else {
+      out.push_back(c);
+    }
+  }
+  return out;
+}
+
 }  // namespace tensorstash
 
 #endif  // TENSORSTASH_UTIL_STR_UTIL_H_
