@@ -159,14 +159,17 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     Returns raw_bytes, chunks and seconds.
 
     Leaves may be jax.Array (any sharding; each process writes its own shards, replicated data
-    once), np.ndarray and NumPy scalars, bool, int, float, str and bytes. In a job with several
-    processes every process calls save with the same tree; NumPy arrays are taken to be the same
-    in every process and are written once, the work split across processes.
+    once), np.ndarray (big-endian ones are stored by value, in the format's little-endian
+    order) and NumPy scalars, bool, int (any number of digits), float, str and bytes. The tree
+    may be nested up to 512 levels below its root (docs/format.md, section 10). In a job with
+    several processes every process calls save with the same tree; NumPy arrays are taken to be
+    the same in every process and are written once, the work split across processes.
 
     Returns the engine's statistics for this process (raw_bytes, stored_bytes, chunks,
     data_files, seconds). Raises FileExistsError when the step is already complete and not
-    `overwrite`, TypeError for unsupported leaves, OSError for storage errors. On error nothing
-    new is visible at `path`.
+    `overwrite`, TypeError for unsupported leaves, ValueError for a tree nested more deeply
+    and for text (keys, strings, the path) that is not valid Unicode, OSError for storage
+    errors. On error nothing new is visible at `path`.
     """
     root, step = _split(path)
     if format == "orbax":
@@ -426,6 +429,34 @@ def _scalar_kind(x: Any) -> str:
     raise TypeError(f"not a scalar: {type(x).__name__}")  # pragma: no cover - callers check
 
 
+def _cast_scalar(value: Any, target: Any, path: str, ckpt: str) -> Any:
+    """`value` (the scalar leaf at `path` of checkpoint `ckpt`, or a 0-d stored array's
+    .item()) as the type of the scalar `target`, by the casts restore makes for arrays
+    (array/convert.h): ints and bools into ints, bools and floats, each value exactly
+    (ValueError where it does not fit); floats into floats; complex into complex; other casts,
+    floats into ints among them, are ValueError (TypeError between text and numbers). Errors
+    name the leaf."""
+    have, want = _scalar_kind(value), _scalar_kind(target)
+    held = f"{path!r} in {ckpt} holds {_shown(value)}"
+    if have in ("str", "bytes") or want in ("str", "bytes"):
+        if have != want:
+            raise TypeError(f"{path!r} in {ckpt} holds a {type(value).__name__}, the target a "
+                            f"{type(target).__name__}")
+        return value
+    if want not in _SCALAR_CASTS[have]:
+        raise ValueError(f"{held}, which the target's {type(target).__name__} cannot take: "
+                         "restore converts ints and bools into ints, bools and floats, and "
+                         "floats into floats only, as it does arrays")
+    if type(value) is type(target):
+        return value
+    try:
+        with np.errstate(over="ignore"):  # a float too large for a float16 becomes inf
+            return type(target)(value)
+    except OverflowError:
+        raise ValueError(f"{held}, out of the range of the target's "
+                         f"{type(target).__name__}") from None
+
+
 class _Restore:
     """Plans the reads a target needs, runs them, and builds the leaves."""
 
@@ -458,12 +489,13 @@ class _Restore:
             raise KeyError(f"{path!r} is not in checkpoint {self.ckpt}")
         scalar_target = isinstance(target, (bool, int, float, str, bytes, np.generic))
         if not scalar_target and not (hasattr(target, "shape") and hasattr(target, "dtype")):
-            raise TypeError(f"the target's leaf {path!r} is of type {type(target).__name__}; target "
-                            "leaves are arrays (np.ndarray, jax.Array, jax.ShapeDtypeStruct), "
-                            "NumPy scalars, bool, int, float, str or bytes")
+            raise TypeError(f"the target's leaf {path!r} is of type {type(target).__name__}; "
+                            "target leaves are arrays (np.ndarray, jax.Array, "
+                            "jax.ShapeDtypeStruct), NumPy scalars, bool, int, float, str or bytes")
         if stored["kind"] != "array":
             value = _tree.scalar_value(stored)
-            self.values[path] = self._cast_scalar(value, target, path) if scalar_target else value
+            self.values[path] = (_cast_scalar(value, target, path, self.ckpt) if scalar_target
+                                 else value)
             return
         if isinstance(target, (str, bytes)):
             raise TypeError(f"{path!r} in {self.ckpt} holds an array, the target a {type(target).__name__}")
@@ -471,8 +503,8 @@ class _Restore:
             info = self._stored_array(path, ())
             out = np.empty((), tnp.dtype_from_name(info["dtype"]))
             self.pending.append((path, [(path, (), (), info["dtype"], tnp.byte_view(out))],
-                                 lambda out=out, target=target, path=path:
-                                 self._cast_scalar(out.item(), target, path)))
+                                 lambda out=out, target=target, path=path, ckpt=self.ckpt:
+                                 _cast_scalar(out.item(), target, path, ckpt)))
             return
         shape = tuple(target.shape)
         # Read in native byte order (what the engine writes); a big-endian target's array is
@@ -518,32 +550,6 @@ class _Restore:
             finish = lambda out=out: out
         self.pending.append((path, requests, finish))
 
-    def _cast_scalar(self, value: Any, target: Any, path: str) -> Any:
-        """`value` (a stored scalar leaf, or a 0-d stored array's .item()) as the type of the
-        scalar `target`, by the casts restore makes for arrays (array/convert.h): ints and bools
-        into ints, bools and floats, each value exactly (ValueError where it does not fit);
-        floats into floats; complex into complex; other casts, floats into ints among them, are
-        ValueError (TypeError between text and numbers). Errors name the leaf."""
-        have, want = _scalar_kind(value), _scalar_kind(target)
-        held = f"{path!r} in {self.ckpt} holds {_shown(value)}"
-        if have in ("str", "bytes") or want in ("str", "bytes"):
-            if have != want:
-                raise TypeError(f"{path!r} in {self.ckpt} holds a {type(value).__name__}, "
-                                f"the target a {type(target).__name__}")
-            return value
-        if want not in _SCALAR_CASTS[have]:
-            raise ValueError(f"{held}, which the target's {type(target).__name__} cannot take: "
-                             "restore converts ints and bools into ints, bools and floats, and "
-                             "floats into floats only, as it does arrays")
-        if type(value) is type(target):
-            return value
-        try:
-            with np.errstate(over="ignore"):  # a float too large for a float16 becomes inf
-                return type(target)(value)
-        except OverflowError:
-            raise ValueError(f"{held}, out of the range of the target's "
-                             f"{type(target).__name__}") from None
-
     def total_bytes(self) -> int:
         return sum(r[4].nbytes for _, requests, _ in self.pending for r in requests)
 
@@ -587,9 +593,12 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     Without `target`: the saved tree as plain dicts, lists and tuples, arrays as NumPy arrays of
     the saved shapes and dtypes. With `target` (a pytree of jax.ShapeDtypeStruct with .sharding,
     jax.Array, np.ndarray, or scalars): the target's structure, each array with the target's
-    shape, dtype (a cast when it differs) and sharding, each device reading just its own block.
-    Only the target's arrays are read. A target shape larger than the stored one is zero-filled;
-    a smaller one is a ValueError unless `truncate`.
+    shape, dtype (a cast when it differs; in the target's byte order) and sharding, each device
+    reading just its own block. Only the target's arrays are read. A target shape larger than
+    the stored one is zero-filled; a smaller one is a ValueError unless `truncate`. Scalar
+    targets (bool, int, float, NumPy scalars) take the casts arrays take: ints and bools into
+    ints, bools and floats, each value exactly; floats into floats; complex into complex; any
+    other (a float into an int, say) is a ValueError naming the leaf.
 
     `progress`: None shows a tqdm bar on stderr when tqdm is installed, stderr is a terminal and
     the restore fills more than 1 GiB; True always shows one (a plain line without tqdm); False
@@ -606,10 +615,14 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     of a mapping of the data file rather than out of a staging copy, when uncompressed. False
     reads everything.
 
-    Raises FileNotFoundError for a missing step, ValueError for an incomplete step or a shape
-    mismatch, KeyError naming the path of a target leaf the checkpoint lacks, OSError when stored
-    bytes are corrupt (CRC-32C mismatch, truncated files); an exception raised by a `progress`
-    callable once the reads are over.
+    The step's files are closed before restore returns or raises (restored arrays that are
+    mapped from them remain valid).
+
+    Raises FileNotFoundError for a missing step, ValueError for an incomplete step, a shape
+    mismatch or a cast it does not make, KeyError naming the path of a target leaf the
+    checkpoint lacks, TypeError naming a target leaf that is neither an array nor a scalar,
+    OSError when stored bytes are corrupt (CRC-32C mismatch, truncated files); an exception
+    raised by a `progress` callable once the reads are over.
     """
     return _restore(path, target, truncate=truncate, verify_checksums=verify_checksums,
                     max_inflight_bytes=max_inflight_bytes, io_threads=io_threads,

@@ -210,7 +210,8 @@ def encode(tree: Any, on_array: Callable[[str, Any], None]) -> dict:
             raise TypeError(f"cannot save a leaf of type {type(x).__name__} at {where!r}: "
                             "supported leaves are arrays, bool, int, float, str and bytes")
         return ([(escape_key(k), v) for k, v in pairs],
-                lambda nodes: {"kind": "dict", "entries": [[k, n] for (k, _), n in zip(pairs, nodes)]})
+                lambda nodes: {"kind": "dict",
+                               "entries": [[k, n] for (k, _), n in zip(pairs, nodes)]})
 
     return _fold(tree, expand, "the tree")
 

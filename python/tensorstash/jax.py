@@ -40,7 +40,8 @@ def shards_of(array: jax.Array) -> list[tuple]:
     out = []
     for shard in array.addressable_shards:
         origin, extent = box_of_index(shard.index, shape)
-        data = np.asarray(shard.data)  # a view of the device buffer on CPU (in_host_memory); one copy from a GPU
+        # A view of the device buffer on CPU (in_host_memory); one copy from a GPU.
+        data = np.asarray(shard.data)
         if not data.flags.c_contiguous:
             data = np.ascontiguousarray(data)
         out.append((origin, extent, tnp.byte_view(data), int(shard.replica_id),
