@@ -147,6 +147,7 @@ def saved_step(tmp_path) -> tuple[tensorstash.CheckpointManager, str, dict]:
 def test_restore_and_metadata_close_the_step_files_before_returning(tmp_path, no_gc):
     mgr, step, tree = saved_step(tmp_path)
     target = {"big": np.zeros((512, 512), np.float32), "nested": [0, {"x": np.zeros(3)}]}
+    gc.collect()
     calls = {
         "restore": lambda: tensorstash.restore(step),
         "restore(target)": lambda: tensorstash.restore(step, target=target),
@@ -161,6 +162,7 @@ def test_restore_and_metadata_close_the_step_files_before_returning(tmp_path, no
         assert held_open(step, descriptors_only=True) == [], name
         del result
         assert held_open(step) == [], name
+        assert gc.collect() == 0, f"{name} left reference cycles behind"
     mgr.close()
     shutil.rmtree(step)  # its space is free once nothing holds its files
     assert held_open(os.path.dirname(step)) == []
