@@ -6,10 +6,10 @@
 // from the reader's threads with the GIL taken back, at most about ten times a second plus once
 // at the end.
 //
-// close() closes the step's files and unmaps them at once, rather
-// than whenever the garbage collector gets to the Reader: an open file keeps a deleted step's
-// disk space. Arrays that map_many returned own their mappings and stay valid. A call running
-// in another thread (without the GIL) keeps the files open until it returns.
+// close() closes and unmaps the step's files at once, rather than whenever the garbage collector
+// gets to the Reader: an open file keeps a deleted step's disk space. Arrays that map_many
+// returned own their mappings and stay valid. A call running in another thread (without the
+// GIL) keeps the files open until it returns.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -292,7 +292,7 @@ void DefineReader(nb::module_& m) {
       .def("close", &Reader::Close,
            "Closes the step's files now (arrays from map_many stay valid). Later calls raise "
            "ValueError; closing again does nothing.")
-      .def_prop_ro("closed", &Reader::closed)
+      .def_prop_ro("closed", &Reader::closed, "Whether close() was called.")
       .def("tree_json", &Reader::TreeJson,
            "The step's tree as a node in the \"tree\" schema of docs/format.md.")
       .def("arrays", &Reader::Arrays, nb::sig("def arrays(self) -> list[dict[str, typing.Any]]"),
