@@ -4,7 +4,8 @@
 // save thread takes the GIL for the commit callback and for a Python coordinator, and it may
 // hold the manager's own locks meanwhile. save() with async_save blocks only while the shards
 // are copied to host memory; the Python buffers are referenced until then and free afterwards.
-// Stable shards (jax.Array views) are not copied: they are referenced until the save ends.
+// Stable shards (buffers that nothing else can change) are not copied: they are referenced until
+// the save ends.
 //
 // The Manager takes part in garbage collection: its coordinator and commit callback are Python
 // objects that can refer back to it (the package's CheckpointManager holds the Manager and
@@ -43,8 +44,9 @@ namespace nb = nanobind;
 namespace tensorstash::python {
 namespace {
 
-// (path, dtype name, shape, shards, stable) of one array of a save; `stable`: the shards are
-// views of an immutable jax.Array, written by an async save without a copy (ShardData::stable).
+// (path, dtype name, shape, shards, stable) of one array of a save; `stable`: nothing else can
+// change the shards' buffers (host copies of a jax.Array's device buffers, see the package's
+// _arrays_to_save), so an async save writes them without a copy (ShardData::stable).
 using ArrayTuple =
     std::tuple<std::string, std::string, std::vector<int64_t>, std::vector<ShardTuple>, bool>;
 

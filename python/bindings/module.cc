@@ -56,4 +56,5 @@ NB_MODULE(_ext, m) {
   py::DefineReader(m);
   py::DefineManager(m);
   py::DefineOrbaxWriter(m);
+  py::DefineJson(m);
 }

@@ -5,6 +5,11 @@
 // (a training step, another reader) can run meanwhile. A read_many progress callable is called
 // from the reader's threads with the GIL taken back, at most about ten times a second plus once
 // at the end.
+//
+// close() closes and unmaps the step's files at once, rather than whenever the garbage collector
+// gets to the Reader: an open file keeps a deleted step's disk space. Arrays that map_many
+// returned own their mappings and stay valid. A call running in another thread (without the
+// GIL) keeps the files open until it returns.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -88,37 +93,61 @@ class ThrottledProgress {
 using MapRequestTuple =
     std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>, std::string>;
 
+// What an open Reader reads from; closing the Reader drops it.
+struct OpenStep {
+  std::unique_ptr<FileKvStore> kv;  // declared first: `source` uses it, and is destroyed first
+  std::unique_ptr<StepSource> source;
+};
+
 class Reader {
  public:
-  Reader(std::unique_ptr<FileKvStore> kv, std::unique_ptr<StepSource> reader)
-      : kv_(std::move(kv)), reader_(std::move(reader)) {}
+  explicit Reader(std::shared_ptr<OpenStep> step) : step_(std::move(step)) {}
 
-  std::string TreeJson() const { return ValueOrThrow(TreeNodeToJson(reader_->tree())); }
+  // Each call holds the step for its whole duration, so that a close() from another thread
+  // while the call runs without the GIL does not destroy what it uses.
+  std::shared_ptr<OpenStep> Step() const {
+    if (step_ == nullptr) ThrowIfError(FailedPreconditionError("the reader is closed"));
+    return step_;
+  }
+
+  bool closed() const { return step_ == nullptr; }
+
+  // Closes the files (unless a call in another thread still uses them: then when it ends).
+  void Close() {
+    std::shared_ptr<OpenStep> step = std::move(step_);
+    nb::gil_scoped_release release;  // closing may wait for the reader's IO threads
+    step.reset();
+  }
+
+  std::string TreeJson() const { return ValueOrThrow(TreeNodeToJson(Step()->source->tree())); }
 
   nb::list Arrays() const {
+    const std::shared_ptr<OpenStep> step = Step();
+    const StepSource* reader = step->source.get();
     nb::list result;
-    for (size_t i = 0; i < reader_->arrays().size(); ++i) {
-      const ArrayMetadata& a = reader_->arrays()[i];
+    for (size_t i = 0; i < reader->arrays().size(); ++i) {
+      const ArrayMetadata& a = reader->arrays()[i];
       nb::dict entry;
       entry["path"] = a.path;
       entry["dtype"] = std::string(DTypeName(a.dtype));
       entry["shape"] = ShapeTuple(a.shape());
       entry["chunk_shape"] = ShapeTuple(a.grid.chunk_shape);
       entry["cell_shape"] = ShapeTuple(a.grid.cell_shape);
-      entry["codec"] = reader_->CodecDescription(i);
-      entry["stored_bytes"] = reader_->StoredBytes(i);
-      entry["num_chunks"] = reader_->NumChunks(i);
+      entry["codec"] = reader->CodecDescription(i);
+      entry["stored_bytes"] = reader->StoredBytes(i);
+      entry["num_chunks"] = reader->NumChunks(i);
       result.append(std::move(entry));
     }
     return result;
   }
 
-  int64_t created_unix_ms() const { return reader_->created_unix_ms(); }
-  int process_count() const { return reader_->process_count(); }
-  std::string format() const { return std::string(StepFormatName(reader_->format())); }
-  std::string dir() const { return reader_->dir(); }
+  int64_t created_unix_ms() const { return Step()->source->created_unix_ms(); }
+  int process_count() const { return Step()->source->process_count(); }
+  std::string format() const { return std::string(StepFormatName(Step()->source->format())); }
+  std::string dir() const { return Step()->source->dir(); }
 
   nb::dict ReadMany(const std::vector<RequestTuple>& requests, nb::object progress) {
+    const std::shared_ptr<OpenStep> step = Step();
     if (!progress.is_none() && !PyCallable_Check(progress.ptr())) {
       throw nb::type_error("progress must be callable or None");
     }
@@ -148,7 +177,7 @@ class Reader {
     }
     {
       nb::gil_scoped_release release;
-      status = reader_->ReadMany(reads, &stats, on_progress);
+      status = step->source->ReadMany(reads, &stats, on_progress);
     }
     ThrowIfError(status);
     if (forward.has_value()) forward->Finish();
@@ -164,12 +193,13 @@ class Reader {
   // One entry per request: a NumPy uint8 array over the box's bytes mapped from the data files
   // (owning the mapping), or None where the box cannot be mapped (the caller reads it instead).
   nb::list MapMany(const std::vector<MapRequestTuple>& requests) {
+    const std::shared_ptr<OpenStep> step = Step();
     std::vector<ReadRequest> maps;
     for (const auto& [path, origin, shape, dtype_name] : requests) {
       maps.push_back({path, Box(origin, shape), ValueOrThrow(ParseDType(dtype_name)), nullptr});
     }
     std::vector<Result<MappedBox>> mapped;
-    if (CheckpointReader* native = reader_->native(); native != nullptr) {
+    if (CheckpointReader* native = step->source->native(); native != nullptr) {
       nb::gil_scoped_release release;
       mapped = native->MapMany(maps);
     }
@@ -191,17 +221,19 @@ class Reader {
   }
 
   nb::bytes ReadFile(const std::string& name) const {
+    const std::shared_ptr<OpenStep> step = Step();
     std::string contents = ValueOrThrow([&] {
       nb::gil_scoped_release release;
-      return reader_->ReadFile(name);
+      return step->source->ReadFile(name);
     }());
     return nb::bytes(contents.data(), contents.size());
   }
 
   nb::list Verify() {
+    const std::shared_ptr<OpenStep> step = Step();
     std::vector<BadChunk> bad = ValueOrThrow([&] {
       nb::gil_scoped_release release;
-      return reader_->Verify(nullptr);
+      return step->source->Verify(nullptr);
     }());
     nb::list result;
     for (const BadChunk& chunk : bad) {
@@ -216,9 +248,7 @@ class Reader {
   }
 
  private:
-  // Declared before reader_, which uses it, so that it is destroyed after it.
-  std::unique_ptr<FileKvStore> kv_;
-  std::unique_ptr<StepSource> reader_;
+  std::shared_ptr<OpenStep> step_;  // null once closed; read and written with the GIL held
 };
 
 void InitReader(Reader* self, const std::string& root, const std::string& step,
@@ -233,15 +263,19 @@ void InitReader(Reader* self, const std::string& root, const std::string& step,
   options.max_inflight_bytes = static_cast<uint64_t>(max_inflight_bytes);
   options.io_threads = io_threads;
   options.map_spans = map_spans;
-  std::unique_ptr<FileKvStore> kv;
-  Result<std::unique_ptr<StepSource>> reader = [&] {
+  auto open = std::make_shared<OpenStep>();
+  Status status = [&] {
     nb::gil_scoped_release release;
     Result<std::unique_ptr<FileKvStore>> store = FileKvStore::Open(root, /*create=*/false);
-    if (!store.ok()) return Result<std::unique_ptr<StepSource>>(store.status());
-    kv = std::move(store).value();
-    return OpenStepSource(kv.get(), step, options);
+    if (!store.ok()) return store.status();
+    open->kv = std::move(store).value();
+    Result<std::unique_ptr<StepSource>> source = OpenStepSource(open->kv.get(), step, options);
+    if (!source.ok()) return source.status();
+    open->source = std::move(source).value();
+    return OkStatus();
   }();
-  new (self) Reader(std::move(kv), ValueOrThrow(std::move(reader)));
+  ThrowIfError(status);
+  new (self) Reader(std::move(open));
 }
 
 }  // namespace
@@ -255,6 +289,10 @@ void DefineReader(nb::module_& m) {
            nb::arg("verify_checksums") = true,
            nb::arg("max_inflight_bytes") = int64_t{256} << 20, nb::arg("io_threads") = 0,
            nb::arg("map_spans") = true)
+      .def("close", &Reader::Close,
+           "Closes the step's files now (arrays from map_many stay valid). Later calls raise "
+           "ValueError; closing again does nothing.")
+      .def_prop_ro("closed", &Reader::closed, "Whether close() was called.")
       .def("tree_json", &Reader::TreeJson,
            "The step's tree as a node in the \"tree\" schema of docs/format.md.")
       .def("arrays", &Reader::Arrays, nb::sig("def arrays(self) -> list[dict[str, typing.Any]]"),

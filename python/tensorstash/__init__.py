@@ -18,6 +18,7 @@ TypeError (unsupported leaves), OSError (corrupt or unreadable data).
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import math
@@ -62,9 +63,18 @@ class ArrayMetadata:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+def _abspath(path: str | os.PathLike) -> str:
+    """The absolute form of a folder path. ValueError for a path that is not valid Unicode
+    (undecodable bytes of a file name, which Python keeps as lone surrogates): the engine takes
+    UTF-8 paths."""
+    full = os.path.abspath(os.fspath(path))
+    _tree.check_text(full, f"the path {full!r}", "tensorstash takes UTF-8 paths only")
+    return full
+
+
 def _split(path: str | os.PathLike) -> tuple[str, str]:
     """A step folder path -> (root folder, step name)."""
-    full = os.path.abspath(os.fspath(path)).rstrip(os.sep)
+    full = _abspath(path).rstrip(os.sep)
     root, step = os.path.split(full)
     if not step:
         raise ValueError(f"{os.fspath(path)!r} is not a step folder path")
@@ -93,12 +103,19 @@ def _arrays_to_save(tree: Any, coordinator: Any) -> tuple[list[tuple], str]:
     Returns ([(array path, dtype name, shape, shards, stable)], tree JSON), with shards as
     _ext.Writer.add_array takes them: this process's shards of each jax.Array (views of the
     device buffers on CPU, one copy from other devices), and for NumPy arrays the whole array
-    as a shard of which this process is one replica. The shards refer to the caller's memory
-    (or to contiguous copies) and must stay unchanged until the engine has read them. `stable`
-    is true for a jax.Array: its buffers never change while the shard views exist (JAX is
-    immutable, and it declines to donate a buffer that a NumPy view refers to), so an async
-    save may write them in the background without copying them first. Raises
-    TypeError for unsupported leaves and abstract arrays (jax.ShapeDtypeStruct).
+    as a shard of which this process is one replica, in native byte order (big-endian arrays
+    are converted: the format stores little-endian). The shards refer to the caller's memory
+    (or to copies) and must stay unchanged until the engine has read them.
+
+    `stable` is true where nothing else can change the shards' memory, so that an async save
+    may write them in the background without copying them first: for a jax.Array whose
+    buffers are not in host memory, as its shards are then host copies made for this save
+    (tjax.in_host_memory). A jax.Array in host memory is not stable although JAX arrays are
+    immutable: its memory may be a NumPy array's, which the caller may change once save()
+    returns (XLA's CPU client adopts the buffer of an aligned NumPy array given to
+    jax.device_put instead of copying it). Raises TypeError for unsupported leaves and
+    abstract arrays (jax.ShapeDtypeStruct), ValueError for text that is not valid Unicode and
+    trees nested too deeply.
     """
     process_index = coordinator.process_index() if coordinator is not None else 0
     process_count = coordinator.process_count() if coordinator is not None else 1
@@ -114,16 +131,15 @@ def _arrays_to_save(tree: Any, coordinator: Any) -> tuple[list[tuple], str]:
             raise TypeError(f"cannot save the array at {array_path!r}: {e}") from None
         if _is_jax_array(x):
             from . import jax as tjax
-            shape, shards = tuple(x.shape), tjax.shards_of(x)
+            shape, shards, stable = tuple(x.shape), tjax.shards_of(x), not tjax.in_host_memory(x)
         else:
-            a = np.asarray(x)
-            if not a.flags.c_contiguous:  # (np.ascontiguousarray would make 0-d arrays 1-d)
-                a = np.ascontiguousarray(a)
+            a = tnp.native_contiguous(np.asarray(x))
             shape = a.shape
             # Every process holds the whole array: they share the writing as replicas.
             shards = [((0,) * a.ndim, shape, tnp.byte_view(a), process_index, process_count)]
-        arrays.append((array_path, dtype, shape, shards, _is_jax_array(x)))
-    return arrays, json.dumps(node)
+            stable = False
+        arrays.append((array_path, dtype, shape, shards, stable))
+    return arrays, _tree.dumps(node)
 
 
 def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: str | None = None,
@@ -143,14 +159,17 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     Returns raw_bytes, chunks and seconds.
 
     Leaves may be jax.Array (any sharding; each process writes its own shards, replicated data
-    once), np.ndarray and NumPy scalars, bool, int, float, str and bytes. In a job with several
-    processes every process calls save with the same tree; NumPy arrays are taken to be the same
-    in every process and are written once, the work split across processes.
+    once), np.ndarray (big-endian ones are stored by value, in the format's little-endian
+    order) and NumPy scalars, bool, int (any number of digits), float, str and bytes. The tree
+    may be nested up to 512 levels below its root (docs/format.md, section 10). In a job with
+    several processes every process calls save with the same tree; NumPy arrays are taken to be
+    the same in every process and are written once, the work split across processes.
 
     Returns the engine's statistics for this process (raw_bytes, stored_bytes, chunks,
     data_files, seconds). Raises FileExistsError when the step is already complete and not
-    `overwrite`, TypeError for unsupported leaves, OSError for storage errors. On error nothing
-    new is visible at `path`.
+    `overwrite`, TypeError for unsupported leaves, ValueError for a tree nested more deeply
+    and for text (keys, strings, the path) that is not valid Unicode, OSError for storage
+    errors. On error nothing new is visible at `path`.
     """
     root, step = _split(path)
     if format == "orbax":
@@ -214,7 +233,7 @@ def _save_orbax(root: str, step: str, tree: Any, *, overwrite: bool, codec: str 
                               io_threads=io_threads, zstd_level=zstd_level)
     shardings = {}
     leaves: dict[str, Any] = {}
-    _tree.encode(tree, lambda p, x: leaves.__setitem__(p, x))
+    _tree.encode(tree, leaves.__setitem__)
     for array_path, dtype, shape, shards, _stable in arrays:
         value_type = "np.ndarray"
         x = leaves[array_path]
@@ -233,6 +252,8 @@ def _save_orbax(root: str, step: str, tree: Any, *, overwrite: bool, codec: str 
 
 def _open(path, verify_checksums: bool, max_inflight_bytes: int, io_threads: int,
           mmap: bool = True) -> _ext.Reader:
+    """The reader of step folder `path`. Close it (contextlib.closing) once done: its open
+    files would keep the space of a deleted step until the garbage collector ran."""
     root, step = _split(path)
     return _ext.Reader(root, step, verify_checksums=verify_checksums,
                        max_inflight_bytes=max_inflight_bytes, io_threads=io_threads,
@@ -243,8 +264,9 @@ def metadata(path: str | os.PathLike) -> Any:
     """The saved tree with each array replaced by its ArrayMetadata (and scalars by their
     values), as plain dicts, lists and tuples. Reads no array data (Orbax scalars excepted:
     they are 0-d arrays). Any format restore() reads."""
-    reader = _open(path, True, 1 << 20, 1)
-    infos = {a["path"]: a for a in reader.arrays()}
+    with contextlib.closing(_open(path, True, 1 << 20, 1)) as reader:
+        infos = {a["path"]: a for a in reader.arrays()}
+        node = _tree.loads(reader.tree_json())
 
     def describe(array_path: str, _id: int) -> ArrayMetadata:
         a = infos[array_path]
@@ -253,7 +275,7 @@ def metadata(path: str | os.PathLike) -> Any:
                              chunk_shape=tuple(a["chunk_shape"]), num_chunks=a["num_chunks"],
                              stored_bytes=a["stored_bytes"], codec=a["codec"])
 
-    return _tree.decode(json.loads(reader.tree_json()), describe)
+    return _tree.decode(node, describe)
 
 
 class _TextProgress:
@@ -383,6 +405,58 @@ def _map_boxes(reader: _ext.Reader, path: str, info: dict, boxes: list[tuple], d
     return out
 
 
+# The casts of scalars, by kind (_scalar_kind): the kinds of target each kind of value goes into.
+_SCALAR_CASTS = {"b": "bif", "i": "bif", "f": "f", "c": "c"}
+
+
+def _shown(value: Any) -> str:
+    """A scalar for an error message: "the float 2.7" (repr fails for ints of more than
+    sys.get_int_max_str_digits() digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 1000:
+        return f"an int of {value.bit_length()} bits"
+    return f"the {type(value).__name__} {value!r}"
+
+
+def _scalar_kind(x: Any) -> str:
+    """The kind of a scalar for _SCALAR_CASTS: "b" (bool), "i" (int), "f" (float), "c"
+    (complex), after a NumPy scalar's dtype; "str" or "bytes" for text."""
+    if isinstance(x, np.generic):
+        return tnp.dtype_kind(x.dtype)
+    for kind, types in (("b", bool), ("i", int), ("f", float), ("c", complex), ("str", str),
+                        ("bytes", bytes)):
+        if isinstance(x, types):
+            return kind
+    raise TypeError(f"not a scalar: {type(x).__name__}")  # pragma: no cover - callers check
+
+
+def _cast_scalar(value: Any, target: Any, path: str, ckpt: str) -> Any:
+    """`value` (the scalar leaf at `path` of checkpoint `ckpt`, or a 0-d stored array's
+    .item()) as the type of the scalar `target`, by the casts restore makes for arrays
+    (array/convert.h): ints and bools into ints, bools and floats, each value exactly
+    (ValueError where it does not fit); floats into floats; complex into complex; other casts,
+    floats into ints among them, are ValueError (TypeError between text and numbers). Errors
+    name the leaf."""
+    have, want = _scalar_kind(value), _scalar_kind(target)
+    held = f"{path!r} in {ckpt} holds {_shown(value)}"
+    if have in ("str", "bytes") or want in ("str", "bytes"):
+        if have != want:
+            raise TypeError(f"{path!r} in {ckpt} holds a {type(value).__name__}, the target a "
+                            f"{type(target).__name__}")
+        return value
+    if want not in _SCALAR_CASTS[have]:
+        raise ValueError(f"{held}, which the target's {type(target).__name__} cannot take: "
+                         "restore converts ints and bools into ints, bools and floats, and "
+                         "floats into floats only, as it does arrays")
+    if type(value) is type(target):
+        return value
+    try:
+        with np.errstate(over="ignore"):  # a float too large for a float16 becomes inf
+            return type(target)(value)
+    except OverflowError:
+        raise ValueError(f"{held}, out of the range of the target's "
+                         f"{type(target).__name__}") from None
+
+
 class _Restore:
     """Plans the reads a target needs, runs them, and builds the leaves."""
 
@@ -392,7 +466,7 @@ class _Restore:
         self.truncate = truncate
         self.mmap = mmap
         self.mapped_bytes = 0  # bytes of the boxes mapped instead of read
-        self.node = json.loads(reader.tree_json())
+        self.node = _tree.loads(reader.tree_json())
         self.leaves = _tree.index_leaves(self.node)
         self.infos = {a["path"]: a for a in reader.arrays()}
         self.values: dict[str, Any] = {}
@@ -413,14 +487,15 @@ class _Restore:
         stored = self.leaves.get(path)
         if stored is None or stored["kind"] == "none":
             raise KeyError(f"{path!r} is not in checkpoint {self.ckpt}")
+        scalar_target = isinstance(target, (bool, int, float, str, bytes, np.generic))
+        if not scalar_target and not (hasattr(target, "shape") and hasattr(target, "dtype")):
+            raise TypeError(f"the target's leaf {path!r} is of type {type(target).__name__}; "
+                            "target leaves are arrays (np.ndarray, jax.Array, "
+                            "jax.ShapeDtypeStruct), NumPy scalars, bool, int, float, str or bytes")
         if stored["kind"] != "array":
             value = _tree.scalar_value(stored)
-            if isinstance(target, (bool, int, float, str, bytes)) and type(value) is not type(target):
-                if isinstance(target, (str, bytes)) or isinstance(value, (str, bytes)):
-                    raise TypeError(f"{path!r} in {self.ckpt} holds a {type(value).__name__}, "
-                                    f"the target a {type(target).__name__}")
-                value = type(target)(value)
-            self.values[path] = value
+            self.values[path] = (_cast_scalar(value, target, path, self.ckpt) if scalar_target
+                                 else value)
             return
         if isinstance(target, (str, bytes)):
             raise TypeError(f"{path!r} in {self.ckpt} holds an array, the target a {type(target).__name__}")
@@ -428,10 +503,14 @@ class _Restore:
             info = self._stored_array(path, ())
             out = np.empty((), tnp.dtype_from_name(info["dtype"]))
             self.pending.append((path, [(path, (), (), info["dtype"], tnp.byte_view(out))],
-                                 lambda out=out, kind=type(target): kind(out.item())))
+                                 lambda out=out, target=target, path=path, ckpt=self.ckpt:
+                                 _cast_scalar(out.item(), target, path, ckpt)))
             return
         shape = tuple(target.shape)
-        dtype = np.dtype(target.dtype)
+        # Read in native byte order (what the engine writes); a big-endian target's array is
+        # converted to its byte order once read.
+        wanted = np.dtype(target.dtype)
+        dtype = wanted.newbyteorder("=")
         self._stored_array(path, shape)
         name = tnp.dtype_name(dtype)
         sharding = getattr(target, "sharding", None)
@@ -463,8 +542,13 @@ class _Restore:
         else:
             out = tnp.empty_aligned(shape, dtype)
             requests = [(path, box[0], shape, name, tnp.byte_view(out))]
-        self.pending.append((path, requests,
-                             lambda out=out, scalar=isinstance(target, np.generic): out[()] if scalar else out))
+        if isinstance(target, np.generic):
+            finish = lambda out=out: out[()]
+        elif not wanted.isnative:
+            finish = lambda out=out, wanted=wanted: out.astype(wanted)
+        else:
+            finish = lambda out=out: out
+        self.pending.append((path, requests, finish))
 
     def total_bytes(self) -> int:
         return sum(r[4].nbytes for _, requests, _ in self.pending for r in requests)
@@ -509,9 +593,12 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     Without `target`: the saved tree as plain dicts, lists and tuples, arrays as NumPy arrays of
     the saved shapes and dtypes. With `target` (a pytree of jax.ShapeDtypeStruct with .sharding,
     jax.Array, np.ndarray, or scalars): the target's structure, each array with the target's
-    shape, dtype (a cast when it differs) and sharding, each device reading just its own block.
-    Only the target's arrays are read. A target shape larger than the stored one is zero-filled;
-    a smaller one is a ValueError unless `truncate`.
+    shape, dtype (a cast when it differs; in the target's byte order) and sharding, each device
+    reading just its own block. Only the target's arrays are read. A target shape larger than
+    the stored one is zero-filled; a smaller one is a ValueError unless `truncate`. Scalar
+    targets (bool, int, float, NumPy scalars) take the casts arrays take: ints and bools into
+    ints, bools and floats, each value exactly; floats into floats; complex into complex; any
+    other (a float into an int, say) is a ValueError naming the leaf.
 
     `progress`: None shows a tqdm bar on stderr when tqdm is installed, stderr is a terminal and
     the restore fills more than 1 GiB; True always shows one (a plain line without tqdm); False
@@ -528,10 +615,14 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     of a mapping of the data file rather than out of a staging copy, when uncompressed. False
     reads everything.
 
-    Raises FileNotFoundError for a missing step, ValueError for an incomplete step or a shape
-    mismatch, KeyError naming the path of a target leaf the checkpoint lacks, OSError when stored
-    bytes are corrupt (CRC-32C mismatch, truncated files); an exception raised by a `progress`
-    callable once the reads are over.
+    The step's files are closed before restore returns or raises (restored arrays that are
+    mapped from them remain valid).
+
+    Raises FileNotFoundError for a missing step, ValueError for an incomplete step, a shape
+    mismatch or a cast it does not make, KeyError naming the path of a target leaf the
+    checkpoint lacks, TypeError naming a target leaf that is neither an array nor a scalar,
+    OSError when stored bytes are corrupt (CRC-32C mismatch, truncated files); an exception
+    raised by a `progress` callable once the reads are over.
     """
     return _restore(path, target, truncate=truncate, verify_checksums=verify_checksums,
                     max_inflight_bytes=max_inflight_bytes, io_threads=io_threads,
@@ -543,43 +634,49 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
              mmap: bool = True) -> tuple[Any, int]:
     """restore(), returning (the restored tree, the stored bytes read)."""
     ckpt = os.fspath(path)
-    reader = _open(path, verify_checksums, max_inflight_bytes, io_threads, mmap)
     desc = f"restoring {os.path.basename(os.path.abspath(ckpt))}"
-    if target is None:
-        requests = []
-
-        mapped_bytes = 0
-
-        def read_array(array_path: str, _id: int) -> np.ndarray:
-            nonlocal mapped_bytes
-            info = reader_infos[array_path]
-            shape, dtype = tuple(info["shape"]), tnp.dtype_from_name(info["dtype"])
-            box = ((0,) * len(shape), shape)
-            out = _map_boxes(reader, array_path, info, [box], dtype, mmap)[0]
-            if out is not None:
-                mapped_bytes += out.nbytes
-                return out
-            out = tnp.empty_aligned(shape, dtype)
-            requests.append((array_path, box[0], shape, info["dtype"], tnp.byte_view(out)))
-            return out
-
-        reader_infos = {a["path"]: a for a in reader.arrays()}
-        tree = _tree.decode(json.loads(reader.tree_json()), read_array)
-        reads = _Reads(reader, sum(r[4].nbytes for r in requests), progress, desc)
+    # Closed on return, error or not: an open file would keep a deleted step's space.
+    with contextlib.closing(_open(path, verify_checksums, max_inflight_bytes, io_threads,
+                                  mmap)) as reader:
+        if target is None:
+            return _restore_as_saved(reader, progress, desc, mmap)
+        plan = _Restore(reader, ckpt, truncate, mmap)
+        _tree.map_target(target, plan.plan)
+        reads = _Reads(reader, plan.total_bytes(), progress, desc)
         try:
-            reads.read(requests)
+            plan.run(reads)
         finally:
             reads.close()
-        return tree, reads.bytes_read + mapped_bytes
+    return _tree.map_target(target, lambda p, _: plan.values[p]), reads.bytes_read + plan.mapped_bytes
 
-    plan = _Restore(reader, ckpt, truncate, mmap)
-    _tree.map_target(target, plan.plan)
-    reads = _Reads(reader, plan.total_bytes(), progress, desc)
+
+def _restore_as_saved(reader: _ext.Reader, progress: Any, desc: str,
+                      mmap: bool) -> tuple[Any, int]:
+    """_restore() without a target: the saved tree, its arrays as NumPy arrays."""
+    infos = {a["path"]: a for a in reader.arrays()}
+    requests = []
+    mapped_bytes = 0
+
+    def read_array(array_path: str, _id: int) -> np.ndarray:
+        nonlocal mapped_bytes
+        info = infos[array_path]
+        shape, dtype = tuple(info["shape"]), tnp.dtype_from_name(info["dtype"])
+        box = ((0,) * len(shape), shape)
+        out = _map_boxes(reader, array_path, info, [box], dtype, mmap)[0]
+        if out is not None:
+            mapped_bytes += out.nbytes
+            return out
+        out = tnp.empty_aligned(shape, dtype)
+        requests.append((array_path, box[0], shape, info["dtype"], tnp.byte_view(out)))
+        return out
+
+    tree = _tree.decode(_tree.loads(reader.tree_json()), read_array)
+    reads = _Reads(reader, sum(r[4].nbytes for r in requests), progress, desc)
     try:
-        plan.run(reads)
+        reads.read(requests)
     finally:
         reads.close()
-    return _tree.map_target(target, lambda p, _: plan.values[p]), reads.bytes_read + plan.mapped_bytes
+    return tree, reads.bytes_read + mapped_bytes
 
 
 # Last: the manager builds on the functions above.

@@ -7,16 +7,24 @@ fields). Leaves: arrays (JAX, NumPy, NumPy scalars), bool, int, float, str, byte
 
 Array paths join the keys from the root, escaped as in JSON Pointer ('~' -> '~0', '/' -> '~1');
 list and tuple positions are decimal.
+
+Trees may be nested MAX_DEPTH levels deep (docs/format.md, section 10), deeper than Python's
+recursion limit lets a recursive walk go: every walk here keeps its own stack (_fold), and
+tree nodes too deep for the json module go to and from JSON text through _ext (dumps, loads).
 """
 
 from __future__ import annotations
 
 import base64
 import collections
+import decimal
+import json
 import math
 from typing import Any, Callable, Iterator
 
 import numpy as np
+
+from . import _ext
 
 try:
     import jax
@@ -63,79 +71,181 @@ def custom_children(node: Any) -> tuple[list[tuple[str, Any]], Any] | None:
 
 def dict_items(d: dict, path: str | None) -> Iterator[tuple[str, Any]]:
     for key, value in d.items():
+        where = path if path is not None else "the root"
         if isinstance(key, bool) or not isinstance(key, (str, int)):
-            where = path if path is not None else "the root"
             raise TypeError(f"dict key {key!r} at {where!r} is not a str or int")
+        if isinstance(key, str):
+            check_text(key, f"dict key {key!r} at {where!r}")
         yield str(key), value
+
+
+def check_text(text: str, what: str, why: str = "checkpoints store text as UTF-8") -> None:
+    """ValueError naming `what` unless `text` has a UTF-8 encoding, which the engine needs
+    (docs/format.md 4.3): a str holding a lone surrogate (e.g. "\\ud800") has none."""
+    if text.isascii():  # (a flag of the str: no need to encode it)
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid Unicode text (it holds a lone surrogate); "
+                         f"{why}") from None
+
+
+def int_text(x: int) -> str:
+    """The decimal text of any int. str() refuses ints of more than sys.get_int_max_str_digits()
+    digits (4300 by default, a guard against slow conversions of untrusted text); the format
+    allows any magnitude, and decimal converts without that limit."""
+    x = int(x)  # an int subclass (IntEnum) may print otherwise
+    try:
+        return str(x)
+    except ValueError:
+        return str(decimal.Decimal(x))
+
+
+def int_value(text: str) -> int:
+    """The int of an int leaf's decimal text, of any length (see int_text)."""
+    try:
+        return int(text)
+    except ValueError:
+        return int(decimal.Decimal(text))
+
+
+# The deepest tree the format allows: no node more than this many levels below the root.
+MAX_DEPTH = _ext.MAX_TREE_DEPTH
+
+
+def _fold(root: Any, expand: Callable[[Any, str | None], tuple], what: str) -> Any:
+    """The value of the tree `root`, built bottom-up without recursion.
+
+    expand(x, path) returns (None, value) for a leaf, and (children, build) for a container:
+    children a list of (path segment, child), build(the children's values) its value. Nodes
+    are expanded depth first, left to right (array leaves are numbered in that order). A node
+    more than MAX_DEPTH levels below the root (or a container that holds itself) is a
+    ValueError naming `what` and the path."""
+    children, value = expand(root, None)
+    if children is None:
+        return value
+    # One frame per container being built: [iterator over its children, their values so far,
+    # build, path, depth]. A container's value joins its parent's values once all of its own
+    # children have theirs.
+    frames = [[iter(children), [], value, None, 0]]
+    while frames:
+        children, values, build, path, depth = frames[-1]
+        for segment, child in children:
+            child_path = segment if path is None else f"{path}/{segment}"
+            grandchildren, value = expand(child, child_path)
+            if grandchildren is None:
+                values.append(value)
+                continue
+            if grandchildren and depth + 1 == MAX_DEPTH:
+                too_deep = f"{child_path}/{grandchildren[0][0]}"
+                raise ValueError(f"{what} is nested more than {MAX_DEPTH} levels deep, the "
+                                 f"format's limit, at {too_deep!r}")
+            frames.append([iter(grandchildren), [], value, child_path, depth + 1])
+            break
+        else:  # all children have their values
+            frames.pop()
+            value = build(values)
+            if frames:
+                frames[-1][1].append(value)
+    return value
+
+
+def dumps(node: dict) -> str:
+    """The JSON text of a tree node. json.dumps recurses, and a tree of more than about 330
+    levels exhausts Python's recursion; _ext.json_dumps (slower) takes those."""
+    try:
+        return json.dumps(node)
+    except RecursionError:
+        return _ext.json_dumps(node)
+
+
+def loads(text: str) -> dict:
+    """The tree node of JSON text; deep trees as in dumps()."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        return _ext.json_loads(text)
 
 
 def encode(tree: Any, on_array: Callable[[str, Any], None]) -> dict:
     """Turns `tree` into a tree node (JSON-able dict). Calls on_array(path, leaf) for every array
-    leaf; array leaves are numbered in call order."""
-    counter = [0]
+    leaf; array leaves are numbered in call order. TypeError for unsupported leaves, ValueError
+    for text that is not valid Unicode and trees nested deeper than MAX_DEPTH."""
+    arrays = 0
 
-    def walk(x: Any, path: str | None) -> dict:
+    def expand(x: Any, path: str | None) -> tuple:
+        nonlocal arrays
         where = path if path is not None else ""
         if x is None:
-            return {"kind": "none"}
+            return None, {"kind": "none"}
         if is_array(x):
             on_array(where, x)
-            counter[0] += 1
-            return {"kind": "array", "array": counter[0] - 1}
+            arrays += 1
+            return None, {"kind": "array", "array": arrays - 1}
         if isinstance(x, bool):
-            return {"kind": "bool", "value": x}
+            return None, {"kind": "bool", "value": x}
         if isinstance(x, int):
-            return {"kind": "int", "value": str(x)}
+            return None, {"kind": "int", "value": int_text(x)}
         if isinstance(x, float):
             # repr drops the sign of a NaN; the format keeps it ("-nan").
             text = "-nan" if math.isnan(x) and math.copysign(1.0, x) < 0 else repr(x)
-            return {"kind": "float", "value": text}
+            return None, {"kind": "float", "value": text}
         if isinstance(x, str):
-            return {"kind": "string", "value": x}
+            check_text(x, f"the string at {where!r}")
+            return None, {"kind": "string", "value": x}
         if isinstance(x, (bytes, bytearray, memoryview)):
-            return {"kind": "bytes", "base64": base64.b64encode(bytes(x)).decode("ascii")}
+            return None, {"kind": "bytes", "base64": base64.b64encode(bytes(x)).decode("ascii")}
         if isinstance(x, dict):
-            return {"kind": "dict", "entries": [[k, walk(v, join_path(path, escape_key(k)))]
-                                                for k, v in dict_items(x, path)]}
-        if is_namedtuple(x):
-            return {"kind": "dict", "entries": [[f, walk(getattr(x, f), join_path(path, escape_key(f)))]
-                                                for f in type(x)._fields]}
-        if isinstance(x, (list, tuple)):
-            return {"kind": "list" if isinstance(x, list) else "tuple",
-                    "items": [walk(v, join_path(path, str(i))) for i, v in enumerate(x)]}
-        custom = custom_children(x)
-        if custom is not None:
-            return {"kind": "dict", "entries": [[k, walk(v, join_path(path, escape_key(k)))]
-                                                for k, v in custom[0]]}
-        raise TypeError(f"cannot save a leaf of type {type(x).__name__} at {where!r}: supported "
-                        "leaves are arrays, bool, int, float, str and bytes")
+            pairs = list(dict_items(x, path))
+        elif is_namedtuple(x):
+            pairs = [(f, getattr(x, f)) for f in type(x)._fields]
+        elif isinstance(x, (list, tuple)):
+            kind = "list" if isinstance(x, list) else "tuple"
+            return ([(str(i), v) for i, v in enumerate(x)],
+                    lambda nodes: {"kind": kind, "items": nodes})
+        elif (custom := custom_children(x)) is not None:
+            pairs = custom[0]
+        else:
+            raise TypeError(f"cannot save a leaf of type {type(x).__name__} at {where!r}: "
+                            "supported leaves are arrays, bool, int, float, str and bytes")
+        return ([(escape_key(k), v) for k, v in pairs],
+                lambda nodes: {"kind": "dict",
+                               "entries": [[k, n] for (k, _), n in zip(pairs, nodes)]})
 
-    return walk(tree, None)
+    return _fold(tree, expand, "the tree")
+
+
+def node_children(n: dict) -> list[tuple[str, dict]] | None:
+    """(path segment, child node) of each child of a dict, list or tuple node; None for leaves."""
+    kind = n["kind"]
+    if kind == "dict":
+        return [(escape_key(k), v) for k, v in n["entries"]]
+    if kind in ("list", "tuple"):
+        return [(str(i), v) for i, v in enumerate(n["items"])]
+    return None
 
 
 def decode(node: dict, on_array: Callable[[str, int], Any]) -> Any:
     """Rebuilds plain containers from a tree node; array leaves become on_array(path, id)."""
 
-    def walk(n: dict, path: str | None) -> Any:
+    def expand(n: dict, path: str | None) -> tuple:
         kind = n["kind"]
-        if kind == "none":
-            return None
-        if kind == "dict":
-            return {k: walk(v, join_path(path, escape_key(k))) for k, v in n["entries"]}
-        if kind in ("list", "tuple"):
-            items = [walk(v, join_path(path, str(i))) for i, v in enumerate(n["items"])]
-            return items if kind == "list" else tuple(items)
         if kind == "array":
-            return on_array(path if path is not None else "", n["array"])
-        return scalar_value(n)
+            return None, on_array(path if path is not None else "", n["array"])
+        if kind == "dict":
+            return node_children(n), lambda values: dict(zip((k for k, _ in n["entries"]), values))
+        if kind in ("list", "tuple"):
+            return node_children(n), list if kind == "list" else tuple
+        return None, None if kind == "none" else scalar_value(n)
 
-    return walk(node, None)
+    return _fold(node, expand, "the tree")
 
 
 def scalar_value(n: dict) -> Any:
     kind = n["kind"]
     if kind == "int":
-        return int(n["value"])
+        return int_value(n["value"])
     if kind == "float":
         return float(n["value"])
     if kind == "bool":
@@ -151,49 +261,49 @@ def index_leaves(node: dict) -> dict[str, dict]:
     """Path -> leaf node (arrays, scalars and None) of a saved tree node."""
     out: dict[str, dict] = {}
 
-    def walk(n: dict, path: str | None) -> None:
-        if n["kind"] == "dict":
-            for k, v in n["entries"]:
-                walk(v, join_path(path, escape_key(k)))
-        elif n["kind"] in ("list", "tuple"):
-            for i, v in enumerate(n["items"]):
-                walk(v, join_path(path, str(i)))
-        else:
+    def expand(n: dict, path: str | None) -> tuple:
+        children = node_children(n)
+        if children is None:
             out[path if path is not None else ""] = n
+        return children, lambda _: None
 
-    walk(node, None)
+    _fold(node, expand, "the tree")
     return out
 
 
 def map_target(target: Any, leaf_fn: Callable[[str, Any], Any]) -> Any:
     """Rebuilds `target`'s structure, replacing every leaf (anything that is not a container;
-    None stays None) by leaf_fn(path, leaf)."""
+    None stays None) by leaf_fn(path, leaf), called depth first, left to right."""
 
-    def walk(x: Any, path: str | None) -> Any:
+    def expand(x: Any, path: str | None) -> tuple:
         where = path if path is not None else ""
         if x is None:
-            return None
+            return None, None
         if is_array(x) or isinstance(x, (bool, int, float, str, bytes)):
-            return leaf_fn(where, x)
+            return None, leaf_fn(where, x)
         if isinstance(x, dict):
-            out = {k: walk(v, join_path(path, escape_key(sk))) for (sk, v), k in
-                   zip(dict_items(x, path), x.keys())}
-            if type(x) is dict:
-                return out
-            if isinstance(x, collections.defaultdict):
-                return type(x)(x.default_factory, out)
-            return type(x)(out)
+            return ([(escape_key(text), v) for text, v in dict_items(x, path)],
+                    lambda values: _same_dict(x, dict(zip(x.keys(), values))))
         if is_namedtuple(x):
-            return type(x)(*[walk(getattr(x, f), join_path(path, escape_key(f)))
-                             for f in type(x)._fields])
+            return ([(escape_key(f), getattr(x, f)) for f in type(x)._fields],
+                    lambda values: type(x)(*values))
         if isinstance(x, (list, tuple)):
-            items = [walk(v, join_path(path, str(i))) for i, v in enumerate(x)]
-            return items if isinstance(x, list) else type(x)(items)
+            return ([(str(i), v) for i, v in enumerate(x)],
+                    list if isinstance(x, list) else type(x))
         custom = custom_children(x)
         if custom is not None:
             pairs, treedef = custom
-            return jax.tree_util.tree_unflatten(
-                treedef, [walk(v, join_path(path, escape_key(k))) for k, v in pairs])
-        return leaf_fn(where, x)
+            return ([(escape_key(k), v) for k, v in pairs],
+                    lambda values: jax.tree_util.tree_unflatten(treedef, values))
+        return None, leaf_fn(where, x)
 
-    return walk(target, None)
+    return _fold(target, expand, "the target")
+
+
+def _same_dict(like: dict, items: dict) -> dict:
+    """`items` as a dict of the type of `like` (a defaultdict keeps its default factory)."""
+    if type(like) is dict:
+        return items
+    if isinstance(like, collections.defaultdict):
+        return type(like)(like.default_factory, items)
+    return type(like)(items)

@@ -40,12 +40,28 @@ def shards_of(array: jax.Array) -> list[tuple]:
     out = []
     for shard in array.addressable_shards:
         origin, extent = box_of_index(shard.index, shape)
-        data = np.asarray(shard.data)  # a view of the device buffer on CPU; one copy from a GPU
+        # A view of the device buffer on CPU (in_host_memory); one copy from a GPU.
+        data = np.asarray(shard.data)
         if not data.flags.c_contiguous:
             data = np.ascontiguousarray(data)
         out.append((origin, extent, tnp.byte_view(data), int(shard.replica_id),
                     counts[(origin, extent)]))
     return out
+
+
+# Memory kinds of host memory on accelerators (jax.Array.sharding.memory_kind).
+_HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
+
+
+def in_host_memory(array: jax.Array) -> bool:
+    """Whether `array`'s buffers are host memory, and shards_of() therefore views of them rather
+    than copies. That memory may also be a NumPy array's, which can change under the views:
+    XLA's CPU client adopts the buffer of an aligned NumPy array given to jax.device_put
+    instead of copying it (dlpack imports likewise), and nothing tells such a buffer apart."""
+    sharding = array.sharding
+    if getattr(sharding, "memory_kind", None) in _HOST_MEMORY_KINDS:
+        return True
+    return any(device.platform == "cpu" for device in sharding.addressable_devices)
 
 
 def device_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Any, tuple]:

@@ -15,6 +15,7 @@ b"\\0bytes\\n" followed by the bytes). The engine (C++) does the saving, retenti
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -24,8 +25,8 @@ import time
 import weakref
 from typing import Any, Callable
 
-from . import (_arrays_to_save, _check_codec, _default_coordinator, _ext, _format_bytes,
-               _restore, restore as _restore_signature)
+from . import (_abspath, _arrays_to_save, _check_codec, _default_coordinator, _ext,
+               _format_bytes, _restore, _tree, restore as _restore_signature)
 
 # Marks a per-process value saved as bytes (JSON text never contains a NUL character).
 _BYTES_MARKER = b"\0bytes\n"
@@ -84,10 +85,11 @@ def _decode_per_process(data: bytes) -> Any:
 class CheckpointManager:
     """The steps of one training run under the folder `root` (created if missing).
 
-    Saves run in the background by default (`async_save`): save() returns once the NumPy
-    arrays are copied to host memory (jax.Arrays, being immutable, are not copied: the save
-    holds references to their buffers until it ends, and JAX copies rather than donates a
-    buffer so referenced), at most one save is in flight, and the error of a background save
+    Saves run in the background by default (`async_save`): save() returns once the arrays
+    are copied to host memory (NumPy arrays and jax.Arrays in host memory, e.g. on CPU devices,
+    which may share memory with a NumPy array; jax.Arrays on other devices are copied to host
+    once and written from that copy), so that the caller may change any array as soon as
+    save() returns; at most one save is in flight, and the error of a background save
     is raised by the next save(), wait_until_finished() or close(). A step is listed only once
     it is complete; leftovers of crashed saves are removed when the manager opens.
 
@@ -132,7 +134,7 @@ class CheckpointManager:
                 raise ValueError(f"{name} must be a positive int or None, not {value!r}")
         if best_metric is not None and max_to_keep is None:
             raise ValueError("best_metric needs max_to_keep (how many of the best steps to keep)")
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = _abspath(root)
         self.async_save = bool(async_save)
         self.codec = codec or "none"
         self.zstd_level = zstd_level
@@ -195,7 +197,9 @@ class CheckpointManager:
         process_state = None if per_process is None else _encode_per_process(per_process)
         metrics_dict = {}
         for name, value in (metrics or {}).items():
-            metrics_dict[str(name)] = float(value)
+            name = str(name)
+            _tree.check_text(name, f"the metric name {name!r}")
+            metrics_dict[name] = float(value)
         self._pre_engine_s[step] = time.perf_counter() - started
         try:
             self._ext.save(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
@@ -329,11 +333,12 @@ class CheckpointManager:
 
     def _read_file(self, step: int | None, name: str) -> bytes | None:
         step = self._step_or_latest(step)
-        reader = _ext.Reader(self.root, _ext.Manager.step_dir(step))  # FileNotFoundError if absent
-        try:
-            return reader.read_file(name)
-        except FileNotFoundError:  # the step has no such file
-            return None
+        # FileNotFoundError if the step is absent; closed at once, not when garbage collected.
+        with contextlib.closing(_ext.Reader(self.root, _ext.Manager.step_dir(step))) as reader:
+            try:
+                return reader.read_file(name)
+            except FileNotFoundError:  # the step has no such file
+                return None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -36,6 +36,29 @@ def dtype_name(dtype) -> str:
     return name
 
 
+def dtype_kind(dtype) -> str:
+    """"b" (bool), "i" (signed or unsigned integers), "f" (floats, bfloat16 and float8 too) or
+    "c" (complex) for a dtype of DTYPE_NAMES: the classes of the engine's casts."""
+    name = dtype_name(dtype)
+    if name == "bool":
+        return "b"
+    if "int" in name:
+        return "i"
+    return "c" if name.startswith("complex") else "f"
+
+
+def native_contiguous(array: np.ndarray) -> np.ndarray:
+    """`array` itself when it is C-contiguous in native byte order, else such a copy.
+
+    The engine takes elements as native (little-endian) bytes, the format's byte order, so the
+    bytes of a big-endian array ('>f4') would be stored as other values."""
+    if not array.dtype.isnative:
+        return array.astype(array.dtype.newbyteorder("="), order="C")
+    if not array.flags.c_contiguous:  # (np.ascontiguousarray would make 0-d arrays 1-d)
+        return np.ascontiguousarray(array)
+    return array
+
+
 def byte_view(array: np.ndarray) -> np.ndarray:
     """A flat uint8 view of a C-contiguous array's memory (no copy), for the engine."""
     if not array.flags.c_contiguous:

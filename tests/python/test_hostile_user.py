@@ -1,0 +1,328 @@
+"""The hostile-user suite: tensorstash used as a careless user or an attacker would use it.
+
+A standing suite that grows with every defect found this way: each test is named after the
+behaviour it guarantees, and failed before the fix it guards (issue 13 for the first ones; each
+section names its item). Tests check behaviour, never timings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import tensorstash
+from tensorstash import _ext
+from tensorstash import numpy as tnp
+from tshelpers import assert_same_array, assert_same_tree, mesh, named, pattern
+
+
+# --- item 2: an async save of a jax.Array that shares memory with a NumPy array ------------------
+
+def test_async_save_of_jax_array_sharing_numpy_memory_restores_the_values_at_save(tmp_path):
+    """On CPU, jax.device_put of an aligned NumPy array adopts its memory. The caller may change
+    that NumPy array as soon as save() returns; the step still holds the values at save().
+    (Before the fix the background write read the changed memory: wrong values or a CRC-32C
+    mismatch. The write is 32 MiB long, so the change below lands while it runs.)"""
+    m = mesh((2, 4))
+    sharding = named(m, "a", "b")
+    want = pattern((2048, 4096), np.float32, seed=2)
+    buffers, shards = [], []
+    for device, index in sharding.addressable_devices_indices_map(want.shape).items():
+        buf = tnp.empty_aligned(want[index].shape, want.dtype)
+        buf[...] = want[index]
+        buffers.append(buf)
+        shards.append(jax.device_put(buf, device))
+    x = jax.make_array_from_single_device_arrays(want.shape, sharding, shards)
+    buffers[0].flat[0] += 1
+    if np.asarray(shards[0]).flat[0] != buffers[0].flat[0]:
+        pytest.skip("this JAX copies the NumPy arrays given to device_put: nothing is shared")
+    buffers[0].flat[0] -= 1
+
+    with tensorstash.CheckpointManager(str(tmp_path / "ckpt")) as mgr:
+        assert mgr.save(1, {"x": x})
+        for buf in reversed(buffers):  # allowed as soon as save() returned
+            buf[...] = -1
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1]
+        assert_same_array(mgr.restore(1)["x"], want, "x")
+
+
+# --- item 4: big-endian NumPy arrays ------------------------------------------------------------
+
+def big_endian_tree() -> dict:
+    return {
+        "f4": np.arange(6, dtype=">f4").reshape(2, 3) / 4,
+        "i8": np.arange(5, dtype=">i8") * -3,
+        "f2": np.array([0.5, -2.0, 65504.0], dtype=">f2"),
+        "c16": np.array([1 - 2j, 3.5j], dtype=">c16"),
+        "u2": np.array([1, 2, 65535], dtype=">u2"),
+        "d0": np.array(-2.5, dtype=">f8"),  # 0-d
+        "strided": np.arange(20, dtype=">i4")[::3],
+        # A NumPy scalar is always in native order, whatever array it came from.
+        "scalar": np.array(1.5, dtype=">f4")[()],
+    }
+
+
+@pytest.mark.parametrize("fmt", ["native", "orbax"])
+def test_big_endian_arrays_are_saved_as_their_values(tmp_path, fmt):
+    tree = big_endian_tree()
+    step = str(tmp_path / "0000000001")
+    tensorstash.save(step, tree, format=fmt)
+    got = tensorstash.restore(step)
+    for key, want in tree.items():
+        native = np.asarray(want).astype(np.asarray(want).dtype.newbyteorder("="))
+        assert_same_array(np.asarray(got[key]), native, key)
+
+
+def test_manager_saves_big_endian_arrays_as_their_values(tmp_path):
+    tree = big_endian_tree()
+    with tensorstash.CheckpointManager(str(tmp_path / "ckpt")) as mgr:
+        mgr.save(1, tree)
+        mgr.wait_until_finished()
+        got = mgr.restore(1)
+    for key, want in tree.items():
+        assert np.array_equal(np.asarray(got[key]), want), key
+
+
+def test_big_endian_target_gets_the_values_in_its_byte_order(step):
+    tree = {"f4": pattern((3, 5), np.float32, seed=1), "i8": np.arange(7, dtype=np.int64) - 3,
+            # 1 MiB: restored by mapping the data file where it can be.
+            "mapped": pattern((512, 512), np.float32, seed=3)}
+    tensorstash.save(step, tree)
+    target = {k: np.zeros(v.shape, v.dtype.newbyteorder(">")) for k, v in tree.items()}
+    for mmap in (True, False):
+        got = tensorstash.restore(step, target=target, mmap=mmap)
+        for key, want in tree.items():
+            assert got[key].dtype == target[key].dtype, key
+            assert np.array_equal(got[key], want), key
+
+
+# --- item 7: a restore closes what it opened ----------------------------------------------------
+
+def held_open(folder: str, descriptors_only: bool = False) -> list[str]:
+    """The files under `folder` that this process holds, by descriptor or memory map: either
+    keeps a deleted file's space."""
+    prefix = os.path.join(folder, "")
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the descriptor listing the folder is gone
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(prefix):
+                held.append(f"descriptor {fd}: {target}")
+    if descriptors_only:
+        return held
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(prefix):
+                held.append(f"mapping: {fields[5].strip()}")
+    return held
+
+
+@pytest.fixture
+def no_gc():
+    """The garbage collector off: whatever a call leaves open stays open."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def saved_step(tmp_path) -> tuple[tensorstash.CheckpointManager, str, dict]:
+    tree = {"big": pattern((512, 512), np.float32, seed=4),  # 1 MiB: mapped by default
+            "small": np.arange(10), "nested": [1, {"x": np.ones(3)}]}
+    mgr = tensorstash.CheckpointManager(str(tmp_path / "ckpt"), async_save=False)
+    mgr.save(1, tree, metadata={"m": 1})
+    return mgr, mgr.step_path(1), tree
+
+
+def test_restore_and_metadata_close_the_step_files_before_returning(tmp_path, no_gc):
+    mgr, step, tree = saved_step(tmp_path)
+    target = {"big": np.zeros((512, 512), np.float32), "nested": [0, {"x": np.zeros(3)}]}
+    gc.collect()
+    calls = {
+        "restore": lambda: tensorstash.restore(step),
+        "restore(target)": lambda: tensorstash.restore(step, target=target),
+        "restore(mmap=False)": lambda: tensorstash.restore(step, mmap=False),
+        "metadata": lambda: tensorstash.metadata(step),
+        "manager restore": lambda: mgr.restore(1, target=target),
+        "manager metadata": lambda: mgr.metadata(1),
+    }
+    for name, call in calls.items():
+        result = call()
+        # Restored arrays may be mapped from the data files (mmap=True), never by descriptor.
+        assert held_open(step, descriptors_only=True) == [], name
+        del result
+        assert held_open(step) == [], name
+        assert gc.collect() == 0, f"{name} left reference cycles behind"
+    mgr.close()
+    shutil.rmtree(step)  # its space is free once nothing holds its files
+    assert held_open(os.path.dirname(step)) == []
+
+
+def test_restore_closes_the_step_files_when_it_fails(tmp_path, no_gc):
+    mgr, step, _ = saved_step(tmp_path)
+    with pytest.raises(KeyError, match="missing") as missing:
+        tensorstash.restore(step, target={"big": np.zeros((512, 512), np.float32),
+                                          "missing": np.zeros(1)})
+    with pytest.raises(ValueError, match="rank") as bad_rank:
+        tensorstash.restore(step, target={"small": np.zeros((2, 5))})
+    # While the exceptions live, their tracebacks keep the failed calls' frames, and with them
+    # the arrays restored so far (which may be mapped from the data files); not the reader.
+    assert held_open(step, descriptors_only=True) == []
+    del missing, bad_rank
+    assert held_open(step) == []
+    mgr.close()
+
+
+def test_a_closed_reader_refuses_every_call(tmp_path):
+    mgr, step, _ = saved_step(tmp_path)
+    mgr.close()
+    reader = _ext.Reader(os.path.dirname(step), os.path.basename(step))
+    assert not reader.closed
+    reader.close()
+    assert reader.closed and held_open(step) == []
+    for call in (reader.tree_json, reader.arrays, lambda: reader.read_file("metadata.json"),
+                 reader.verify, lambda: reader.format):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+    reader.close()  # closing again does nothing
+
+
+# --- item 11: trees nested as deeply as the format allows ---------------------------------------
+
+MAX_DEPTH = 512  # docs/format.md, section 10: no node more than 512 levels below the root
+
+
+def nested(depth: int, leaf):
+    """`leaf` `depth` levels below the root, through dicts, lists and tuples in turn."""
+    for level in range(depth):
+        leaf = ({"k": leaf}, [leaf], (leaf,))[level % 3]
+    return leaf
+
+
+def innermost(tree, depth: int):
+    for _ in range(depth):
+        tree = tree["k"] if isinstance(tree, dict) else tree[0]
+    return tree
+
+
+def test_trees_nested_to_the_format_limit_save_restore_and_give_metadata(tmp_path):
+    leaf = np.arange(6, dtype=np.int32)
+    tree = nested(MAX_DEPTH, leaf)
+    step = str(tmp_path / "0000000001")
+    tensorstash.save(step, tree)
+    assert_same_tree(tensorstash.restore(step), tree)
+    assert_same_tree(tensorstash.restore(step, target=tree), tree)
+    meta = innermost(tensorstash.metadata(step), MAX_DEPTH)
+    assert meta.shape == (6,) and meta.dtype == np.int32
+    # Scalars and empty containers at the limit, through the manager.
+    with tensorstash.CheckpointManager(str(tmp_path / "ckpt")) as mgr:
+        deep = {"scalar": nested(MAX_DEPTH - 1, 2.5), "empty": nested(MAX_DEPTH - 1, [])}
+        mgr.save(1, deep)
+        mgr.wait_until_finished()
+        assert_same_tree(mgr.restore(1), deep)
+
+
+def test_trees_nested_beyond_the_format_limit_are_a_value_error(tmp_path):
+    step = str(tmp_path / "0000000001")
+    with pytest.raises(ValueError, match="nested more than 512 levels"):
+        tensorstash.save(step, {"a": nested(MAX_DEPTH, 1)})
+    cyclic = [1]
+    cyclic.append(cyclic)
+    with pytest.raises(ValueError, match="nested more than 512 levels"):
+        tensorstash.save(step, cyclic)
+    assert not os.path.exists(step)
+    tensorstash.save(step, {"a": 1})
+    with pytest.raises(ValueError, match="nested more than 512 levels"):
+        tensorstash.restore(step, target={"a": nested(MAX_DEPTH, 1)})
+
+
+# --- item 13: scalar targets cast as arrays do, and errors name the leaf ------------------------
+
+def test_float_scalars_into_int_or_bool_targets_are_refused_naming_the_leaf(step):
+    tensorstash.save(step, {"f": 2.7, "whole": 2.0, "inf": math.inf, "nan": math.nan,
+                            "a0": np.array(2.7), "huge": 10**400, "c": np.complex64(1j)})
+    for key, target in [("f", 0), ("whole", 0), ("inf", 0), ("nan", 0), ("a0", 0), ("f", False),
+                        ("f", np.int32(0)), ("huge", 0.0), ("c", 0.0)]:
+        with pytest.raises(ValueError, match=f"'{key}'"):
+            tensorstash.restore(step, target={key: target})
+
+
+def test_scalar_targets_take_the_casts_arrays_take(step):
+    tensorstash.save(step, {"i": 3, "b": True, "zero": 0, "f": 2.5, "i0": np.array(7, np.int16),
+                            "u0": np.array(2**64 - 1, np.uint64), "f0": np.array(0.25, np.float32),
+                            "small": 100, "big": 300})
+    target = {"i": 0.0, "b": 0, "zero": True, "f": np.float32(0), "i0": 0, "u0": 0, "f0": 0.0,
+              "small": np.int8(0)}
+    got = tensorstash.restore(step, target=target)
+    assert_same_tree(got, {"i": 3.0, "b": 1, "zero": False, "f": np.float32(2.5), "i0": 7,
+                           "u0": 2**64 - 1, "f0": 0.25, "small": np.int8(100)})
+    with pytest.raises(ValueError, match="'big'"):
+        tensorstash.restore(step, target={"big": np.int8(0)})
+
+
+def test_a_target_leaf_that_is_neither_array_nor_scalar_is_a_type_error_naming_it(step):
+    tensorstash.save(step, {"a": np.zeros(3), "s": 1.5})
+    for key in ("a", "s"):
+        with pytest.raises(TypeError, match=f"'{key}'"):
+            tensorstash.restore(step, target={key: object()})
+
+
+# --- item 14: no internal exception types ------------------------------------------------------
+
+@pytest.mark.parametrize("tree, named_", [
+    ({"\ud800": 1}, r"'\\ud800'"),
+    ({"a": {"b\udfff": np.zeros(2)}}, r"'b\\udfff'"),
+    ({"s": ["x\ud800y"]}, r"'s/0'"),
+])
+def test_text_with_a_lone_surrogate_is_a_value_error_naming_it(tmp_path, tree, named_):
+    step = str(tmp_path / "0000000001")
+    for fmt in ("native", "orbax"):
+        with pytest.raises(ValueError, match=named_):
+            tensorstash.save(step, tree, format=fmt)
+    assert not os.path.exists(step)
+    with tensorstash.CheckpointManager(str(tmp_path / "ckpt")) as mgr:
+        with pytest.raises(ValueError, match=named_):
+            mgr.save(1, tree)
+        with pytest.raises(ValueError, match=r"'loss\\ud800'"):
+            mgr.save(2, {"a": 1}, metrics={"loss\ud800": 1.0})
+        assert mgr.all_steps() == []
+
+
+def test_a_path_that_is_not_utf8_is_a_value_error_naming_it(tmp_path):
+    bad = str(tmp_path / "\udcff")  # how Python spells the file name b"\xff"
+    with pytest.raises(ValueError, match=r"\\udcff"):
+        tensorstash.save(os.path.join(bad, "0000000001"), {"a": 1})
+    with pytest.raises(ValueError, match=r"\\udcff"):
+        tensorstash.restore(bad)
+    with pytest.raises(ValueError, match=r"\\udcff"):
+        tensorstash.CheckpointManager(bad)
+
+
+def test_int_leaves_of_any_number_of_digits_save_and_restore(tmp_path):
+    tree = {"big": 10**5000 + 1, "negative": -(7**6000), "in_list": [2**50000, 3]}
+    step = str(tmp_path / "0000000001")
+    tensorstash.save(step, tree)
+    assert_same_tree(tensorstash.restore(step), tree)
+    assert_same_tree(tensorstash.restore(step, target={"big": 0, "negative": 0, "in_list": [0, 0]}),
+                     tree)
+    assert tensorstash.metadata(step) == tree
+    with tensorstash.CheckpointManager(str(tmp_path / "ckpt")) as mgr:
+        mgr.save(1, tree)
+        mgr.wait_until_finished()
+        assert_same_tree(mgr.restore(1), tree)
+
+
+def test_orbax_format_refuses_ints_beyond_int64_naming_the_leaf(tmp_path):
+    """Orbax stores a Python int as a 0-d int64 array."""
+    with pytest.raises(ValueError, match="'big'"):
+        tensorstash.save(str(tmp_path / "0000000001"), {"big": 10**5000}, format="orbax")
