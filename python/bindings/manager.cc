@@ -150,6 +150,10 @@ class Manager {
     return WithoutGil([](CheckpointManager& manager) { return manager.AllSteps(); });
   }
 
+  std::map<int64_t, std::string> DamagedSteps() {
+    return WithoutGil([](CheckpointManager& manager) { return manager.DamagedSteps(); });
+  }
+
   std::optional<int64_t> LatestStep() {
     return WithoutGil([](CheckpointManager& manager) { return manager.LatestStep(); });
   }
@@ -304,6 +308,8 @@ void DefineManager(nb::module_& m) {
            "the step is complete, ValueError for bad arrays, metadata or metrics.")
       .def("all_steps", &Manager::AllSteps, "Complete steps, ascending.")
       .def("latest_step", &Manager::LatestStep, "The newest complete step, or None.")
+      .def("damaged_steps", &Manager::DamagedSteps,
+           "Steps with a COMMIT that do not open (found by process 0 at open), and why.")
       .def("should_save", &Manager::ShouldSave, nb::arg("step"),
            "Whether `step` is due under save_interval_steps.")
       .def("reached_preemption", &Manager::ReachedPreemption, nb::arg("step"),

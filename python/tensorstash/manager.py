@@ -168,6 +168,9 @@ class CheckpointManager:
         # Closed at interpreter exit at the latest (waiting for a save in flight), while the
         # background thread can still take the GIL.
         self._finalizer = weakref.finalize(self, _close_quietly, self._ext)
+        for step, why in self.damaged_steps().items():
+            self.logger.warning("tensorstash: step %d in %s is damaged and not listed (the latest "
+                                "step is the newest one that opens): %s", step, self.root, why)
 
     # --- saving -----------------------------------------------------------------------------
 
@@ -273,6 +276,13 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The newest complete step, or None when there is none."""
         return self._ext.latest_step()
+
+    def damaged_steps(self) -> dict[int, str]:
+        """Steps that have a COMMIT but do not open (a damaged COMMIT, tree.json or index), found
+        when the manager opened, each with the reason; logged as a warning then. They are not
+        listed, never deleted by retention, and left on storage for inspection. Process 0 only
+        (empty elsewhere)."""
+        return dict(self._ext.damaged_steps())
 
     def step_path(self, step: int) -> str:
         """The folder of `step` (whether or not it exists)."""

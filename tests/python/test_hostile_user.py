@@ -326,3 +326,116 @@ def test_orbax_format_refuses_ints_beyond_int64_naming_the_leaf(tmp_path):
     """Orbax stores a Python int as a 0-d int64 array."""
     with pytest.raises(ValueError, match="'big'"):
         tensorstash.save(str(tmp_path / "0000000001"), {"big": 10**5000}, format="orbax")
+
+
+# --- item 1: save() deletes a folder it did not write -------------------------------------------
+
+def test_save_never_deletes_a_folder_of_the_users_files(tmp_path, monkeypatch):
+    """A folder without COMMIT at the step path (the user's files; the working directory with
+    save(".")) is refused with FileExistsError naming it, with or without overwrite, and left
+    exactly as it was. (Before the fix it was deleted.)"""
+    mine = tmp_path / "work"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "thesis.tex").write_text("years of work")
+    (mine / "sub" / "data.csv").write_text("1,2,3")
+    monkeypatch.chdir(mine)
+    for path in (".", str(mine)):
+        for overwrite in (False, True):
+            with pytest.raises(FileExistsError, match="neither a tensorstash step nor an Orbax"):
+                tensorstash.save(path, {"x": np.arange(3)}, overwrite=overwrite)
+            with pytest.raises(FileExistsError, match="work"):
+                tensorstash.save(path, {"x": np.arange(3)}, overwrite=overwrite, format="orbax")
+    assert (mine / "thesis.tex").read_text() == "years of work"
+    assert (mine / "sub" / "data.csv").read_text() == "1,2,3"
+    assert sorted(os.listdir(tmp_path)) == ["work"]
+
+
+def test_overwrite_replaces_an_orbax_checkpoint_but_only_when_asked(tmp_path):
+    import orbax.checkpoint as ocp
+    path = str(tmp_path / "ckpt")
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(path, {"w": np.arange(4.0)})
+    ckptr.wait_until_finished()
+    with pytest.raises(FileExistsError, match="holds an Orbax checkpoint"):
+        tensorstash.save(path, {"w": np.ones(2)})
+    assert_same_array(tensorstash.restore(path)["w"], np.arange(4.0))  # still Orbax's
+    tensorstash.save(path, {"w": np.ones(2)}, overwrite=True)
+    assert_same_array(tensorstash.restore(path)["w"], np.ones(2))
+
+
+# --- item 5: an Orbax checkpoint that lost a chunk file ------------------------------------------
+
+def test_an_orbax_checkpoint_missing_a_chunk_is_an_oserror_naming_it(tmp_path):
+    """Orbax records that it wrote every chunk (store_array_data_equal_to_fill_value); a chunk
+    file that is gone is DataLoss naming it, in restore and in `tensorstash verify`, never zeros.
+    (Before the fix it restored as zeros and verified OK.)"""
+    import orbax.checkpoint as ocp
+    path = tmp_path / "ckpt"
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=False))
+    ckptr.save(str(path), args=ocp.args.PyTreeSave({"w": np.arange(1, 9, dtype=np.float32)}))
+    ckptr.close()
+    chunks = [p for p in (path / "w").iterdir() if not p.name.startswith(".")]
+    assert chunks, list((path / "w").iterdir())
+    chunks[0].unlink()
+    with pytest.raises(OSError, match=chunks[0].name):
+        tensorstash.restore(str(path))
+    verify = _run_cli("verify", path)
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    assert "missing" in verify.stdout + verify.stderr
+    chunks[0].mkdir()  # a directory where the chunk should be
+    with pytest.raises(OSError, match="not a regular file"):
+        tensorstash.restore(str(path))
+
+
+# --- item 15: a damaged COMMIT on the newest step ------------------------------------------------
+
+def test_a_damaged_newest_commit_is_logged_and_the_previous_step_is_the_latest(tmp_path, caplog):
+    root = tmp_path / "run"
+    with tensorstash.CheckpointManager(str(root)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"x": np.full(4, step)}, force=True)
+    commit = root / "0000000002" / "COMMIT"
+    text = commit.read_text()
+    commit.write_text(text.replace('"tree_crc32c": ', '"tree_crc32c": 1', 1)[:-1])
+    with caplog.at_level("WARNING", logger="tensorstash"):
+        mgr = tensorstash.CheckpointManager(str(root))
+    try:
+        assert mgr.latest_step() == 1
+        assert mgr.all_steps() == [1]
+        assert list(mgr.damaged_steps()) == [2]
+        assert any("step 2" in r.getMessage() and "damaged" in r.getMessage()
+                   for r in caplog.records), caplog.text
+        assert_same_array(mgr.restore(1)["x"], np.full(4, 1))
+    finally:
+        mgr.close()
+    ls = _run_cli("ls", root)
+    assert "damaged" in ls.stdout and "0000000002" in ls.stdout, ls.stdout
+
+
+# --- item 16: data files that are not regular files ----------------------------------------------
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
+def test_a_data_file_that_is_not_a_regular_file_is_an_oserror_saying_so(tmp_path, kind):
+    path = tmp_path / "0000000001"
+    tensorstash.save(str(path), {"x": np.arange(1000.0)})
+    data = next((path / "state" / "data").iterdir())
+    copy = tmp_path / "copy.dat"
+    shutil.copy(data, copy)
+    data.unlink()
+    if kind == "symlink":
+        data.symlink_to(copy)
+    elif kind == "fifo":
+        os.mkfifo(data)
+    else:
+        (data / "inner").mkdir(parents=True)
+    with pytest.raises(OSError, match="not a regular file") as raised:
+        tensorstash.restore(str(path))
+    assert data.name in str(raised.value)
+    assert not isinstance(raised.value, (FileNotFoundError, ValueError))
+
+
+def _run_cli(*args):
+    import subprocess
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cli = os.environ.get("TENSORSTASH_CLI", os.path.join(repo, "build", "tensorstash"))
+    return subprocess.run([cli, *map(str, args)], capture_output=True, text=True, timeout=300)
