@@ -145,7 +145,9 @@ def test_reads_what_tensorstore_writes(tool, tmp_path, name):
     assert ts_contents(path) == expected  # the reference agrees with our bookkeeping
     assert_tool_reads(tool, path, expected)
     info = tool_info(tool, path)
-    assert int(info["generation"]) == 63  # the empty version at creation, then 62 commits
+    # The empty version at creation, then at least one per commit (62): TensorStore may write
+    # more when a commit is retried, which it does on a loaded machine (65 seen once).
+    assert int(info["generation"]) >= 63
     assert int(info["version_nodes"]) >= 1  # older versions live in version tree nodes
     assert info["zstd"] == ("0" if CONFIGS[name] and "compression" in CONFIGS[name]
                             and CONFIGS[name]["compression"] is None else "1")
