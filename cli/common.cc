@@ -7,20 +7,15 @@
 #include <filesystem>
 #include <iostream>
 
+#include "tensorstash/kvstore/registry.h"
+
 namespace tensorstash::cli {
 
 Result<StepLocation> OpenStepPath(const std::string& path) {
-  if (path.empty()) return InvalidArgumentError("empty checkpoint path");
-  std::error_code error;
-  std::filesystem::path full = std::filesystem::absolute(path, error).lexically_normal();
-  if (error) return InvalidArgumentError(StrCat("bad path '", path, "': ", error.message()));
-  if (!full.has_filename()) full = full.parent_path();  // "dir/" -> "dir"
-  if (!std::filesystem::is_directory(full, error)) {
-    return NotFoundError(StrCat("'", path, "' is not a directory"));
-  }
+  TS_ASSIGN_OR_RETURN(StepUrl url, SplitStepUrl(path));
   StepLocation location;
-  TS_ASSIGN_OR_RETURN(location.kv, FileKvStore::Open(full.parent_path().string(), /*create=*/false));
-  location.key = full.filename().string();
+  TS_ASSIGN_OR_RETURN(location.kv, OpenKvStore(url.root, {.create = false}));
+  location.key = url.step;
   return location;
 }
 

@@ -7,15 +7,15 @@
 #include <memory>
 #include <string>
 
-#include "tensorstash/kvstore/file/file_kvstore.h"
+#include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/util/status.h"
 
 namespace tensorstash::cli {
 
-// A step folder given on the command line, split into a store rooted at its parent and the
-// folder's key in it.
+// A step folder given on the command line (a path or a store URL, kvstore/registry.h), split
+// into the store holding it and the folder's key in it.
 struct StepLocation {
-  std::unique_ptr<FileKvStore> kv;
+  std::unique_ptr<KvStore> kv;
   std::string key;
 };
 Result<StepLocation> OpenStepPath(const std::string& path);

@@ -23,6 +23,7 @@
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/checkpoint/orbax_writer.h"
 #include "tensorstash/checkpoint/step_source.h"
+#include "tensorstash/kvstore/registry.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash::cli {
@@ -93,16 +94,12 @@ Result<Format> DetectFormat(const std::string& path, const std::string& item) {
                                      "nor an Orbax checkpoint (no _METADATA)"));
 }
 
-// DST's parent folder as a store (created if missing) and DST's name in it.
+// DST's parent store (created if missing) and DST's name in it.
 Result<StepLocation> OpenDestination(const std::string& path) {
-  if (path.empty()) return InvalidArgumentError("empty destination path");
-  std::error_code error;
-  std::filesystem::path full = std::filesystem::absolute(path, error).lexically_normal();
-  if (error) return InvalidArgumentError(StrCat("bad path '", path, "': ", error.message()));
-  if (!full.has_filename()) full = full.parent_path();
+  TS_ASSIGN_OR_RETURN(StepUrl url, SplitStepUrl(path));
   StepLocation location;
-  TS_ASSIGN_OR_RETURN(location.kv, FileKvStore::Open(full.parent_path().string(), /*create=*/true));
-  location.key = full.filename().string();
+  TS_ASSIGN_OR_RETURN(location.kv, OpenKvStore(url.root, {.create = true}));
+  location.key = url.step;
   return location;
 }
 

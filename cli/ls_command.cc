@@ -10,6 +10,7 @@
 #include "tensorstash/checkpoint/layout.h"
 #include "tensorstash/checkpoint/step_source.h"
 #include "tensorstash/format/commit_record.h"
+#include "tensorstash/kvstore/registry.h"
 
 namespace tensorstash::cli {
 namespace {
@@ -20,7 +21,7 @@ struct StepRow {
 };
 
 int RunLs(const std::string& root) {
-  Result<std::unique_ptr<FileKvStore>> kv = FileKvStore::Open(root, /*create=*/false);
+  Result<std::unique_ptr<KvStore>> kv = OpenKvStore(root, {.create = false});
   if (!kv.ok()) return Fail(kv.status());
   Result<std::vector<std::string>> keys = (*kv)->List("");
   if (!keys.ok()) return Fail(keys.status());

@@ -1,4 +1,4 @@
-// tensorstash._ext.Manager: CheckpointManager on a FileKvStore.
+// tensorstash._ext.Manager: CheckpointManager on a store opened by URL (kvstore/registry.h).
 //
 // Every call into the manager releases the GIL, the cheap step queries included: the background
 // save thread takes the GIL for the commit callback and for a Python coordinator, and it may
@@ -37,7 +37,7 @@
 #include "save_args.h"
 #include "tensorstash/checkpoint/checkpoint_manager.h"
 #include "tensorstash/format/tree.h"
-#include "tensorstash/kvstore/file/file_kvstore.h"
+#include "tensorstash/kvstore/kvstore.h"
 
 namespace nb = nanobind;
 
@@ -73,7 +73,7 @@ nb::dict StatsDict(const SaveStats& stats) {
 
 class Manager {
  public:
-  Manager(std::unique_ptr<FileKvStore> kv, std::unique_ptr<PyCoordinator> coordinator,
+  Manager(std::unique_ptr<KvStore> kv, std::unique_ptr<PyCoordinator> coordinator,
           nb::object on_commit)
       : kv_(std::move(kv)), coordinator_(std::move(coordinator)), on_commit_(std::move(on_commit)) {}
 
@@ -193,7 +193,7 @@ class Manager {
 
   // Declared before manager_, which uses them, so that they are destroyed after it (Clear
   // destroys the manager first in any case).
-  std::unique_ptr<FileKvStore> kv_;
+  std::unique_ptr<KvStore> kv_;
   std::unique_ptr<PyCoordinator> coordinator_;
   nb::object on_commit_;
   std::unique_ptr<CheckpointManager> manager_;
@@ -241,7 +241,7 @@ void InitManager(Manager* self, const std::string& root, int64_t max_to_keep,
 
   SaveTarget target = OpenSaveTarget(root, std::move(coordinator));
   options.coordinator = target.coordinator.get();
-  FileKvStore* kv = target.kv.get();
+  KvStore* kv = target.kv.get();
   // Constructed before the C++ manager exists, so that the callback can point at it; a failed
   // Open leaves a Manager without one, which nanobind then destroys.
   new (self) Manager(std::move(target.kv), std::move(target.coordinator), std::move(on_commit));

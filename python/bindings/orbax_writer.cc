@@ -1,4 +1,5 @@
-// tensorstash._ext.OrbaxWriter: OrbaxWriter (checkpoint/orbax_writer.h) on a FileKvStore.
+// tensorstash._ext.OrbaxWriter: OrbaxWriter (checkpoint/orbax_writer.h) on a store opened by
+// URL (kvstore/registry.h).
 //
 // Like the Writer, it reads the caller's shard buffers during commit() and keeps a reference to
 // each of them until commit() returns; commit() releases the GIL. Single process only.
@@ -19,7 +20,7 @@
 #include "save_args.h"
 #include "tensorstash/checkpoint/orbax_writer.h"
 #include "tensorstash/format/tree.h"
-#include "tensorstash/kvstore/file/file_kvstore.h"
+#include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/util/str_util.h"
 
 namespace nb = nanobind;
@@ -29,7 +30,7 @@ namespace {
 
 class PyOrbaxWriter {
  public:
-  PyOrbaxWriter(std::unique_ptr<FileKvStore> kv, std::unique_ptr<OrbaxWriter> writer)
+  PyOrbaxWriter(std::unique_ptr<KvStore> kv, std::unique_ptr<OrbaxWriter> writer)
       : kv_(std::move(kv)), writer_(std::move(writer)) {}
 
   void AddArray(const std::string& path, const std::string& dtype,
@@ -88,7 +89,7 @@ class PyOrbaxWriter {
     return OkStatus();
   }
 
-  std::unique_ptr<FileKvStore> kv_;
+  std::unique_ptr<KvStore> kv_;
   std::vector<ReadOnlyBytes> buffers_;
   std::unique_ptr<OrbaxWriter> writer_;  // after the buffers and the store it reads and writes
   bool committing_ = false;

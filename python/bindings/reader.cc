@@ -1,5 +1,5 @@
 // tensorstash._ext.Reader: a StepSource (a native step, an Orbax checkpoint, a zarr group;
-// the format is detected) on a FileKvStore.
+// the format is detected) on a store opened by URL (kvstore/registry.h).
 //
 // Opening, reading and verifying release the GIL: they wait on storage, and other Python threads
 // (a training step, another reader) can run meanwhile. A read_many progress callable is called
@@ -32,7 +32,7 @@
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/step_source.h"
 #include "tensorstash/format/tree.h"
-#include "tensorstash/kvstore/file/file_kvstore.h"
+#include "tensorstash/kvstore/registry.h"
 
 namespace nb = nanobind;
 
@@ -95,7 +95,7 @@ using MapRequestTuple =
 
 // What an open Reader reads from; closing the Reader drops it.
 struct OpenStep {
-  std::unique_ptr<FileKvStore> kv;  // declared first: `source` uses it, and is destroyed first
+  std::unique_ptr<KvStore> kv;  // declared first: `source` uses it, and is destroyed first
   std::unique_ptr<StepSource> source;
 };
 
@@ -266,7 +266,7 @@ void InitReader(Reader* self, const std::string& root, const std::string& step,
   auto open = std::make_shared<OpenStep>();
   Status status = [&] {
     nb::gil_scoped_release release;
-    Result<std::unique_ptr<FileKvStore>> store = FileKvStore::Open(root, /*create=*/false);
+    Result<std::unique_ptr<KvStore>> store = OpenKvStore(root, {.create = false});
     if (!store.ok()) return store.status();
     open->kv = std::move(store).value();
     Result<std::unique_ptr<StepSource>> source = OpenStepSource(open->kv.get(), step, options);

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "errors.h"
+#include "tensorstash/kvstore/registry.h"
 
 namespace nb = nanobind;
 
@@ -73,7 +74,7 @@ SaveTarget OpenSaveTarget(const std::string& root, nb::object coordinator) {
   }
   target.kv = ValueOrThrow([&] {
     nb::gil_scoped_release release;
-    return FileKvStore::Open(root, /*create=*/true);
+    return OpenKvStore(root, {.create = true});
   }());
   return target;
 }

@@ -19,7 +19,7 @@
 #include "buffers.h"
 #include "coordinator.h"
 #include "tensorstash/checkpoint/checkpoint_manager.h"
-#include "tensorstash/kvstore/file/file_kvstore.h"
+#include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/util/status.h"
 
 namespace tensorstash::python {
@@ -55,7 +55,7 @@ WriterOptions WriterOptionsFromPython(int64_t target_chunk_bytes, int64_t target
 
 // Where a save goes: the root's store and the job's coordinator (null for a single process).
 struct SaveTarget {
-  std::unique_ptr<FileKvStore> kv;
+  std::unique_ptr<KvStore> kv;
   std::unique_ptr<PyCoordinator> coordinator;
 };
 

@@ -1,4 +1,4 @@
-// tensorstash._ext.Writer: CheckpointWriter on a FileKvStore.
+// tensorstash._ext.Writer: CheckpointWriter on a store opened by URL (kvstore/registry.h).
 //
 // Shards are saved without a copy: the writer reads the caller's arrays during commit(), so the
 // Writer keeps a reference to each of them until commit() returns. commit() releases the GIL; a
@@ -27,7 +27,7 @@
 #include "save_args.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/format/tree.h"
-#include "tensorstash/kvstore/file/file_kvstore.h"
+#include "tensorstash/kvstore/kvstore.h"
 
 namespace nb = nanobind;
 
@@ -36,7 +36,7 @@ namespace {
 
 class Writer {
  public:
-  Writer(std::unique_ptr<FileKvStore> kv, std::unique_ptr<PyCoordinator> coordinator,
+  Writer(std::unique_ptr<KvStore> kv, std::unique_ptr<PyCoordinator> coordinator,
          std::unique_ptr<CheckpointWriter> writer)
       : kv_(std::move(kv)), coordinator_(std::move(coordinator)), writer_(std::move(writer)) {}
 
@@ -100,7 +100,7 @@ class Writer {
   }
 
   // Declared before writer_, which uses them, so that they are destroyed after it.
-  std::unique_ptr<FileKvStore> kv_;
+  std::unique_ptr<KvStore> kv_;
   std::unique_ptr<PyCoordinator> coordinator_;
   std::vector<ReadOnlyBytes> shard_arrays_;
   std::unique_ptr<CheckpointWriter> writer_;

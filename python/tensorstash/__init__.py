@@ -64,21 +64,20 @@ class ArrayMetadata:
 
 
 def _abspath(path: str | os.PathLike) -> str:
-    """The absolute form of a folder path. ValueError for a path that is not valid Unicode
-    (undecodable bytes of a file name, which Python keeps as lone surrogates): the engine takes
-    UTF-8 paths."""
-    full = os.path.abspath(os.fspath(path))
-    _tree.check_text(full, f"the path {full!r}", "tensorstash takes UTF-8 paths only")
-    return full
+    """The absolute form of a folder path, or a store URL ("memory://run") as it is. ValueError
+    for a path that is not valid Unicode (undecodable bytes of a file name, which Python keeps
+    as lone surrogates): the engine takes UTF-8 paths."""
+    text = os.fspath(path)
+    _tree.check_text(text, f"the path {text!r}", "tensorstash takes UTF-8 paths only")
+    return text if _ext.has_url_scheme(text) else os.path.abspath(text)
 
 
 def _split(path: str | os.PathLike) -> tuple[str, str]:
-    """A step folder path -> (root folder, step name)."""
-    full = _abspath(path).rstrip(os.sep)
-    root, step = os.path.split(full)
-    if not step:
-        raise ValueError(f"{os.fspath(path)!r} is not a step folder path")
-    return root, step
+    """A step folder's path or URL -> (its root's path or URL, the step's name), as the engine
+    splits it (kvstore/registry.h): the root is opened by URL, the step is a key in it."""
+    text = os.fspath(path)
+    _tree.check_text(text, f"the path {text!r}", "tensorstash takes UTF-8 paths only")
+    return _ext.split_step_url(text)
 
 
 def _is_jax_array(x: Any) -> bool:
@@ -634,7 +633,7 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
              mmap: bool = True) -> tuple[Any, int]:
     """restore(), returning (the restored tree, the stored bytes read)."""
     ckpt = os.fspath(path)
-    desc = f"restoring {os.path.basename(os.path.abspath(ckpt))}"
+    desc = f"restoring {_split(ckpt)[1]}"
     # Closed on return, error or not: an open file would keep a deleted step's space.
     with contextlib.closing(_open(path, verify_checksums, max_inflight_bytes, io_threads,
                                   mmap)) as reader:

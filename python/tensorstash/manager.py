@@ -286,7 +286,10 @@ class CheckpointManager:
 
     def step_path(self, step: int) -> str:
         """The folder of `step` (whether or not it exists)."""
-        return os.path.join(self.root, _ext.Manager.step_dir(int(step)))
+        step_dir = _ext.Manager.step_dir(int(step))
+        if _ext.has_url_scheme(self.root):
+            return f"{self.root.rstrip('/')}/{step_dir}"
+        return os.path.join(self.root, step_dir)
 
     # --- restoring --------------------------------------------------------------------------
 

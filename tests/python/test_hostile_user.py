@@ -439,3 +439,37 @@ def _run_cli(*args):
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cli = os.environ.get("TENSORSTASH_CLI", os.path.join(repo, "build", "tensorstash"))
     return subprocess.run([cli, *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+# --- issue 14: a URL whose scheme no store serves -------------------------------------------------
+
+def test_a_url_no_store_serves_is_a_value_error_and_writes_nothing(tmp_path, monkeypatch):
+    """save("s3://bucket/run/1") wrote a local folder named "s3:" in the working directory.
+    A scheme no backend serves is a ValueError naming the schemes there are."""
+    monkeypatch.chdir(tmp_path)
+    for call in (lambda: tensorstash.save("s3://bucket/run/1", {"x": np.arange(3)}),
+                 lambda: tensorstash.save("s3://bucket/run/1", {"x": np.arange(3)},
+                                          format="orbax"),
+                 lambda: tensorstash.restore("gs://bucket/run/1"),
+                 lambda: tensorstash.CheckpointManager("s3://bucket/run")):
+        with pytest.raises(ValueError, match=r"no store serves .*file, memory"):
+            call()
+    assert os.listdir(tmp_path) == []
+
+
+def test_stores_open_by_url(tmp_path):
+    """Every front takes a store URL where it takes a path (kvstore/registry.h)."""
+    tree = {"x": np.arange(6.0).reshape(2, 3)}
+    tensorstash.save("memory://url-test/run/0000000001", tree)
+    assert_same_tree(tensorstash.restore("memory://url-test/run/0000000001"), tree)
+    assert tensorstash.metadata("memory://url-test/run/0000000001")["x"].shape == (2, 3)
+    with tensorstash.CheckpointManager("memory://url-test/managed") as mgr:
+        mgr.save(5, tree, force=True)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [5]
+        assert mgr.step_path(5) == "memory://url-test/managed/0000000005"
+        assert_same_tree(tensorstash.restore(mgr.step_path(5)), tree)
+    tensorstash.save(f"file://{tmp_path}/0000000002", tree)
+    assert_same_tree(tensorstash.restore(str(tmp_path / "0000000002")), tree)
+    with pytest.raises(FileNotFoundError):
+        tensorstash.restore("memory://url-test-never-made/0000000001")

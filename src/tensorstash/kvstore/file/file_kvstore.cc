@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "tensorstash/kvstore/folder_view.h"
+#include "tensorstash/kvstore/registry.h"
 #include "tensorstash/util/staging_buffer.h"
 
 #if __has_include(<linux/openat2.h>) && defined(SYS_openat2) && \
@@ -1030,5 +1031,16 @@ Result<std::unique_ptr<KvLock>> FileKvStore::TryLock(std::string_view key) {
   }
   return std::unique_ptr<KvLock>(std::make_unique<FileKvLock>(std::move(fd)));
 }
+
+Status RegisterFileKvStore() {
+  return RegisterKvStoreScheme(
+      "file", [](std::string_view rest, const OpenStoreOptions& options)
+                  -> Result<std::unique_ptr<KvStore>> {
+        TS_ASSIGN_OR_RETURN(std::unique_ptr<FileKvStore> store,
+                            FileKvStore::Open(std::string(rest), options.create));
+        return std::unique_ptr<KvStore>(std::move(store));
+      });
+}
+
 
 }  // namespace tensorstash

@@ -74,6 +74,10 @@ class FileKvStore final : public KvStore {
   const int root_fd_;
 };
 
+// Registers the "file" scheme (and plain paths) with the store registry (registry.h): the
+// registry calls this before its first open.
+Status RegisterFileKvStore();
+
 }  // namespace tensorstash
 
 #endif  // TENSORSTASH_KVSTORE_FILE_FILE_KVSTORE_H_

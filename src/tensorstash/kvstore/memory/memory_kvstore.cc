@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -22,6 +23,8 @@
 #include <vector>
 
 #include "tensorstash/kvstore/folder_view.h"
+#include "tensorstash/kvstore/forwarding_kvstore.h"
+#include "tensorstash/kvstore/registry.h"
 
 namespace tensorstash {
 
@@ -398,6 +401,39 @@ Status MemoryKvStore::SyncDirectory(std::string_view dir) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (IsDirectoryLocked(dir)) return OkStatus();
   return NotFoundError(StrCat("sync directory '", dir, "' failed: no such directory"));
+}
+
+Status RegisterMemoryKvStore() {
+  // A handle on a named store: every open of "memory://<name>" shares one store.
+  class NamedStore final : public ForwardingKvStore {
+   public:
+    explicit NamedStore(std::shared_ptr<MemoryKvStore> store)
+        : ForwardingKvStore(store.get()), store_(std::move(store)) {}
+    Status ExchangeDirectories(std::string_view a, std::string_view b) override {
+      return store_->ExchangeDirectories(a, b);
+    }
+    Result<std::unique_ptr<KvStore>> OpenFolderView(std::string_view folder) override {
+      return store_->OpenFolderView(folder);
+    }
+
+   private:
+    std::shared_ptr<MemoryKvStore> store_;
+  };
+  return RegisterKvStoreScheme(
+      "memory", [](std::string_view name, const OpenStoreOptions& options)
+                    -> Result<std::unique_ptr<KvStore>> {
+        static std::mutex mutex;
+        static auto* stores = new std::map<std::string, std::shared_ptr<MemoryKvStore>, std::less<>>();
+        std::lock_guard<std::mutex> lock(mutex);
+        auto it = stores->find(name);
+        if (it == stores->end()) {
+          if (!options.create) {
+            return NotFoundError(StrCat("no memory store 'memory://", name, "' in this process"));
+          }
+          it = stores->emplace(std::string(name), std::make_shared<MemoryKvStore>()).first;
+        }
+        return std::unique_ptr<KvStore>(std::make_unique<NamedStore>(it->second));
+      });
 }
 
 }  // namespace tensorstash

@@ -79,6 +79,11 @@ class MemoryKvStore final : public KvStore {
   std::shared_ptr<LockSet> locks_;
 };
 
+// Registers the "memory" scheme with the store registry (registry.h): "memory://<name>" is a
+// store shared by every open of that name in the process, kept until the process ends. The
+// registry calls this before its first open.
+Status RegisterMemoryKvStore();
+
 }  // namespace tensorstash
 
 #endif  // TENSORSTASH_KVSTORE_MEMORY_MEMORY_KVSTORE_H_
