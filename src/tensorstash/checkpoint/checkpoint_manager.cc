@@ -211,18 +211,19 @@ Status CheckpointManager::Impl::OpenSteps() {
 }
 
 Status CheckpointManager::Impl::CleanUpAndListSteps() {
-  TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, kv->List(""));
-  // Top-level folders, and whether each has a COMMIT.
+  // Top-level folders (one listing with the delimiter, not every data file of every step), and
+  // whether each has a COMMIT. Loose files (LOCK, stray files) are not folders.
+  TS_ASSIGN_OR_RETURN(ListedChildren top, kv->ListChildren(""));
   std::map<std::string, bool, std::less<>> folders;
-  for (const std::string& key : keys) {
-    const size_t slash = key.find('/');
-    if (slash == std::string::npos) continue;  // LOCK, stray files
-    const std::string name = key.substr(0, slash);
-    bool& complete = folders[name];
-    if (key.size() == slash + 1 + std::strlen(kCommitFileName) &&
-        key.compare(slash + 1, std::string::npos, kCommitFileName) == 0) {
-      complete = true;
-    }
+  for (const std::string& prefix : top.prefixes) {
+    const std::string name = prefix.substr(0, prefix.size() - 1);
+    Result<uint64_t> commit = kv->Size(StrCat(name, "/", kCommitFileName));
+    // A COMMIT that is not a regular file (a directory, a symlink) counts as present: the step
+    // is then checked by opening it, and reported damaged, never deleted as incomplete.
+    const bool present = commit.ok() || IsNotAnObject(commit.status()) ||
+                         absl::IsFailedPrecondition(commit.status());
+    if (!present && !absl::IsNotFound(commit.status())) return commit.status();
+    folders[name] = present;
   }
   // Folders tensorstash wrote and nothing reads: "<step>.tmp-<id>", "<step>.old-<id>" of a
   // 10-digit step, and step folders without COMMIT that hold only what a save writes (a crashed

@@ -276,6 +276,34 @@ TEST_P(CheckpointManagerTest, ADamagedCommitOnTheNewestStepIsReportedAndSkipped)
   }
 }
 
+// Issue 14, part 3: the manager lists its steps with the delimiter listing (the step folders),
+// never every key under the root (every data file of every step).
+TEST(CheckpointManagerListingTest, OpeningListsStepFoldersNotEveryKey) {
+  class Recording final : public ForwardingKvStore {
+   public:
+    using ForwardingKvStore::ForwardingKvStore;
+    Result<std::vector<std::string>> List(std::string_view prefix) override {
+      lists.emplace_back(prefix);
+      return ForwardingKvStore::List(prefix);
+    }
+    std::vector<std::string> lists;
+  };
+  MemoryKvStore memory;
+  {
+    Recording kv(&memory);
+    auto mgr = CheckpointManager::Open(&kv, Fast()).value();
+    for (int64_t step : {1, 2, 3}) {
+      const StepState state = MakeState(step);
+      TS_ASSERT_OK(mgr->Save(step, Request(state)));
+    }
+    TS_ASSERT_OK(mgr->Close());
+  }
+  Recording kv(&memory);
+  auto mgr = CheckpointManager::Open(&kv, Fast()).value();
+  EXPECT_THAT(mgr->AllSteps(), ElementsAre(1, 2, 3));
+  for (const std::string& prefix : kv.lists) EXPECT_NE(prefix, "") << "listed the whole root";
+}
+
 TEST_P(CheckpointManagerTest, InterruptedOverwriteIsRolledBackAtOpen) {
   if (!kv_->SupportsRename()) GTEST_SKIP() << "only stores with rename move steps aside";
   {

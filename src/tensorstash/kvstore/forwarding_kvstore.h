@@ -18,6 +18,25 @@ class ForwardingKvStore : public KvStore {
   explicit ForwardingKvStore(KvStore* base) : base_(base) {}
 
   std::string Describe() const override { return base_->Describe(); }
+  // The base's, less what is not forwarded (ExchangeDirectories, OpenFolderView: a decorator
+  // forwards them only if it models them).
+  KvStoreCapabilities Capabilities() const override {
+    KvStoreCapabilities capabilities = base_->Capabilities();
+    capabilities.exchange = false;
+    capabilities.pinned_views = false;
+    return capabilities;
+  }
+  Result<ListedChildren> ListChildren(std::string_view prefix) override {
+    return base_->ListChildren(prefix);
+  }
+  Result<ObjectInfo> Stat(std::string_view key) override { return base_->Stat(key); }
+  Status ReadRangeAtGeneration(std::string_view key, std::string_view generation, uint64_t offset,
+                               size_t size, void* dest) override {
+    return base_->ReadRangeAtGeneration(key, generation, offset, size, dest);
+  }
+  Status WriteIfAbsent(std::string_view key, std::string_view value) override {
+    return base_->WriteIfAbsent(key, value);
+  }
   Result<std::string> Read(std::string_view key) override { return base_->Read(key); }
   Status ReadRange(std::string_view key, uint64_t offset, size_t size, void* dest) override {
     return base_->ReadRange(key, offset, size, dest);

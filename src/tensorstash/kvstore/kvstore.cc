@@ -131,4 +131,40 @@ Result<std::unique_ptr<KvStore>> KvStore::OpenFolderView(std::string_view folder
       std::make_unique<FolderView>(std::string(folder), this, StrCat(folder, "/")));
 }
 
+KvStoreCapabilities KvStore::Capabilities() const {
+  KvStoreCapabilities capabilities;
+  capabilities.rename = SupportsRename();
+  return capabilities;
+}
+
+Result<ListedChildren> KvStore::ListChildren(std::string_view prefix) {
+  TS_RETURN_IF_ERROR(ValidatePrefix(prefix));
+  TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, List(prefix));
+  ListedChildren children;
+  for (std::string& key : keys) {
+    const size_t slash = key.find('/', prefix.size());
+    if (slash == std::string::npos) {
+      children.keys.push_back(std::move(key));
+    } else if (children.prefixes.empty() ||
+               children.prefixes.back() != std::string_view(key).substr(0, slash + 1)) {
+      children.prefixes.push_back(key.substr(0, slash + 1));
+    }
+  }
+  return children;
+}
+
+Result<ObjectInfo> KvStore::Stat(std::string_view key) {
+  return UnimplementedError(StrCat(Describe(), " has no object generations (stat of '", key, "')"));
+}
+
+Status KvStore::ReadRangeAtGeneration(std::string_view key, std::string_view, uint64_t, size_t,
+                                      void*) {
+  return UnimplementedError(
+      StrCat(Describe(), " cannot read at a generation (read of '", key, "')"));
+}
+
+Status KvStore::WriteIfAbsent(std::string_view key, std::string_view) {
+  return UnimplementedError(StrCat(Describe(), " has no create-only write (write of '", key, "')"));
+}
+
 }  // namespace tensorstash

@@ -83,9 +83,38 @@ class ReadableFile {
   virtual Status MapAt(uint64_t offset, size_t size, void* address) const;
 };
 
+// What a backend can do, for callers that choose a protocol by it (the commit protocol: rename
+// or a create-only commit record; a reader: pinned views and generation-checked reads).
+struct KvStoreCapabilities {
+  bool rename = false;             // RenameDirectory is atomic (SupportsRename)
+  bool exchange = false;           // ExchangeDirectories is atomic
+  bool conditional_write = false;  // WriteIfAbsent is atomic (create-only)
+  bool generations = false;        // Stat gives generations; ReadRangeAtGeneration checks them
+  bool locks = false;              // TryLock
+  bool mapping = false;            // ReadableFile::MapAt
+  bool pinned_views = false;       // OpenFolderView pins the folder
+};
+
+// An object's size and generation: an opaque string that changes whenever the object is
+// replaced or rewritten (file: device, inode, modification time and size; memory: a counter).
+struct ObjectInfo {
+  uint64_t size = 0;
+  std::string generation;
+};
+
+// The immediate children of a prefix (ListChildren): the keys right under it and the
+// "sub-folders" (prefixes ending in '/') that hold more keys. Both sorted, both with the prefix.
+struct ListedChildren {
+  std::vector<std::string> keys;
+  std::vector<std::string> prefixes;
+};
+
 class KvStore {
  public:
   virtual ~KvStore() = default;
+
+  // What this store can do. The default: nothing optional (SupportsRename() for rename).
+  virtual KvStoreCapabilities Capabilities() const;
 
   // A short description for messages, e.g. "file:/data/ckpt" or "memory".
   virtual std::string Describe() const = 0;
@@ -107,6 +136,24 @@ class KvStore {
 
   // Keys that start with `prefix`, sorted. A prefix that names a "directory" should end in '/'.
   virtual Result<std::vector<std::string>> List(std::string_view prefix) = 0;
+  // The immediate children of `prefix` (which should be "" or end in '/'): listing with the
+  // delimiter '/', as object stores do, so that a caller that wants the step folders of a root
+  // does not list every data file of every step. The default groups List(prefix).
+  virtual Result<ListedChildren> ListChildren(std::string_view prefix);
+
+  // Size and generation of the object; NotFound if it does not exist. Unimplemented by default.
+  virtual Result<ObjectInfo> Stat(std::string_view key);
+  // Reads exactly `size` bytes at `offset` of the object at `key` if its generation is still
+  // `generation` (from Stat), all from that one version; FailedPrecondition naming the key when
+  // the object was replaced (a different generation), NotFound when it is gone, DataLoss when
+  // the range reaches past its end. Unimplemented by default.
+  virtual Status ReadRangeAtGeneration(std::string_view key, std::string_view generation,
+                                       uint64_t offset, size_t size, void* dest);
+  // Creates the object with `value` only if no object `key` exists: AlreadyExists otherwise,
+  // and the existing object is left as it was. Atomic where Capabilities().conditional_write:
+  // of two writers at once exactly one succeeds, and a reader never sees a torn object. Not
+  // durable until Sync(key). Unimplemented by default.
+  virtual Status WriteIfAbsent(std::string_view key, std::string_view value);
   // Deletes one object; NotFound if absent.
   virtual Status Delete(std::string_view key) = 0;
   // Deletes every key under `prefix` (and, for the file backend, the emptied directories,

@@ -10,6 +10,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <atomic>
 #include <thread>
 #include <vector>
 
@@ -585,6 +586,88 @@ TEST_P(KvStoreConformanceTest, FolderViewReadsTheFolderAndRefusesWrites) {
   TS_ASSERT_OK(store_->RenameDirectory("new", "step"));
   const std::string seen = (*view)->Read("step/COMMIT").value();
   EXPECT_TRUE(seen == "c1" || seen == "c2") << seen;  // "c1" where the store pins
+}
+
+TEST_P(KvStoreConformanceTest, CapabilitiesAgreeWithTheStore) {
+  const KvStoreCapabilities capabilities = store_->Capabilities();
+  EXPECT_EQ(capabilities.rename, store_->SupportsRename());
+  Put("a/x", "1");
+  Put("b/y", "2");
+  if (capabilities.exchange) {
+    TS_EXPECT_OK(store_->ExchangeDirectories("a", "b"));
+  }
+  if (capabilities.conditional_write) {
+    TS_EXPECT_OK(store_->WriteIfAbsent("c", "3"));
+  }
+  if (capabilities.generations) {
+    TS_EXPECT_OK(store_->Stat("b/x").status().ok() ? OkStatus() : store_->Stat("a/x").status());
+  }
+}
+
+TEST_P(KvStoreConformanceTest, ListChildrenGivesKeysAndSubfoldersOneLevelDown) {
+  Put("root/COMMIT", "c");
+  Put("root/0001/state/index", "i");
+  Put("root/0001/COMMIT", "c");
+  Put("root/0002/x", "x");
+  Put("root.other/y", "y");
+  Result<ListedChildren> children = store_->ListChildren("root/");
+  TS_ASSERT_OK(children.status());
+  EXPECT_THAT(children->keys, ElementsAre("root/COMMIT"));
+  EXPECT_THAT(children->prefixes, ElementsAre("root/0001/", "root/0002/"));
+  children = store_->ListChildren("");
+  TS_ASSERT_OK(children.status());
+  EXPECT_THAT(children->keys, IsEmpty());
+  EXPECT_THAT(children->prefixes, ElementsAre("root.other/", "root/"));
+  EXPECT_THAT(store_->ListChildren("missing/").value().keys, IsEmpty());
+}
+
+TEST_P(KvStoreConformanceTest, StatGenerationsChangeWhenAnObjectIsReplaced) {
+  if (!store_->Capabilities().generations) {
+    EXPECT_TRUE(absl::IsUnimplemented(store_->Stat("k").status()));
+    return;
+  }
+  EXPECT_TRUE(absl::IsNotFound(store_->Stat("k").status()));
+  Put("k", "first");
+  const ObjectInfo first = store_->Stat("k").value();
+  EXPECT_EQ(first.size, 5u);
+  EXPECT_FALSE(first.generation.empty());
+  EXPECT_EQ(store_->Stat("k").value().generation, first.generation);  // stable while unchanged
+  char buf[3] = {};
+  TS_EXPECT_OK(store_->ReadRangeAtGeneration("k", first.generation, 1, 3, buf));
+  EXPECT_EQ(std::string(buf, 3), "irs");
+  EXPECT_TRUE(absl::IsDataLoss(store_->ReadRangeAtGeneration("k", first.generation, 3, 5, buf)));
+  Put("k", "other");  // the same size, replaced
+  const ObjectInfo second = store_->Stat("k").value();
+  EXPECT_NE(second.generation, first.generation);
+  const Status stale = store_->ReadRangeAtGeneration("k", first.generation, 0, 3, buf);
+  EXPECT_TRUE(absl::IsFailedPrecondition(stale)) << stale;
+  EXPECT_THAT(stale.message(), HasSubstr("k"));
+  TS_ASSERT_OK(store_->Delete("k"));
+  EXPECT_TRUE(absl::IsNotFound(store_->ReadRangeAtGeneration("k", second.generation, 0, 1, buf)));
+}
+
+TEST_P(KvStoreConformanceTest, WriteIfAbsentCreatesOnlyOnce) {
+  if (!store_->Capabilities().conditional_write) {
+    EXPECT_TRUE(absl::IsUnimplemented(store_->WriteIfAbsent("k", "v")));
+    return;
+  }
+  TS_ASSERT_OK(store_->WriteIfAbsent("dir/k", "first"));
+  const Status again = store_->WriteIfAbsent("dir/k", "second");
+  EXPECT_TRUE(absl::IsAlreadyExists(again)) << again;
+  EXPECT_EQ(Get("dir/k"), "first");
+  EXPECT_THAT(ListOrDie("dir/"), ElementsAre("dir/k"));  // no temporary left behind
+  // Of several writers at once, exactly one wins.
+  constexpr int kWriters = 8;
+  std::atomic<int> won{0};
+  std::vector<std::thread> writers;
+  for (int i = 0; i < kWriters; ++i) {
+    writers.emplace_back([&, i] {
+      if (store_->WriteIfAbsent("race", StrCat("writer ", i)).ok()) ++won;
+    });
+  }
+  for (std::thread& writer : writers) writer.join();
+  EXPECT_EQ(won.load(), 1);
+  EXPECT_THAT(Get("race"), HasSubstr("writer "));
 }
 
 TEST_P(KvStoreConformanceTest, RenameDirectoryErrors) {

@@ -134,6 +134,20 @@ class FaultInjectionKvStore final : public ForwardingKvStore {
   Status Write(std::string_view key, std::string_view value) override;
   Result<std::unique_ptr<WritableFile>> OpenForWrite(std::string_view key) override;
   Result<std::vector<std::string>> List(std::string_view prefix) override;
+  // Through List, so that its faults apply.
+  Result<ListedChildren> ListChildren(std::string_view prefix) override {
+    return KvStore::ListChildren(prefix);
+  }
+  // Not modelled (faults, the crash model): Unimplemented rather than bypassing them.
+  Status WriteIfAbsent(std::string_view key, std::string_view) override {
+    return UnimplementedError(StrCat("the fault injector does not model create-only writes ('",
+                                     key, "')"));
+  }
+  KvStoreCapabilities Capabilities() const override {
+    KvStoreCapabilities capabilities = ForwardingKvStore::Capabilities();
+    capabilities.conditional_write = false;
+    return capabilities;
+  }
   Status Delete(std::string_view key) override;
   Status DeletePrefix(std::string_view prefix) override;
   Status RenameDirectory(std::string_view from, std::string_view to) override;

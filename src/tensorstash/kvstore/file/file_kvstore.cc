@@ -756,6 +756,14 @@ Result<std::unique_ptr<ReadableFile>> FileKvStore::OpenForRead(std::string_view 
 }
 
 Status FileKvStore::Write(std::string_view key, std::string_view value) {
+  return WriteObject(key, value, /*create_only=*/false);
+}
+
+Status FileKvStore::WriteIfAbsent(std::string_view key, std::string_view value) {
+  return WriteObject(key, value, /*create_only=*/true);
+}
+
+Status FileKvStore::WriteObject(std::string_view key, std::string_view value, bool create_only) {
   TS_RETURN_IF_ERROR(ValidateKey(key));
   const std::string path = PathOf(key);
   TS_ASSIGN_OR_RETURN(ParentDir parent,
@@ -787,6 +795,28 @@ Status FileKvStore::Write(std::string_view key, std::string_view value) {
   }
   if (int error = FsyncFd(fd.get())) return fail(FsError(error, "write (fsync)", path));
   if (int error = CloseFd(fd)) return fail(FsError(error, "write (close)", path));
+  if (create_only) {
+    // Step 3, create-only: into place only if nothing has the name, atomically (of two writers
+    // exactly one wins): renameat2(RENAME_NOREPLACE), or where the file system lacks it, link(2),
+    // which never replaces either.
+    const auto exists = [&] {
+      return fail(AlreadyExistsError(StrCat("create-only write of '", path, "' failed: it exists")));
+    };
+#ifdef RENAME_NOREPLACE
+    if (::renameat2(parent.fd, temp_name.c_str(), parent.fd, parent.name.c_str(),
+                    RENAME_NOREPLACE) == 0) {
+      return OkStatus();
+    }
+    if (errno == EEXIST) return exists();
+    if (errno != EINVAL && errno != ENOSYS) return fail(FsError(errno, "write (create-only)", path));
+#endif
+    if (::linkat(parent.fd, temp_name.c_str(), parent.fd, parent.name.c_str(), 0) != 0) {
+      if (errno == EEXIST) return exists();
+      return fail(FsError(errno, "write (create-only link)", path));
+    }
+    ::unlinkat(parent.fd, temp_name.c_str(), 0);
+    return OkStatus();
+  }
   // Step 3. rename(2) replaces a file or symlink named `key`, but not a directory.
   if (::renameat(parent.fd, temp_name.c_str(), parent.fd, parent.name.c_str()) != 0) {
     if (errno == EISDIR) return fail(IsADirectory("write", path));
@@ -922,6 +952,95 @@ Status FileKvStore::RenameDirectory(std::string_view from, std::string_view to) 
     return FsError(errno, operation, to_path);
   }
   return OkStatus();
+}
+
+KvStoreCapabilities FileKvStore::Capabilities() const {
+  KvStoreCapabilities capabilities;
+  capabilities.rename = true;
+#ifdef RENAME_EXCHANGE
+  capabilities.exchange = true;  // where the file system allows it; else Unimplemented, per call
+#endif
+  capabilities.conditional_write = true;
+  capabilities.generations = true;
+  capabilities.locks = true;
+  capabilities.mapping = true;
+  capabilities.pinned_views = true;
+  return capabilities;
+}
+
+namespace {
+
+// Device, inode, modification time and size: a file replaced by rename (Write) has a new inode;
+// one rewritten in place (OpenForWrite) a new modification time or size.
+std::string GenerationOf(const struct stat& st) {
+  return StrCat(st.st_dev, ":", st.st_ino, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec, ":",
+                st.st_size);
+}
+
+}  // namespace
+
+Result<ObjectInfo> FileKvStore::Stat(std::string_view key) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  const std::string path = PathOf(key);
+  OpenResult opened = OpenBeneath(root_fd_, key, O_PATH);
+  if (opened.error != 0) return FsError(opened.error, "stat", path);
+  struct stat st;
+  if (::fstat(opened.fd.get(), &st) != 0) return FsError(errno, "stat", path);
+  if (S_ISLNK(st.st_mode)) return FsError(ELOOP, "stat", path);
+  TS_RETURN_IF_ERROR(CheckIsObject(st, "stat", path));
+  return ObjectInfo{static_cast<uint64_t>(st.st_size), GenerationOf(st)};
+}
+
+Status FileKvStore::ReadRangeAtGeneration(std::string_view key, std::string_view generation,
+                                          uint64_t offset, size_t size, void* dest) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  const std::string path = PathOf(key);
+  OpenResult opened = OpenBeneath(root_fd_, key, kReadFlags);
+  if (opened.error != 0) return FsError(opened.error, "read range", path);
+  // The descriptor pins one version: compare its generation, then read from it.
+  struct stat st;
+  if (::fstat(opened.fd.get(), &st) != 0) return FsError(errno, "read range", path);
+  TS_RETURN_IF_ERROR(CheckIsObject(st, "read range", path));
+  if (GenerationOf(st) != generation) {
+    return FailedPreconditionError(StrCat("read of '", path, "' failed: the object was replaced "
+                                          "(generation ", GenerationOf(st), ", expected ",
+                                          generation, ")"));
+  }
+  const PreadResult read = PreadFully(opened.fd.get(), static_cast<char*>(dest), size, offset);
+  if (read.error != 0) {
+    return FsError(read.error, StrCat("read ", size, " bytes at offset ", offset, " of"), path);
+  }
+  if (read.done < size) return Truncated(path, offset, size, static_cast<uint64_t>(st.st_size));
+  return OkStatus();
+}
+
+Result<ListedChildren> FileKvStore::ListChildren(std::string_view prefix) {
+  TS_RETURN_IF_ERROR(ValidatePrefix(prefix));
+  if (!prefix.empty() && prefix.back() != '/') return KvStore::ListChildren(prefix);
+  // One directory read: the entries of the folder `prefix` names (symlinks skipped, as List).
+  const std::string_view dir = prefix.empty() ? prefix : prefix.substr(0, prefix.size() - 1);
+  ListedChildren children;
+  OpenResult opened = OpenBeneath(root_fd_, dir, O_RDONLY | O_DIRECTORY);
+  if (opened.error == ENOENT || opened.error == ENOTDIR) return children;
+  if (opened.error != 0) return FsError(opened.error, "list", PathOf(dir));
+  DIR* stream = ::fdopendir(opened.fd.get());
+  if (stream == nullptr) return FsError(errno, "list", PathOf(dir));
+  opened.fd.Release();  // owned by `stream` now
+  while (struct dirent* entry = ::readdir(stream)) {
+    const std::string_view name = entry->d_name;
+    if (name == "." || name == "..") continue;
+    struct stat st;
+    if (::fstatat(::dirfd(stream), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+    if (S_ISDIR(st.st_mode)) {
+      children.prefixes.push_back(StrCat(prefix, name, "/"));
+    } else if (S_ISREG(st.st_mode)) {
+      children.keys.push_back(StrCat(prefix, name));
+    }
+  }
+  ::closedir(stream);
+  std::sort(children.keys.begin(), children.keys.end());
+  std::sort(children.prefixes.begin(), children.prefixes.end());
+  return children;
 }
 
 Status FileKvStore::ExchangeDirectories(std::string_view a, std::string_view b) {

@@ -47,7 +47,15 @@ class FileKvStore final : public KvStore {
   Status ReadRange(std::string_view key, uint64_t offset, size_t size, void* dest) override;
   Result<uint64_t> Size(std::string_view key) override;
   Result<std::unique_ptr<ReadableFile>> OpenForRead(std::string_view key) override;
+  KvStoreCapabilities Capabilities() const override;
   Status Write(std::string_view key, std::string_view value) override;
+  // A temporary file put in place with renameat2(RENAME_NOREPLACE) (link(2) where unsupported).
+  Status WriteIfAbsent(std::string_view key, std::string_view value) override;
+  Result<ObjectInfo> Stat(std::string_view key) override;
+  Status ReadRangeAtGeneration(std::string_view key, std::string_view generation, uint64_t offset,
+                               size_t size, void* dest) override;
+  // One readdir of the folder (List walks the whole tree below it).
+  Result<ListedChildren> ListChildren(std::string_view prefix) override;
   Result<std::unique_ptr<WritableFile>> OpenForWrite(std::string_view key) override;
   Result<std::vector<std::string>> List(std::string_view prefix) override;
   Status Delete(std::string_view key) override;
@@ -65,6 +73,7 @@ class FileKvStore final : public KvStore {
  private:
   FileKvStore(std::string root_dir, int root_fd);
 
+  Status WriteObject(std::string_view key, std::string_view value, bool create_only);
   // "<root>/<key>", for messages.
   std::string PathOf(std::string_view key) const;
 

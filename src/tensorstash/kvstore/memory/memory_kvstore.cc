@@ -28,9 +28,17 @@
 
 namespace tensorstash {
 
+namespace {
+uint64_t NextGeneration() {
+  static std::atomic<uint64_t> counter{0};
+  return ++counter;
+}
+}  // namespace
+
 struct MemoryKvStore::Object {
   std::mutex mutex;
-  std::string data;  // Guarded by mutex.
+  std::string data;                          // Guarded by mutex.
+  uint64_t generation = NextGeneration();    // Guarded by mutex; new on every change of data.
 };
 
 namespace {
@@ -70,6 +78,7 @@ class MemoryWritableFile final : public WritableFile {
     // Growing zero-fills any gap, as a file hole reads back as zeros.
     if (end > bytes.size()) bytes.resize(end);
     if (size > 0) std::memcpy(bytes.data() + offset, data, size);
+    object_->generation = NextGeneration();
     return OkStatus();
   }
 
@@ -262,6 +271,7 @@ Result<std::unique_ptr<WritableFile>> MemoryKvStore::OpenForWrite(std::string_vi
       object = it->second;
       std::lock_guard<std::mutex> object_lock(object->mutex);
       object->data.clear();
+      object->generation = NextGeneration();
     } else {
       object = std::make_shared<Object>();
       objects_.emplace(std::string(key), object);
@@ -329,6 +339,61 @@ Status MemoryKvStore::RenameDirectory(std::string_view from, std::string_view to
   for (ObjectMap::node_type& node : moved) {
     node.key() = StrCat(to_prefix, std::string_view(node.key()).substr(from_prefix.size()));
     objects_.insert(std::move(node));
+  }
+  return OkStatus();
+}
+
+KvStoreCapabilities MemoryKvStore::Capabilities() const {
+  KvStoreCapabilities capabilities;
+  capabilities.rename = supports_rename_;
+  capabilities.exchange = supports_rename_;
+  capabilities.conditional_write = true;
+  capabilities.generations = true;
+  capabilities.locks = true;
+  capabilities.pinned_views = true;
+  return capabilities;
+}
+
+Result<ObjectInfo> MemoryKvStore::Stat(std::string_view key) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  std::shared_ptr<Object> object;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TS_ASSIGN_OR_RETURN(object, FindLocked(key, "stat"));
+  }
+  std::lock_guard<std::mutex> lock(object->mutex);
+  return ObjectInfo{static_cast<uint64_t>(object->data.size()), StrCat(object->generation)};
+}
+
+Status MemoryKvStore::ReadRangeAtGeneration(std::string_view key, std::string_view generation,
+                                            uint64_t offset, size_t size, void* dest) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  std::shared_ptr<Object> object;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TS_ASSIGN_OR_RETURN(object, FindLocked(key, "read range"));
+  }
+  {
+    std::lock_guard<std::mutex> lock(object->mutex);
+    if (StrCat(object->generation) != generation) {
+      return FailedPreconditionError(StrCat("read of '", key, "' failed: the object was replaced "
+                                            "(generation ", object->generation, ", expected ",
+                                            generation, ")"));
+    }
+  }
+  // (A rewrite between the check and the copy is possible only through an open WritableFile,
+  // which no reader of committed objects races.)
+  return CopyOut(*object, key, offset, size, dest);
+}
+
+Status MemoryKvStore::WriteIfAbsent(std::string_view key, std::string_view value) {
+  TS_RETURN_IF_ERROR(ValidateKey(key));
+  auto object = std::make_shared<Object>();
+  object->data.assign(value);
+  std::lock_guard<std::mutex> lock(mutex_);
+  TS_RETURN_IF_ERROR(CheckCanHoldObjectLocked(key, "create-only write"));
+  if (!objects_.emplace(std::string(key), std::move(object)).second) {
+    return AlreadyExistsError(StrCat("create-only write of '", key, "' failed: it exists"));
   }
   return OkStatus();
 }
@@ -409,6 +474,7 @@ Status RegisterMemoryKvStore() {
    public:
     explicit NamedStore(std::shared_ptr<MemoryKvStore> store)
         : ForwardingKvStore(store.get()), store_(std::move(store)) {}
+    KvStoreCapabilities Capabilities() const override { return store_->Capabilities(); }
     Status ExchangeDirectories(std::string_view a, std::string_view b) override {
       return store_->ExchangeDirectories(a, b);
     }

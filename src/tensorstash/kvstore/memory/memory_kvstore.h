@@ -39,7 +39,12 @@ class MemoryKvStore final : public KvStore {
   Status ReadRange(std::string_view key, uint64_t offset, size_t size, void* dest) override;
   Result<uint64_t> Size(std::string_view key) override;
   Result<std::unique_ptr<ReadableFile>> OpenForRead(std::string_view key) override;
+  KvStoreCapabilities Capabilities() const override;
   Status Write(std::string_view key, std::string_view value) override;
+  Status WriteIfAbsent(std::string_view key, std::string_view value) override;
+  Result<ObjectInfo> Stat(std::string_view key) override;
+  Status ReadRangeAtGeneration(std::string_view key, std::string_view generation, uint64_t offset,
+                               size_t size, void* dest) override;
   Result<std::unique_ptr<WritableFile>> OpenForWrite(std::string_view key) override;
   Result<std::vector<std::string>> List(std::string_view prefix) override;
   Status Delete(std::string_view key) override;
