@@ -18,6 +18,7 @@
 #include "nlohmann/json.hpp"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/checkpoint/retention.h"
 #include "tensorstash/checkpoint/step_folder.h"
 #include "tensorstash/coordination/single_process_coordinator.h"
 #include "tensorstash/format/commit_record.h"
@@ -445,35 +446,12 @@ Result<std::vector<int64_t>> CheckpointManager::Impl::Committed(const SaveJob& j
 }
 
 std::vector<int64_t> CheckpointManager::Impl::ChooseDoomed() {
-  if (options.max_to_keep <= 0 || steps.size() <= static_cast<size_t>(options.max_to_keep)) {
-    return {};
-  }
-  std::set<int64_t> kept;
-  if (options.best_metric.empty()) {
-    // The newest max_to_keep.
-    auto it = steps.rbegin();
-    for (int i = 0; i < options.max_to_keep; ++i, ++it) kept.insert(*it);
-  } else {
-    // The best max_to_keep by the metric (steps without it last, newer first among equals),
-    // and the newest step, which a restart resumes from.
-    std::vector<int64_t> ranked(steps.rbegin(), steps.rend());
-    const bool lower_is_better = options.best_mode == BestMode::kMin;
-    std::stable_sort(ranked.begin(), ranked.end(), [&](int64_t a, int64_t b) {
-      auto ma = metrics.find(a), mb = metrics.find(b);
-      if ((ma == metrics.end()) != (mb == metrics.end())) return mb == metrics.end();
-      if (ma == metrics.end()) return false;
-      return lower_is_better ? ma->second < mb->second : ma->second > mb->second;
-    });
-    for (int i = 0; i < options.max_to_keep; ++i) kept.insert(ranked[i]);
-    kept.insert(*steps.rbegin());
-  }
-  std::vector<int64_t> doomed;
-  for (int64_t step : steps) {
-    if (kept.count(step) > 0) continue;
-    if (options.keep_period > 0 && step % options.keep_period == 0) continue;
-    doomed.push_back(step);
-  }
-  return doomed;
+  RetentionPolicy policy;
+  policy.max_to_keep = options.max_to_keep;
+  policy.keep_period = options.keep_period;
+  policy.by_metric = !options.best_metric.empty();
+  policy.best_mode = options.best_mode;
+  return StepsToDelete(steps, metrics, policy);
 }
 
 Status CheckpointManager::Impl::DeleteSteps(const std::vector<int64_t>& doomed) {

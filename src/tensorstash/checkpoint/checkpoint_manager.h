@@ -40,6 +40,7 @@
 
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/checkpoint/retention.h"
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/util/status.h"
 
@@ -55,11 +56,10 @@ struct SaveStats {
   double total_seconds = 0;     // from the call until the step was committed
 };
 
-enum class BestMode { kMin, kMax };
-
 struct ManagerOptions {
-  // Keep at most this many complete steps (besides those kept by keep_period): the newest ones,
-  // or with best_metric the best ones (and the newest); 0 keeps all.
+  // Retention (retention.h, StepsToDelete): keep at most this many complete steps (besides those
+  // kept by keep_period): the newest ones, or with best_metric the best ones (and the newest);
+  // 0 keeps all.
   int max_to_keep = 0;
   // Steps divisible by this are never deleted; 0: none are kept that way.
   int64_t keep_period = 0;
