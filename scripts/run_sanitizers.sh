@@ -17,7 +17,7 @@ export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:detect_stack
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
 # The tests that exercise threads against each other, by ctest name.
-TSAN_FILTER='ThreadPool|TaskGroup|ByteLimiter|StagingPool|MultiWriter|InProcessCoordinator|Manager|CheckpointFault|CheckpointConcurrency|Conformance.*Concurrent'
+TSAN_FILTER='ThreadPool|TaskGroup|ByteLimiter|StagingPool|MultiWriter|InProcessCoordinator|Manager|CheckpointFault|OrbaxWriterFault|CheckpointConcurrency|Conformance.*Concurrent|Conformance.*WriteIfAbsent'
 status=0
 for kind in "${KINDS[@]}"; do
   case "$kind" in
