@@ -36,6 +36,7 @@
 #include <system_error>
 
 #include "gtest/gtest.h"
+#include "tensorstash/util/status_test_macros.h"
 #endif
 
 namespace tensorstash {
@@ -322,9 +323,6 @@ inline Result<std::unique_ptr<KvStore>> MakeStore(StoreKind kind, const std::str
 #ifndef TS_CHECKPOINT_TEST_UTIL_NO_GTEST
 
 inline void PrintTo(StoreKind kind, std::ostream* out) { *out << StoreName(kind); }
-
-#define TS_EXPECT_OK(expr) EXPECT_EQ(::absl::OkStatus(), (expr))
-#define TS_ASSERT_OK(expr) ASSERT_EQ(::absl::OkStatus(), (expr))
 
 // `got` equals `want` byte for byte; otherwise says where the first difference is.
 inline ::testing::AssertionResult BytesEqual(const std::vector<char>& want, const void* got,

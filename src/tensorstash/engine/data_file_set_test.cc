@@ -15,14 +15,13 @@
 #include "tensorstash/kvstore/fault/fault_injection_kvstore.h"
 #include "tensorstash/kvstore/file/file_kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
+#include "tensorstash/util/status_test_macros.h"
 
 namespace tensorstash {
 namespace {
 
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
-
-#define TS_ASSERT_OK(expr) ASSERT_EQ(::absl::OkStatus(), (expr))
 
 std::string Bytes(size_t size, char seed) {
   std::string s(size, '\0');

@@ -21,6 +21,7 @@
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/util/staging_buffer.h"
+#include "tensorstash/util/status_test_macros.h"
 
 namespace tensorstash {
 namespace {
@@ -28,9 +29,6 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
-
-#define TS_EXPECT_OK(expr) EXPECT_EQ(::absl::OkStatus(), (expr))
-#define TS_ASSERT_OK(expr) ASSERT_EQ(::absl::OkStatus(), (expr))
 
 struct Backend {
   std::string name;

@@ -18,10 +18,9 @@
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/endian.h"
+#include "tensorstash/util/status_test_macros.h"
 
 #ifndef TS_ASSERT_OK
-#define TS_EXPECT_OK(expr) EXPECT_EQ(::absl::OkStatus(), (expr))
-#define TS_ASSERT_OK(expr) ASSERT_EQ(::absl::OkStatus(), (expr))
 #endif
 
 namespace tensorstash {

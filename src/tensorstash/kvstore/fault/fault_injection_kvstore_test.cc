@@ -15,15 +15,13 @@
 #include "gtest/gtest.h"
 #include "tensorstash/kvstore/file/file_kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
+#include "tensorstash/util/status_test_macros.h"
 
 namespace tensorstash {
 namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-
-#define TS_EXPECT_OK(expr) EXPECT_EQ(::absl::OkStatus(), (expr))
-#define TS_ASSERT_OK(expr) ASSERT_EQ(::absl::OkStatus(), (expr))
 
 // A rule; the other members keep their defaults unless set after.
 FaultRule MakeRule(KvOpMask ops, FaultKind kind = FaultKind::kIoError, int64_t nth = 0,

@@ -15,9 +15,10 @@
 #include <cstring>
 #include <limits>
 #include <list>
-#include <random>
 #include <unordered_map>
 #include <utility>
+
+#include "tensorstash/util/random_id.h"
 
 namespace tensorstash {
 
@@ -38,17 +39,6 @@ Result<std::string> NormalizeRoot(std::string root) {
   TS_RETURN_IF_ERROR(ValidateKey(root));
   root.push_back('/');
   return root;
-}
-
-std::string RandomHex128() {
-  std::random_device device;
-  std::string out;
-  static constexpr char kDigits[] = "0123456789abcdef";
-  for (int i = 0; i < 4; ++i) {
-    uint32_t word = device();
-    for (int j = 0; j < 8; ++j, word >>= 4) out.push_back(kDigits[word & 15]);
-  }
-  return out;
 }
 
 Status ReadOnly(std::string_view operation) {
@@ -456,7 +446,7 @@ Result<uint32_t> OcdbtWriter::FileForLocked(uint64_t size) {
   if (data_files_.empty() || (data_files_.back().size > 0 &&
                               data_files_.back().size + size > options_.target_data_file_bytes)) {
     DataFile file;
-    file.relative_path = StrCat("d/", RandomHex128());
+    file.relative_path = StrCat("d/", RandomHexId(32));
     TS_ASSIGN_OR_RETURN(file.file, base_->OpenForWrite(StrCat(root_, file.relative_path)));
     data_files_.push_back(std::move(file));
   }
@@ -549,7 +539,7 @@ Status OcdbtWriter::Finish() {
   }
 
   ocdbt::Config config;
-  const std::string uuid_hex = RandomHex128();
+  const std::string uuid_hex = RandomHexId(32);
   for (size_t i = 0; i < 16; ++i) {
     config.uuid[i] = static_cast<uint8_t>(std::stoi(uuid_hex.substr(2 * i, 2), nullptr, 16));
   }
@@ -558,7 +548,7 @@ Status OcdbtWriter::Finish() {
   config.zstd = options_.zstd;
   config.zstd_level = options_.zstd_level;
 
-  const std::string node_path = StrCat("d/", RandomHex128());
+  const std::string node_path = StrCat("d/", RandomHexId(32));
   TS_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> node_file,
                       base_->OpenForWrite(StrCat(root_, node_path)));
   NodeFileWriter nodes(node_file.get(), config);
