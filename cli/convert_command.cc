@@ -11,7 +11,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
 #include <memory>
 #include <new>
 #include <string>
@@ -22,7 +21,9 @@
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/checkpoint/orbax_writer.h"
+#include "tensorstash/checkpoint/step_folder.h"
 #include "tensorstash/checkpoint/step_source.h"
+#include "tensorstash/format/orbax_names.h"
 #include "tensorstash/kvstore/registry.h"
 #include "tensorstash/util/str_util.h"
 
@@ -51,9 +52,10 @@ class ConvertSource {
 // Any step the readers understand (StepSource: native, Orbax, zarr group), as a ConvertSource.
 class StepConvertSource final : public ConvertSource {
  public:
-  static Result<std::unique_ptr<StepConvertSource>> Open(const std::string& path) {
+  // Opens the step at `location` (whose store it keeps).
+  static Result<std::unique_ptr<StepConvertSource>> Open(StepLocation location) {
     auto source = std::unique_ptr<StepConvertSource>(new StepConvertSource());
-    TS_ASSIGN_OR_RETURN(source->location_, OpenStepPath(path));
+    source->location_ = std::move(location);
     TS_ASSIGN_OR_RETURN(source->step_,
                         OpenStepSource(source->location_.kv.get(), source->location_.key));
     for (const ArrayMetadata& a : source->step_->arrays()) {
@@ -76,22 +78,17 @@ class StepConvertSource final : public ConvertSource {
 
 enum class Format { kNative, kOrbax };
 
-// What SRC is: a native step has COMMIT; an Orbax item has _METADATA (or manifest.ocdbt), an
-// Orbax CheckpointManager step has _CHECKPOINT_METADATA and `<item>/_METADATA`.
-Result<Format> DetectFormat(const std::string& path, const std::string& item) {
-  namespace fs = std::filesystem;
-  std::error_code error;
-  if (!fs::is_directory(path, error)) {
-    return NotFoundError(StrCat("'", path, "' is not a directory"));
+// SRC opened, and its format (the library's detection, step_source.h): an Orbax CheckpointManager
+// step with `item` names that item's folder.
+Result<std::pair<StepLocation, Format>> OpenSource(const std::string& path, const std::string& item) {
+  TS_ASSIGN_OR_RETURN(StepLocation location, OpenStepPath(path));
+  if (!item.empty()) {
+    const std::string item_key = StrCat(location.key, "/", item);
+    if (location.kv->Size(StrCat(item_key, "/", kOrbaxMetadataFileName)).ok()) location.key = item_key;
   }
-  const fs::path p(path);
-  if (fs::exists(p / "COMMIT", error)) return Format::kNative;
-  if (fs::exists(p / "_METADATA", error) || fs::exists(p / "manifest.ocdbt", error) ||
-      fs::exists(p / item / "_METADATA", error)) {
-    return Format::kOrbax;
-  }
-  return InvalidArgumentError(StrCat("'", path, "' is neither a tensorstash step (no COMMIT) "
-                                     "nor an Orbax checkpoint (no _METADATA)"));
+  TS_ASSIGN_OR_RETURN(DetectedStep detected, DetectStepFormat(location.kv.get(), location.key));
+  const Format format = detected.format == StepFormat::kNative ? Format::kNative : Format::kOrbax;
+  return std::make_pair(std::move(location), format);
 }
 
 // DST's parent store (created if missing) and DST's name in it.
@@ -176,27 +173,28 @@ Status WriteNative(ConvertSource* source, StepLocation* dst, bool overwrite) {
 
 int RunConvert(const std::string& src, const std::string& dst, const std::string& to,
                const std::string& item, bool overwrite) {
-  Result<Format> from = DetectFormat(src, item.empty() ? "default" : item);
-  if (!from.ok()) return Fail(from.status());
-  Format target = *from == Format::kNative ? Format::kOrbax : Format::kNative;
+  Result<std::pair<StepLocation, Format>> opened_source = OpenSource(src, item);
+  if (!opened_source.ok()) return Fail(opened_source.status());
+  const Format from = opened_source->second;
+  Format target = from == Format::kNative ? Format::kOrbax : Format::kNative;
   if (to == "orbax") target = Format::kOrbax;
   if (to == "native") target = Format::kNative;
-
-  std::error_code error;
-  if (std::filesystem::exists(dst, error) && !overwrite) {
-    return Fail(AlreadyExistsError(StrCat("'", dst, "' exists; pass --overwrite to replace it")));
-  }
-  // An Orbax manager step: its named item (the readers find "default" by themselves).
-  namespace fs = std::filesystem;
-  const std::string src_item =
-      *from == Format::kOrbax && !item.empty() && fs::exists(fs::path(src) / item / "_METADATA", error)
-          ? (fs::path(src) / item).string()
-          : src;
-  Result<std::unique_ptr<StepConvertSource>> opened = StepConvertSource::Open(src_item);
+  // An existing DST is refused by the writers unless --overwrite (and never deleted when it is
+  // not a checkpoint: step_folder.h).
+  Result<std::unique_ptr<StepConvertSource>> opened =
+      StepConvertSource::Open(std::move(opened_source->first));
   if (!opened.ok()) return Fail(opened.status());
   std::unique_ptr<ConvertSource> source = *std::move(opened);
   Result<StepLocation> destination = OpenDestination(dst);
   if (!destination.ok()) return Fail(destination.status());
+  if (!overwrite) {
+    // The writers refuse it too; this says so in the CLI's words.
+    Result<FolderContent> there = ClassifyStepFolder(destination->kv.get(), destination->key);
+    if (there.ok() && (*there == FolderContent::kTensorstashStep ||
+                       *there == FolderContent::kOrbaxCheckpoint)) {
+      return Fail(AlreadyExistsError(StrCat("'", dst, "' exists; pass --overwrite to replace it")));
+    }
+  }
   const auto start = std::chrono::steady_clock::now();
   Status status = target == Format::kOrbax ? WriteOrbax(source.get(), &*destination, overwrite, item)
                                            : WriteNative(source.get(), &*destination, overwrite);
@@ -205,7 +203,7 @@ int RunConvert(const std::string& src, const std::string& dst, const std::string
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("converted %zu arrays (%s) from %s to %s at %s in %.2f s\n",
               source->arrays().size(), HumanBytes(TotalBytes(*source)).c_str(),
-              *from == Format::kNative ? "tensorstash" : "Orbax",
+              from == Format::kNative ? "tensorstash" : "Orbax",
               target == Format::kNative ? "tensorstash" : "Orbax", dst.c_str(), seconds);
   return 0;
 }
