@@ -16,10 +16,11 @@
 #include <utility>
 
 #include "nlohmann/json.hpp"
+#include "tensorstash/checkpoint/background_worker.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/layout.h"
 #include "tensorstash/checkpoint/retention.h"
-#include "tensorstash/checkpoint/step_folder.h"
+#include "tensorstash/checkpoint/step_store.h"
 #include "tensorstash/coordination/single_process_coordinator.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/util/crc32c.h"
@@ -30,22 +31,9 @@ namespace {
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-constexpr char kLockKey[] = "LOCK";
-constexpr int kStepDigits = 10;
 
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-// The step of a folder name of exactly 10 digits; nullopt for any other name.
-std::optional<int64_t> ParseStepName(std::string_view name) {
-  if (name.size() != kStepDigits) return std::nullopt;
-  int64_t step = 0;
-  for (char c : name) {
-    if (c < '0' || c > '9') return std::nullopt;
-  }
-  if (!ParseInt(name, &step)) return std::nullopt;
-  return step;
 }
 
 // Counts SIGTERMs caught by the handler; process-wide, as signals are. Each manager compares it
@@ -90,7 +78,8 @@ struct CheckpointManager::Impl {
   ManagerOptions options;
   Coordinator* coordinator = nullptr;
   SingleProcessCoordinator own_coordinator;
-  std::unique_ptr<KvLock> lock;  // process 0 only; null once closed
+  // The steps on the store: names, listing, cleanup, the root's lock (process 0), deletion.
+  std::unique_ptr<StepStore> step_store;
   bool closed = false;
   bool sigterm_installed = false;
   struct sigaction previous_sigterm {};
@@ -111,8 +100,7 @@ struct CheckpointManager::Impl {
   std::mutex calls_mutex;
   // The background work in flight (an async save, or deletions) and the error of the last one
   // not yet returned to the caller. Guarded by calls_mutex.
-  std::thread worker;
-  Status background_error;  // Written by the worker; read after joining it.
+  BackgroundWorker worker;
 
   bool is_leader() const { return coordinator->process_index() == 0; }
   Status OpenSteps();
@@ -153,6 +141,7 @@ Result<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(KvStore* kv,
   }
   auto impl = std::make_unique<Impl>();
   impl->kv = kv;
+  impl->step_store = std::make_unique<StepStore>(kv);
   impl->options = std::move(options);
   impl->coordinator =
       impl->options.coordinator != nullptr ? impl->options.coordinator : &impl->own_coordinator;
@@ -175,7 +164,7 @@ Result<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(KvStore* kv,
 Status CheckpointManager::Impl::OpenSteps() {
   Coordinator& c = *coordinator;
   if (c.process_count() == 1) {
-    TS_ASSIGN_OR_RETURN(lock, kv->TryLock(kLockKey));
+    TS_RETURN_IF_ERROR(step_store->Lock());
     TS_RETURN_IF_ERROR(Annotate(CleanUpAndListSteps(),
                                 StrCat("opening the checkpoints in ", kv->Describe())));
     if (!options.best_metric.empty()) LoadMetrics();
@@ -184,10 +173,8 @@ Status CheckpointManager::Impl::OpenSteps() {
   // Process 0 locks and cleans up, then tells the others the steps (or its error).
   const std::string key = StrCat("tensorstash-manager/", c.NextOperationId(), "/open");
   if (is_leader()) {
-    Result<std::unique_ptr<KvLock>> locked = kv->TryLock(kLockKey);
-    Status status = locked.status();
+    Status status = step_store->Lock();
     if (status.ok()) {
-      lock = std::move(*locked);
       status = Annotate(CleanUpAndListSteps(), StrCat("opening the checkpoints in ", kv->Describe()));
       if (status.ok() && !options.best_metric.empty()) LoadMetrics();
     }
@@ -212,83 +199,10 @@ Status CheckpointManager::Impl::OpenSteps() {
 }
 
 Status CheckpointManager::Impl::CleanUpAndListSteps() {
-  // Top-level folders (one listing with the delimiter, not every data file of every step), and
-  // whether each has a COMMIT. Loose files (LOCK, stray files) are not folders.
-  TS_ASSIGN_OR_RETURN(ListedChildren top, kv->ListChildren(""));
-  std::map<std::string, bool, std::less<>> folders;
-  for (const std::string& prefix : top.prefixes) {
-    const std::string name = prefix.substr(0, prefix.size() - 1);
-    Result<uint64_t> commit = kv->Size(StrCat(name, "/", kCommitFileName));
-    // A COMMIT that is not a regular file (a directory, a symlink) counts as present: the step
-    // is then checked by opening it, and reported damaged, never deleted as incomplete.
-    const bool present = commit.ok() || IsNotAnObject(commit.status()) ||
-                         absl::IsFailedPrecondition(commit.status());
-    if (!present && !absl::IsNotFound(commit.status())) return commit.status();
-    folders[name] = present;
-  }
-  // Folders tensorstash wrote and nothing reads: "<step>.tmp-<id>", "<step>.old-<id>" of a
-  // 10-digit step, and step folders without COMMIT that hold only what a save writes (a crashed
-  // save on a store without rename, or a crashed deletion: COMMIT goes first). Anything else in
-  // the root is the user's and left alone (step_folder.h).
-  const auto is_ours_incomplete = [&](const std::string& name) -> Result<bool> {
-    TS_ASSIGN_OR_RETURN(FolderContent content, ClassifyStepFolder(kv, name));
-    return content == FolderContent::kEmpty || content == FolderContent::kTensorstashLeftover;
-  };
-  // An overwrite that crashed between its two renames left "<step>.old-<id>" complete and
-  // <step> absent (or incomplete): the old step is the one to keep (rolled back as the writer
-  // does). Only the first such folder by name, like the writer.
-  std::set<std::string> restored;
-  if (kv->SupportsRename()) {
-    for (const auto& [name, complete] : folders) {
-      const std::optional<std::string_view> base_view = LeftoverBase(name);
-      if (!base_view || !complete || !ParseStepName(*base_view) ||
-          name.compare(base_view->size(), std::strlen(kOldMarker), kOldMarker) != 0) {
-        continue;
-      }
-      const std::string base(*base_view);
-      auto base_it = folders.find(base);
-      if ((base_it != folders.end() && base_it->second) || restored.count(base) > 0) continue;
-      if (base_it != folders.end()) {
-        TS_ASSIGN_OR_RETURN(bool ours, is_ours_incomplete(base));
-        if (!ours) continue;  // someone else's folder took the step's name: leave both
-        TS_RETURN_IF_ERROR(kv->DeletePrefix(base + "/"));
-      }
-      TS_RETURN_IF_ERROR(kv->RenameDirectory(name, base));
-      restored.insert(base);
-      restored.insert(name);
-    }
-  }
-  std::set<int64_t> complete_steps;
-  std::map<int64_t, std::string> damaged_steps;
-  for (const std::string& name : restored) {
-    if (std::optional<int64_t> step = ParseStepName(name)) complete_steps.insert(*step);
-  }
-  for (const auto& [name, complete] : folders) {
-    if (restored.count(name) > 0) continue;
-    if (const std::optional<std::string_view> base = LeftoverBase(name)) {
-      if (ParseStepName(*base)) TS_RETURN_IF_ERROR(kv->DeletePrefix(name + "/"));
-      continue;
-    }
-    std::optional<int64_t> step = ParseStepName(name);
-    if (!step) continue;  // not ours: left alone
-    if (complete) {
-      // Listed only when it opens: a damaged COMMIT (or tree.json, index) would otherwise be the
-      // latest step and fail at restore. It is reported, never deleted.
-      Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(kv, name);
-      if (reader.ok()) {
-        complete_steps.insert(*step);
-      } else {
-        damaged_steps[*step] = std::string(reader.status().message());
-      }
-      continue;
-    }
-    // No save runs while we hold the lock, so an incomplete step of ours is dead.
-    TS_ASSIGN_OR_RETURN(bool ours, is_ours_incomplete(name));
-    if (ours) TS_RETURN_IF_ERROR(kv->DeletePrefix(name + "/"));
-  }
+  TS_ASSIGN_OR_RETURN(StepStore::StepListing listing, step_store->CleanUpAndList());
   std::lock_guard<std::mutex> guard(mutex);
-  steps = std::move(complete_steps);
-  damaged = std::move(damaged_steps);
+  steps = std::move(listing.complete);
+  damaged = std::move(listing.damaged);
   return OkStatus();
 }
 
@@ -315,15 +229,7 @@ void CheckpointManager::Impl::LoadMetrics() {
   }
 }
 
-Result<std::string> CheckpointManager::StepDir(int64_t step) {
-  if (step < 0) return InvalidArgumentError(StrCat("step ", step, " is negative"));
-  std::string digits = std::to_string(step);
-  if (digits.size() > static_cast<size_t>(kStepDigits)) {
-    return InvalidArgumentError(
-        StrCat("step ", step, " does not fit in a ", kStepDigits, "-digit folder name"));
-  }
-  return std::string(kStepDigits - digits.size(), '0') + digits;
-}
+Result<std::string> CheckpointManager::StepDir(int64_t step) { return StepStore::StepDir(step); }
 
 std::vector<int64_t> CheckpointManager::AllSteps() const {
   std::lock_guard<std::mutex> guard(impl_->mutex);
@@ -463,19 +369,9 @@ Status CheckpointManager::Impl::DeleteSteps(const std::vector<int64_t>& doomed) 
   return result;
 }
 
-Status CheckpointManager::Impl::DeleteStep(int64_t step) {
-  TS_ASSIGN_OR_RETURN(std::string dir, StepDir(step));
-  // COMMIT goes first: a crash halfway leaves an incomplete folder (removed at the next Open),
-  // never a step that claims to be complete with files missing.
-  Status commit = kv->Delete(StrCat(dir, "/", kCommitFileName));
-  if (!commit.ok() && !absl::IsNotFound(commit)) return commit;
-  return kv->DeletePrefix(dir + "/");
-}
+Status CheckpointManager::Impl::DeleteStep(int64_t step) { return step_store->DeleteStep(step); }
 
-Status CheckpointManager::Impl::JoinWorker() {
-  if (worker.joinable()) worker.join();
-  return std::exchange(background_error, OkStatus());
-}
+Status CheckpointManager::Impl::JoinWorker() { return worker.Join(); }
 
 Status CheckpointManager::Save(int64_t step, SaveRequest request, SaveStats* stats) {
   Impl& s = *impl_;
@@ -491,9 +387,7 @@ Status CheckpointManager::Save(int64_t step, SaveRequest request, SaveStats* sta
   TS_ASSIGN_OR_RETURN(std::vector<int64_t> doomed, s.Committed(job, local));
   if (!doomed.empty()) {
     Impl* impl = impl_.get();
-    s.worker = std::thread([impl, doomed = std::move(doomed)] {
-      impl->background_error = impl->DeleteSteps(doomed);
-    });
+    s.worker.Start([impl, doomed = std::move(doomed)] { return impl->DeleteSteps(doomed); });
   }
   return OkStatus();
 }
@@ -511,7 +405,7 @@ Status CheckpointManager::SaveAsync(int64_t step, SaveRequest request) {
   Impl* impl = impl_.get();
   auto shared_job = std::make_shared<SaveJob>(std::move(job));
   auto blocking = std::make_shared<std::atomic<double>>(0.0);
-  s.worker = std::thread([impl, shared_job, released, blocking] {
+  s.worker.Start([impl, shared_job, released, blocking] {
     WriteStats written;
     Status status = shared_job->writer->Commit(&written, [&] {
       blocking->store(SecondsSince(shared_job->start));
@@ -525,7 +419,7 @@ Status CheckpointManager::SaveAsync(int64_t step, SaveRequest request) {
       status = doomed.ok() ? impl->DeleteSteps(*doomed) : doomed.status();
     }
     shared_job->writer.reset();
-    impl->background_error = Annotate(status, StrCat("background save of step ", shared_job->step));
+    return Annotate(status, StrCat("background save of step ", shared_job->step));
   });
   copied.wait();
   return OkStatus();
@@ -560,7 +454,7 @@ Status CheckpointManager::Close() {
   std::lock_guard<std::mutex> call(impl_->calls_mutex);
   if (impl_->closed) return OkStatus();
   Status result = impl_->JoinWorker();
-  impl_->lock.reset();
+  impl_->step_store->ReleaseLock();
   impl_->RestoreSigterm();
   impl_->closed = true;
   return result;
