@@ -2,8 +2,8 @@
 //
 // A key is a relative, '/'-separated path ("step/state/index"). Keys are checked by
 // ValidateKey: empty segments, "." and "..", a leading '/', and NUL bytes are InvalidArgument.
-// Backends (file/, memory/) implement this interface; kvstore_conformance_test.cc runs one suite
-// of tests against each of them.
+// Backends (file/, memory/) implement this interface and register a URL scheme (registry.h);
+// each instantiates the one conformance suite (kvstore_conformance.h) from its own folder.
 //
 // The API is synchronous; the engine supplies the parallelism. All methods are thread-safe: any
 // number of threads may call one KvStore at once. A WritableFile / ReadableFile may be used by

@@ -1,4 +1,5 @@
-// One suite of KvStore behaviour, run against every backend: what the engine may rely on.
+// The KvStore conformance suite (kvstore_conformance.h): what the engine may rely on. Each
+// backend instantiates it from its own folder (file/, memory/, fault/).
 #include <stdlib.h>
 
 #include <algorithm>
@@ -16,10 +17,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tensorstash/kvstore/fault/fault_injection_kvstore.h"
-#include "tensorstash/kvstore/file/file_kvstore.h"
 #include "tensorstash/kvstore/kvstore.h"
-#include "tensorstash/kvstore/memory/memory_kvstore.h"
+#include "tensorstash/kvstore/kvstore_conformance.h"
 #include "tensorstash/util/staging_buffer.h"
 #include "tensorstash/util/status_test_macros.h"
 
@@ -29,91 +28,6 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
-
-struct Backend {
-  std::string name;
-  // Makes a fresh, empty store; `scratch_dir` is an empty directory it may use.
-  std::function<std::unique_ptr<KvStore>(const std::string& scratch_dir)> make;
-};
-
-std::vector<Backend> Backends() {
-  return {
-      {"File",
-       [](const std::string& scratch_dir) -> std::unique_ptr<KvStore> {
-         Result<std::unique_ptr<FileKvStore>> store = FileKvStore::Open(scratch_dir + "/root");
-         if (!store.ok()) {
-           ADD_FAILURE() << store.status();
-           return nullptr;
-         }
-         return *std::move(store);
-       }},
-      {"Memory", [](const std::string&) { return std::make_unique<MemoryKvStore>(); }},
-      {"MemoryNoRename",
-       [](const std::string&) {
-         return std::make_unique<MemoryKvStore>(/*supports_rename=*/false);
-       }},
-      // The fault-injecting decorator without rules, tracking durability: it must not change
-      // what the store does.
-      {"FaultInjectionFile",
-       [](const std::string& scratch_dir) -> std::unique_ptr<KvStore> {
-         Result<std::unique_ptr<FileKvStore>> store = FileKvStore::Open(scratch_dir + "/root");
-         if (!store.ok()) {
-           ADD_FAILURE() << store.status();
-           return nullptr;
-         }
-         auto fault = std::make_unique<FaultInjectionKvStore>(*std::move(store));
-         if (Status s = fault->StartDurabilityTracking(); !s.ok()) ADD_FAILURE() << s;
-         return fault;
-       }},
-      {"FaultInjectionMemory",
-       [](const std::string&) -> std::unique_ptr<KvStore> {
-         auto fault = std::make_unique<FaultInjectionKvStore>(std::make_unique<MemoryKvStore>());
-         if (Status s = fault->StartDurabilityTracking(); !s.ok()) ADD_FAILURE() << s;
-         return fault;
-       }},
-  };
-}
-
-class KvStoreConformanceTest : public ::testing::TestWithParam<Backend> {
- protected:
-  void SetUp() override {
-    std::string dir = ::testing::TempDir() + "kvstore_conformance_XXXXXX";
-    ASSERT_NE(::mkdtemp(dir.data()), nullptr) << std::strerror(errno);
-    scratch_dir_ = dir;
-    store_ = GetParam().make(scratch_dir_);
-    ASSERT_NE(store_, nullptr);
-  }
-
-  void TearDown() override {
-    store_.reset();
-    std::error_code ignored;
-    std::filesystem::remove_all(scratch_dir_, ignored);
-  }
-
-  void Put(std::string_view key, std::string_view value) {
-    ASSERT_EQ(absl::OkStatus(), store_->Write(key, value)) << key;
-  }
-
-  std::string Get(std::string_view key) {
-    Result<std::string> value = store_->Read(key);
-    EXPECT_EQ(absl::OkStatus(), value.status()) << key;
-    return value.ok() ? *value : std::string();
-  }
-
-  std::vector<std::string> ListOrDie(std::string_view prefix) {
-    Result<std::vector<std::string>> keys = store_->List(prefix);
-    EXPECT_EQ(absl::OkStatus(), keys.status()) << prefix;
-    return keys.ok() ? *keys : std::vector<std::string>();
-  }
-
-  // Keys for the List and Delete tests, written out of order.
-  void PutTree() {
-    for (const char* key : {"b", "a/c", "ab", "a/b2/y/z", "a/b1", "a/b2/x"}) Put(key, key);
-  }
-
-  std::string scratch_dir_;
-  std::unique_ptr<KvStore> store_;
-};
 
 std::string Pattern(size_t size, uint32_t seed) {
   std::string bytes(size, '\0');
@@ -814,11 +728,6 @@ TEST_P(KvStoreConformanceTest, TryLockRejectsInvalidKeys) {
   EXPECT_EQ(store_->TryLock("").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(store_->TryLock("a/../b").status().code(), absl::StatusCode::kInvalidArgument);
 }
-
-INSTANTIATE_TEST_SUITE_P(Backends, KvStoreConformanceTest, ::testing::ValuesIn(Backends()),
-                         [](const ::testing::TestParamInfo<Backend>& param_info) {
-                           return param_info.param.name;
-                         });
 
 }  // namespace
 }  // namespace tensorstash

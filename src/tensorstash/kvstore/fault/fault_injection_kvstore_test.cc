@@ -13,6 +13,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tensorstash/kvstore/kvstore_conformance.h"
 #include "tensorstash/kvstore/file/file_kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/util/status_test_macros.h"
@@ -350,4 +351,26 @@ INSTANTIATE_TEST_SUITE_P(Backends, FaultInjectionKvStoreTest, ::testing::Bool(),
                          });
 
 }  // namespace
+// The conformance suite (kvstore_conformance.h) through the fault-injecting decorator without
+// rules, tracking durability: it must not change what the store does.
+TS_INSTANTIATE_KVSTORE_CONFORMANCE(
+    FaultInjection,
+    std::vector<KvStoreBackend>(
+        {{"FaultInjectionFile",
+          [](const std::string& scratch_dir) -> std::unique_ptr<KvStore> {
+            Result<std::unique_ptr<FileKvStore>> store = FileKvStore::Open(scratch_dir + "/root");
+            if (!store.ok()) {
+              ADD_FAILURE() << store.status();
+              return nullptr;
+            }
+            auto fault = std::make_unique<FaultInjectionKvStore>(*std::move(store));
+            if (Status s = fault->StartDurabilityTracking(); !s.ok()) ADD_FAILURE() << s;
+            return fault;
+          }},
+         {"FaultInjectionMemory", [](const std::string&) -> std::unique_ptr<KvStore> {
+            auto fault = std::make_unique<FaultInjectionKvStore>(std::make_unique<MemoryKvStore>());
+            if (Status s = fault->StartDurabilityTracking(); !s.ok()) ADD_FAILURE() << s;
+            return fault;
+          }}}));
+
 }  // namespace tensorstash

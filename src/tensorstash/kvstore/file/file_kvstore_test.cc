@@ -19,6 +19,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tensorstash/kvstore/kvstore_conformance.h"
 
 namespace tensorstash {
 namespace {
@@ -294,4 +295,16 @@ TEST_F(FileKvStoreTest, StartWritebackOfAClosedFileIsFailedPrecondition) {
 }
 
 }  // namespace
+// The conformance suite (kvstore_conformance.h) on this backend.
+TS_INSTANTIATE_KVSTORE_CONFORMANCE(
+    File, std::vector<KvStoreBackend>({{"File", [](const std::string& scratch_dir) -> std::unique_ptr<KvStore> {
+                                          Result<std::unique_ptr<FileKvStore>> store =
+                                              FileKvStore::Open(scratch_dir + "/root");
+                                          if (!store.ok()) {
+                                            ADD_FAILURE() << store.status();
+                                            return nullptr;
+                                          }
+                                          return *std::move(store);
+                                        }}}));
+
 }  // namespace tensorstash

@@ -1,0 +1,86 @@
+// The KvStore conformance suite: one set of behaviour tests that every backend runs, by
+// instantiating it from its own folder's test file:
+//
+//   TS_INSTANTIATE_KVSTORE_CONFORMANCE(File, {{"File", [](const std::string& scratch_dir) {...}}});
+//
+// The tests themselves are in kvstore_conformance_test.cc. A backend declares what it cannot do
+// through KvStore::Capabilities() (or SupportsRename), and the tests check the documented answer
+// (Unimplemented) instead.
+#ifndef TENSORSTASH_KVSTORE_KVSTORE_CONFORMANCE_H_
+#define TENSORSTASH_KVSTORE_KVSTORE_CONFORMANCE_H_
+
+#include <stdlib.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tensorstash/kvstore/kvstore.h"
+
+namespace tensorstash {
+
+struct KvStoreBackend {
+  std::string name;
+  // Makes a fresh, empty store; `scratch_dir` is an empty directory it may use.
+  std::function<std::unique_ptr<KvStore>(const std::string& scratch_dir)> make;
+};
+
+class KvStoreConformanceTest : public ::testing::TestWithParam<KvStoreBackend> {
+ protected:
+  void SetUp() override {
+    std::string dir = ::testing::TempDir() + "kvstore_conformance_XXXXXX";
+    ASSERT_NE(::mkdtemp(dir.data()), nullptr) << std::strerror(errno);
+    scratch_dir_ = dir;
+    store_ = GetParam().make(scratch_dir_);
+    ASSERT_NE(store_, nullptr);
+  }
+
+  void TearDown() override {
+    store_.reset();
+    std::error_code ignored;
+    std::filesystem::remove_all(scratch_dir_, ignored);
+  }
+
+  void Put(std::string_view key, std::string_view value) {
+    ASSERT_EQ(absl::OkStatus(), store_->Write(key, value)) << key;
+  }
+
+  std::string Get(std::string_view key) {
+    Result<std::string> value = store_->Read(key);
+    EXPECT_EQ(absl::OkStatus(), value.status()) << key;
+    return value.ok() ? *value : std::string();
+  }
+
+  std::vector<std::string> ListOrDie(std::string_view prefix) {
+    Result<std::vector<std::string>> keys = store_->List(prefix);
+    EXPECT_EQ(absl::OkStatus(), keys.status()) << prefix;
+    return keys.ok() ? *keys : std::vector<std::string>();
+  }
+
+  // Keys for the List and Delete tests, written out of order.
+  void PutTree() {
+    for (const char* key : {"b", "a/c", "ab", "a/b2/y/z", "a/b1", "a/b2/x"}) Put(key, key);
+  }
+
+  std::string scratch_dir_;
+  std::unique_ptr<KvStore> store_;
+};
+
+}  // namespace tensorstash
+
+// Runs the suite against `backends` (a std::vector<KvStoreBackend>), tests named
+// "<prefix>/KvStoreConformanceTest.<test>/<backend name>". Use it inside namespace tensorstash.
+#define TS_INSTANTIATE_KVSTORE_CONFORMANCE(prefix, backends)                                  \
+  INSTANTIATE_TEST_SUITE_P(                                                                   \
+      prefix, KvStoreConformanceTest, ::testing::ValuesIn(backends),                         \
+      [](const ::testing::TestParamInfo<KvStoreBackend>& param_info) {                       \
+        return param_info.param.name;                                                         \
+      })
+
+#endif  // TENSORSTASH_KVSTORE_KVSTORE_CONFORMANCE_H_
