@@ -66,7 +66,8 @@ void ProgressBar::Update(uint64_t done) {
   const auto now = std::chrono::steady_clock::now();
   if (done < total_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
   last_draw_ = now;
-  const double fraction = total_ == 0 ? 1.0 : static_cast<double>(done) / static_cast<double>(total_);
+  const double fraction =
+      total_ == 0 ? 1.0 : static_cast<double>(done) / static_cast<double>(total_);
   const int width = 30, filled = static_cast<int>(fraction * width);
   const double seconds = std::chrono::duration<double>(now - start_).count();
   const double rate = seconds > 0 ? static_cast<double>(done) / seconds : 0;

@@ -80,11 +80,13 @@ enum class Format { kNative, kOrbax };
 
 // SRC opened, and its format (the library's detection, step_source.h): an Orbax CheckpointManager
 // step with `item` names that item's folder.
-Result<std::pair<StepLocation, Format>> OpenSource(const std::string& path, const std::string& item) {
+Result<std::pair<StepLocation, Format>> OpenSource(const std::string& path,
+                                                   const std::string& item) {
   TS_ASSIGN_OR_RETURN(StepLocation location, OpenStepPath(path));
   if (!item.empty()) {
     const std::string item_key = StrCat(location.key, "/", item);
-    if (location.kv->Size(StrCat(item_key, "/", kOrbaxMetadataFileName)).ok()) location.key = item_key;
+    if (location.kv->Size(StrCat(item_key, "/", kOrbaxMetadataFileName)).ok())
+      location.key = item_key;
   }
   TS_ASSIGN_OR_RETURN(DetectedStep detected, DetectStepFormat(location.kv.get(), location.key));
   const Format format = detected.format == StepFormat::kNative ? Format::kNative : Format::kOrbax;
@@ -143,7 +145,8 @@ Status WriteNative(ConvertSource* source, StepLocation* dst, bool overwrite) {
   if (total > memory) {
     return ResourceExhaustedError(StrCat(
         "converting to the tensorstash format holds every array in memory: the source's arrays "
-        "claim ", total, " bytes, more than this machine's ", memory, " bytes of memory"));
+        "claim ",
+        total, " bytes, more than this machine's ", memory, " bytes of memory"));
   }
   std::vector<std::unique_ptr<char[]>> buffers;
   const std::vector<SourceArray>& arrays = source->arrays();
@@ -190,19 +193,20 @@ int RunConvert(const std::string& src, const std::string& dst, const std::string
   if (!overwrite) {
     // The writers refuse it too; this says so in the CLI's words.
     Result<FolderContent> there = ClassifyStepFolder(destination->kv.get(), destination->key);
-    if (there.ok() && (*there == FolderContent::kTensorstashStep ||
-                       *there == FolderContent::kOrbaxCheckpoint)) {
+    if (there.ok() &&
+        (*there == FolderContent::kTensorstashStep || *there == FolderContent::kOrbaxCheckpoint)) {
       return Fail(AlreadyExistsError(StrCat("'", dst, "' exists; pass --overwrite to replace it")));
     }
   }
   const auto start = std::chrono::steady_clock::now();
-  Status status = target == Format::kOrbax ? WriteOrbax(source.get(), &*destination, overwrite, item)
-                                           : WriteNative(source.get(), &*destination, overwrite);
+  Status status = target == Format::kOrbax
+                      ? WriteOrbax(source.get(), &*destination, overwrite, item)
+                      : WriteNative(source.get(), &*destination, overwrite);
   if (!status.ok()) return Fail(status);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("converted %zu arrays (%s) from %s to %s at %s in %.2f s\n",
-              source->arrays().size(), HumanBytes(TotalBytes(*source)).c_str(),
+  std::printf("converted %zu arrays (%s) from %s to %s at %s in %.2f s\n", source->arrays().size(),
+              HumanBytes(TotalBytes(*source)).c_str(),
               from == Format::kNative ? "tensorstash" : "Orbax",
               target == Format::kNative ? "tensorstash" : "Orbax", dst.c_str(), seconds);
   return 0;
@@ -212,7 +216,8 @@ int RunConvert(const std::string& src, const std::string& dst, const std::string
 
 void AddConvertCommand(CLI::App& app, int* exit_code) {
   auto* cmd = app.add_subcommand(
-      "convert", "Rewrite a checkpoint in the other format: tensorstash step <-> Orbax (OCDBT + zarr3)");
+      "convert",
+      "Rewrite a checkpoint in the other format: tensorstash step <-> Orbax (OCDBT + zarr3)");
   struct Args {
     std::string src, dst, to, item;
     bool overwrite = false;

@@ -73,10 +73,11 @@ int RunInspect(const std::string& path, bool as_json) {
               "DTYPE", "SHAPE", "CHUNK", "CHUNKS", "STORED", "CODEC");
   for (size_t i = 0; i < r.arrays().size(); ++i) {
     const ArrayMetadata& a = r.arrays()[i];
-    std::printf("%-*s  %-13s %-20s %-20s %7lld %12s  %s\n", static_cast<int>(path_width), a.path.c_str(),
-                std::string(DTypeName(a.dtype)).c_str(), ShapeText(a.shape()).c_str(),
-                ShapeText(a.grid.chunk_shape).c_str(), static_cast<long long>(r.NumChunks(i)),
-                HumanBytes(r.StoredBytes(i)).c_str(), r.CodecDescription(i).c_str());
+    std::printf("%-*s  %-13s %-20s %-20s %7lld %12s  %s\n", static_cast<int>(path_width),
+                a.path.c_str(), std::string(DTypeName(a.dtype)).c_str(),
+                ShapeText(a.shape()).c_str(), ShapeText(a.grid.chunk_shape).c_str(),
+                static_cast<long long>(r.NumChunks(i)), HumanBytes(r.StoredBytes(i)).c_str(),
+                r.CodecDescription(i).c_str());
   }
   return 0;
 }
@@ -85,11 +86,14 @@ int RunInspect(const std::string& path, bool as_json) {
 
 void AddInspectCommand(CLI::App& app, int* exit_code) {
   auto* cmd = app.add_subcommand(
-      "inspect", "Show the arrays of a step (tensorstash, Orbax or zarr group): path, dtype, shape, chunk "
+      "inspect",
+      "Show the arrays of a step (tensorstash, Orbax or zarr group): path, dtype, shape, chunk "
       "shape, stored bytes, codec");
   auto path = std::make_shared<std::string>();
   auto as_json = std::make_shared<bool>(false);
-  cmd->add_option("CKPT", *path, "A step folder (e.g. ckpts/0000001000) or an Orbax checkpoint folder")->required();
+  cmd->add_option("CKPT", *path,
+                  "A step folder (e.g. ckpts/0000001000) or an Orbax checkpoint folder")
+      ->required();
   cmd->add_flag("--json", *as_json, "Print JSON for machines");
   cmd->callback([path, as_json, exit_code] { *exit_code = RunInspect(*path, *as_json); });
 }

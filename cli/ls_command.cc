@@ -24,7 +24,8 @@ int RunLs(const std::string& root) {
   }
   if (rows->empty()) std::printf("(no steps under %s)\n", root.c_str());
   for (const StepListing& row : *rows) {
-    if (!row.problem.empty()) std::fprintf(stderr, "damaged: %s: %s\n", row.name.c_str(), row.problem.c_str());
+    if (!row.problem.empty())
+      std::fprintf(stderr, "damaged: %s: %s\n", row.name.c_str(), row.problem.c_str());
   }
   return 0;
 }
@@ -32,7 +33,8 @@ int RunLs(const std::string& root) {
 }  // namespace
 
 void AddLsCommand(CLI::App& app, int* exit_code) {
-  auto* cmd = app.add_subcommand("ls", "List the steps under a checkpoint root: complete or not, size, time");
+  auto* cmd = app.add_subcommand(
+      "ls", "List the steps under a checkpoint root: complete or not, size, time");
   auto root = std::make_shared<std::string>();
   cmd->add_option("ROOT", *root, "Folder holding step folders")->required();
   cmd->callback([root, exit_code] { *exit_code = RunLs(*root); });

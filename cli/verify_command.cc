@@ -28,7 +28,8 @@ int RunVerify(const std::string& path) {
     bad = (*reader)->Verify([&](uint64_t done, uint64_t) { bar.Update(done); });
   }
   if (!bad.ok()) return Fail(bad.status());
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   for (const BadChunk& chunk : *bad) {
     if (chunk.array_path.empty()) {  // a committed file (metadata, per-process state)
       std::printf("BAD  file %s: %s\n", chunk.file.c_str(), chunk.error.c_str());
@@ -50,9 +51,11 @@ int RunVerify(const std::string& path) {
   }
   const size_t chunks = (*reader)->native()->index().entries.size();
   const size_t files = (*reader)->native()->commit_record().files.size();
-  std::printf("OK: %zu chunks in %zu arrays, %zu files, %s verified in %.2f s (%s/s)\n", chunks,
-              (*reader)->arrays().size(), files, HumanBytes(total).c_str(), seconds,
-              HumanBytes(seconds > 0 ? static_cast<uint64_t>(static_cast<double>(total) / seconds) : total).c_str());
+  std::printf(
+      "OK: %zu chunks in %zu arrays, %zu files, %s verified in %.2f s (%s/s)\n", chunks,
+      (*reader)->arrays().size(), files, HumanBytes(total).c_str(), seconds,
+      HumanBytes(seconds > 0 ? static_cast<uint64_t>(static_cast<double>(total) / seconds) : total)
+          .c_str());
   return 0;
 }
 
@@ -60,7 +63,8 @@ int RunVerify(const std::string& path) {
 
 void AddVerifyCommand(CLI::App& app, int* exit_code) {
   auto* cmd = app.add_subcommand(
-      "verify", "Read every chunk of a step (tensorstash, Orbax or zarr group) and check its CRC-32C or "
+      "verify",
+      "Read every chunk of a step (tensorstash, Orbax or zarr group) and check its CRC-32C or "
       "decoding; exit 1 if any is bad");
   auto path = std::make_shared<std::string>();
   cmd->add_option("CKPT", *path, "A step folder (e.g. ckpts/0000001000)")->required();

@@ -141,8 +141,9 @@ double Restore(CheckpointReader& reader, const std::vector<ArrayDef>& arrays, co
   restored.reserve(arrays.size() * kDevices);
   for (const ArrayDef& a : arrays) {
     for (int d = 0; d < kDevices; ++d) {
-      Box box = layout.rows * layout.cols == 1 ? Box::FromShape(a.spec.shape)
-                                               : DeviceBox(a.spec.shape, layout.rows, layout.cols, d);
+      Box box = layout.rows * layout.cols == 1
+                    ? Box::FromShape(a.spec.shape)
+                    : DeviceBox(a.spec.shape, layout.rows, layout.cols, d);
       restored.emplace_back(box.num_elements() * ItemSize(a.spec.dtype));
       bytes += restored.back().size();
       requests.push_back({a.spec.path, box, a.spec.dtype, restored.back().data()});
@@ -201,7 +202,8 @@ int Run(const std::string& root, int64_t size_mib, bool fsync, int64_t step, int
     }
   }
   Result<std::unique_ptr<FileKvStore>> kv = FileKvStore::Open(root);
-  if (!kv.ok()) return std::fprintf(stderr, "error: %s\n", std::string(kv.status().message()).c_str()), 2;
+  if (!kv.ok())
+    return std::fprintf(stderr, "error: %s\n", std::string(kv.status().message()).c_str()), 2;
   char step_name[32];
   std::snprintf(step_name, sizeof(step_name), "%010lld", static_cast<long long>(step));
 
@@ -231,13 +233,16 @@ int Run(const std::string& root, int64_t size_mib, bool fsync, int64_t step, int
     WriterOptions write_options;
     write_options.sync = fsync;
     auto writer = CheckpointWriter::Create(kv->get(), step_name, write_options);
-    if (!writer.ok()) return std::fprintf(stderr, "error: %s\n", std::string(writer.status().message()).c_str()), 2;
+    if (!writer.ok())
+      return std::fprintf(stderr, "error: %s\n", std::string(writer.status().message()).c_str()), 2;
     for (size_t i = 0; i < arrays.size(); ++i) {
       Status added = (*writer)->AddArray(arrays[i].spec, shards[i]);
-      if (!added.ok()) return std::fprintf(stderr, "error: %s\n", std::string(added.message()).c_str()), 2;
+      if (!added.ok())
+        return std::fprintf(stderr, "error: %s\n", std::string(added.message()).c_str()), 2;
     }
     Status committed = (*writer)->Commit(&stats);
-    if (!committed.ok()) return std::fprintf(stderr, "error: %s\n", std::string(committed.message()).c_str()), 2;
+    if (!committed.ok())
+      return std::fprintf(stderr, "error: %s\n", std::string(committed.message()).c_str()), 2;
     save.push_back(total_bytes / stats.seconds / 1e9);
     ::sync();
     if (!probe_first) {
@@ -248,48 +253,58 @@ int Run(const std::string& root, int64_t size_mib, bool fsync, int64_t step, int
     raw_write.push_back(w);
     raw_read.push_back(r);
     auto reader = CheckpointReader::Open(kv->get(), step_name);
-    if (!reader.ok()) return std::fprintf(stderr, "error: %s\n", std::string(reader.status().message()).c_str()), 2;
+    if (!reader.ok())
+      return std::fprintf(stderr, "error: %s\n", std::string(reader.status().message()).c_str()), 2;
     uint64_t bytes = 0;
     ReadStats read_stats;
-    const double seconds = Restore(**reader, arrays, {"2x4", 2, 4}, /*check=*/run == 0, &bytes, &read_stats);
+    const double seconds =
+        Restore(**reader, arrays, {"2x4", 2, 4}, /*check=*/run == 0, &bytes, &read_stats);
     if (seconds < 0) return 1;
     restore.push_back(bytes / seconds / 1e9);
-    std::printf("run %d: raw write %.2f GB/s, save %.2f GB/s; raw read %.2f GB/s, restore (2x4) %.2f GB/s\n",
-                run + 1, w, save.back(), r, restore.back());
+    std::printf(
+        "run %d: raw write %.2f GB/s, save %.2f GB/s; raw read %.2f GB/s, restore (2x4) %.2f "
+        "GB/s\n",
+        run + 1, w, save.back(), r, restore.back());
   }
   device_buffers.clear();
   std::filesystem::remove(probe);
-  std::printf("saved    %s/%s: %.1f MiB in %llu chunks, %llu data file(s)%s\n", root.c_str(), step_name,
-              stats.stored_bytes / 1048576.0, static_cast<unsigned long long>(stats.chunks),
+  std::printf("saved    %s/%s: %.1f MiB in %llu chunks, %llu data file(s)%s\n", root.c_str(),
+              step_name, stats.stored_bytes / 1048576.0,
+              static_cast<unsigned long long>(stats.chunks),
               static_cast<unsigned long long>(stats.data_files),
               fsync ? " (with fsync)" : " (page cache, no fsync)");
 
   // Restores onto other layouts, each checked bit for bit.
   auto reader = CheckpointReader::Open(kv->get(), step_name);
-  if (!reader.ok()) return std::fprintf(stderr, "error: %s\n", std::string(reader.status().message()).c_str()), 2;
+  if (!reader.ok())
+    return std::fprintf(stderr, "error: %s\n", std::string(reader.status().message()).c_str()), 2;
   for (const Layout& layout : {Layout{"2x4", 2, 4}, Layout{"4x2", 4, 2}, Layout{"1x8", 1, 8},
                                Layout{"replicated", 1, 1}}) {
     uint64_t bytes = 0;
     ReadStats read_stats;
     const double seconds = Restore(**reader, arrays, layout, /*check=*/true, &bytes, &read_stats);
     if (seconds < 0) return 1;
-    std::printf("restored as %-10s %7.1f MiB onto %d devices in %.3f s, %5.2f GB/s; %llu direct + %llu staged chunks; bit-for-bit OK\n",
-                layout.name, bytes / 1048576.0, kDevices, seconds, bytes / seconds / 1e9,
-                static_cast<unsigned long long>(read_stats.direct_chunks),
-                static_cast<unsigned long long>(read_stats.staged_chunks));
+    std::printf(
+        "restored as %-10s %7.1f MiB onto %d devices in %.3f s, %5.2f GB/s; %llu direct + %llu "
+        "staged chunks; bit-for-bit OK\n",
+        layout.name, bytes / 1048576.0, kDevices, seconds, bytes / seconds / 1e9,
+        static_cast<unsigned long long>(read_stats.direct_chunks),
+        static_cast<unsigned long long>(read_stats.staged_chunks));
   }
   // Writes here are bimodal (throttled by writeback after other large writes), so the median
   // of the raw runs can land on the slow mode; the best raw run shows what the storage can do.
   const double best_write = *std::max_element(raw_write.begin(), raw_write.end());
   const double best_read = *std::max_element(raw_read.begin(), raw_read.end());
-  std::printf("medians over %d runs: save %.2f GB/s = %.0f%% of the median raw write (%.2f GB/s), "
-              "%.0f%% of the best (%.2f GB/s)\n",
-              runs, Median(save), 100 * Median(save) / Median(raw_write), Median(raw_write),
-              100 * Median(save) / best_write, best_write);
-  std::printf("                     restore %.2f GB/s = %.0f%% of the median raw read (%.2f GB/s), "
-              "%.0f%% of the best (%.2f GB/s)\n",
-              Median(restore), 100 * Median(restore) / Median(raw_read), Median(raw_read),
-              100 * Median(restore) / best_read, best_read);
+  std::printf(
+      "medians over %d runs: save %.2f GB/s = %.0f%% of the median raw write (%.2f GB/s), "
+      "%.0f%% of the best (%.2f GB/s)\n",
+      runs, Median(save), 100 * Median(save) / Median(raw_write), Median(raw_write),
+      100 * Median(save) / best_write, best_write);
+  std::printf(
+      "                     restore %.2f GB/s = %.0f%% of the median raw read (%.2f GB/s), "
+      "%.0f%% of the best (%.2f GB/s)\n",
+      Median(restore), 100 * Median(restore) / Median(raw_read), Median(raw_read),
+      100 * Median(restore) / best_read, best_read);
   return 0;
 }
 
@@ -313,7 +328,8 @@ int main(int argc, char** argv) {
     } else if (arg == "--fsync") {
       fsync = true;
     } else {
-      std::printf("usage: %s [--root DIR] [--size-mib N] [--step N] [--runs N] [--fsync]\n", argv[0]);
+      std::printf("usage: %s [--root DIR] [--size-mib N] [--step N] [--runs N] [--fsync]\n",
+                  argv[0]);
       return arg == "--help" || arg == "-h" ? 0 : 2;
     }
   }

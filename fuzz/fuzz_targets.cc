@@ -17,12 +17,12 @@
 #include "tensorstash/util/endian.h"
 
 // A property that must hold for every input; aborts (a finding) when it does not.
-#define TS_FUZZ_CHECK(cond, ...)                                                  \
-  do {                                                                            \
-    if (!(cond)) {                                                                \
+#define TS_FUZZ_CHECK(cond, ...)                                                          \
+  do {                                                                                    \
+    if (!(cond)) {                                                                        \
       std::fprintf(stderr, "fuzz check failed: %s (%s:%d)\n", #cond, __FILE__, __LINE__); \
-      std::abort();                                                               \
-    }                                                                             \
+      std::abort();                                                                       \
+    }                                                                                     \
   } while (false)
 
 namespace tensorstash {
@@ -83,10 +83,8 @@ void FuzzChunkCodec(const uint8_t* data, size_t size) {
   const size_t raw_size =
       (data[0] | (size_t{data[1]} << 8) | (size_t{data[2]} << 16)) % ((size_t{256} << 10) + 1);
   std::vector<char> dest(raw_size);
-  (void)DecodeChunk(Codec::kZstd, AsView(data + 3, size - 3), dest.data(), raw_size,
-                    "fuzz chunk");
-  (void)DecodeChunk(Codec::kNone, AsView(data + 3, size - 3), dest.data(), raw_size,
-                    "fuzz chunk");
+  (void)DecodeChunk(Codec::kZstd, AsView(data + 3, size - 3), dest.data(), raw_size, "fuzz chunk");
+  (void)DecodeChunk(Codec::kNone, AsView(data + 3, size - 3), dest.data(), raw_size, "fuzz chunk");
 }
 
 // The files of a bundle (see DecodeBundle), each under `prefix`/; invalid keys are skipped.

@@ -161,34 +161,60 @@ int main(int argc, char** argv) {
       if (!writer.ok()) Die(writer.status());
       const ts::Box box = ts::Box::FromShape({3, 4});
       if (ts::Status s = (*writer)->AddArray({"params/w", ts::DType::kFloat32, {3, 4}},
-                                             {{box, values.data(), 0, 1}}); !s.ok()) Die(s);
+                                             {{box, values.data(), 0, 1}});
+          !s.ok())
+        Die(s);
       if (ts::Status s = (*writer)->Commit(); !s.ok()) Die(s);
     }
     const std::vector<std::pair<std::string, ts::ZarrArraySpec>> zarrs =
-        i == 1 ? std::vector<std::pair<std::string, ts::ZarrArraySpec>>{
-                     {"s/params.w", {3, ts::DType::kFloat32, {3, 4}, {2, 4}, true, {1, 4}}},
-                     {"s/opt.0", {2, ts::DType::kFloat32, {12}, {5}, true, {},
-                                  ts::ZarrCompressor::kBlosc}},
-                     {"s/opt.1", {2, ts::DType::kFloat32, {12}, {12}, true, {},
-                                  ts::ZarrCompressor::kGzip, 1, '/'}}}
-        : i == 2 ? std::vector<std::pair<std::string, ts::ZarrArraySpec>>{
-                       {"s/['params']['w']", {2, ts::DType::kFloat32, {3, 4}, {2, 2}}}}
+        i == 1
+            ? std::vector<std::pair<std::string, ts::ZarrArraySpec>>{{"s/params.w",
+                                                                      {3,
+                                                                       ts::DType::kFloat32,
+                                                                       {3, 4},
+                                                                       {2, 4},
+                                                                       true,
+                                                                       {1, 4}}},
+                                                                     {"s/opt.0",
+                                                                      {2,
+                                                                       ts::DType::kFloat32,
+                                                                       {12},
+                                                                       {5},
+                                                                       true,
+                                                                       {},
+                                                                       ts::ZarrCompressor::kBlosc}},
+                                                                     {"s/opt.1",
+                                                                      {2,
+                                                                       ts::DType::kFloat32,
+                                                                       {12},
+                                                                       {12},
+                                                                       true,
+                                                                       {},
+                                                                       ts::ZarrCompressor::kGzip,
+                                                                       1,
+                                                                       '/'}}}
+        : i == 2 ? std::vector<std::pair<std::string, ts::ZarrArraySpec>>{{"s/['params']['w']",
+                                                                           {2,
+                                                                            ts::DType::kFloat32,
+                                                                            {3, 4},
+                                                                            {2, 2}}}}
                  : std::vector<std::pair<std::string, ts::ZarrArraySpec>>{};
     for (const auto& [prefix, spec] : zarrs) {
       auto writer = ts::ZarrArrayWriter::Create(&kv, prefix, spec);
       if (!writer.ok()) Die(writer.status());
       if (ts::Status s = (*writer)->WriteBox(ts::Box::FromShape(spec.shape), values.data());
-          !s.ok()) Die(s);
+          !s.ok())
+        Die(s);
     }
     if (i == 1) {  // Orbax's tree metadata of params.w, opt.0, opt.1 (a dict and a list)
       const std::vector<std::tuple<std::string, std::string, int>> leaves = {
           {"params", "w", 2}, {"opt", "0", 1}, {"opt", "1", 1}};
       std::string tree;
       for (const auto& [a, b, type] : leaves) {
-        tree += ts::StrCat(tree.empty() ? "" : ", ", "\"('", a, "', '", b, "')\": ",
-                           "{\"key_metadata\": [{\"key\": \"", a, "\", \"key_type\": 2}, ",
-                           "{\"key\": \"", b, "\", \"key_type\": ", type, "}], ",
-                           "\"value_metadata\": {\"value_type\": \"np.ndarray\"}}");
+        tree += ts::StrCat(tree.empty() ? "" : ", ", "\"('", a, "', '", b,
+                           "')\": ", "{\"key_metadata\": [{\"key\": \"", a,
+                           "\", \"key_type\": 2}, ", "{\"key\": \"", b, "\", \"key_type\": ", type,
+                           "}], ", "\"value_metadata\": {\"value_type\": \"np.ndarray\"}}");
       }
       (void)kv.Write("s/_METADATA", ts::StrCat("{\"tree_metadata\": {", tree, "}}"));
     }

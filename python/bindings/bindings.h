@@ -7,11 +7,11 @@
 
 namespace tensorstash::python {
 
-void DefineWriter(nanobind::module_& m);   // writer.cc
-void DefineReader(nanobind::module_& m);   // reader.cc
-void DefineManager(nanobind::module_& m);  // manager.cc
+void DefineWriter(nanobind::module_& m);       // writer.cc
+void DefineReader(nanobind::module_& m);       // reader.cc
+void DefineManager(nanobind::module_& m);      // manager.cc
 void DefineOrbaxWriter(nanobind::module_& m);  // orbax_writer.cc
-void DefineJson(nanobind::module_& m);     // json.cc
+void DefineJson(nanobind::module_& m);         // json.cc
 
 }  // namespace tensorstash::python
 

@@ -15,8 +15,8 @@ namespace {
 // Keys and values cross as str. The writer only sends text, but a status message may quote a
 // non-UTF-8 path; surrogateescape carries such bytes through unchanged.
 nb::str ToPyStr(std::string_view text) {
-  PyObject* str = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()),
-                                       "surrogateescape");
+  PyObject* str =
+      PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "surrogateescape");
   if (str == nullptr) throw nb::python_error();
   return nb::steal<nb::str>(str);
 }
@@ -25,8 +25,7 @@ std::string FromPyStr(nb::handle value) {
   if (!PyUnicode_Check(value.ptr())) {
     throw nb::type_error("key_value_get() must return a str");
   }
-  nb::object bytes =
-      nb::steal(PyUnicode_AsEncodedString(value.ptr(), "utf-8", "surrogateescape"));
+  nb::object bytes = nb::steal(PyUnicode_AsEncodedString(value.ptr(), "utf-8", "surrogateescape"));
   if (!bytes.is_valid()) throw nb::python_error();
   return std::string(PyBytes_AS_STRING(bytes.ptr()),
                      static_cast<size_t>(PyBytes_GET_SIZE(bytes.ptr())));
@@ -71,15 +70,13 @@ Result<std::unique_ptr<PyCoordinator>> PyCoordinator::Create(nb::object object) 
 }
 
 Status PyCoordinator::Barrier(std::string_view name, std::chrono::milliseconds timeout) {
-  return CallPython("barrier", [&] {
-    object_.attr("barrier")(ToPyStr(name), Milliseconds(timeout));
-  });
+  return CallPython("barrier",
+                    [&] { object_.attr("barrier")(ToPyStr(name), Milliseconds(timeout)); });
 }
 
 Status PyCoordinator::KeyValueSet(std::string_view key, std::string_view value) {
-  return CallPython("key_value_set", [&] {
-    object_.attr("key_value_set")(ToPyStr(key), ToPyStr(value));
-  });
+  return CallPython("key_value_set",
+                    [&] { object_.attr("key_value_set")(ToPyStr(key), ToPyStr(value)); });
 }
 
 Result<std::string> PyCoordinator::KeyValueGet(std::string_view key,

@@ -37,8 +37,7 @@ class PyCoordinator final : public Coordinator {
   int process_count() const override { return process_count_; }
   Status Barrier(std::string_view name, std::chrono::milliseconds timeout) override;
   Status KeyValueSet(std::string_view key, std::string_view value) override;
-  Result<std::string> KeyValueGet(std::string_view key,
-                                  std::chrono::milliseconds timeout) override;
+  Result<std::string> KeyValueGet(std::string_view key, std::chrono::milliseconds timeout) override;
 
  private:
   PyCoordinator(nanobind::object object, int process_index, int process_count);

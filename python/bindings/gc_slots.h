@@ -34,10 +34,9 @@ struct GcSupport {
 // Py_tp_traverse and Py_tp_clear for T, as nanobind::type_slots wants them.
 template <typename T>
 const PyType_Slot* GcSlots() {
-  static PyType_Slot slots[] = {
-      {Py_tp_traverse, reinterpret_cast<void*>(&GcSupport<T>::Traverse)},
-      {Py_tp_clear, reinterpret_cast<void*>(&GcSupport<T>::Clear)},
-      {0, nullptr}};
+  static PyType_Slot slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(&GcSupport<T>::Traverse)},
+                                {Py_tp_clear, reinterpret_cast<void*>(&GcSupport<T>::Clear)},
+                                {0, nullptr}};
   return slots;
 }
 

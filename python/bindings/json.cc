@@ -35,8 +35,7 @@ constexpr int kMaxJsonDepth = 3 * kMaxTreeDepth + 8;
 
 void CheckDepth(int depth) {
   if (depth > kMaxJsonDepth) {
-    throw nb::value_error(
-        StrCat("JSON nested more than ", kMaxJsonDepth, " levels deep").c_str());
+    throw nb::value_error(StrCat("JSON nested more than ", kMaxJsonDepth, " levels deep").c_str());
   }
 }
 
@@ -141,8 +140,7 @@ void DefineJson(nb::module_& m) {
         "json.loads for documents nested up to the depth of a tree of MAX_TREE_DEPTH levels "
         "(Python's json module stops at about a fifth of that). ValueError for invalid or "
         "deeper JSON.");
-  m.def("json_dumps", &JsonDumps, nb::arg("obj"),
-        nb::sig("def json_dumps(obj: typing.Any) -> str"),
+  m.def("json_dumps", &JsonDumps, nb::arg("obj"), nb::sig("def json_dumps(obj: typing.Any) -> str"),
         "Compact json.dumps of dicts (str keys), lists, tuples, str, 64-bit int, finite float, "
         "bool and None, nested as deeply as json_loads reads. TypeError for other objects, "
         "ValueError for deeper ones, UnicodeEncodeError for a str with a lone surrogate.");

@@ -75,7 +75,9 @@ class Manager {
  public:
   Manager(std::unique_ptr<KvStore> kv, std::unique_ptr<PyCoordinator> coordinator,
           nb::object on_commit)
-      : kv_(std::move(kv)), coordinator_(std::move(coordinator)), on_commit_(std::move(on_commit)) {}
+      : kv_(std::move(kv)),
+        coordinator_(std::move(coordinator)),
+        on_commit_(std::move(on_commit)) {}
 
   ~Manager() { Clear(); }
 
@@ -210,8 +212,8 @@ Status CheckNotNegative(std::string_view name, int64_t value) {
   return InvalidArgumentError(StrCat(name, " must be >= 0, not ", value));
 }
 
-void InitManager(Manager* self, const std::string& root, int64_t max_to_keep,
-                 int64_t keep_period, int64_t save_interval_steps, const std::string& best_metric,
+void InitManager(Manager* self, const std::string& root, int64_t max_to_keep, int64_t keep_period,
+                 int64_t save_interval_steps, const std::string& best_metric,
                  const std::string& best_mode, int64_t max_staging_bytes, bool handle_sigterm,
                  nb::object coordinator, nb::object on_commit, int64_t target_chunk_bytes,
                  int64_t target_data_file_bytes, int64_t max_inflight_bytes, int io_threads,
@@ -282,10 +284,11 @@ void DefineManager(nb::module_& m) {
            "Creates `root` if needed, takes its lock and removes the leftovers of crashed saves. "
            "ValueError when another manager holds the lock or for bad options. on_commit(stats: "
            "dict) is called after each commit, on the committing thread, with the GIL.")
-      .def_static("step_dir", [](int64_t step) { return ValueOrThrow(CheckpointManager::StepDir(step)); },
-                  nb::arg("step"),
-                  "The folder name of `step` (10 digits, zero-padded); ValueError when negative "
-                  "or longer.")
+      .def_static(
+          "step_dir", [](int64_t step) { return ValueOrThrow(CheckpointManager::StepDir(step)); },
+          nb::arg("step"),
+          "The folder name of `step` (10 digits, zero-padded); ValueError when negative "
+          "or longer.")
       .def("save", &Manager::Save, nb::arg("step"), nb::arg("arrays"), nb::kw_only(),
            nb::arg("tree_json").none() = nb::none(), nb::arg("metadata_json") = "",
            nb::arg("process_state").none() = nb::none(),

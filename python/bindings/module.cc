@@ -54,17 +54,18 @@ NB_MODULE(_ext, m) {
   m.def("host_buffer", &py::HostBuffer, nb::arg("nbytes"),
         "A writable uint8 array of `nbytes` bytes (contents unspecified) in memory of its own, "
         "page-aligned when large, and never advised into transparent huge pages.");
-  m.def("split_step_url",
-        [](const std::string& url) {
-          tensorstash::StepUrl split = py::ValueOrThrow(tensorstash::SplitStepUrl(url));
-          return std::make_pair(split.root, split.step);
-        },
-        nb::arg("url"),
-        "A step folder's path or store URL -> (the root's URL or absolute path, the step's "
-        "name). ValueError when nothing is left for the step.");
-  m.def("has_url_scheme", [](const std::string& text) { return tensorstash::HasUrlScheme(text); },
-        nb::arg("text"),
-        "Whether `text` starts with '<scheme>://'.");
+  m.def(
+      "split_step_url",
+      [](const std::string& url) {
+        tensorstash::StepUrl split = py::ValueOrThrow(tensorstash::SplitStepUrl(url));
+        return std::make_pair(split.root, split.step);
+      },
+      nb::arg("url"),
+      "A step folder's path or store URL -> (the root's URL or absolute path, the step's "
+      "name). ValueError when nothing is left for the step.");
+  m.def(
+      "has_url_scheme", [](const std::string& text) { return tensorstash::HasUrlScheme(text); },
+      nb::arg("text"), "Whether `text` starts with '<scheme>://'.");
   m.def("store_schemes", &tensorstash::RegisteredKvStoreSchemes,
         "The URL schemes stores can be opened with (plain paths are local folders).");
   py::DefineWriter(m);

@@ -47,8 +47,7 @@ class PyOrbaxWriter {
           StrCat("value_type must be 'jax.Array' or 'np.ndarray', not '", value_type, "'")));
     }
     std::vector<ReadOnlyBytes> buffers;
-    ArrayToSave array =
-        ArrayToSaveFromPython(path, dtype, shape, shards, "none", 0, 0, &buffers);
+    ArrayToSave array = ArrayToSaveFromPython(path, dtype, shape, shards, "none", 0, 0, &buffers);
     OrbaxArraySpec spec{array.spec.path, array.spec.dtype, array.spec.shape, type};
     ThrowIfError(writer_->AddArray(std::move(spec), std::move(array.shards)));
     for (ReadOnlyBytes& buffer : buffers) buffers_.push_back(std::move(buffer));
@@ -132,8 +131,7 @@ void DefineOrbaxWriter(nb::module_& m) {
            "Adds a file to the item folder (e.g. '_sharding').")
       .def("set_tree", &PyOrbaxWriter::SetTree, nb::arg("tree_json"),
            "Replaces the default tree with a node in the \"tree\" schema of docs/format.md.")
-      .def("commit", &PyOrbaxWriter::Commit,
-           nb::sig("def commit(self) -> dict[str, int | float]"),
+      .def("commit", &PyOrbaxWriter::Commit, nb::sig("def commit(self) -> dict[str, int | float]"),
            "Writes the checkpoint and renames it into place; returns raw_bytes, chunks and "
            "seconds. May be called once.");
 }

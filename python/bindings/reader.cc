@@ -252,11 +252,10 @@ class Reader {
 };
 
 void InitReader(Reader* self, const std::string& root, const std::string& step,
-                bool verify_checksums, int64_t max_inflight_bytes, int io_threads,
-                bool map_spans) {
+                bool verify_checksums, int64_t max_inflight_bytes, int io_threads, bool map_spans) {
   if (max_inflight_bytes <= 0) {
-    ThrowIfError(InvalidArgumentError(
-        StrCat("max_inflight_bytes must be > 0, not ", max_inflight_bytes)));
+    ThrowIfError(
+        InvalidArgumentError(StrCat("max_inflight_bytes must be > 0, not ", max_inflight_bytes)));
   }
   ReaderOptions options;
   options.verify_checksums = verify_checksums;
@@ -286,9 +285,8 @@ void DefineReader(nb::module_& m) {
                      "step, an Orbax checkpoint (OCDBT or per-parameter zarr folders; an Orbax "
                      "manager step opens its item) or a zarr group; the format is detected.")
       .def("__init__", &InitReader, nb::arg("root"), nb::arg("step"), nb::kw_only(),
-           nb::arg("verify_checksums") = true,
-           nb::arg("max_inflight_bytes") = int64_t{256} << 20, nb::arg("io_threads") = 0,
-           nb::arg("map_spans") = true)
+           nb::arg("verify_checksums") = true, nb::arg("max_inflight_bytes") = int64_t{256} << 20,
+           nb::arg("io_threads") = 0, nb::arg("map_spans") = true)
       .def("close", &Reader::Close,
            "Closes the step's files now (arrays from map_many stay valid). Later calls raise "
            "ValueError; closing again does nothing.")
@@ -303,7 +301,8 @@ void DefineReader(nb::module_& m) {
       .def_prop_ro("format", &Reader::format,
                    "The detected format: \"tensorstash\", \"orbax-ocdbt\", "
                    "\"orbax-zarr-folders\" or \"zarr-group\".")
-      .def_prop_ro("dir", &Reader::dir, "The folder read, relative to root (an Orbax manager "
+      .def_prop_ro("dir", &Reader::dir,
+                   "The folder read, relative to root (an Orbax manager "
                    "step's item folder when one was found inside `step`).")
       .def("read_many", &Reader::ReadMany, nb::arg("requests"), nb::kw_only(),
            nb::arg("progress").none() = nb::none(),

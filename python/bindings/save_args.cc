@@ -53,8 +53,8 @@ WriterOptions WriterOptionsFromPython(int64_t target_chunk_bytes, int64_t target
                                       int64_t max_inflight_bytes, int io_threads, bool sync,
                                       bool overwrite, double coordination_timeout_s) {
   if (max_inflight_bytes <= 0) {
-    ThrowIfError(InvalidArgumentError(
-        StrCat("max_inflight_bytes must be > 0, not ", max_inflight_bytes)));
+    ThrowIfError(
+        InvalidArgumentError(StrCat("max_inflight_bytes must be > 0, not ", max_inflight_bytes)));
   }
   WriterOptions options;
   options.target_chunk_bytes = target_chunk_bytes;

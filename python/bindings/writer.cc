@@ -117,9 +117,8 @@ void InitWriter(Writer* self, const std::string& root, const std::string& step,
                               io_threads, sync, overwrite, coordination_timeout_s);
   options.split_replicated_writes = split_replicated_writes;
   SaveTarget target = OpenSaveTarget(root, std::move(coordinator));
-  std::unique_ptr<CheckpointWriter> writer =
-      ValueOrThrow(CheckpointWriter::Create(target.kv.get(), step, options,
-                                            target.coordinator.get()));
+  std::unique_ptr<CheckpointWriter> writer = ValueOrThrow(
+      CheckpointWriter::Create(target.kv.get(), step, options, target.coordinator.get()));
   new (self) Writer(std::move(target.kv), std::move(target.coordinator), std::move(writer));
 }
 
@@ -134,12 +133,11 @@ void DefineWriter(nb::module_& m) {
            nb::arg("target_data_file_bytes") = int64_t{1} << 30,
            nb::arg("max_inflight_bytes") = int64_t{256} << 20, nb::arg("io_threads") = 0,
            nb::arg("sync") = true, nb::arg("overwrite") = false,
-           nb::arg("split_replicated_writes") = true,
-           nb::arg("coordinator").none() = nb::none(),
+           nb::arg("split_replicated_writes") = true, nb::arg("coordinator").none() = nb::none(),
            nb::arg("coordination_timeout_s") = 1800.0)
       .def("add_array", &Writer::AddArray, nb::arg("path"), nb::arg("dtype"), nb::arg("shape"),
-           nb::arg("shards"), nb::kw_only(), nb::arg("codec") = "none",
-           nb::arg("zstd_level") = 3, nb::arg("target_chunk_bytes") = 0,
+           nb::arg("shards"), nb::kw_only(), nb::arg("codec") = "none", nb::arg("zstd_level") = 3,
+           nb::arg("target_chunk_bytes") = 0,
            nb::sig("def add_array(self, path: str, dtype: str, "
                    "shape: collections.abc.Sequence[int], "
                    "shards: list[tuple[collections.abc.Sequence[int], "

@@ -45,8 +45,8 @@ int main(int argc, char** argv) {
   }
   const size_t count = input.size() / in_size;
   std::vector<char> output(count * tensorstash::ItemSize(*to));
-  const tensorstash::Status status = tensorstash::ConvertElements(
-      *from, input.data(), *to, output.data(), count, argv[3]);
+  const tensorstash::Status status =
+      tensorstash::ConvertElements(*from, input.data(), *to, output.data(), count, argv[3]);
   if (!status.ok()) return Fail(status.ToString());
 
   std::ofstream out(argv[4], std::ios::binary | std::ios::trunc);

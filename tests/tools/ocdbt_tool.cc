@@ -33,9 +33,10 @@ int Fail(const Status& status) {
 }
 
 int Usage() {
-  std::fprintf(stderr,
-               "usage: ocdbt_tool list DIR [PREFIX] | get DIR KEY | put DIR [--zstd] "
-               "[--max-inline N] [--max-node-bytes N] [--data-file-bytes N] < KEY<TAB>FILE lines\n");
+  std::fprintf(
+      stderr,
+      "usage: ocdbt_tool list DIR [PREFIX] | get DIR KEY | put DIR [--zstd] "
+      "[--max-inline N] [--max-node-bytes N] [--data-file-bytes N] < KEY<TAB>FILE lines\n");
   return 2;
 }
 
@@ -46,7 +47,8 @@ Status Put(KvStore* base, const OcdbtWriter::Options& options) {
   while (std::getline(std::cin, line)) {
     if (line.empty()) continue;
     const size_t tab = line.find('\t');
-    if (tab == std::string::npos) return InvalidArgumentError(StrCat("no tab in line '", line, "'"));
+    if (tab == std::string::npos)
+      return InvalidArgumentError(StrCat("no tab in line '", line, "'"));
     const std::string key = line.substr(0, tab);
     const std::string path = line.substr(tab + 1);
     std::ifstream in(path, std::ios::binary | std::ios::ate);
@@ -89,9 +91,11 @@ int main(int argc, char** argv) {
       if (flag == "--zstd") {
         options.zstd = true;
       } else if (i + 1 < argc && flag == "--max-inline") {
-        options.max_inline_value_bytes = static_cast<uint32_t>(std::strtoul(argv[++i], nullptr, 10));
+        options.max_inline_value_bytes =
+            static_cast<uint32_t>(std::strtoul(argv[++i], nullptr, 10));
       } else if (i + 1 < argc && flag == "--max-node-bytes") {
-        options.max_decoded_node_bytes = static_cast<uint32_t>(std::strtoul(argv[++i], nullptr, 10));
+        options.max_decoded_node_bytes =
+            static_cast<uint32_t>(std::strtoul(argv[++i], nullptr, 10));
       } else if (i + 1 < argc && flag == "--data-file-bytes") {
         options.target_data_file_bytes = std::strtoull(argv[++i], nullptr, 10);
       } else {
@@ -113,17 +117,17 @@ int main(int argc, char** argv) {
   if (command == "info" && argc == 3) {
     const ocdbt::Manifest& manifest = (*store)->manifest();
     const ocdbt::VersionRef& version = (*store)->latest_version();
-    std::printf("generation %llu\nroot_height %d\ninline_versions %zu\nversion_nodes %zu\n"
-                "zstd %d\nnum_keys %llu\n",
-                static_cast<unsigned long long>(version.generation), int{version.root_height},
-                manifest.versions.size(), manifest.version_nodes.size(),
-                int{manifest.config.zstd},
-                static_cast<unsigned long long>(version.statistics.num_keys));
+    std::printf(
+        "generation %llu\nroot_height %d\ninline_versions %zu\nversion_nodes %zu\n"
+        "zstd %d\nnum_keys %llu\n",
+        static_cast<unsigned long long>(version.generation), int{version.root_height},
+        manifest.versions.size(), manifest.version_nodes.size(), int{manifest.config.zstd},
+        static_cast<unsigned long long>(version.statistics.num_keys));
     if (version.root.missing()) return 0;
     const ocdbt::DataFileId& file = manifest.files[version.root.file];
     std::string encoded(version.root.length, '\0');
-    const Status read = (*base)->ReadRange(file.FullPath(), version.root.offset, encoded.size(),
-                                           encoded.data());
+    const Status read =
+        (*base)->ReadRange(file.FullPath(), version.root.offset, encoded.size(), encoded.data());
     if (!read.ok()) return Fail(read);
     Result<ocdbt::BtreeNode> root = ocdbt::DecodeBtreeNode(encoded, file.base_path, "root");
     if (!root.ok()) return Fail(root.status());
@@ -138,7 +142,8 @@ int main(int argc, char** argv) {
     if (!file.ok()) return Fail(file.status());
     std::vector<char> buffer(1 << 20);
     for (uint64_t done = 0; done < (*file)->size();) {
-      const size_t n = static_cast<size_t>(std::min<uint64_t>(buffer.size(), (*file)->size() - done));
+      const size_t n =
+          static_cast<size_t>(std::min<uint64_t>(buffer.size(), (*file)->size() - done));
       const Status status = (*file)->ReadAt(done, n, buffer.data());
       if (!status.ok()) return Fail(status);
       std::fwrite(buffer.data(), 1, n, stdout);

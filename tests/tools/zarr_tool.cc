@@ -95,11 +95,16 @@ int Write(int argc, char** argv) {
     } else if (flag == "--inner") {
       if (!ParseShape(value, &spec.inner_chunk_shape)) return Fail("bad --inner " + value);
     } else if (flag == "--compressor") {
-      if (value == "zstd") spec.compressor = ts::ZarrCompressor::kZstd;
-      else if (value == "gzip") spec.compressor = ts::ZarrCompressor::kGzip;
-      else if (value == "blosc") spec.compressor = ts::ZarrCompressor::kBlosc;
-      else if (value == "none") spec.compressor = ts::ZarrCompressor::kNone;
-      else return Fail("unknown --compressor " + value);
+      if (value == "zstd")
+        spec.compressor = ts::ZarrCompressor::kZstd;
+      else if (value == "gzip")
+        spec.compressor = ts::ZarrCompressor::kGzip;
+      else if (value == "blosc")
+        spec.compressor = ts::ZarrCompressor::kBlosc;
+      else if (value == "none")
+        spec.compressor = ts::ZarrCompressor::kNone;
+      else
+        return Fail("unknown --compressor " + value);
     } else if (flag == "--level") {
       if (!ts::ParseInt(value, &spec.level)) return Fail("bad --level " + value);
     } else if (flag == "--format") {
@@ -138,7 +143,8 @@ int main(int argc, char** argv) {
   const std::string command = argc > 1 ? argv[1] : "";
   if (command == "read" && argc == 5) return Read(argv[2], argv[3], argv[4]);
   if (command == "write") return Write(argc, argv);
-  return Fail("usage: zarr_tool read DIR PREFIX OUT_FILE | zarr_tool write DIR PREFIX IN_FILE "
-              "--dtype T --shape S [--chunks C] [--inner I] [--compressor zstd|gzip|blosc|none] "
-              "[--level N] [--format 3|2] [--unsharded] [--separator ./]");
+  return Fail(
+      "usage: zarr_tool read DIR PREFIX OUT_FILE | zarr_tool write DIR PREFIX IN_FILE "
+      "--dtype T --shape S [--chunks C] [--inner I] [--compressor zstd|gzip|blosc|none] "
+      "[--level N] [--format 3|2] [--unsharded] [--separator ./]");
 }

@@ -22,8 +22,7 @@ bool Box::Contains(const Box& inner) const {
   if (inner.rank() != rank()) return false;
   if (inner.empty()) return true;
   for (int d = 0; d < rank(); ++d) {
-    if (inner.origin[d] < origin[d] ||
-        inner.origin[d] + inner.shape[d] > origin[d] + shape[d]) {
+    if (inner.origin[d] < origin[d] || inner.origin[d] + inner.shape[d] > origin[d] + shape[d]) {
       return false;
     }
   }
@@ -43,12 +42,11 @@ Result<int64_t> CheckedNumElements(const std::vector<int64_t>& shape, std::strin
   for (int64_t extent : shape) {
     if (extent < 0) {
       return InvalidArgumentError(
-          StrCat(what, ": negative extent ", extent, " in shape [",
-                       StrJoin(shape, ", "), "]"));
+          StrCat(what, ": negative extent ", extent, " in shape [", StrJoin(shape, ", "), "]"));
     }
     if (__builtin_mul_overflow(n, extent, &n)) {
-      return InvalidArgumentError(StrCat(
-          what, ": shape [", StrJoin(shape, ", "), "] has more than 2^63 elements"));
+      return InvalidArgumentError(
+          StrCat(what, ": shape [", StrJoin(shape, ", "), "] has more than 2^63 elements"));
     }
   }
   return n;
@@ -56,9 +54,8 @@ Result<int64_t> CheckedNumElements(const std::vector<int64_t>& shape, std::strin
 
 Status ValidateBox(const Box& box, size_t item_size, std::string_view what) {
   if (box.origin.size() != box.shape.size()) {
-    return InvalidArgumentError(
-        StrCat(what, ": origin has rank ", box.origin.size(), " but shape has rank ",
-                     box.shape.size()));
+    return InvalidArgumentError(StrCat(what, ": origin has rank ", box.origin.size(),
+                                       " but shape has rank ", box.shape.size()));
   }
   if (box.rank() > kMaxRank) {
     return InvalidArgumentError(
@@ -68,9 +65,8 @@ Status ValidateBox(const Box& box, size_t item_size, std::string_view what) {
     int64_t end;
     if (box.origin[d] < 0 || box.shape[d] < 0 ||
         __builtin_add_overflow(box.origin[d], box.shape[d], &end)) {
-      return InvalidArgumentError(
-          StrCat(what, ": invalid box dimension ", d, " (origin ", box.origin[d],
-                       ", extent ", box.shape[d], ")"));
+      return InvalidArgumentError(StrCat(what, ": invalid box dimension ", d, " (origin ",
+                                         box.origin[d], ", extent ", box.shape[d], ")"));
     }
   }
   TS_ASSIGN_OR_RETURN(int64_t n, CheckedNumElements(box.shape, what));

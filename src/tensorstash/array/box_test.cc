@@ -41,7 +41,8 @@ TEST(BoxTest, Contiguity) {
 }
 
 TEST(BoxTest, ValidateRejectsBadBoxes) {
-  EXPECT_THAT(std::string(ValidateBox(Box({0}, {-1}), 4, "array 'w'").message()), HasSubstr("array 'w'"));
+  EXPECT_THAT(std::string(ValidateBox(Box({0}, {-1}), 4, "array 'w'").message()),
+              HasSubstr("array 'w'"));
   EXPECT_FALSE(ValidateBox(Box({-1}, {1}), 4, "x").ok());
   EXPECT_FALSE(ValidateBox(Box({0}, {1, 2}), 4, "x").ok());
   EXPECT_FALSE(ValidateBox(Box::FromShape(std::vector<int64_t>(kMaxRank + 1, 1)), 4, "x").ok());
@@ -87,12 +88,16 @@ TEST(BoxTest, CopyBoxMatchesReference) {
         if (d < 0) break;
       }
     }
-    ASSERT_TRUE(CopyBox(region, DType::kInt32, src.data(), src_box, DType::kInt32, dst.data(), dst_box, "x").ok());
+    ASSERT_TRUE(
+        CopyBox(region, DType::kInt32, src.data(), src_box, DType::kInt32, dst.data(), dst_box, "x")
+            .ok());
     ASSERT_EQ(dst, expected) << "trial " << trial;
     // With a cast on the way.
     std::vector<int64_t> wide(dst_box.num_elements(), -1), wide_expected(wide.size());
     for (size_t i = 0; i < wide.size(); ++i) wide_expected[i] = expected[i];
-    ASSERT_TRUE(CopyBox(region, DType::kInt32, src.data(), src_box, DType::kInt64, wide.data(), dst_box, "x").ok());
+    ASSERT_TRUE(CopyBox(region, DType::kInt32, src.data(), src_box, DType::kInt64, wide.data(),
+                        dst_box, "x")
+                    .ok());
     ASSERT_EQ(wide, wide_expected) << "trial " << trial;
   }
 }
@@ -101,7 +106,8 @@ TEST(BoxTest, CopyBoxReportsCastErrorsWithName) {
   Box box = Box::FromShape({2});
   int32_t src[2] = {1, 300};
   int8_t dst[2];
-  Status status = CopyBox(box, DType::kInt32, src, box, DType::kInt8, dst, box, "array 'opt/count'");
+  Status status =
+      CopyBox(box, DType::kInt32, src, box, DType::kInt8, dst, box, "array 'opt/count'");
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(status.message()), HasSubstr("opt/count"));
 }

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <numeric>
 
-
 namespace tensorstash {
 namespace {
 
@@ -67,8 +66,8 @@ std::string ChunkGrid::ChunkName(int64_t linear_index) const {
   return StrCat("[", StrJoin(coords, ", "), "]");
 }
 
-void ChunkGrid::ForEachChunkIntersecting(
-    const Box& box, const std::function<void(int64_t, const Box&)>& fn) const {
+void ChunkGrid::ForEachChunkIntersecting(const Box& box,
+                                         const std::function<void(int64_t, const Box&)>& fn) const {
   const int r = rank();
   // Per dimension: the grid indices (and their ranges) that meet [lo, hi).
   struct Span {
@@ -83,7 +82,8 @@ void ChunkGrid::ForEachChunkIntersecting(
     for (int64_t cell = lo / s; cell * s < hi; ++cell) {
       const int64_t cell_start = cell * s;
       const int64_t j_lo = std::max<int64_t>(0, (lo - cell_start) / c);
-      const int64_t j_hi = std::min(per_cell - 1, (std::min(hi, cell_start + s) - 1 - cell_start) / c);
+      const int64_t j_hi =
+          std::min(per_cell - 1, (std::min(hi, cell_start + s) - 1 - cell_start) / c);
       for (int64_t j = j_lo; j <= j_hi; ++j) {
         Span span;
         span.k = cell * per_cell + j;
@@ -119,8 +119,7 @@ void ChunkGrid::ForEachChunkIntersecting(
 Status ValidateChunkGrid(const ChunkGrid& grid, size_t item_size, std::string_view what) {
   const int r = grid.rank();
   if (r > kMaxRank) {
-    return InvalidArgumentError(
-        StrCat(what, ": rank ", r, " exceeds the limit of ", kMaxRank));
+    return InvalidArgumentError(StrCat(what, ": rank ", r, " exceeds the limit of ", kMaxRank));
   }
   if (static_cast<int>(grid.cell_shape.size()) != r ||
       static_cast<int>(grid.chunk_shape.size()) != r) {
@@ -132,16 +131,15 @@ Status ValidateChunkGrid(const ChunkGrid& grid, size_t item_size, std::string_vi
   for (int d = 0; d < r; ++d) {
     const int64_t s = grid.cell_shape[d], c = grid.chunk_shape[d];
     if (s < 1 || c < 1 || c > s || s > std::max<int64_t>(grid.shape[d], 1)) {
-      return InvalidArgumentError(StrCat(
-          what, ": dimension ", d, " has cell extent ", s, " and chunk extent ", c,
-          " (need 1 <= chunk <= cell <= max(extent, 1))"));
+      return InvalidArgumentError(StrCat(what, ": dimension ", d, " has cell extent ", s,
+                                         " and chunk extent ", c,
+                                         " (need 1 <= chunk <= cell <= max(extent, 1))"));
     }
     // GridExtent's product cannot overflow here: cells <= extent and chunks per cell <= cell.
     int64_t extent;
     if (__builtin_mul_overflow(CeilDiv(grid.shape[d], s), CeilDiv(s, c), &extent) ||
         __builtin_mul_overflow(chunks, extent, &chunks) || chunks > kMaxChunksPerArray) {
-      return InvalidArgumentError(
-          StrCat(what, ": more than 2^40 chunks"));
+      return InvalidArgumentError(StrCat(what, ": more than 2^40 chunks"));
     }
     if (__builtin_mul_overflow(chunk_elements, c, &chunk_elements) ||
         chunk_elements > kMaxChunkBytes) {

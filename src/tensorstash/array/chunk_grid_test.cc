@@ -17,7 +17,8 @@ TEST(ChunkGridTest, ChunksTileTheArray) {
     ChunkGrid grid;
     for (int d = 0; d < rank; ++d) {
       grid.shape.push_back(rng() % 10);
-      grid.cell_shape.push_back(1 + rng() % std::max<int64_t>(1, std::min<int64_t>(6, grid.shape.back())));
+      grid.cell_shape.push_back(
+          1 + rng() % std::max<int64_t>(1, std::min<int64_t>(6, grid.shape.back())));
       grid.chunk_shape.push_back(1 + rng() % grid.cell_shape.back());
     }
     ASSERT_TRUE(ValidateChunkGrid(grid, 4, "x").ok());
@@ -58,7 +59,8 @@ TEST(ChunkGridTest, ChunksTileTheArray) {
       }
       std::vector<int64_t> expected, got;
       for (int64_t c = 0; c < grid.NumChunks(); ++c) {
-        if (grid.ChunkExists(c) && !Intersect(grid.ChunkBox(c), query).empty()) expected.push_back(c);
+        if (grid.ChunkExists(c) && !Intersect(grid.ChunkBox(c), query).empty())
+          expected.push_back(c);
       }
       grid.ForEachChunkIntersecting(query, [&](int64_t c, const Box& box) {
         EXPECT_EQ(box, grid.ChunkBox(c));

@@ -42,8 +42,8 @@ struct FloatFormat {
   static constexpr Bits kMantMask = static_cast<Bits>((uint64_t{1} << kMant) - 1);
   static constexpr Bits kExpAllOnes = static_cast<Bits>(((uint64_t{1} << kExp) - 1) << kMant);
   static constexpr Bits kInfBits = kExpAllOnes;  // meaningful only when kHasInf
-  static constexpr Bits kMaxFinite = static_cast<Bits>(
-      kIeeeSpecials ? kExpAllOnes - 1 : (kExpAllOnes | kMantMask) - 1);
+  static constexpr Bits kMaxFinite =
+      static_cast<Bits>(kIeeeSpecials ? kExpAllOnes - 1 : (kExpAllOnes | kMantMask) - 1);
   static constexpr Bits kCanonicalNan = static_cast<Bits>(kQuietNan);
   static_assert(sizeof(Bits) * 8 == kTotalBits);
 };
@@ -123,7 +123,8 @@ uint32_t WidenToF32(typename Src::Bits bits) {
       }
     }
   } else {
-    if (abs == (Src::kExpAllOnes | Src::kMantMask)) [[unlikely]] return sign | F32::kCanonicalNan;
+    if (abs == (Src::kExpAllOnes | Src::kMantMask)) [[unlikely]]
+      return sign | F32::kCanonicalNan;
   }
   if constexpr (kBiasDiff == 0) {
     // Same exponent range (bfloat16): subnormals line up too.
@@ -180,8 +181,8 @@ typename To::Bits CastFloat(typename From::Bits x) {
     if constexpr (std::is_same_v<To, F64>) {
       return HardwareF32ToF64(x);
     } else {
-      return Narrow<To, F32, std::is_same_v<To, F16> ? NanMode::kKeepPayload : NanMode::kCanonical>(
-          x);
+      return Narrow < To, F32,
+             std::is_same_v<To, F16> ? NanMode::kKeepPayload : NanMode::kCanonical > (x);
     }
   } else {
     // A narrow source is exact in float32; only the final step can round.
@@ -291,10 +292,10 @@ Status IntToIntKernel(const unsigned char* src, unsigned char* dst, size_t count
                                    std::in_range<Out>(std::numeric_limits<V>::max());
       if constexpr (!kAlwaysFits) {
         if (!std::in_range<Out>(value)) [[unlikely]] {
-          return absl::InvalidArgumentError(absl::StrCat(
-              std::string(context.what), ": element ", i, " has value ", Widest(value),
-              ", which does not fit in ", Name(context.to), " (converting ",
-              Name(context.from), " to ", Name(context.to), ")"));
+          return absl::InvalidArgumentError(
+              absl::StrCat(std::string(context.what), ": element ", i, " has value ", Widest(value),
+                           ", which does not fit in ", Name(context.to), " (converting ",
+                           Name(context.from), " to ", Name(context.to), ")"));
         }
       }
       Store<Out>(dst, i, static_cast<Out>(value));
@@ -327,21 +328,36 @@ struct Tag {
 template <typename Fn>
 Kernel VisitReal(DType dtype, Fn&& fn) {
   switch (dtype) {
-    case DType::kBool: return fn(Tag<BoolElem>{});
-    case DType::kInt8: return fn(Tag<IntElem<int8_t>>{});
-    case DType::kInt16: return fn(Tag<IntElem<int16_t>>{});
-    case DType::kInt32: return fn(Tag<IntElem<int32_t>>{});
-    case DType::kInt64: return fn(Tag<IntElem<int64_t>>{});
-    case DType::kUint8: return fn(Tag<IntElem<uint8_t>>{});
-    case DType::kUint16: return fn(Tag<IntElem<uint16_t>>{});
-    case DType::kUint32: return fn(Tag<IntElem<uint32_t>>{});
-    case DType::kUint64: return fn(Tag<IntElem<uint64_t>>{});
-    case DType::kFloat16: return fn(Tag<F16>{});
-    case DType::kBfloat16: return fn(Tag<BF16>{});
-    case DType::kFloat32: return fn(Tag<F32>{});
-    case DType::kFloat64: return fn(Tag<F64>{});
-    case DType::kFloat8E4m3fn: return fn(Tag<F8E4M3FN>{});
-    case DType::kFloat8E5m2: return fn(Tag<F8E5M2>{});
+    case DType::kBool:
+      return fn(Tag<BoolElem>{});
+    case DType::kInt8:
+      return fn(Tag<IntElem<int8_t>>{});
+    case DType::kInt16:
+      return fn(Tag<IntElem<int16_t>>{});
+    case DType::kInt32:
+      return fn(Tag<IntElem<int32_t>>{});
+    case DType::kInt64:
+      return fn(Tag<IntElem<int64_t>>{});
+    case DType::kUint8:
+      return fn(Tag<IntElem<uint8_t>>{});
+    case DType::kUint16:
+      return fn(Tag<IntElem<uint16_t>>{});
+    case DType::kUint32:
+      return fn(Tag<IntElem<uint32_t>>{});
+    case DType::kUint64:
+      return fn(Tag<IntElem<uint64_t>>{});
+    case DType::kFloat16:
+      return fn(Tag<F16>{});
+    case DType::kBfloat16:
+      return fn(Tag<BF16>{});
+    case DType::kFloat32:
+      return fn(Tag<F32>{});
+    case DType::kFloat64:
+      return fn(Tag<F64>{});
+    case DType::kFloat8E4m3fn:
+      return fn(Tag<F8E4M3FN>{});
+    case DType::kFloat8E5m2:
+      return fn(Tag<F8E5M2>{});
     case DType::kComplex64:
     case DType::kComplex128:
       return nullptr;
@@ -372,9 +388,8 @@ bool CanConvert(DType from, DType to) {
 Status ConvertElements(DType from, const void* src, DType to, void* dst, size_t count,
                        std::string_view what) {
   if (!IsValid(from) || !IsValid(to)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(std::string(what), ": invalid dtype code ",
-                     static_cast<int>(IsValid(from) ? to : from)));
+    return absl::InvalidArgumentError(absl::StrCat(std::string(what), ": invalid dtype code ",
+                                                   static_cast<int>(IsValid(from) ? to : from)));
   }
   if (from == to) {
     if (count != 0) std::memcpy(dst, src, count * ItemSize(from));

@@ -49,12 +49,13 @@ TEST(ConvertTest, SameDTypeIsAPlainCopy) {
 }
 
 TEST(ConvertTest, Float32ToBfloat16) {
-  const std::vector<float> in = {1.0f / 3,  -1.0f / 3,  std::numeric_limits<float>::max(),
-                                 F32(0x7f7f0000), F32(0x7f7f7fff), F32(0x7f7f8000),
-                                 F32(0x3f808000),  // tie: stays even
-                                 F32(0x3f818000),  // tie: rounds up to even
-                                 F32(0x00008000), F32(0x00018000), F32(0x00000001),  // subnormals
-                                 -0.0f, kInfF, -kInfF};
+  const std::vector<float> in = {
+      1.0f / 3,        -1.0f / 3,       std::numeric_limits<float>::max(),
+      F32(0x7f7f0000), F32(0x7f7f7fff), F32(0x7f7f8000),
+      F32(0x3f808000),                                    // tie: stays even
+      F32(0x3f818000),                                    // tie: rounds up to even
+      F32(0x00008000), F32(0x00018000), F32(0x00000001),  // subnormals
+      -0.0f,           kInfF,           -kInfF};
   const std::vector<uint16_t> expected = {0x3eab, 0xbeab, 0x7f80, 0x7f7f, 0x7f7f, 0x7f80, 0x3f80,
                                           0x3f82, 0x0000, 0x0002, 0x0000, 0x8000, 0x7f80, 0xff80};
   EXPECT_EQ(MustConvert<uint16_t>(DType::kFloat32, in, DType::kBfloat16), expected);
@@ -69,8 +70,7 @@ TEST(ConvertTest, NaNsBecomeTheCanonicalNaNOfMlDtypesTargets) {
   EXPECT_EQ(MustConvert<uint8_t>(DType::kFloat32, in, DType::kFloat8E5m2),
             (std::vector<uint8_t>{0x7e, 0xfe, 0x7e}));
   // bfloat16 -> float16 is ml_dtypes' own cast: canonical too.
-  EXPECT_EQ(MustConvert<uint16_t>(DType::kBfloat16, std::vector<uint16_t>{0x7f81},
-                                  DType::kFloat16),
+  EXPECT_EQ(MustConvert<uint16_t>(DType::kBfloat16, std::vector<uint16_t>{0x7f81}, DType::kFloat16),
             std::vector<uint16_t>{0x7e00});
 }
 
@@ -81,25 +81,25 @@ TEST(ConvertTest, Float16NaNPayloadsFollowNumpy) {
             (std::vector<uint32_t>{0x7f802000, 0xffc00000}));
   EXPECT_EQ(MustConvert<uint64_t>(DType::kFloat16, std::vector<uint16_t>{0x7c01}, DType::kFloat64),
             std::vector<uint64_t>{0x7ff0040000000000});
-  EXPECT_EQ(MustConvert<uint16_t>(DType::kFloat32, std::vector<float>{F32(0x7f800001)},
-                                  DType::kFloat16),
-            std::vector<uint16_t>{0x7c01});
+  EXPECT_EQ(
+      MustConvert<uint16_t>(DType::kFloat32, std::vector<float>{F32(0x7f800001)}, DType::kFloat16),
+      std::vector<uint16_t>{0x7c01});
   EXPECT_EQ(MustConvert<uint16_t>(DType::kFloat64, std::vector<double>{F64(0x7ff0000000000001)},
                                   DType::kFloat16),
             std::vector<uint16_t>{0x7c01});
 }
 
 TEST(ConvertTest, Float16KnownValues) {
-  const std::vector<float> in = {65504, 65519, 65520, 0x1p-24f, 0x1p-25f, 0x1.8p-25f, -0.0f,
-                                 0x1p-14f, 1e-10f, 1.0f / 3};
+  const std::vector<float> in = {65504,      65519, 65520,    0x1p-24f, 0x1p-25f,
+                                 0x1.8p-25f, -0.0f, 0x1p-14f, 1e-10f,   1.0f / 3};
   const std::vector<uint16_t> expected = {0x7bff, 0x7bff, 0x7c00, 0x0001, 0x0000,
                                           0x0001, 0x8000, 0x0400, 0x0000, 0x3555};
   EXPECT_EQ(MustConvert<uint16_t>(DType::kFloat32, in, DType::kFloat16), expected);
 }
 
 TEST(ConvertTest, Float8E4m3fnHasNoInfinity) {
-  const std::vector<float> in = {448,      464,       465,      kInfF,    -kInfF,   0x1p-9f,
-                                 0x1p-10f, 0x1.8p-10f, -500,    240,      0x1p-6f,  1.0f / 3};
+  const std::vector<float> in = {448,      464,        465,  kInfF, -kInfF,  0x1p-9f,
+                                 0x1p-10f, 0x1.8p-10f, -500, 240,   0x1p-6f, 1.0f / 3};
   // 464 is the tie between 448 and the (missing) 480: it rounds to the even 448; above is NaN.
   const std::vector<uint8_t> expected = {0x7e, 0x7e, 0x7f, 0x7f, 0xff, 0x01,
                                          0x00, 0x01, 0xff, 0x77, 0x08, 0x2b};
@@ -107,8 +107,8 @@ TEST(ConvertTest, Float8E4m3fnHasNoInfinity) {
 }
 
 TEST(ConvertTest, Float8E5m2) {
-  const std::vector<float> in = {57344, 61439, 61440, kInfF, -kInfF, 0x1p-16f, 0x1p-17f,
-                                 0x1p-14f, 1.0f / 3};
+  const std::vector<float> in = {57344,    61439,    61440,    kInfF,   -kInfF,
+                                 0x1p-16f, 0x1p-17f, 0x1p-14f, 1.0f / 3};
   const std::vector<uint8_t> expected = {0x7b, 0x7b, 0x7c, 0x7c, 0xfc, 0x01, 0x00, 0x04, 0x35};
   EXPECT_EQ(MustConvert<uint8_t>(DType::kFloat32, in, DType::kFloat8E5m2), expected);
 }
@@ -120,18 +120,16 @@ TEST(ConvertTest, Float64RoundingPathsMatchMlDtypes) {
   const double f16_case = 1 + 0x1p-11 + 0x1p-30;
   const double f8_case = 1 + 0x1p-4 + 0x1p-30;
   // ml_dtypes: via float32.
-  EXPECT_EQ(MustConvert<uint16_t>(DType::kFloat64, std::vector<double>{bf16_case},
-                                  DType::kBfloat16),
-            std::vector<uint16_t>{0x3f80});
-  EXPECT_EQ(MustConvert<uint8_t>(DType::kFloat64, std::vector<double>{f8_case},
-                                 DType::kFloat8E4m3fn),
-            std::vector<uint8_t>{0x38});
+  EXPECT_EQ(
+      MustConvert<uint16_t>(DType::kFloat64, std::vector<double>{bf16_case}, DType::kBfloat16),
+      std::vector<uint16_t>{0x3f80});
+  EXPECT_EQ(
+      MustConvert<uint8_t>(DType::kFloat64, std::vector<double>{f8_case}, DType::kFloat8E4m3fn),
+      std::vector<uint8_t>{0x38});
   // NumPy's float16: directly.
-  EXPECT_EQ(MustConvert<uint16_t>(DType::kFloat64, std::vector<double>{f16_case},
-                                  DType::kFloat16),
+  EXPECT_EQ(MustConvert<uint16_t>(DType::kFloat64, std::vector<double>{f16_case}, DType::kFloat16),
             std::vector<uint16_t>{0x3c01});
-  EXPECT_EQ(MustConvert<uint16_t>(DType::kFloat64, std::vector<double>{1.0 / 3},
-                                  DType::kBfloat16),
+  EXPECT_EQ(MustConvert<uint16_t>(DType::kFloat64, std::vector<double>{1.0 / 3}, DType::kBfloat16),
             std::vector<uint16_t>{0x3eab});
 }
 
@@ -171,22 +169,21 @@ TEST(ConvertTest, IntegersToFloats) {
   // int64 -> bfloat16 goes through float32: this value is just above a bfloat16 tie, but the
   // float32 step drops the +1 and the tie then goes to even.
   const int64_t near_tie = (int64_t{1} << 62) + (int64_t{1} << 54) + 1;
-  EXPECT_EQ(MustConvert<uint16_t>(DType::kInt64,
-                                  std::vector<int64_t>{near_tie, -near_tie,
-                                                       std::numeric_limits<int64_t>::max()},
-                                  DType::kBfloat16),
+  EXPECT_EQ(MustConvert<uint16_t>(
+                DType::kInt64,
+                std::vector<int64_t>{near_tie, -near_tie, std::numeric_limits<int64_t>::max()},
+                DType::kBfloat16),
             (std::vector<uint16_t>{0x5e80, 0xde80, 0x5f00}));
-  EXPECT_EQ(MustConvert<float>(DType::kInt32, std::vector<int32_t>{16777217, -3},
-                               DType::kFloat32),
+  EXPECT_EQ(MustConvert<float>(DType::kInt32, std::vector<int32_t>{16777217, -3}, DType::kFloat32),
             (std::vector<float>{16777216.0f, -3.0f}));
   EXPECT_EQ(Bits(MustConvert<float>(DType::kUint64,
                                     std::vector<uint64_t>{std::numeric_limits<uint64_t>::max()},
                                     DType::kFloat32)[0]),
             0x5f800000u);
-  EXPECT_EQ(MustConvert<double>(DType::kInt64,
-                                std::vector<int64_t>{std::numeric_limits<int64_t>::min()},
-                                DType::kFloat64),
-            std::vector<double>{-0x1p63});
+  EXPECT_EQ(
+      MustConvert<double>(DType::kInt64, std::vector<int64_t>{std::numeric_limits<int64_t>::min()},
+                          DType::kFloat64),
+      std::vector<double>{-0x1p63});
   EXPECT_EQ(MustConvert<uint16_t>(DType::kInt32, std::vector<int32_t>{65519, 65520, -70000},
                                   DType::kFloat16),
             (std::vector<uint16_t>{0x7bff, 0x7c00, 0xfc00}));
@@ -203,11 +200,9 @@ TEST(ConvertTest, IntegersToIntegersInRange) {
             (std::vector<int8_t>{-128, 127, 0}));
   EXPECT_EQ(MustConvert<uint64_t>(DType::kInt8, std::vector<int8_t>{0, 127}, DType::kUint64),
             (std::vector<uint64_t>{0, 127}));
-  EXPECT_EQ(MustConvert<int64_t>(DType::kUint32, std::vector<uint32_t>{0xffffffff},
-                                 DType::kInt64),
+  EXPECT_EQ(MustConvert<int64_t>(DType::kUint32, std::vector<uint32_t>{0xffffffff}, DType::kInt64),
             std::vector<int64_t>{0xffffffff});
-  EXPECT_EQ(MustConvert<uint8_t>(DType::kInt32, std::vector<int32_t>{0, -5, 1 << 20},
-                                 DType::kBool),
+  EXPECT_EQ(MustConvert<uint8_t>(DType::kInt32, std::vector<int32_t>{0, -5, 1 << 20}, DType::kBool),
             (std::vector<uint8_t>{0, 1, 1}));
   EXPECT_EQ(MustConvert<int32_t>(DType::kBool, std::vector<uint8_t>{0, 1, 7}, DType::kInt32),
             (std::vector<int32_t>{0, 1, 1}));
@@ -225,19 +220,19 @@ TEST(ConvertTest, IntegerOutOfRangeNamesArrayValueAndDTypes) {
   ExpectRangeError(
       Convert<int8_t>(DType::kInt16, std::vector<int16_t>{5, 300, 7}, DType::kInt8).status(),
       {"test/array", "element 1", "300", "int8", "int16"});
-  ExpectRangeError(Convert<uint32_t>(DType::kInt8, std::vector<int8_t>{-1}, DType::kUint32)
-                       .status(),
-                   {"test/array", "-1", "uint32", "int8"});
-  ExpectRangeError(Convert<int64_t>(DType::kUint64,
-                                    std::vector<uint64_t>{std::numeric_limits<uint64_t>::max()},
-                                    DType::kInt64)
-                       .status(),
-                   {"18446744073709551615", "int64", "uint64"});
-  ExpectRangeError(Convert<uint8_t>(DType::kInt64,
-                                    std::vector<int64_t>{std::numeric_limits<int64_t>::min()},
-                                    DType::kUint8)
-                       .status(),
-                   {"-9223372036854775808", "uint8", "int64"});
+  ExpectRangeError(
+      Convert<uint32_t>(DType::kInt8, std::vector<int8_t>{-1}, DType::kUint32).status(),
+      {"test/array", "-1", "uint32", "int8"});
+  ExpectRangeError(
+      Convert<int64_t>(DType::kUint64, std::vector<uint64_t>{std::numeric_limits<uint64_t>::max()},
+                       DType::kInt64)
+          .status(),
+      {"18446744073709551615", "int64", "uint64"});
+  ExpectRangeError(
+      Convert<uint8_t>(DType::kInt64, std::vector<int64_t>{std::numeric_limits<int64_t>::min()},
+                       DType::kUint8)
+          .status(),
+      {"-9223372036854775808", "uint8", "int64"});
 }
 
 TEST(ConvertTest, UnsupportedConversionsAreUnimplemented) {

@@ -11,9 +11,9 @@ namespace {
 
 TEST(DTypeTest, NamesMatchNumpyAndRoundTrip) {
   const std::vector<std::string> expected = {
-      "bool",     "int8",    "int16",    "int32",     "int64",      "uint8",
-      "uint16",   "uint32",  "uint64",   "float16",   "bfloat16",   "float32",
-      "float64",  "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"};
+      "bool",    "int8",      "int16",      "int32",         "int64",      "uint8",
+      "uint16",  "uint32",    "uint64",     "float16",       "bfloat16",   "float32",
+      "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"};
   ASSERT_EQ(expected.size(), static_cast<size_t>(kNumDTypes));
   for (int i = 0; i < kNumDTypes; ++i) {
     const DType dtype = AllDTypes()[i];
@@ -26,9 +26,8 @@ TEST(DTypeTest, NamesMatchNumpyAndRoundTrip) {
 }
 
 TEST(DTypeTest, ParseRejectsUnknownNamesQuotingThem) {
-  for (const std::string name :
-       {"", "float", "Float32", "float32 ", "f4", "<f4", "bfloat", "float8_e4m3", "float8_e4m3fnuz",
-        "complex", "int128", "bool_"}) {
+  for (const std::string name : {"", "float", "Float32", "float32 ", "f4", "<f4", "bfloat",
+                                 "float8_e4m3", "float8_e4m3fnuz", "complex", "int128", "bool_"}) {
     Result<DType> parsed = ParseDType(name);
     ASSERT_FALSE(parsed.ok()) << name;
     EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);

@@ -52,8 +52,8 @@ TEST_P(CheckpointConcurrencyTest, ManyThreadsSaveAndRestoreDifferentCheckpoints)
         if (s.ok()) s = test::RestoreReliabilityStep(kv_.get(), dir, step, {version}, &found);
         // And an earlier step of this thread, while the others write.
         if (s.ok() && step > 1) {
-          s = test::RestoreReliabilityStep(kv_.get(), StrCat("run", t, "/", test::StepName(1)),
-                                           1, {version}, &found);
+          s = test::RestoreReliabilityStep(kv_.get(), StrCat("run", t, "/", test::StepName(1)), 1,
+                                           {version}, &found);
         }
         if (!s.ok()) errors[t] = StrCat("thread ", t, " step ", step, ": ", s.ToString());
       }

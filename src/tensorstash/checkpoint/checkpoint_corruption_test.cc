@@ -31,11 +31,11 @@ namespace tensorstash {
 namespace {
 
 namespace fs = std::filesystem;
-using ::testing::HasSubstr;
-using ::testing::Not;
 using test::BytesEqual;
 using test::MakeBoxData;
 using test::TestArray;
+using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr char kStep[] = "ckpt/0000000001";
 constexpr char kItem[] = "ckpt/0000000001/state";
@@ -151,9 +151,9 @@ class CheckpointCorruptionTest : public test::TempDirTest {
     return tree_.arrays[e.array_id].grid.ChunkName(static_cast<int64_t>(e.chunk));
   }
   Status ReadArray(CheckpointReader* reader, const TestArray& a, std::vector<char>* out) {
-    out->assign(static_cast<size_t>(Box::FromShape(a.spec.shape).num_elements()) *
-                    ItemSize(a.spec.dtype),
-                0);
+    out->assign(
+        static_cast<size_t>(Box::FromShape(a.spec.shape).num_elements()) * ItemSize(a.spec.dtype),
+        0);
     return reader->Read({a.spec.path, Box::FromShape(a.spec.shape), a.spec.dtype, out->data()});
   }
   static void ExpectError(const Status& status, absl::StatusCode code,
@@ -175,9 +175,8 @@ TEST_F(CheckpointCorruptionTest, IntactStepReadsBack) {
   for (const TestArray& a : arrays_) {
     std::vector<char> got;
     TS_ASSERT_OK(ReadArray(reader->get(), a, &got));
-    EXPECT_TRUE(BytesEqual(MakeBoxData(a.spec.dtype, a.spec.shape, a.seed,
-                                       Box::FromShape(a.spec.shape)),
-                           got));
+    EXPECT_TRUE(BytesEqual(
+        MakeBoxData(a.spec.dtype, a.spec.shape, a.seed, Box::FromShape(a.spec.shape)), got));
   }
   Result<std::vector<BadChunk>> bad = (*reader)->Verify();
   TS_ASSERT_OK(bad.status());
@@ -220,8 +219,8 @@ TEST_F(CheckpointCorruptionTest, TruncatedDataFile) {
   for (const TestArray& a : arrays_) {
     bool touches = false;
     for (const IndexEntry& e : index_.entries) {
-      touches = touches || (tree_.arrays[e.array_id].path == a.spec.path &&
-                            e.file_id == victim.file_id);
+      touches =
+          touches || (tree_.arrays[e.array_id].path == a.spec.path && e.file_id == victim.file_id);
     }
     if (touches) continue;
     TS_EXPECT_OK(ReadArray(reader->get(), a, &got)) << a.spec.path;
@@ -445,7 +444,8 @@ TEST_F(CheckpointCorruptionTest, NewerFormatVersions) {
   newer_tree[newer_tree.find('1', tree_version)] = '3';
   WriteRaw(kTreeKey, newer_tree);
   FixCommit();
-  ExpectError(Open().status(), absl::StatusCode::kUnimplemented, {kTreeKey, "version 3", "upgrade"});
+  ExpectError(Open().status(), absl::StatusCode::kUnimplemented,
+              {kTreeKey, "version 3", "upgrade"});
   WriteRaw(kTreeKey, tree);
   FixCommit();
   TS_ASSERT_OK(Open().status());
@@ -457,7 +457,8 @@ TEST_F(CheckpointCorruptionTest, NewerFormatVersions) {
   FixIndexFooter(&index);
   WriteRaw(kIndexKey, index);
   FixCommit();
-  ExpectError(Open().status(), absl::StatusCode::kUnimplemented, {kIndexKey, "version 2", "upgrade"});
+  ExpectError(Open().status(), absl::StatusCode::kUnimplemented,
+              {kIndexKey, "version 2", "upgrade"});
 }
 
 TEST_F(CheckpointCorruptionTest, StepWithoutCommitIsIncomplete) {
@@ -487,8 +488,9 @@ TEST_F(CheckpointCorruptionTest, StepThatDoesNotExist) {
 
 TEST_F(CheckpointCorruptionTest, DeeplyNestedTreeJson) {
   constexpr size_t kDepth = 1000000;
-  std::string json = "{\"format\": \"tensorstash/tree\", \"version\": [1, 0], \"arrays\": [], "
-                     "\"tree\": ";
+  std::string json =
+      "{\"format\": \"tensorstash/tree\", \"version\": [1, 0], \"arrays\": [], "
+      "\"tree\": ";
   json.append(kDepth, '[');
   json.append(kDepth, ']');
   json += "}";
@@ -497,8 +499,9 @@ TEST_F(CheckpointCorruptionTest, DeeplyNestedTreeJson) {
   ExpectError(Open().status(), absl::StatusCode::kDataLoss, {kTreeKey, "deep"});
   // Nested tree nodes (objects), just past the allowed depth and far past it.
   for (size_t depth : {size_t{kMaxTreeDepth + 16}, size_t{100000}}) {
-    std::string nodes = "{\"format\": \"tensorstash/tree\", \"version\": [1, 0], "
-                        "\"arrays\": [], \"tree\": ";
+    std::string nodes =
+        "{\"format\": \"tensorstash/tree\", \"version\": [1, 0], "
+        "\"arrays\": [], \"tree\": ";
     for (size_t i = 0; i < depth; ++i) nodes += "{\"kind\": \"list\", \"items\": [";
     nodes += "{\"kind\": \"none\"}";
     for (size_t i = 0; i < depth; ++i) nodes += "]}";
@@ -556,9 +559,7 @@ TEST_F(CheckpointCorruptionTest, HostileIndexEntries) {
       {"file name with NUL",
        [&](ChunkIndex* index) { index->files[0].name = std::string("data/a\0b", 8); },
        {"invalid name"}},
-      {"file id out of range",
-       [&](ChunkIndex* index) { index->files.pop_back(); },
-       {""}},
+      {"file id out of range", [&](ChunkIndex* index) { index->files.pop_back(); }, {""}},
       {"wrong length for an uncompressed chunk",
        [&](ChunkIndex* index) { entry_of(index, w0).length -= 1; },
        {"params/w"}},

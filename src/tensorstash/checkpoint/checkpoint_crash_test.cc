@@ -72,8 +72,8 @@ struct WriterRun {
   ::close(fds[1]);
   if (spawned != 0) {
     ::close(fds[0]);
-    return ::testing::AssertionFailure() << "posix_spawn " << tool << ": "
-                                         << std::strerror(spawned);
+    return ::testing::AssertionFailure()
+           << "posix_spawn " << tool << ": " << std::strerror(spawned);
   }
   std::this_thread::sleep_for(run_for);
   ::kill(pid, SIGKILL);
@@ -135,8 +135,8 @@ TEST_F(CheckpointCrashTest, KilledWriterLeavesOnlyCompleteSteps) {
     WriterRun run;
     ASSERT_TRUE(RunAndKill(tool, root, stderr_path, run_for, &run));
     ASSERT_TRUE(WIFSIGNALED(run.wait_status) && WTERMSIG(run.wait_status) == SIGKILL)
-        << "the writer stopped by itself (status " << run.wait_status << "): "
-        << Slurp(stderr_path);
+        << "the writer stopped by itself (status " << run.wait_status
+        << "): " << Slurp(stderr_path);
 
     // Classify every folder of the root.
     std::set<int64_t> complete;
@@ -161,9 +161,9 @@ TEST_F(CheckpointCrashTest, KilledWriterLeavesOnlyCompleteSteps) {
           EXPECT_EQ(reader.status().code(), absl::StatusCode::kFailedPrecondition)
               << reader.status();
         } else {
-          EXPECT_THAT(reader.status().code(),
-                      ::testing::AnyOf(absl::StatusCode::kFailedPrecondition,
-                                       absl::StatusCode::kNotFound))
+          EXPECT_THAT(
+              reader.status().code(),
+              ::testing::AnyOf(absl::StatusCode::kFailedPrecondition, absl::StatusCode::kNotFound))
               << reader.status();
         }
         continue;

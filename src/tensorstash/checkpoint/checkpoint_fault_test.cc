@@ -24,8 +24,8 @@
 namespace tensorstash {
 namespace {
 
-using ::testing::HasSubstr;
 using test::StoreKind;
+using ::testing::HasSubstr;
 
 uint64_t TestSeed() {
   if (const char* env = std::getenv("TS_FAULT_SEED")) return std::strtoull(env, nullptr, 10);
@@ -78,8 +78,8 @@ class CheckpointFaultTest : public test::TempDirTest,
   void ExpectCommittedStepsIntact() {
     for (const auto& [folder, versions] : committed_) {
       int version = -1;
-      Status restored = test::RestoreReliabilityStep(kv_.get(), folder, Step(folder), versions,
-                                                     &version);
+      Status restored =
+          test::RestoreReliabilityStep(kv_.get(), folder, Step(folder), versions, &version);
       EXPECT_EQ(OkStatus(), restored) << "committed step " << folder;
     }
     test::ExpectNothingIncompleteOpens(kv_.get(), "", committed_);
@@ -125,8 +125,8 @@ TEST_P(CheckpointFaultTest, InjectedSaveErrorsReachTheCallerAndHarmNothingCommit
     const std::string folder = test::StepName(step);
     const int version = iteration + 1;
     SCOPED_TRACE(StrCat("seed ", seed_, " iteration ", iteration, ": ", KvOpName(op), " call ",
-                        rule.nth, " of ", count, ", kind ", static_cast<int>(kind), ", step ",
-                        step, overwrite ? " (overwrite)" : ""));
+                        rule.nth, " of ", count, ", kind ", static_cast<int>(kind), ", step ", step,
+                        overwrite ? " (overwrite)" : ""));
     const size_t logged = kv_->fault_log().size();
     kv_->AddRule(rule);
     WriterOptions save_options = options;
@@ -157,11 +157,9 @@ TEST_P(CheckpointFaultTest, InjectedSaveErrorsReachTheCallerAndHarmNothingCommit
         if (found == version) ++visible_after_failure;
         committed_[folder] = {found};
       } else {
-        EXPECT_TRUE(absl::IsNotFound(restored) || absl::IsFailedPrecondition(restored))
-            << restored;
+        EXPECT_TRUE(absl::IsNotFound(restored) || absl::IsFailedPrecondition(restored)) << restored;
         if (committed_.count(folder) != 0 && rename()) {
-          ADD_FAILURE() << "a failed overwrite lost committed step " << folder << ": "
-                        << restored;
+          ADD_FAILURE() << "a failed overwrite lost committed step " << folder << ": " << restored;
         }
         committed_.erase(folder);
       }
@@ -221,7 +219,7 @@ TEST_P(CheckpointFaultTest, InjectedRestoreErrorsReachTheCallerAndNeverGiveWrong
 TEST_P(CheckpointFaultTest, CrashAtAnyPointOfASaveKeepsEveryCommittedStep) {
   // A store without rename stands for an object store: its names are durable at once.
   TS_ASSERT_OK(kv_->StartDurabilityTracking(rename() ? DurabilityModel::kPosix
-                                                      : DurabilityModel::kObjectStore));
+                                                     : DurabilityModel::kObjectStore));
   const WriterOptions options = test::SmallFilesOptions();
   for (int64_t step : {1, 2}) {
     TS_ASSERT_OK(test::SaveReliabilityStep(kv_.get(), test::StepName(step), step, 0, options));
@@ -267,8 +265,8 @@ TEST_P(CheckpointFaultTest, CrashAtAnyPointOfASaveKeepsEveryCommittedStep) {
       // Cut short: the step holds its old version, or the new one if the crash came after the
       // commit point, or (new step) nothing.
       std::set<int> allowed = {version};
-      if (committed_.count(folder) != 0) allowed.insert(committed_[folder].begin(),
-                                                        committed_[folder].end());
+      if (committed_.count(folder) != 0)
+        allowed.insert(committed_[folder].begin(), committed_[folder].end());
       int found = -1;
       Status restored = test::RestoreReliabilityStep(kv_.get(), folder, step, allowed, &found);
       if (restored.ok()) {
@@ -276,13 +274,11 @@ TEST_P(CheckpointFaultTest, CrashAtAnyPointOfASaveKeepsEveryCommittedStep) {
       } else if (committed_.count(folder) != 0 && rename()) {
         // A crash between an overwrite's two renames hides the old step until the next save of
         // it puts it back (docs/format.md, section 13).
-        EXPECT_TRUE(absl::IsNotFound(restored) || absl::IsFailedPrecondition(restored))
-            << restored;
+        EXPECT_TRUE(absl::IsNotFound(restored) || absl::IsFailedPrecondition(restored)) << restored;
         Status again = test::SaveReliabilityStep(kv_.get(), folder, step, version, options);
         EXPECT_TRUE(absl::IsAlreadyExists(again)) << again;
       } else {
-        EXPECT_TRUE(absl::IsNotFound(restored) || absl::IsFailedPrecondition(restored))
-            << restored;
+        EXPECT_TRUE(absl::IsNotFound(restored) || absl::IsFailedPrecondition(restored)) << restored;
         committed_.erase(folder);
       }
     }

@@ -26,8 +26,8 @@ using ::testing::HasSubstr;
 class CheckpointFullDiskTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a tmpfs (running as uid "
-                                       << ::geteuid() << ")";
+    if (::geteuid() != 0)
+      GTEST_SKIP() << "needs root to mount a tmpfs (running as uid " << ::geteuid() << ")";
     std::string dir = ::testing::TempDir() + "tensorstash_full_disk_XXXXXX";
     ASSERT_NE(::mkdtemp(dir.data()), nullptr) << std::strerror(errno);
     mount_point_ = dir;
@@ -52,7 +52,8 @@ class CheckpointFullDiskTest : public ::testing::Test {
   static void Fill(const fs::path& path, uint64_t bytes) {
     std::ofstream out(path, std::ios::binary);
     const std::string block(1 << 20, '\0');
-    for (uint64_t done = 0; done < bytes && out; done += block.size()) out.write(block.data(), block.size());
+    for (uint64_t done = 0; done < bytes && out; done += block.size())
+      out.write(block.data(), block.size());
   }
 
   std::string mount_point_;
@@ -86,8 +87,8 @@ TEST_F(CheckpointFullDiskTest, SaveThatDoesNotFitFailsCleanly) {
                                                     {test::StepName(2), {0}}};
   for (const auto& [folder, versions] : committed) {
     int version = -1;
-    TS_EXPECT_OK(test::RestoreReliabilityStep(kv_.get(), folder, test::Step(folder), versions,
-                                              &version));
+    TS_EXPECT_OK(
+        test::RestoreReliabilityStep(kv_.get(), folder, test::Step(folder), versions, &version));
   }
   EXPECT_EQ(test::TopFolders(kv_.get(), ""),
             (std::set<std::string>{test::StepName(1), test::StepName(2)}));
@@ -97,8 +98,8 @@ TEST_F(CheckpointFullDiskTest, SaveThatDoesNotFitFailsCleanly) {
   fs::remove(fs::path(mount_point_) / "filler");
   TS_ASSERT_OK(test::SaveReliabilityStep(kv_.get(), test::StepName(3), 3, 0, options, kScale));
   int version = -1;
-  TS_EXPECT_OK(test::RestoreReliabilityStep(kv_.get(), test::StepName(3), 3, {0}, &version,
-                                            kScale));
+  TS_EXPECT_OK(
+      test::RestoreReliabilityStep(kv_.get(), test::StepName(3), 3, {0}, &version, kScale));
 }
 
 }  // namespace

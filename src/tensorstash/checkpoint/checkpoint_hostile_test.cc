@@ -91,9 +91,9 @@ TEST_F(CheckpointHostileTest, SymlinkedStepFolderIsNotFollowed) {
 TEST_F(CheckpointHostileTest, SymlinkedFilesAndFoldersInsideAStepAreNotFollowed) {
   const std::string data_file = FirstDataFile();
   ASSERT_FALSE(data_file.empty());
-  for (const std::string& rel : {std::string("COMMIT"), std::string("state"),
-                                 std::string("state/index"), std::string("state/tree.json"),
-                                 std::string("state/data"), data_file}) {
+  for (const std::string& rel :
+       {std::string("COMMIT"), std::string("state"), std::string("state/index"),
+        std::string("state/tree.json"), std::string("state/data"), data_file}) {
     SCOPED_TRACE(rel);
     fs::remove_all(root_ / kStep);
     fs::copy(outside_ / kStep, root_ / kStep, fs::copy_options::recursive);
@@ -112,7 +112,8 @@ TEST_F(CheckpointHostileTest, SymlinkedFilesAndFoldersInsideAStepAreNotFollowed)
 TEST_F(CheckpointHostileTest, CommittedFilesThatAreNotRegularFilesAreDataLoss) {
   const std::string data_file = FirstDataFile();
   ASSERT_FALSE(data_file.empty());
-  for (const std::string& rel : {data_file, std::string("state/index"), std::string("state/tree.json")}) {
+  for (const std::string& rel :
+       {data_file, std::string("state/index"), std::string("state/tree.json")}) {
     for (const std::string kind : {"symlink", "fifo", "directory"}) {
       SCOPED_TRACE(StrCat(rel, " as a ", kind));
       fs::remove_all(root_ / kStep);
@@ -152,9 +153,11 @@ TEST_F(CheckpointHostileTest, StepNamesThatLeaveTheRootAreRefused) {
 TEST_F(CheckpointHostileTest, UnknownDtypeAndCodecNamesAreRefused) {
   const std::string tree_key = StrCat(kStep, "/state/tree.json");
   const std::string original = *kv_->Read(tree_key);
-  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
-           {"\"float32\"", "\"float128\""}, {"\"bfloat16\"", "\"\""},
-           {"\"zstd\"", "\"lz4\""}, {"\"int64\"", "\"int64 \""}}) {
+  for (const auto& [from, to] :
+       std::vector<std::pair<std::string, std::string>>{{"\"float32\"", "\"float128\""},
+                                                        {"\"bfloat16\"", "\"\""},
+                                                        {"\"zstd\"", "\"lz4\""},
+                                                        {"\"int64\"", "\"int64 \""}}) {
     SCOPED_TRACE(to);
     std::string json = original;
     const size_t at = json.find(from);

@@ -13,13 +13,15 @@ namespace tensorstash {
 namespace {
 
 // Saves one int32 array of `n` elements whose values are `base + i`.
-Status SaveStep(KvStore* kv, const std::string& dir, int64_t n, int32_t base, bool overwrite = false) {
+Status SaveStep(KvStore* kv, const std::string& dir, int64_t n, int32_t base,
+                bool overwrite = false) {
   std::vector<int32_t> data(n);
   for (int64_t i = 0; i < n; ++i) data[i] = base + static_cast<int32_t>(i);
   WriterOptions options;
   options.overwrite = overwrite;
   TS_ASSIGN_OR_RETURN(auto writer, CheckpointWriter::Create(kv, dir, options));
-  TS_RETURN_IF_ERROR(writer->AddArray({"x", DType::kInt32, {n}}, {{Box::FromShape({n}), data.data()}}));
+  TS_RETURN_IF_ERROR(
+      writer->AddArray({"x", DType::kInt32, {n}}, {{Box::FromShape({n}), data.data()}}));
   return writer->Commit();
 }
 
@@ -45,8 +47,10 @@ TEST(CheckpointLeftoversTest, TemporaryFoldersOfAStepAreRemovedByItsNextSave) {
       EXPECT_EQ(key.find("0001.tmp-"), std::string::npos) << key;
     }
   }
-  EXPECT_TRUE(kv.Size("0001.5.tmp-00000000f00df00d/state/index").ok());  // step "0001.5" is another step
-  EXPECT_TRUE(kv.Size("0002.tmp-00000000cafecafe/state/index").ok());  // another step's folder is left alone
+  EXPECT_TRUE(
+      kv.Size("0001.5.tmp-00000000f00df00d/state/index").ok());  // step "0001.5" is another step
+  EXPECT_TRUE(kv.Size("0002.tmp-00000000cafecafe/state/index")
+                  .ok());  // another step's folder is left alone
   EXPECT_TRUE(kv.Size("0001.tmp-mine/notes").ok());
   EXPECT_EQ(FirstValue(&kv, "0001").value(), 5);
 }

@@ -31,7 +31,6 @@ namespace {
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
@@ -136,8 +135,8 @@ Result<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(KvStore* kv,
   if (kv == nullptr) return InvalidArgumentError("CheckpointManager::Open: null store");
   if (options.max_to_keep < 0 || options.keep_period < 0 || options.save_interval_steps < 0) {
     return InvalidArgumentError(StrCat(
-        "max_to_keep, keep_period and save_interval_steps must be >= 0 (got ",
-        options.max_to_keep, ", ", options.keep_period, ", ", options.save_interval_steps, ")"));
+        "max_to_keep, keep_period and save_interval_steps must be >= 0 (got ", options.max_to_keep,
+        ", ", options.keep_period, ", ", options.save_interval_steps, ")"));
   }
   auto impl = std::make_unique<Impl>();
   impl->kv = kv;
@@ -165,8 +164,8 @@ Status CheckpointManager::Impl::OpenSteps() {
   Coordinator& c = *coordinator;
   if (c.process_count() == 1) {
     TS_RETURN_IF_ERROR(step_store->Lock());
-    TS_RETURN_IF_ERROR(Annotate(CleanUpAndListSteps(),
-                                StrCat("opening the checkpoints in ", kv->Describe())));
+    TS_RETURN_IF_ERROR(
+        Annotate(CleanUpAndListSteps(), StrCat("opening the checkpoints in ", kv->Describe())));
     if (!options.best_metric.empty()) LoadMetrics();
     return OkStatus();
   }
@@ -175,7 +174,8 @@ Status CheckpointManager::Impl::OpenSteps() {
   if (is_leader()) {
     Status status = step_store->Lock();
     if (status.ok()) {
-      status = Annotate(CleanUpAndListSteps(), StrCat("opening the checkpoints in ", kv->Describe()));
+      status =
+          Annotate(CleanUpAndListSteps(), StrCat("opening the checkpoints in ", kv->Describe()));
       if (status.ok() && !options.best_metric.empty()) LoadMetrics();
     }
     std::vector<int64_t> listed;
@@ -187,8 +187,7 @@ Status CheckpointManager::Impl::OpenSteps() {
         key, status.ok() ? StrCat("+", EncodeSteps(listed)) : EncodeStatusForPeers(status)));
     return status;
   }
-  TS_ASSIGN_OR_RETURN(std::string value,
-                      c.KeyValueGet(key, options.writer.coordination_timeout));
+  TS_ASSIGN_OR_RETURN(std::string value, c.KeyValueGet(key, options.writer.coordination_timeout));
   if (value.empty() || value[0] != '+') {
     return Annotate(DecodeStatusFromPeer(value), "process 0 could not open the checkpoints");
   }
@@ -216,7 +215,8 @@ void CheckpointManager::Impl::LoadMetrics() {
   }
   for (int64_t step : listed) {
     // The reader checks COMMIT's size before reading it, and the file's size and CRC-32C.
-    Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(kv, StepDir(step).value());
+    Result<std::unique_ptr<CheckpointReader>> reader =
+        CheckpointReader::Open(kv, StepDir(step).value());
     if (!reader.ok()) continue;
     Result<std::string> text = (*reader)->ReadFile(kMetricsFileName);
     if (!text.ok()) continue;
@@ -261,8 +261,8 @@ Result<SaveJob> CheckpointManager::Impl::Prepare(int64_t step, SaveRequest reque
   if (!options.writer.overwrite) {
     std::lock_guard<std::mutex> guard(mutex);
     if (steps.count(step) > 0) {
-      return AlreadyExistsError(StrCat("step ", step, " (", dir, ") is already complete in ",
-                                       kv->Describe()));
+      return AlreadyExistsError(
+          StrCat("step ", step, " (", dir, ") is already complete in ", kv->Describe()));
     }
   }
   if (!request.metadata_json.empty() &&
@@ -413,8 +413,9 @@ Status CheckpointManager::SaveAsync(int64_t step, SaveRequest request) {
     });
     shared_job->keep_alive.reset();  // no buffer of the caller's is read any more
     if (status.ok()) {
-      SaveStats stats{shared_job->step, true, written.raw_bytes, written.stored_bytes,
-                      blocking->load(), SecondsSince(shared_job->start)};
+      SaveStats stats{shared_job->step,  true,
+                      written.raw_bytes, written.stored_bytes,
+                      blocking->load(),  SecondsSince(shared_job->start)};
       Result<std::vector<int64_t>> doomed = impl->Committed(*shared_job, stats);
       status = doomed.ok() ? impl->DeleteSteps(*doomed) : doomed.status();
     }

@@ -47,7 +47,8 @@ SaveRequest RequestFor(const State& state, int64_t chunk_bytes = 0) {
   request.arrays[0].spec = {"w", DType::kFloat32, {64, 32}};
   request.arrays[0].spec.target_chunk_bytes = chunk_bytes;
   for (int64_t i = 0; i < 4; ++i) {
-    request.arrays[0].shards.push_back({Box({i * 16, 0}, {16, 32}), state.values.data() + i * 16 * 32});
+    request.arrays[0].shards.push_back(
+        {Box({i * 16, 0}, {16, 32}), state.values.data() + i * 16 * 32});
   }
   return request;
 }
@@ -62,7 +63,8 @@ void ExpectValues(KvStore* kv, int64_t step, const std::vector<float>& want) {
 }
 
 Result<std::string> ReadStepFile(KvStore* kv, int64_t step, std::string_view name) {
-  TS_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(kv, CheckpointManager::StepDir(step).value()));
+  TS_ASSIGN_OR_RETURN(auto reader,
+                      CheckpointReader::Open(kv, CheckpointManager::StepDir(step).value()));
   return reader->ReadFile(name);
 }
 
@@ -133,8 +135,8 @@ TEST(ManagerItemsTest, BadItemsAreRefusedBeforeAnythingIsWritten) {
 TEST(ManagerItemsTest, StepFileNamesAreChecked) {
   TS_EXPECT_OK(ValidateStepFileName("metadata.json"));
   TS_EXPECT_OK(ValidateStepFileName("process/12"));
-  for (const char* bad : {"COMMIT", "state/tree.json", "state", "../x", "/abs", "a//b", "a b",
-                          "x\n", ""}) {
+  for (const char* bad :
+       {"COMMIT", "state/tree.json", "state", "../x", "/abs", "a//b", "a b", "x\n", ""}) {
     EXPECT_EQ(ValidateStepFileName(bad).code(), absl::StatusCode::kInvalidArgument) << bad;
   }
 }

@@ -14,27 +14,27 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_test_util.h"
 #include "tensorstash/checkpoint/layout.h"
 #include "tensorstash/kvstore/file/file_kvstore.h"
+#include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 
 namespace tensorstash {
 namespace {
 
-using ::testing::ElementsAre;
-using ::testing::HasSubstr;
 using test::BytesEqual;
 using test::MakeStore;
 using test::StoreKind;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
 
 // The state of one step: a float32 matrix held as two row shards, and an int64 vector. The
 // values depend on `step`, so that a restore of the wrong step is caught.
 struct StepState {
-  std::vector<float> w;      // 6 x 5
-  std::vector<int64_t> b;    // 7
+  std::vector<float> w;    // 6 x 5
+  std::vector<int64_t> b;  // 7
 };
 
 StepState MakeState(int64_t step) {
@@ -150,8 +150,7 @@ TEST(CheckpointManagerOptionsTest, ShouldSaveAndBadOptions) {
 
   ManagerOptions bad;
   bad.max_to_keep = -1;
-  EXPECT_EQ(CheckpointManager::Open(&kv, bad).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CheckpointManager::Open(&kv, bad).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST_P(CheckpointManagerTest, SavesListAndRestoreBitForBit) {
@@ -402,8 +401,8 @@ TEST_P(CheckpointManagerTest, SavesFromSeveralThreadsAtOnceAreSerialized) {
         const StepState a = MakeState(first);
         results[t * 2] = mgr->SaveAsync(first, Request(a));
         const StepState b = MakeState(first + 1);
-        results[t * 2 + 1] = t % 2 == 0 ? mgr->Save(first + 1, Request(b))
-                                        : mgr->SaveAsync(first + 1, Request(b));
+        results[t * 2 + 1] =
+            t % 2 == 0 ? mgr->Save(first + 1, Request(b)) : mgr->SaveAsync(first + 1, Request(b));
         (void)mgr->WaitUntilFinished();
       });
     }

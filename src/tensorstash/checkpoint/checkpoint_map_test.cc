@@ -84,7 +84,8 @@ TEST_F(CheckpointMapTest, MapsWholeArraysAndShardBoxesBitForBit) {
   ExpectBox(mapped[1], lower);
   // Copy-on-write: changing the mapped memory changes neither the file nor other mappings.
   std::memset(mapped[0]->data(), 0x5a, 4096);
-  std::vector<Result<MappedBox>> again = reader->MapMany({{"big", whole, DType::kFloat32, nullptr}});
+  std::vector<Result<MappedBox>> again =
+      reader->MapMany({{"big", whole, DType::kFloat32, nullptr}});
   ExpectBox(again[0], whole);
 }
 
@@ -92,15 +93,16 @@ TEST_F(CheckpointMapTest, BoxesThatCannotBeMappedAreUnimplementedNotErrors) {
   auto reader = Open(kv_.get());
   ASSERT_NE(reader, nullptr);
   std::vector<Result<MappedBox>> mapped = reader->MapMany({
-      {"packed", Box::FromShape(kShape), DType::kFloat32, nullptr},  // compressed
+      {"packed", Box::FromShape(kShape), DType::kFloat32, nullptr},   // compressed
       {"small", Box::FromShape({64, 64}), DType::kFloat32, nullptr},  // chunks under 1 MiB
-      {"big", Box::FromShape(kShape), DType::kFloat64, nullptr},     // a cast
-      {"big", Box({0, 0}, {1024, 512}), DType::kFloat32, nullptr},   // chunk rows not runs
-      {"big", Box({0, 0}, {2048, 1024}), DType::kFloat32, nullptr},  // past the shape
-      {"big", Box({0, 0}, {0, 1024}), DType::kFloat32, nullptr},     // empty
+      {"big", Box::FromShape(kShape), DType::kFloat64, nullptr},      // a cast
+      {"big", Box({0, 0}, {1024, 512}), DType::kFloat32, nullptr},    // chunk rows not runs
+      {"big", Box({0, 0}, {2048, 1024}), DType::kFloat32, nullptr},   // past the shape
+      {"big", Box({0, 0}, {0, 1024}), DType::kFloat32, nullptr},      // empty
   });
   for (size_t i = 0; i < mapped.size(); ++i) {
-    EXPECT_EQ(mapped[i].status().code(), absl::StatusCode::kUnimplemented) << i << ": " << mapped[i].status();
+    EXPECT_EQ(mapped[i].status().code(), absl::StatusCode::kUnimplemented)
+        << i << ": " << mapped[i].status();
   }
   EXPECT_THAT(mapped[0].status().message(), HasSubstr("'packed'"));
   // Unknown arrays and wrong ranks are errors, as for reads.
@@ -167,7 +169,8 @@ class CheckpointMappedSpanTest : public CheckpointMapTest {
     std::vector<char> packed(1024 * 1024 * 4);
     std::vector<ReadRequest> requests = {{"big", left, DType::kFloat32, a.data()},
                                          {"big", right, DType::kFloat32, b.data()}};
-    if (with_packed) requests.push_back({"packed", Box::FromShape(kShape), DType::kFloat32, packed.data()});
+    if (with_packed)
+      requests.push_back({"packed", Box::FromShape(kShape), DType::kFloat32, packed.data()});
     *status = (*reader)->ReadMany(requests, &stats);
     if (status->ok()) {
       EXPECT_EQ(a, test::MakeBoxData(DType::kFloat32, kShape, 11, left));

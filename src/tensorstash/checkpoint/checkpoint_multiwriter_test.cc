@@ -3,9 +3,9 @@
 // process fails or disagrees, every process gets an error, none hangs, and no step appears.
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <ostream>
 #include <random>
-#include <memory>
 #include <set>
 #include <string>
 #include <thread>
@@ -13,22 +13,22 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_test_util.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/coordination/in_process_coordinator.h"
+#include "tensorstash/kvstore/forwarding_kvstore.h"
 
 namespace tensorstash {
 namespace {
 
-using ::testing::HasSubstr;
 using test::BytesEqual;
 using test::HeldShards;
 using test::MakeBoxData;
 using test::Sharding;
 using test::StoreKind;
 using test::TestArray;
+using ::testing::HasSubstr;
 
 // Devices are spread over processes in contiguous blocks (as hosts own consecutive devices).
 int OwnerOf(int device, int num_devices, int num_processes) {
@@ -107,8 +107,8 @@ void ExpectRestoresOnto(CheckpointReader* reader, const std::vector<TestArray>& 
     }
     TS_ASSERT_OK(reader->ReadMany(requests));
     for (size_t d = 0; d < devices.size(); ++d) {
-      EXPECT_TRUE(BytesEqual(MakeBoxData(a.spec.dtype, a.spec.shape, a.seed, devices[d].box),
-                             buffers[d]))
+      EXPECT_TRUE(
+          BytesEqual(MakeBoxData(a.spec.dtype, a.spec.shape, a.seed, devices[d].box), buffers[d]))
           << "device " << d << " " << devices[d].box.ToString();
     }
   }
@@ -201,8 +201,8 @@ TEST_P(CheckpointMultiWriterTest, EachProcessWritesItsShardsAndTheStepRestoresEl
   EXPECT_EQ(chunks, (*reader)->index().entries.size()) << "every chunk written exactly once";
   uint64_t total = 0;
   for (const TestArray& a : arrays) {
-    total += static_cast<uint64_t>(Box::FromShape(a.spec.shape).num_elements()) *
-             ItemSize(a.spec.dtype);
+    total +=
+        static_cast<uint64_t>(Box::FromShape(a.spec.shape).num_elements()) * ItemSize(a.spec.dtype);
   }
   EXPECT_EQ(raw, total);
 
@@ -272,7 +272,8 @@ TEST_P(CheckpointMultiWriterTest, MissingShardFailsEveryProcess) {
 // A KvStore that fails every write of one process's data files (say, a full disk on one host).
 class FailingDataKvStore final : public ForwardingKvStore {
  public:
-  FailingDataKvStore(KvStore* base, std::string marker) : ForwardingKvStore(base), marker_(std::move(marker)) {}
+  FailingDataKvStore(KvStore* base, std::string marker)
+      : ForwardingKvStore(base), marker_(std::move(marker)) {}
   Result<std::unique_ptr<WritableFile>> OpenForWrite(std::string_view key) override {
     if (std::string_view(key).find(marker_) != std::string_view::npos) {
       return ResourceExhaustedError(StrCat("open for write '", key, "': no space left on device"));
@@ -317,7 +318,8 @@ TEST_P(CheckpointMultiWriterTest, ProcessThatGivesUpMakesOthersTimeOut) {
   const auto start = std::chrono::steady_clock::now();
   Status culprit_add;
   const std::vector<Status> statuses = RunProcesses(n, [&](Coordinator* c) -> Status {
-    if (c->process_index() != 1) return SaveOwnShards(kv_.get(), "job/0000000400", c, arrays, options);
+    if (c->process_index() != 1)
+      return SaveOwnShards(kv_.get(), "job/0000000400", c, arrays, options);
     TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
                         CheckpointWriter::Create(kv_.get(), "job/0000000400", options, c));
     std::vector<char> data(4096);
@@ -343,35 +345,47 @@ TEST_P(CheckpointMultiWriterTest, ProcessesDescribingDifferentArraysFail) {
   const std::vector<TestArray> arrays = ModelArrays();
   struct Variant {
     std::string name;
-    EditFn edit;       // applied by the last process
-    bool drop_array;   // the last process adds one array fewer
+    EditFn edit;      // applied by the last process
+    bool drop_array;  // the last process adds one array fewer
   };
   std::vector<Variant> variants = {
       {"fewer arrays", nullptr, true},
-      {"other path", [](size_t i, ArraySpec* spec, HeldShards*) {
+      {"other path",
+       [](size_t i, ArraySpec* spec, HeldShards*) {
          if (i == 1) spec->path = "params/bias";
-       }, false},
-      {"other dtype of the same size", [](size_t i, ArraySpec* spec, HeldShards*) {
+       },
+       false},
+      {"other dtype of the same size",
+       [](size_t i, ArraySpec* spec, HeldShards*) {
          if (i == 0) spec->dtype = DType::kInt32;
-       }, false},
-      {"other dtype size", [](size_t i, ArraySpec* spec, HeldShards*) {
+       },
+       false},
+      {"other dtype size",
+       [](size_t i, ArraySpec* spec, HeldShards*) {
          if (i == 2) spec->dtype = DType::kInt32;  // int64 elsewhere
-       }, false},
-      {"other shape, same rank", [](size_t i, ArraySpec* spec, HeldShards* held) {
+       },
+       false},
+      {"other shape, same rank",
+       [](size_t i, ArraySpec* spec, HeldShards* held) {
          if (i == 4) {
            spec->shape = {1001, 7};
            held->shards.clear();
          }
-       }, false},
-      {"other rank", [](size_t i, ArraySpec* spec, HeldShards* held) {
+       },
+       false},
+      {"other rank",
+       [](size_t i, ArraySpec* spec, HeldShards* held) {
          if (i == 3) {
            spec->shape = {1};
            held->shards.clear();
          }
-       }, false},
-      {"other codec", [](size_t i, ArraySpec* spec, HeldShards*) {
+       },
+       false},
+      {"other codec",
+       [](size_t i, ArraySpec* spec, HeldShards*) {
          if (i == 2) spec->codec = Codec::kNone;
-       }, false},
+       },
+       false},
   };
   for (size_t v = 0; v < variants.size(); ++v) {
     SCOPED_TRACE(variants[v].name);
@@ -385,8 +399,7 @@ TEST_P(CheckpointMultiWriterTest, ProcessesDescribingDifferentArraysFail) {
       const bool odd_one = c->process_index() == n - 1;
       std::vector<TestArray> mine = arrays;
       if (odd_one && variants[v].drop_array) mine.pop_back();
-      return SaveOwnShards(kv_.get(), dir, c, mine, options,
-                           odd_one ? variants[v].edit : EditFn());
+      return SaveOwnShards(kv_.get(), dir, c, mine, options, odd_one ? variants[v].edit : EditFn());
     });
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -80,9 +80,9 @@ struct CheckpointReader::Impl {
   }
   std::string ChunkWhat(const IndexEntry& e) const {
     const ArrayMetadata& a = tree.arrays[e.array_id];
-    return StrCat("chunk ", a.grid.ChunkName(static_cast<int64_t>(e.chunk)), " of array '",
-                        a.path, "' (file '", FileKey(e.file_id), "', offset ", e.offset, ", ",
-                        e.length, " bytes)");
+    return StrCat("chunk ", a.grid.ChunkName(static_cast<int64_t>(e.chunk)), " of array '", a.path,
+                  "' (file '", FileKey(e.file_id), "', offset ", e.offset, ", ", e.length,
+                  " bytes)");
   }
   const IndexEntry* FindEntry(size_t array_id, int64_t chunk) const {
     auto begin = index.entries.begin() + entries_begin[array_id];
@@ -95,7 +95,8 @@ struct CheckpointReader::Impl {
     if (!options.verify_checksums) return OkStatus();
     const uint32_t crc = Crc32c(data, e.length);
     if (crc != e.crc32c) {
-      return DataLossError(StrCat("CRC-32C mismatch in ", ChunkWhat(e), ": stored ", Hex32(e.crc32c), ", computed ", Hex32(crc)));
+      return DataLossError(StrCat("CRC-32C mismatch in ", ChunkWhat(e), ": stored ",
+                                  Hex32(e.crc32c), ", computed ", Hex32(crc)));
     }
     return OkStatus();
   }
@@ -127,10 +128,11 @@ struct CheckpointReader::Impl {
     if (!file_errors[file_id].ok()) return file_errors[file_id];
     const size_t mapped_size = (length + page - 1) / page * page;
     // An address range first (nothing is read or allocated), then the file's pages over it.
-    void* base = ::mmap(nullptr, mapped_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                        -1, 0);
+    void* base =
+        ::mmap(nullptr, mapped_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (base == MAP_FAILED) {
-      return ResourceExhaustedError(StrCat("cannot reserve ", mapped_size, " bytes of address space"));
+      return ResourceExhaustedError(
+          StrCat("cannot reserve ", mapped_size, " bytes of address space"));
     }
     MappedBox mapped(static_cast<char*>(base), length, mapped_size);
     TS_RETURN_IF_ERROR(files[file_id]->MapAt(offset, length, mapped.data()));
@@ -149,8 +151,8 @@ namespace {
 // them.
 Status CommittedFileError(const Status& status, std::string_view what, std::string_view key) {
   if (IsNotAnObject(status) || absl::IsFailedPrecondition(status)) {
-    return DataLossError(StrCat(what, " '", key, "' of a committed step is not a regular file: ",
-                                status.message()));
+    return DataLossError(
+        StrCat(what, " '", key, "' of a committed step is not a regular file: ", status.message()));
   }
   if (absl::IsNotFound(status)) {
     return DataLossError(StrCat(what, " '", key, "' is missing from a committed step"));
@@ -177,9 +179,10 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, st
   // "<step>.tmp-<nonce>" may hold a COMMIT (a save that crashed between writing COMMIT and the
   // rename into place) and "<step>.old-<nonce>" a replaced step: neither is a committed step.
   if (IsTemporaryStepName(dir)) {
-    return FailedPreconditionError(StrCat(
-        "'", dir, "' is the temporary folder of a save (running, failed or crashed) or of a "
-        "replaced step, not a committed step; it cannot be read"));
+    return FailedPreconditionError(
+        StrCat("'", dir,
+               "' is the temporary folder of a save (running, failed or crashed) or of a "
+               "replaced step, not a committed step; it cannot be read"));
   }
   std::unique_ptr<Impl> impl;
   for (int attempt = 0;; ++attempt) {
@@ -206,8 +209,8 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, st
     // moment. When COMMIT now differs from what was read (or appeared), the step was replaced
     // under us: open it again. An unchanged COMMIT means the damage is real.
     constexpr int kMaxAttempts = 6;
-    const bool may_be_replacement = absl::IsDataLoss(loaded) || absl::IsNotFound(loaded) ||
-                                    absl::IsFailedPrecondition(loaded);
+    const bool may_be_replacement =
+        absl::IsDataLoss(loaded) || absl::IsNotFound(loaded) || absl::IsFailedPrecondition(loaded);
     if (attempt + 1 >= kMaxAttempts || !may_be_replacement) return loaded;
     Result<std::string> now = ReadCommitText(kv, StrCat(dir, "/", kCommitFileName));
     if (!now.ok() || *now == impl->commit_text) return loaded;
@@ -228,9 +231,10 @@ Status CheckpointReader::Impl::Load() {
     if (keys.empty()) {
       return NotFoundError(StrCat("no checkpoint step '", dir, "' in ", kv->Describe()));
     }
-    return FailedPreconditionError(StrCat(
-        "step '", dir, "' has no COMMIT record: it is incomplete (a save that is still running "
-        "or that crashed) and cannot be read"));
+    return FailedPreconditionError(
+        StrCat("step '", dir,
+               "' has no COMMIT record: it is incomplete (a save that is still running "
+               "or that crashed) and cannot be read"));
   }
   TS_RETURN_IF_ERROR(commit_read.status());
   commit_text = *commit_read;
@@ -253,7 +257,8 @@ Status CheckpointReader::Impl::Load() {
     }
     TS_ASSIGN_OR_RETURN(std::string bytes, kv->Read(key));
     if (bytes.size() != expected_size || crc_of(bytes) != crc) {
-      return DataLossError(StrCat("'", key, "' does not match the CRC-32C in its commit record: "
+      return DataLossError(StrCat("'", key,
+                                  "' does not match the CRC-32C in its commit record: "
                                   "the file is damaged or was replaced"));
     }
     return bytes;
@@ -262,8 +267,8 @@ Status CheckpointReader::Impl::Load() {
                       read_checked(kTreeFileName, item.tree_size, item.tree_crc32c,
                                    [](std::string_view b) { return Crc32c(b); }));
   TS_ASSIGN_OR_RETURN(tree, DecodeTreeJson(tree_json, StrCat(item_dir, "/", kTreeFileName)));
-  TS_ASSIGN_OR_RETURN(std::string index_bytes,
-                      read_checked(kIndexFileName, item.index_size, item.index_crc32c, IndexBodyCrc32c));
+  TS_ASSIGN_OR_RETURN(std::string index_bytes, read_checked(kIndexFileName, item.index_size,
+                                                            item.index_crc32c, IndexBodyCrc32c));
   TS_ASSIGN_OR_RETURN(index, DecodeIndex(index_bytes, StrCat(item_dir, "/", kIndexFileName)));
   if (item.num_arrays != tree.arrays.size()) {
     return DataLossError(StrCat("commit record '", commit_key, "' counts ", item.num_arrays,
@@ -278,28 +283,29 @@ Status CheckpointReader::Impl::Load() {
   std::vector<int64_t> counts(n, 0);
   for (const IndexEntry& e : index.entries) {
     if (e.array_id >= n) {
-      return DataLossError(StrCat("chunk index '", index_key, "' names array ",
-                                              e.array_id, " but tree.json has ", n));
+      return DataLossError(StrCat("chunk index '", index_key, "' names array ", e.array_id,
+                                  " but tree.json has ", n));
     }
     const ArrayMetadata& a = tree.arrays[e.array_id];
     if (e.chunk >= static_cast<uint64_t>(a.grid.NumChunks()) ||
         !a.grid.ChunkExists(static_cast<int64_t>(e.chunk))) {
-      return DataLossError(StrCat("chunk index '", index_key, "' lists chunk ",
-                                              e.chunk, " that array '", a.path, "' does not have"));
+      return DataLossError(StrCat("chunk index '", index_key, "' lists chunk ", e.chunk,
+                                  " that array '", a.path, "' does not have"));
     }
-    const uint64_t raw = a.grid.ChunkBox(static_cast<int64_t>(e.chunk)).num_elements() * ItemSize(a.dtype);
+    const uint64_t raw =
+        a.grid.ChunkBox(static_cast<int64_t>(e.chunk)).num_elements() * ItemSize(a.dtype);
     if ((a.codec == Codec::kNone && e.length != raw) || e.length > MaxEncodedSize(a.codec, raw)) {
       return DataLossError(StrCat("chunk index '", index_key, "': ", ChunkWhat(e),
-                                              " has the wrong stored size for ", raw, " raw bytes"));
+                                  " has the wrong stored size for ", raw, " raw bytes"));
     }
     ++counts[e.array_id];
     stored_bytes[e.array_id] += e.length;
   }
   for (size_t i = 0; i < n; ++i) {
     if (counts[i] != tree.arrays[i].grid.NumStoredChunks()) {
-      return DataLossError(StrCat(
-          "chunk index '", index_key, "' holds ", counts[i], " chunks of array '",
-          tree.arrays[i].path, "', which has ", tree.arrays[i].grid.NumStoredChunks()));
+      return DataLossError(StrCat("chunk index '", index_key, "' holds ", counts[i],
+                                  " chunks of array '", tree.arrays[i].path, "', which has ",
+                                  tree.arrays[i].grid.NumStoredChunks()));
     }
     entries_begin[i + 1] = entries_begin[i] + counts[i];
     array_by_path[tree.arrays[i].path] = i;
@@ -314,9 +320,8 @@ Status CheckpointReader::Impl::Load() {
     if (!file.ok()) {
       file_errors[f] = CommittedFileError(file.status(), "data file", key);
     } else if ((*file)->size() < index.files[f].size) {
-      file_errors[f] = DataLossError(StrCat(
-          "data file '", key, "' is truncated: ", (*file)->size(), " bytes, the index says ",
-          index.files[f].size));
+      file_errors[f] = DataLossError(StrCat("data file '", key, "' is truncated: ", (*file)->size(),
+                                            " bytes, the index says ", index.files[f].size));
     } else {
       files[f] = std::move(*file);
     }
@@ -337,8 +342,7 @@ uint64_t CheckpointReader::StoredBytes(size_t array_id) const {
 Result<const ArrayMetadata*> CheckpointReader::FindArray(std::string_view path) const {
   auto it = impl_->array_by_path.find(path);
   if (it == impl_->array_by_path.end()) {
-    return NotFoundError(
-        StrCat("no array '", path, "' in checkpoint '", impl_->dir, "'"));
+    return NotFoundError(StrCat("no array '", path, "' in checkpoint '", impl_->dir, "'"));
   }
   return &impl_->tree.arrays[it->second];
 }
@@ -364,7 +368,8 @@ Result<std::string> CheckpointReader::ReadFile(std::string_view name) const {
   }
   TS_ASSIGN_OR_RETURN(std::string bytes, s.kv->Read(key));
   if (bytes.size() != expected.size || Crc32c(bytes) != expected.crc32c) {
-    return DataLossError(StrCat("'", key, "' does not match the CRC-32C in its commit record: "
+    return DataLossError(StrCat("'", key,
+                                "' does not match the CRC-32C in its commit record: "
                                 "the file is damaged or was replaced"));
   }
   return bytes;
@@ -386,8 +391,8 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
     TS_ASSIGN_OR_RETURN(const size_t array_id, s.CheckRequest(req, req.dtype, what));
     const ArrayMetadata* a = &s.tree.arrays[array_id];
     if (!CanConvert(a->dtype, req.dtype)) {
-      return InvalidArgumentError(StrCat(what, ": cannot convert stored ",
-                                                     DTypeName(a->dtype), " to ", DTypeName(req.dtype)));
+      return InvalidArgumentError(StrCat(what, ": cannot convert stored ", DTypeName(a->dtype),
+                                         " to ", DTypeName(req.dtype)));
     }
     if (req.box.empty()) continue;
     if (req.dest == nullptr) return InvalidArgumentError(StrCat(what, ": no destination"));
@@ -400,8 +405,8 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
     a->grid.ForEachChunkIntersecting(req.box, [&](int64_t chunk, const Box& chunk_box) {
       const IndexEntry* entry = s.FindEntry(array_id, chunk);
       if (entry == nullptr) {
-        missing = DataLossError(StrCat("chunk ", a->grid.ChunkName(chunk), " of array '",
-                                                   a->path, "' is not in the index"));
+        missing = DataLossError(StrCat("chunk ", a->grid.ChunkName(chunk), " of array '", a->path,
+                                       "' is not in the index"));
         return;
       }
       Piece piece{r, entry, chunk_box, Intersect(chunk_box, req.box)};
@@ -416,7 +421,8 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
       }
       auto [it, inserted] = staged_target_of.emplace(entry, targets.size());
       if (inserted) {
-        chunk_reads.push_back({entry->file_id, entry->offset, entry->length, nullptr, targets.size()});
+        chunk_reads.push_back(
+            {entry->file_id, entry->offset, entry->length, nullptr, targets.size()});
         targets.emplace_back();
       }
       targets[it->second].push_back(pieces.size() - 1);
@@ -437,8 +443,8 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
     const Piece& p = pieces[targets[c.tag].front()];
     const ArrayMetadata& a = s.tree.arrays[p.entry->array_id];
     if (a.codec != Codec::kNone) {
-      max_decode_room = std::max<uint64_t>(max_decode_room,
-                                           p.chunk_box.num_elements() * ItemSize(a.dtype));
+      max_decode_room =
+          std::max<uint64_t>(max_decode_room, p.chunk_box.num_elements() * ItemSize(a.dtype));
     }
     staged_reads.push_back(c);
   }
@@ -537,7 +543,8 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
         const Piece& p = pieces[targets[c.tag].front()];
         const ArrayMetadata& a = s.tree.arrays[p.entry->array_id];
         if (a.codec != Codec::kNone) {
-          decode_room = std::max<uint64_t>(decode_room, p.chunk_box.num_elements() * ItemSize(a.dtype));
+          decode_room =
+              std::max<uint64_t>(decode_room, p.chunk_box.num_elements() * ItemSize(a.dtype));
         }
       }
       // One lease for both: two would deadlock when every thread holds its first and waits.
@@ -591,7 +598,8 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
     if (req.dtype != a->dtype) return NotMappable(a->path, "a dtype conversion");
     if (a->codec != Codec::kNone) return NotMappable(a->path, "compressed");
     if (req.box.empty()) return NotMappable(a->path, "empty");
-    if (!Box::FromShape(a->shape()).Contains(req.box)) return NotMappable(a->path, "past the shape");
+    if (!Box::FromShape(a->shape()).Contains(req.box))
+      return NotMappable(a->path, "past the shape");
     const size_t item = ItemSize(a->dtype);
     const uint64_t bytes = req.box.num_elements() * item;
     std::vector<std::pair<const IndexEntry*, uint64_t>> parts;  // (chunk, offset in the box)
@@ -631,15 +639,17 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
     }
     MappedBox mapped(static_cast<char*>(base), bytes, mapped_size);
     for (const auto& [e, offset] : parts) {
-      TS_RETURN_IF_ERROR(Annotate(s.files[e->file_id]->MapAt(e->offset, e->length, mapped.data() + offset),
-                                  s.ChunkWhat(*e)));
+      TS_RETURN_IF_ERROR(
+          Annotate(s.files[e->file_id]->MapAt(e->offset, e->length, mapped.data() + offset),
+                   s.ChunkWhat(*e)));
       TS_RETURN_IF_ERROR(s.CheckCrc(*e, mapped.data() + offset));
     }
     return mapped;
   };
   std::vector<Result<MappedBox>> results;
   results.reserve(requests.size());
-  for (size_t i = 0; i < requests.size(); ++i) results.emplace_back(UnimplementedError("not mapped"));
+  for (size_t i = 0; i < requests.size(); ++i)
+    results.emplace_back(UnimplementedError("not mapped"));
   TaskGroup group(s.pool.get());
   for (size_t i = 0; i < requests.size(); ++i) {
     group.Run([&, i] {
@@ -662,10 +672,10 @@ Result<std::vector<BadChunk>> CheckpointReader::Verify(
     total += e.length;
   }
   // Spans are staged under the byte cap: coalesce only up to what fits in it.
-  std::vector<ReadRequestPlan> plans = PlanReadRequests(
-      std::move(reads), s.options.coalesce_gap_bytes,
-      std::min<uint64_t>(s.options.max_request_bytes,
-                         std::max<uint64_t>(1, s.options.max_inflight_bytes)));
+  std::vector<ReadRequestPlan> plans =
+      PlanReadRequests(std::move(reads), s.options.coalesce_gap_bytes,
+                       std::min<uint64_t>(s.options.max_request_bytes,
+                                          std::max<uint64_t>(1, s.options.max_inflight_bytes)));
   StagingPool staging(s.options.max_inflight_bytes);
   std::mutex mutex;
   std::vector<BadChunk> bad;
@@ -690,14 +700,16 @@ Result<std::vector<BadChunk>> CheckpointReader::Verify(
             const uint32_t crc = Crc32c(span.data() + (e.offset - plan.offset), e.length);
             if (crc != e.crc32c) {
               status = DataLossError(StrCat("CRC-32C mismatch in ", s.ChunkWhat(e), ": stored ",
-                                              Hex32(e.crc32c), ", computed ", Hex32(crc)));
+                                            Hex32(e.crc32c), ", computed ", Hex32(crc)));
             }
           }
           const ArrayMetadata& a = s.tree.arrays[e.array_id];
           if (status.ok() && a.codec != Codec::kNone) {
-            const uint64_t raw = a.grid.ChunkBox(static_cast<int64_t>(e.chunk)).num_elements() * ItemSize(a.dtype);
+            const uint64_t raw =
+                a.grid.ChunkBox(static_cast<int64_t>(e.chunk)).num_elements() * ItemSize(a.dtype);
             StagingBuffer out(raw);
-            status = DecodeChunk(a.codec, std::string_view(span.data() + (e.offset - plan.offset), e.length),
+            status = DecodeChunk(a.codec,
+                                 std::string_view(span.data() + (e.offset - plan.offset), e.length),
                                  out.data(), raw, s.ChunkWhat(e));
           }
           if (!status.ok()) results.emplace_back(&e, status);

@@ -57,8 +57,8 @@ struct ReadRequest {
 };
 
 struct ReadStats {
-  uint64_t bytes_read = 0;  // stored bytes fetched from storage
-  uint64_t requests = 0;    // storage read calls
+  uint64_t bytes_read = 0;     // stored bytes fetched from storage
+  uint64_t requests = 0;       // storage read calls
   uint64_t direct_chunks = 0;  // chunks read straight into the destination
   uint64_t staged_chunks = 0;  // chunks read through a staging buffer or a mapped span
   uint64_t mapped_spans = 0;   // of the staged spans, those mapped (ReaderOptions::map_spans)

@@ -17,24 +17,24 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/array/convert.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_test_util.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/checkpoint/layout.h"
 #include "tensorstash/format/commit_record.h"
+#include "tensorstash/kvstore/forwarding_kvstore.h"
 
 namespace tensorstash {
 namespace {
 
-using ::testing::HasSubstr;
 using test::BytesEqual;
 using test::HeldShards;
 using test::MakeBoxData;
 using test::Sharding;
 using test::StoreKind;
 using test::TestArray;
+using ::testing::HasSubstr;
 
 // Saves `arrays`, each with every device's shard of its sharding, from one process.
 Status SaveArrays(KvStore* kv, const std::string& dir, const std::vector<TestArray>& arrays,
@@ -251,8 +251,8 @@ void CheckpointRoundTripTest::RunRandomCase(int case_index) {
     }
     TS_ASSERT_OK(r.ReadMany(requests));
     for (size_t d = 0; d < devices.size(); ++d) {
-      EXPECT_TRUE(BytesEqual(MakeBoxData(a.spec.dtype, a.spec.shape, a.seed, devices[d].box),
-                             buffers[d]))
+      EXPECT_TRUE(
+          BytesEqual(MakeBoxData(a.spec.dtype, a.spec.shape, a.seed, devices[d].box), buffers[d]))
           << "device " << d << " box " << devices[d].box.ToString();
     }
   }
@@ -382,12 +382,13 @@ TEST_P(CheckpointRoundTripTest, ZstdCompressesAndRoundTrips) {
   WriterOptions options;
   options.sync = false;
   options.target_chunk_bytes = 4096;
-  Result<std::unique_ptr<CheckpointWriter>> writer = CheckpointWriter::Create(kv_.get(), "z", options);
+  Result<std::unique_ptr<CheckpointWriter>> writer =
+      CheckpointWriter::Create(kv_.get(), "z", options);
   TS_ASSERT_OK(writer.status());
   TS_ASSERT_OK((*writer)->AddArray(spec, shards));
   // A random (incompressible) zstd array next to it.
-  const TestArray noise{{"noise", DType::kFloat32, {33, 17}, Codec::kZstd, 1, 128}, 4,
-                        {{2}, {-1, 0}}};
+  const TestArray noise{
+      {"noise", DType::kFloat32, {33, 17}, Codec::kZstd, 1, 128}, 4, {{2}, {-1, 0}}};
   HeldShards held = test::HoldAllShards(noise.spec, noise.seed, noise.sharding);
   TS_ASSERT_OK((*writer)->AddArray(noise.spec, held.shards));
   WriteStats stats;
@@ -585,8 +586,8 @@ TEST_P(CheckpointRoundTripTest, CustomTreeSurvivesRoundTrip) {
     EXPECT_EQ((*reader)->arrays()[i].path, arrays[i].spec.path);
     Result<std::vector<std::string>> keys = SplitArrayPath(arrays[i].spec.path);
     TS_ASSERT_OK(keys.status());
-    ExpectRead(reader->get(), arrays[i], Box::FromShape(arrays[i].spec.shape),
-               arrays[i].spec.dtype, "tree leaf");
+    ExpectRead(reader->get(), arrays[i], Box::FromShape(arrays[i].spec.shape), arrays[i].spec.dtype,
+               "tree leaf");
   }
   EXPECT_EQ(*SplitArrayPath("a~1b"), std::vector<std::string>{"a/b"});
   EXPECT_EQ(*SplitArrayPath("/"), (std::vector<std::string>{"", ""}));
@@ -658,14 +659,12 @@ TEST_P(CheckpointRoundTripTest, OverwriteFalseKeepsTheOldStep) {
 TEST_P(CheckpointRoundTripTest, OverwriteTrueReplacesTheStep) {
   WriterOptions options;
   options.sync = GetParam() == StoreKind::kFile;
-  const std::vector<TestArray> old_arrays = {
-      {{"w", DType::kFloat32, {10, 10}}, 1, {{2}, {0, -1}}},
-      {{"gone", DType::kInt8, {1000}}, 2, {{4}, {0}}}};
+  const std::vector<TestArray> old_arrays = {{{"w", DType::kFloat32, {10, 10}}, 1, {{2}, {0, -1}}},
+                                             {{"gone", DType::kInt8, {1000}}, 2, {{4}, {0}}}};
   TS_ASSERT_OK(SaveArrays(kv_.get(), "ckpt/0002", old_arrays, options));
   options.overwrite = true;
-  const std::vector<TestArray> new_arrays = {
-      {{"w", DType::kFloat64, {7, 3}}, 3, {{3}, {-1, 0}}},
-      {{"new", DType::kInt64, {5}}, 4, {{1}, {-1}}}};
+  const std::vector<TestArray> new_arrays = {{{"w", DType::kFloat64, {7, 3}}, 3, {{3}, {-1, 0}}},
+                                             {{"new", DType::kInt64, {5}}, 4, {{1}, {-1}}}};
   TS_ASSERT_OK(SaveArrays(kv_.get(), "ckpt/0002", new_arrays, options));
   Result<std::unique_ptr<CheckpointReader>> reader = Open("ckpt/0002");
   TS_ASSERT_OK(reader.status());
@@ -719,16 +718,16 @@ TEST_P(CheckpointRoundTripTest, ByteLimiterCapIsRespected) {
     EXPECT_GT(stats.peak_staging_bytes, 0u);
     EXPECT_LE(stats.peak_staging_bytes, cap);
     for (size_t d = 0; d < devices.size(); ++d) {
-      EXPECT_TRUE(BytesEqual(MakeBoxData(a.spec.dtype, a.spec.shape, a.seed, devices[d].box),
-                             buffers[d]));
+      EXPECT_TRUE(
+          BytesEqual(MakeBoxData(a.spec.dtype, a.spec.shape, a.seed, devices[d].box), buffers[d]));
     }
     // An unaligned box too.
     std::vector<char> odd(100 * 77 * 4);
-    TS_ASSERT_OK((*reader)->Read({"w", Box({13, 29}, {100, 77}), DType::kFloat32, odd.data()},
-                                 &stats));
+    TS_ASSERT_OK(
+        (*reader)->Read({"w", Box({13, 29}, {100, 77}), DType::kFloat32, odd.data()}, &stats));
     EXPECT_LE(stats.peak_staging_bytes, cap);
-    EXPECT_TRUE(BytesEqual(MakeBoxData(a.spec.dtype, a.spec.shape, a.seed, Box({13, 29}, {100, 77})),
-                           odd));
+    EXPECT_TRUE(
+        BytesEqual(MakeBoxData(a.spec.dtype, a.spec.shape, a.seed, Box({13, 29}, {100, 77})), odd));
   }
 }
 
@@ -792,8 +791,8 @@ TEST_P(CheckpointRoundTripTest, SameLayoutReadsDirectly) {
   }
   // A different dtype or layout goes through staging.
   std::vector<char> cast(120 * 64 * 4);
-  TS_ASSERT_OK((*reader)->Read({"w", Box::FromShape({120, 64}), DType::kFloat32, cast.data()},
-                               &stats));
+  TS_ASSERT_OK(
+      (*reader)->Read({"w", Box::FromShape({120, 64}), DType::kFloat32, cast.data()}, &stats));
   EXPECT_EQ(stats.direct_chunks, 0u);
   EXPECT_EQ(stats.staged_chunks, num_chunks);
 }
@@ -1018,19 +1017,17 @@ TEST_P(CheckpointRoundTripTest, FaultAtEveryStoreCallLeavesAConsistentStep) {
         outcome = &w == &old_array ? kOld : kNew;
         std::vector<char> got(64 * 8 * 4);
         TS_ASSERT_OK((*reader)->Read({"w", Box::FromShape({64, 8}), DType::kInt32, got.data()}));
-        EXPECT_TRUE(BytesEqual(MakeBoxData(DType::kInt32, {64, 8}, w.seed, Box::FromShape({64, 8})),
-                               got));
+        EXPECT_TRUE(
+            BytesEqual(MakeBoxData(DType::kInt32, {64, 8}, w.seed, Box::FromShape({64, 8})), got));
         Result<std::vector<BadChunk>> bad = (*reader)->Verify();
         TS_ASSERT_OK(bad.status());
         EXPECT_TRUE(bad->empty());
       } else {
-        EXPECT_THAT(reader.status().code(),
-                    ::testing::AnyOf(absl::StatusCode::kNotFound,
-                                     absl::StatusCode::kFailedPrecondition))
+        EXPECT_THAT(reader.status().code(), ::testing::AnyOf(absl::StatusCode::kNotFound,
+                                                             absl::StatusCode::kFailedPrecondition))
             << reader.status();
       }
-      EXPECT_EQ(allowed.count(outcome), 1u)
-          << "outcome " << outcome << " (0 old, 1 new, 2 none)";
+      EXPECT_EQ(allowed.count(outcome), 1u) << "outcome " << outcome << " (0 old, 1 new, 2 none)";
       if (!injected) break;
       ++faults;
     }

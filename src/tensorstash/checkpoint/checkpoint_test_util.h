@@ -65,8 +65,8 @@ inline void FillElement(DType dtype, uint64_t seed, uint64_t index, char* out) {
 
 // The elements of `box` (C order) of an array of `shape` seeded `seed`; zeros where the box lies
 // outside the shape.
-inline std::vector<char> MakeBoxData(DType dtype, const std::vector<int64_t>& shape,
-                                     uint64_t seed, const Box& box) {
+inline std::vector<char> MakeBoxData(DType dtype, const std::vector<int64_t>& shape, uint64_t seed,
+                                     const Box& box) {
   const size_t item = ItemSize(dtype);
   const int64_t n = box.num_elements();
   std::vector<char> out(static_cast<size_t>(n) * item, 0);
@@ -150,8 +150,7 @@ inline std::vector<DeviceShard> ShardArray(const std::vector<int64_t>& shape,
     for (size_t d = 0; d < shape.size(); ++d) {
       const int a = sharding.dim_axis[d];
       if (a >= 0) {
-        CeilPiece(shape[d], sharding.mesh[a], coord[a], &shard.box.origin[d],
-                  &shard.box.shape[d]);
+        CeilPiece(shape[d], sharding.mesh[a], coord[a], &shard.box.origin[d], &shard.box.shape[d]);
       }
     }
     for (int a = 0; a < axes; ++a) {
@@ -304,9 +303,12 @@ inline std::string StepName(int64_t step) {
 enum class StoreKind { kFile, kMemory, kMemoryNoRename };
 inline std::string StoreName(StoreKind kind) {
   switch (kind) {
-    case StoreKind::kFile: return "File";
-    case StoreKind::kMemory: return "Memory";
-    case StoreKind::kMemoryNoRename: return "MemoryNoRename";
+    case StoreKind::kFile:
+      return "File";
+    case StoreKind::kMemory:
+      return "Memory";
+    case StoreKind::kMemoryNoRename:
+      return "MemoryNoRename";
   }
   return "?";
 }

@@ -83,9 +83,10 @@ std::string EncodeGcds(const std::vector<std::vector<int64_t>>& gcds) {
 }
 Status MergeGcds(std::string_view text, std::vector<std::vector<int64_t>>* gcds, int from) {
   auto bad = [&] {
-    return InvalidArgumentError(StrCat(
-        "process ", from, " described a different set of arrays; every process must add the "
-        "same arrays in the same order"));
+    return InvalidArgumentError(
+        StrCat("process ", from,
+               " described a different set of arrays; every process must add the "
+               "same arrays in the same order"));
   };
   const size_t colon = text.find(':');
   size_t count = 0;
@@ -115,10 +116,10 @@ Status MergeGcds(std::string_view text, std::vector<std::vector<int64_t>>* gcds,
 // say about it, and the chunk size target that shapes its grid. Processes that disagree would
 // write chunks that do not fit the committed metadata.
 std::string ArrayDigest(const ArraySpec& spec, int64_t target_chunk_bytes) {
-  return Hex32(Crc32c(StrCat(spec.path, '\0', DTypeName(spec.dtype), '\0',
-                             StrJoin(spec.shape, ","), '\0', CodecName(spec.codec), '\0',
-                             spec.codec == Codec::kZstd ? spec.zstd_level : 0, '\0',
-                             target_chunk_bytes)));
+  return Hex32(
+      Crc32c(StrCat(spec.path, '\0', DTypeName(spec.dtype), '\0', StrJoin(spec.shape, ","), '\0',
+                    CodecName(spec.codec), '\0', spec.codec == Codec::kZstd ? spec.zstd_level : 0,
+                    '\0', target_chunk_bytes)));
 }
 
 // Adds another process's "files/<p>" listing ("<size> <crc> <name>" lines) to `files`.
@@ -235,14 +236,14 @@ Status CheckpointWriter::AddArray(ArraySpec spec, std::vector<ShardData> shards)
     TS_RETURN_IF_ERROR(ValidateBox(shard.box, item, shard_what));
     if (!whole.Contains(shard.box)) {
       return InvalidArgumentError(StrCat(shard_what, " box ", shard.box.ToString(),
-                                                     " lies outside the shape ", whole.ToString()));
+                                         " lies outside the shape ", whole.ToString()));
     }
     if (shard.data == nullptr && !shard.box.empty()) {
       return InvalidArgumentError(StrCat(shard_what, " has no data"));
     }
     if (shard.num_replicas < 1 || shard.replica_id < 0 || shard.replica_id >= shard.num_replicas) {
-      return InvalidArgumentError(StrCat(shard_what, ": replica id ", shard.replica_id,
-                                                     " of ", shard.num_replicas));
+      return InvalidArgumentError(
+          StrCat(shard_what, ": replica id ", shard.replica_id, " of ", shard.num_replicas));
     }
   }
   if (!impl_->array_paths.insert(spec.path).second) {
@@ -268,7 +269,7 @@ Status CheckpointWriter::AddFile(std::string name, std::string contents) {
 }
 
 Status CheckpointWriter::Commit(WriteStats* stats,
-                               const std::function<void()>& on_sources_released) {
+                                const std::function<void()>& on_sources_released) {
   Impl& s = *impl_;
   if (on_sources_released) s.on_sources_released = on_sources_released;
   // Whatever path Commit takes, the caller learns that its buffers are free before it returns.
@@ -332,8 +333,8 @@ Status CheckpointWriter::Commit(WriteStats* stats,
       if (process_status.ok()) {
         // Set before the status, so this does not wait.
         Result<std::string> listing = c.KeyValueGet(StrCat(s.key_prefix, "files/", p), timeout);
-        process_status = listing.ok() ? MergeFileListing(*listing, p, &committed_files)
-                                      : listing.status();
+        process_status =
+            listing.ok() ? MergeFileListing(*listing, p, &committed_files) : listing.status();
       }
       if (result.ok()) result = process_status;
     }
@@ -373,9 +374,10 @@ Result<std::string> CheckpointWriter::Impl::PrepareStepFolder() {
       if (LeftoverBase(folder) == std::string_view(dir)) leftovers.insert(folder);
     }
     for (const std::string& folder : leftovers) {
-      const bool rollback_possible = content == FolderContent::kEmpty ||
-                                     content == FolderContent::kTensorstashLeftover;
-      if (rollback_possible && folder.compare(dir.size(), std::strlen(kOldMarker), kOldMarker) == 0) {
+      const bool rollback_possible =
+          content == FolderContent::kEmpty || content == FolderContent::kTensorstashLeftover;
+      if (rollback_possible &&
+          folder.compare(dir.size(), std::strlen(kOldMarker), kOldMarker) == 0) {
         // An error here must not read as "no COMMIT": the folder may hold the only copy of a
         // committed step, which the deletion below would destroy.
         Result<uint64_t> old_commit = kv->Size(StrCat(folder, "/", kCommitFileName));
@@ -433,9 +435,8 @@ Status CheckpointWriter::Impl::AgreeOnGrids() {
                                      StrCat(EncodeGcds(gcds), "#", StrJoin(digests, ","))));
     for (int p = 0; p < c.process_count(); ++p) {
       if (p == c.process_index()) continue;
-      TS_ASSIGN_OR_RETURN(std::string other,
-                          c.KeyValueGet(StrCat(key_prefix, "cells/", p),
-                                        options.coordination_timeout));
+      TS_ASSIGN_OR_RETURN(std::string other, c.KeyValueGet(StrCat(key_prefix, "cells/", p),
+                                                           options.coordination_timeout));
       const size_t hash = other.find('#');
       const std::string_view other_gcds = std::string_view(other).substr(0, hash);
       TS_RETURN_IF_ERROR(MergeGcds(other_gcds, &gcds, p));
@@ -444,16 +445,20 @@ Status CheckpointWriter::Impl::AgreeOnGrids() {
               ? std::vector<std::string_view>()
               : StrSplit(std::string_view(other).substr(hash + 1), ',');
       if (other_digests.size() != digests.size()) {
-        return InvalidArgumentError(StrCat(
-            "process ", p, " described a different set of arrays; every process must add the "
-            "same arrays in the same order"));
+        return InvalidArgumentError(
+            StrCat("process ", p,
+                   " described a different set of arrays; every process must add the "
+                   "same arrays in the same order"));
       }
       for (size_t i = 0; i < digests.size(); ++i) {
         if (other_digests[i] != digests[i]) {
-          return InvalidArgumentError(StrCat(
-              "array '", arrays[i].spec.path, "' (number ", i, ") is described differently by "
-              "process ", c.process_index(), " and process ", p, " (path, dtype, shape, codec or "
-              "chunk size); every process must add the same arrays in the same order"));
+          return InvalidArgumentError(
+              StrCat("array '", arrays[i].spec.path, "' (number ", i,
+                     ") is described differently by "
+                     "process ",
+                     c.process_index(), " and process ", p,
+                     " (path, dtype, shape, codec or "
+                     "chunk size); every process must add the same arrays in the same order"));
         }
       }
     }
@@ -482,11 +487,11 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
       Status aligned;
       a.grid.ForEachChunkIntersecting(shard.box, [&](int64_t chunk, const Box& chunk_box) {
         if (!shard.box.Contains(chunk_box)) {
-          aligned = InternalError(StrCat("array '", a.spec.path, "': chunk ",
-                                                     chunk_box.ToString(), " straddles shards"));
+          aligned = InternalError(StrCat("array '", a.spec.path, "': chunk ", chunk_box.ToString(),
+                                         " straddles shards"));
         }
-        const int writer = options.split_replicated_writes
-                               ? static_cast<int>(sequence % shard.num_replicas) : 0;
+        const int writer =
+            options.split_replicated_writes ? static_cast<int>(sequence % shard.num_replicas) : 0;
         ++sequence;
         if (writer == shard.replica_id) tasks.push_back({id, chunk, chunk_box, &shard});
       });
@@ -501,12 +506,14 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   for (const ChunkTask& task : tasks) {
     total_raw += task.chunk_box.num_elements() * ItemSize(arrays[task.array_id].spec.dtype);
   }
-  const int lanes = static_cast<int>(std::clamp<uint64_t>(
-      total_raw / kMinLaneBytes, 1, static_cast<uint64_t>(std::min(options.io_threads, kMaxLanes))));
+  const int lanes = static_cast<int>(
+      std::clamp<uint64_t>(total_raw / kMinLaneBytes, 1,
+                           static_cast<uint64_t>(std::min(options.io_threads, kMaxLanes))));
   // A synced save starts each file's writeback every few MiB: the storage then writes while
-  // the save copies, instead of all at once in the final fsync (a 512 MiB save on 4 files here: 430-470 -> 280-290 ms).
-  // It also writes large chunks around the page cache (WritableFile::PreferDirectWrites): they
-  // go to storage anyway, and filling fresh page-cache memory costs more than that here.
+  // the save copies, instead of all at once in the final fsync (a 512 MiB save on 4 files here:
+  // 430-470 -> 280-290 ms). It also writes large chunks around the page cache
+  // (WritableFile::PreferDirectWrites): they go to storage anyway, and filling fresh page-cache
+  // memory costs more than that here.
   constexpr uint64_t kWritebackBytes = uint64_t{8} << 20;
   DataFileSet files(kv, ItemDir(work_dir, kStateItem), c.process_index(),
                     static_cast<uint64_t>(options.target_data_file_bytes), lanes,
@@ -521,7 +528,8 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   for (ChunkTask& task : tasks) {
     const ArrayEntry& a = arrays[task.array_id];
     const uint64_t raw = task.chunk_box.num_elements() * ItemSize(a.spec.dtype);
-    task.lane = static_cast<int>(std::min<uint64_t>(lanes - 1, placed * lanes / std::max<uint64_t>(total_raw, 1)));
+    task.lane = static_cast<int>(
+        std::min<uint64_t>(lanes - 1, placed * lanes / std::max<uint64_t>(total_raw, 1)));
     placed += raw;
     if (a.spec.codec != Codec::kNone) continue;
     TS_ASSIGN_OR_RETURN(task.location, files.Allocate(raw, task.lane));
@@ -554,7 +562,8 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
       if (group.failed()) break;
       if (task->shard->stable) {
         // Nothing to protect from the caller: written from where it is, like a plain save.
-        group.Run([&, task] { return WriteTask(*task, &files, &limiter, &mutex, &entries, stats); });
+        group.Run(
+            [&, task] { return WriteTask(*task, &files, &limiter, &mutex, &entries, stats); });
         continue;
       }
       const ArrayEntry& a = arrays[task->array_id];
@@ -570,8 +579,8 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
         break;
       }
       group.Run([&, task, staged, raw_size] {
-        return WriteChunk(*task, std::string_view(staged->data(), raw_size),
-                          &files, &mutex, &entries, stats);
+        return WriteChunk(*task, std::string_view(staged->data(), raw_size), &files, &mutex,
+                          &entries, stats);
       });
     }
     ReleaseSources();
@@ -589,8 +598,8 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   if (c.process_index() > 0) {
     // Process 0 merges the other processes' parts.
     TS_ASSIGN_OR_RETURN(std::string part, EncodeIndex(*local));
-    const std::string key = StrCat(ItemDir(work_dir, kStateItem), "/", kIndexFileName,
-                                         ".part-", c.process_index());
+    const std::string key =
+        StrCat(ItemDir(work_dir, kStateItem), "/", kIndexFileName, ".part-", c.process_index());
     TS_RETURN_IF_ERROR(kv->Write(key, part));
     if (options.sync) TS_RETURN_IF_ERROR(kv->Sync(key));
   }
@@ -602,8 +611,9 @@ Status CheckpointWriter::Impl::GatherChunk(const ChunkTask& task, char* out) con
   const ShardData& shard = *task.shard;
   const size_t item = ItemSize(a.spec.dtype);
   if (IsContiguousIn(task.chunk_box, shard.box)) {
-    std::memcpy(out, static_cast<const char*>(shard.data) + ByteOffsetIn(task.chunk_box, shard.box, item),
-                task.chunk_box.num_elements() * item);
+    std::memcpy(
+        out, static_cast<const char*>(shard.data) + ByteOffsetIn(task.chunk_box, shard.box, item),
+        task.chunk_box.num_elements() * item);
     return OkStatus();
   }
   return CopyBox(task.chunk_box, a.spec.dtype, shard.data, shard.box, a.spec.dtype, out,
@@ -621,9 +631,11 @@ Status CheckpointWriter::Impl::WriteTask(const ChunkTask& task, DataFileSet* fil
 
   // Staging is needed to gather a non-contiguous chunk and to hold compressed bytes; a
   // contiguous uncompressed chunk goes straight from the caller's buffer to the file.
-  uint64_t staging = (contiguous ? 0 : raw_size) + (a.spec.codec == Codec::kNone ? 0 : MaxEncodedSize(a.spec.codec, raw_size));
+  uint64_t staging = (contiguous ? 0 : raw_size) +
+                     (a.spec.codec == Codec::kNone ? 0 : MaxEncodedSize(a.spec.codec, raw_size));
   ByteReservation reservation(limiter, staging);
-  const char* raw = static_cast<const char*>(shard.data) + ByteOffsetIn(task.chunk_box, shard.box, item);
+  const char* raw =
+      static_cast<const char*>(shard.data) + ByteOffsetIn(task.chunk_box, shard.box, item);
   StagingBuffer gathered;
   if (!contiguous) {
     gathered = StagingBuffer(raw_size);
@@ -648,9 +660,9 @@ Status CheckpointWriter::Impl::WriteChunk(const ChunkTask& task, std::string_vie
   if (!task.preallocated) {
     TS_ASSIGN_OR_RETURN(location, files->Allocate(stored.size(), task.lane));
   }
-  TS_RETURN_IF_ERROR(Annotate(files->Write(location, stored.data(), stored.size()),
-                              StrCat("writing chunk ", a.grid.ChunkName(task.chunk),
-                                           " of array '", a.spec.path, "'")));
+  TS_RETURN_IF_ERROR(Annotate(
+      files->Write(location, stored.data(), stored.size()),
+      StrCat("writing chunk ", a.grid.ChunkName(task.chunk), " of array '", a.spec.path, "'")));
   std::lock_guard<std::mutex> lock(*mutex);
   entries->push_back({task.array_id, location.file_id, static_cast<uint64_t>(task.chunk),
                       location.offset, stored.size(), crc});
@@ -699,17 +711,17 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local,
   for (size_t i = 0; i < arrays.size(); ++i) {
     const int64_t expected = arrays[i].grid.NumStoredChunks();
     if (counts[i] < expected) {
-      return InvalidArgumentError(StrCat(
-          "array '", arrays[i].spec.path, "': only ", counts[i], " of ", expected,
-          " chunks were written; the shards given by all processes do not cover the array"));
+      return InvalidArgumentError(
+          StrCat("array '", arrays[i].spec.path, "': only ", counts[i], " of ", expected,
+                 " chunks were written; the shards given by all processes do not cover the array"));
     }
   }
   TS_ASSIGN_OR_RETURN(std::string index_bytes, EncodeIndex(merged));
 
   TreeFile tree_file;
   for (const ArrayEntry& a : arrays) {
-    tree_file.arrays.push_back(
-        {a.spec.path, a.spec.dtype, a.grid, a.spec.codec, a.spec.codec == Codec::kZstd ? a.spec.zstd_level : 0});
+    tree_file.arrays.push_back({a.spec.path, a.spec.dtype, a.grid, a.spec.codec,
+                                a.spec.codec == Codec::kZstd ? a.spec.zstd_level : 0});
   }
   if (tree.has_value()) {
     tree_file.root = *tree;
@@ -734,7 +746,8 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local,
 
   CommitRecord record;
   record.created_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                               std::chrono::system_clock::now().time_since_epoch()).count();
+                               std::chrono::system_clock::now().time_since_epoch())
+                               .count();
   record.process_count = c.process_count();
   CommitItem& item = record.items[kStateItem];
   item.tree_crc32c = Crc32c(tree_json);

@@ -44,8 +44,8 @@ std::string KeysText(const std::vector<KeyPart>& keys) {
 Result<std::string> ReadSmallFile(KvStore* kv, const std::string& key) {
   TS_ASSIGN_OR_RETURN(uint64_t size, kv->Size(key));
   if (size > kMaxOrbaxMetadataBytes) {
-    return DataLossError(StrCat("'", key, "' is ", size, " bytes, more than the limit of ",
-                                kMaxOrbaxMetadataBytes));
+    return DataLossError(
+        StrCat("'", key, "' is ", size, " bytes, more than the limit of ", kMaxOrbaxMetadataBytes));
   }
   return kv->Read(key);
 }
@@ -127,7 +127,9 @@ bool ParseKeystr(std::string_view text, std::vector<KeyPart>* keys) {
   while (i < text.size()) {
     if (text[i] == '.') {
       size_t j = i + 1;
-      while (j < text.size() && (std::isalnum(static_cast<unsigned char>(text[j])) || text[j] == '_')) ++j;
+      while (j < text.size() &&
+             (std::isalnum(static_cast<unsigned char>(text[j])) || text[j] == '_'))
+        ++j;
       if (j == i + 1) return false;
       keys->push_back({std::string(text.substr(i + 1, j - i - 1)), false});
       i = j;
@@ -189,21 +191,35 @@ int64_t GridSize(const ZarrArray& array) {
   return n;
 }
 
-std::string GridName(const std::vector<int64_t>& grid) { return StrCat("[", StrJoin(grid, ", "), "]"); }
+std::string GridName(const std::vector<int64_t>& grid) {
+  return StrCat("[", StrJoin(grid, ", "), "]");
+}
 
 std::string CodecChainName(const std::vector<ZarrCodec>& codecs) {
   std::vector<std::string> names;
   for (const ZarrCodec& c : codecs) {
     switch (c.kind) {
-      case ZarrCodecKind::kTranspose: names.push_back("transpose"); break;
-      case ZarrCodecKind::kBytes: break;  // always there; says nothing
-      case ZarrCodecKind::kSharding:
-        names.push_back(StrCat("sharded(", c.inner_codecs ? CodecChainName(*c.inner_codecs) : "", ")"));
+      case ZarrCodecKind::kTranspose:
+        names.push_back("transpose");
         break;
-      case ZarrCodecKind::kZstd: names.push_back("zstd"); break;
-      case ZarrCodecKind::kGzip: names.push_back("gzip"); break;
-      case ZarrCodecKind::kBlosc: names.push_back("blosc"); break;
-      case ZarrCodecKind::kCrc32c: names.push_back("crc32c"); break;
+      case ZarrCodecKind::kBytes:
+        break;  // always there; says nothing
+      case ZarrCodecKind::kSharding:
+        names.push_back(
+            StrCat("sharded(", c.inner_codecs ? CodecChainName(*c.inner_codecs) : "", ")"));
+        break;
+      case ZarrCodecKind::kZstd:
+        names.push_back("zstd");
+        break;
+      case ZarrCodecKind::kGzip:
+        names.push_back("gzip");
+        break;
+      case ZarrCodecKind::kBlosc:
+        names.push_back("blosc");
+        break;
+      case ZarrCodecKind::kCrc32c:
+        names.push_back("crc32c");
+        break;
     }
   }
   return names.empty() ? "raw" : StrJoin(names, "+");
@@ -262,24 +278,24 @@ struct OrbaxReader::Builder {
   static Result<Builder*> Leaf(Builder* root, const std::vector<KeyPart>& keys,
                                const std::string& where) {
     if (keys.size() > static_cast<size_t>(kMaxTreeDepth)) {
-      return DataLossError(StrCat(where, ": key path ", KeysText(keys), " is deeper than ",
-                                  kMaxTreeDepth));
+      return DataLossError(
+          StrCat(where, ": key path ", KeysText(keys), " is deeper than ", kMaxTreeDepth));
     }
     for (const KeyPart& key : keys) {
       if (key.sequence && (key.name.empty() || key.name.size() > 9 ||
                            !std::all_of(key.name.begin(), key.name.end(), [](char c) {
                              return std::isdigit(static_cast<unsigned char>(c));
                            }))) {
-        return DataLossError(StrCat(where, ": sequence key '", key.name,
-                                    "' is not an index (up to 9 digits)"));
+        return DataLossError(
+            StrCat(where, ": sequence key '", key.name, "' is not an index (up to 9 digits)"));
       }
     }
     Builder* node = root;
     for (const KeyPart& key : keys) {
       node = node->Child(key);
       if (node == nullptr) {
-        return DataLossError(StrCat(where, ": key path ", KeysText(keys),
-                                    " clashes with another leaf's path"));
+        return DataLossError(
+            StrCat(where, ": key path ", KeysText(keys), " clashes with another leaf's path"));
       }
     }
     if (node->kind != Kind::kUnset) {
@@ -326,8 +342,11 @@ Status OrbaxReader::CheckGridIsPlausible(const ZarrArray& array, const std::stri
   constexpr uint64_t kChunksAlwaysAllowed = uint64_t{1} << 20;
   uint64_t chunks = 1;
   for (size_t d = 0; d < array.shape().size(); ++d) {
-    const uint64_t extent = array.shape()[d] == 0 ? 0
-        : static_cast<uint64_t>((array.shape()[d] + array.chunk_shape()[d] - 1) / array.chunk_shape()[d]);
+    const uint64_t extent =
+        array.shape()[d] == 0
+            ? 0
+            : static_cast<uint64_t>((array.shape()[d] + array.chunk_shape()[d] - 1) /
+                                    array.chunk_shape()[d]);
     chunks = extent != 0 && chunks > UINT64_MAX / extent ? UINT64_MAX : chunks * extent;
   }
   if (chunks <= kChunksAlwaysAllowed) return OkStatus();
@@ -342,11 +361,12 @@ Status OrbaxReader::CheckGridIsPlausible(const ZarrArray& array, const std::stri
     stored_total_ = total;
   }
   if (chunks <= *stored_total_) return OkStatus();
-  return InvalidArgumentError(StrCat(
-      where, ": array '", array.prefix(), "' claims a grid of ", chunks, " chunks (shape [",
-      StrJoin(array.shape(), ", "), "], chunks [", StrJoin(array.chunk_shape(), ", "),
-      "]), more than the ", *stored_total_, " bytes the checkpoint stores could hold: the "
-      "metadata is damaged or hostile"));
+  return InvalidArgumentError(StrCat(where, ": array '", array.prefix(), "' claims a grid of ",
+                                     chunks, " chunks (shape [", StrJoin(array.shape(), ", "),
+                                     "], chunks [", StrJoin(array.chunk_shape(), ", "),
+                                     "]), more than the ", *stored_total_,
+                                     " bytes the checkpoint stores could hold: the "
+                                     "metadata is damaged or hostile"));
 }
 
 Status OrbaxReader::LoadOrbax() {
@@ -355,7 +375,8 @@ Status OrbaxReader::LoadOrbax() {
   const nlohmann::json& doc = metadata.doc;
   const std::string where = StrCat("Orbax metadata '", metadata_key, "'");
   if (!doc.is_object() || !doc.contains("tree_metadata") || !doc["tree_metadata"].is_object()) {
-    return DataLossError(StrCat(where, " has no \"tree_metadata\" object (an Orbax version "
+    return DataLossError(StrCat(where,
+                                " has no \"tree_metadata\" object (an Orbax version "
                                 "before 0.5 or not an Orbax PyTree checkpoint)"));
   }
   if (doc.contains("store_array_data_equal_to_fill_value") &&
@@ -378,14 +399,15 @@ Status OrbaxReader::LoadOrbax() {
     auto found = tree_metadata.find(entry_key);
     if (found == tree_metadata.end()) continue;  // a key of a nested object, not an entry
     const nlohmann::json& entry = *found;
-    if (!entry.is_object() || !entry.contains("key_metadata") || !entry["key_metadata"].is_array() ||
-        !entry.contains("value_metadata") || !entry["value_metadata"].is_object()) {
+    if (!entry.is_object() || !entry.contains("key_metadata") ||
+        !entry["key_metadata"].is_array() || !entry.contains("value_metadata") ||
+        !entry["value_metadata"].is_object()) {
       return DataLossError(StrCat(leaf_where, ": expected key_metadata and value_metadata"));
     }
     std::vector<KeyPart> keys;
     for (const nlohmann::json& k : entry["key_metadata"]) {
-      if (!k.is_object() || !k.contains("key") || !k["key"].is_string() || !k.contains("key_type") ||
-          !k["key_type"].is_number_integer()) {
+      if (!k.is_object() || !k.contains("key") || !k["key"].is_string() ||
+          !k.contains("key_type") || !k["key_type"].is_number_integer()) {
         return DataLossError(StrCat(leaf_where, ": malformed key_metadata"));
       }
       const int type = k["key_type"].get<int>();
@@ -424,8 +446,8 @@ Status OrbaxReader::LoadOrbax() {
         TS_ASSIGN_OR_RETURN(strings, ParseJsonFile(base_, StrCat(dir_, "/", kOrbaxStringsFile)));
       }
       if (!strings->is_object() || !strings->contains(param) || !(*strings)[param].is_string()) {
-        return DataLossError(StrCat("'", dir_, "/", kOrbaxStringsFile, "' has no string for '",
-                                    param, "'"));
+        return DataLossError(
+            StrCat("'", dir_, "/", kOrbaxStringsFile, "' has no string for '", param, "'"));
       }
       leaf->value.kind = TreeNode::Kind::kString;
       leaf->value.string_value = (*strings)[param].get<std::string>();
@@ -436,11 +458,11 @@ Status OrbaxReader::LoadOrbax() {
   }
 
   // Creation time: _CHECKPOINT_METADATA of the item or of its manager step. Optional.
-  for (const std::string& key : {StrCat(dir_, "/", kOrbaxCheckpointMetadataFile),
-                                 dir_.find('/') == std::string::npos
-                                     ? std::string()
-                                     : StrCat(dir_.substr(0, dir_.rfind('/')), "/",
-                                              kOrbaxCheckpointMetadataFile)}) {
+  for (const std::string& key :
+       {StrCat(dir_, "/", kOrbaxCheckpointMetadataFile),
+        dir_.find('/') == std::string::npos
+            ? std::string()
+            : StrCat(dir_.substr(0, dir_.rfind('/')), "/", kOrbaxCheckpointMetadataFile)}) {
     if (key.empty()) continue;
     Result<OrderedJson> meta = ParseJsonFile(base_, key);
     if (!meta.ok() || !meta->is_object()) continue;
@@ -458,7 +480,8 @@ Status OrbaxReader::LoadOrbax() {
     if (keys.ok()) {
       for (const std::string& key : *keys) {
         const std::string rest = key.substr(dir_.size() + 1);
-        if (rest.rfind("ocdbt.process_", 0) == 0 && rest.ends_with("/manifest.ocdbt")) ++process_count_;
+        if (rest.rfind("ocdbt.process_", 0) == 0 && rest.ends_with("/manifest.ocdbt"))
+          ++process_count_;
       }
     }
     if (process_count_ == 0) process_count_ = 1;
@@ -491,9 +514,10 @@ Status OrbaxReader::LoadZarrGroup() {
     }
   }
   if (!completed) {
-    return FailedPreconditionError(StrCat(
-        "zarr checkpoint '", dir_, "' has no 'write_completed' attribute: the save did not "
-        "finish (an incomplete or crashed save); it cannot be read"));
+    return FailedPreconditionError(
+        StrCat("zarr checkpoint '", dir_,
+               "' has no 'write_completed' attribute: the save did not "
+               "finish (an incomplete or crashed save); it cannot be read"));
   }
   TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, base_->List(array_root_));
   Builder root;
@@ -506,7 +530,8 @@ Status OrbaxReader::LoadZarrGroup() {
       name = rest.substr(0, rest.size() - 10);
       Result<OrderedJson> doc = ParseJsonFile(base_, key);
       if (!doc.ok()) return doc.status();
-      if (!doc->is_object() || !doc->contains("node_type") || (*doc)["node_type"] != "array") continue;
+      if (!doc->is_object() || !doc->contains("node_type") || (*doc)["node_type"] != "array")
+        continue;
     } else {
       continue;
     }
@@ -521,7 +546,8 @@ Status OrbaxReader::LoadZarrGroup() {
     size_t start = 0;
     while (true) {
       const size_t slash = name.find('/', start);
-      const std::string_view segment = name.substr(start, slash == std::string_view::npos ? slash : slash - start);
+      const std::string_view segment =
+          name.substr(start, slash == std::string_view::npos ? slash : slash - start);
       std::vector<KeyPart> sub;
       if (ParseKeystr(segment, &sub)) {
         parts.insert(parts.end(), sub.begin(), sub.end());
@@ -564,8 +590,8 @@ Status OrbaxReader::Finish(Builder& root) {
         int64_t expect = 0;
         for (auto& [index, child] : b.seq) {
           if (index != expect) {
-            return DataLossError(StrCat("item ", expect, " of the list at '", path, "' in ", dir_,
-                                        " is missing"));
+            return DataLossError(
+                StrCat("item ", expect, " of the list at '", path, "' in ", dir_, " is missing"));
           }
           ++expect;
           TS_ASSIGN_OR_RETURN(TreeNode sub, build(*child, join(StrCat(index)), false));
@@ -652,7 +678,8 @@ void OrbaxReader::ListStored() const {
     for (const std::string& key : *keys) {
       std::optional<size_t> owner;
       size_t rest_at = 0;
-      for (size_t slash = key.find('/'); slash != std::string::npos; slash = key.find('/', slash + 1)) {
+      for (size_t slash = key.find('/'); slash != std::string::npos;
+           slash = key.find('/', slash + 1)) {
         auto it = by_prefix.find(std::string_view(key).substr(0, slash));
         if (it != by_prefix.end()) {
           owner = it->second;
@@ -703,7 +730,8 @@ Status OrbaxReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats
     const std::string what = StrCat("read of array '", a.path, "'");
     if (req.box.rank() != a.grid.rank()) {
       return InvalidArgumentError(StrCat(what, ": box ", req.box.ToString(), " has rank ",
-                                         req.box.rank(), " but the array has rank ", a.grid.rank()));
+                                         req.box.rank(), " but the array has rank ",
+                                         a.grid.rank()));
     }
     TS_RETURN_IF_ERROR(ValidateBox(req.box, ItemSize(req.dtype), what));
     if (!CanConvert(a.dtype, req.dtype)) {
@@ -727,8 +755,8 @@ Status OrbaxReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats
         const ReadRequest& req = requests[r];
         // Requests run on request_pool_, the chunks of each on chunk_pool_ (a task must not
         // wait on its own pool), so one large array is read in parallel too.
-        Status read = zarr_[ids[r]]->Read(req.box, req.dtype, req.dest, chunk_pool_.get(),
-                                          staging_.get());
+        Status read =
+            zarr_[ids[r]]->Read(req.box, req.dtype, req.dest, chunk_pool_.get(), staging_.get());
         if (!read.ok()) return Annotate(read, StrCat("reading ", ArrayWhat(ids[r])));
         if (progress) {
           std::lock_guard<std::mutex> lock(mutex);
@@ -828,8 +856,9 @@ Result<std::vector<BadChunk>> OrbaxReader::Verify(
           }
           ByteReservation reservation(&limiter, bytes);
           std::unique_ptr<char[]> scratch(new (std::nothrow) char[std::max<uint64_t>(bytes, 1)]);
-          Status status = scratch ? a.Read(box, a.dtype(), scratch.get())
-                                  : ResourceExhaustedError(StrCat("no memory for ", bytes, " bytes"));
+          Status status = scratch
+                              ? a.Read(box, a.dtype(), scratch.get())
+                              : ResourceExhaustedError(StrCat("no memory for ", bytes, " bytes"));
           std::lock_guard<std::mutex> lock(mutex);
           if (!status.ok()) {
             bad.push_back({metadata_[id].path, GridName(grid), a.ChunkKey(grid),

@@ -18,8 +18,8 @@
 #include <atomic>
 #include <map>
 #include <memory>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,8 +55,8 @@ class OrbaxReader final : public StepSource {
   // a leaf's zarr array is missing, FailedPrecondition for a zarr group without its
   // `write_completed` attribute (an incomplete save), Unimplemented for value types, dtypes or
   // codecs this reader lacks.
-  static Result<std::unique_ptr<OrbaxReader>> Open(KvStore* kv, std::string dir,
-                                                   StepFormat format, ReaderOptions options = {});
+  static Result<std::unique_ptr<OrbaxReader>> Open(KvStore* kv, std::string dir, StepFormat format,
+                                                   ReaderOptions options = {});
   ~OrbaxReader() override;
 
   StepFormat format() const override { return format_; }

@@ -71,7 +71,8 @@ TEST(DetectStepFormatTest, MarkersDecide) {
   EXPECT_EQ(mgr->dir, "mgr/default");
   EXPECT_THAT(DetectStepFormat(&kv, "two").status().message(), HasSubstr("several items (a, b)"));
   EXPECT_TRUE(absl::IsFailedPrecondition(DetectStepFormat(&kv, "half").status()));
-  EXPECT_TRUE(absl::IsFailedPrecondition(DetectStepFormat(&kv, "x.orbax-checkpoint-tmp-1").status()));
+  EXPECT_TRUE(
+      absl::IsFailedPrecondition(DetectStepFormat(&kv, "x.orbax-checkpoint-tmp-1").status()));
   EXPECT_EQ(DetectStepFormat(&kv, "absent")->format, StepFormat::kNative);
 }
 
@@ -103,8 +104,8 @@ TEST(OrbaxReaderTest, RebuildsTreeAndReadsBoxes) {
   // A box across chunks and past the shape, cast to float64.
   std::vector<double> out(3 * 2, -1);
   ReadStats stats;
-  Status read = s.ReadMany({{"params/w", Box({4, 2}, {3, 2}), DType::kFloat64, out.data()}},
-                           &stats, nullptr);
+  Status read =
+      s.ReadMany({{"params/w", Box({4, 2}, {3, 2}), DType::kFloat64, out.data()}}, &stats, nullptr);
   ASSERT_TRUE(read.ok()) << read;
   EXPECT_EQ(out, (std::vector<double>{18, 19, 22, 23, 0, 0}));
   EXPECT_GT(stats.bytes_read, 0u);
@@ -120,8 +121,8 @@ TEST(OrbaxReaderTest, RebuildsTreeAndReadsBoxes) {
   EXPECT_EQ((*bad)[0].array_path, "opt/0");
   EXPECT_EQ((*bad)[0].chunk, "[1]");
   EXPECT_EQ((*bad)[0].file, "step/opt.0/1");
-  EXPECT_FALSE(s.ReadMany({{"opt/0", Box({0}, {5}), DType::kFloat32, out.data()}}, nullptr,
-                          nullptr).ok());
+  EXPECT_FALSE(
+      s.ReadMany({{"opt/0", Box({0}, {5}), DType::kFloat32, out.data()}}, nullptr, nullptr).ok());
 }
 
 TEST(OrbaxReaderTest, MalformedMetadataIsDataLoss) {
@@ -174,8 +175,8 @@ void WriteFolderCheckpoint(KvStore* kv, const std::string& dir, bool all_chunks_
 Status ReadA(KvStore* kv, const std::string& dir, std::vector<float>* out) {
   TS_ASSIGN_OR_RETURN(std::unique_ptr<StepSource> source, OpenStepSource(kv, dir));
   out->assign(4, -1.0f);
-  TS_RETURN_IF_ERROR(source->ReadMany({{"a", Box({0}, {4}), DType::kFloat32, out->data()}},
-                                      nullptr, nullptr));
+  TS_RETURN_IF_ERROR(
+      source->ReadMany({{"a", Box({0}, {4}), DType::kFloat32, out->data()}}, nullptr, nullptr));
   Result<std::vector<BadChunk>> bad = source->Verify(nullptr);
   TS_RETURN_IF_ERROR(bad.status());
   if (!bad->empty()) return DataLossError(StrCat("verify: ", (*bad)[0].error));

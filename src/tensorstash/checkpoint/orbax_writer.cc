@@ -134,9 +134,10 @@ Status CollectLeaves(const TreeNode& node, std::vector<std::pair<std::string, in
     out->push_back(std::move(leaf));
     return OkStatus();
   };
-  const bool empty_container = (node.kind == TreeNode::Kind::kDict && node.entries.empty()) ||
-                               ((node.kind == TreeNode::Kind::kList ||
-                                 node.kind == TreeNode::Kind::kTuple) && node.items.empty());
+  const bool empty_container =
+      (node.kind == TreeNode::Kind::kDict && node.entries.empty()) ||
+      ((node.kind == TreeNode::Kind::kList || node.kind == TreeNode::Kind::kTuple) &&
+       node.items.empty());
   if ((node.kind == TreeNode::Kind::kNone || empty_container) && !keys->empty()) {
     // Orbax records None and empty containers as leaves without data ("skip_deserialize").
     return add_leaf();
@@ -245,9 +246,10 @@ struct OrbaxWriter::Impl {
   std::optional<TreeNode> tree;
   bool committed = false;
 
-  Status CommitImpl(OrbaxWriteStats* stats, const std::function<void(uint64_t, uint64_t)>& progress);
-  Status WriteInto(const std::string& tmp, const std::vector<Leaf>& leaves,
-                   OrbaxWriteStats* stats, const std::function<void(uint64_t, uint64_t)>& progress);
+  Status CommitImpl(OrbaxWriteStats* stats,
+                    const std::function<void(uint64_t, uint64_t)>& progress);
+  Status WriteInto(const std::string& tmp, const std::vector<Leaf>& leaves, OrbaxWriteStats* stats,
+                   const std::function<void(uint64_t, uint64_t)>& progress);
   Status WriteFile(const std::string& key, const std::string& contents) {
     TS_RETURN_IF_ERROR(kv->Write(key, contents));
     return options.sync ? kv->Sync(key) : OkStatus();
@@ -258,7 +260,7 @@ OrbaxWriter::OrbaxWriter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 OrbaxWriter::~OrbaxWriter() = default;
 
 Result<std::unique_ptr<OrbaxWriter>> OrbaxWriter::Create(KvStore* kv, std::string dir,
-                                                        OrbaxWriterOptions options) {
+                                                         OrbaxWriterOptions options) {
   TS_RETURN_IF_ERROR(ValidateKey(dir));
   if (!options.item.empty()) {
     TS_RETURN_IF_ERROR(ValidateKey(options.item));
@@ -322,20 +324,18 @@ Status OrbaxWriter::AddArray(OrbaxArraySpec spec, std::vector<ShardData> shards)
       const int64_t c = entry.chunk_shape[d];
       const int64_t o = shard.box.origin[d];
       if (o % c != 0 || shard.box.shape[d] != std::min(c, spec.shape[d] - o)) {
-        return InvalidArgumentError(StrCat(what, ": shard ", shard.box.ToString(),
-                                           " is not a cell of the regular grid [",
-                                           StrJoin(entry.chunk_shape, ", "),
-                                           "] (Orbax stores one zarr chunk per shard)"));
+        return InvalidArgumentError(
+            StrCat(what, ": shard ", shard.box.ToString(), " is not a cell of the regular grid [",
+                   StrJoin(entry.chunk_shape, ", "), "] (Orbax stores one zarr chunk per shard)"));
       }
       cell[d] = o / c;
     }
     cells.insert(std::move(cell));
   }
   if (static_cast<int64_t>(cells.size()) != num_cells) {
-    return InvalidArgumentError(StrCat(what, ": the shards cover ", cells.size(), " of the ",
-                                       num_cells, " cells of the grid [",
-                                       StrJoin(entry.chunk_shape, ", "),
-                                       "]; a single-process writer needs all of them"));
+    return InvalidArgumentError(StrCat(
+        what, ": the shards cover ", cells.size(), " of the ", num_cells, " cells of the grid [",
+        StrJoin(entry.chunk_shape, ", "), "]; a single-process writer needs all of them"));
   }
   entry.spec = std::move(spec);
   impl_->arrays.push_back(std::move(entry));
@@ -352,8 +352,8 @@ Status OrbaxWriter::AddArray(OrbaxArraySpec spec, std::vector<int64_t> chunk_sha
   }
   for (int64_t c : chunk_shape) {
     if (c < 1) {
-      return InvalidArgumentError(StrCat(what, ": chunk shape [", StrJoin(chunk_shape, ", "),
-                                         "] has an extent below 1"));
+      return InvalidArgumentError(
+          StrCat(what, ": chunk shape [", StrJoin(chunk_shape, ", "), "] has an extent below 1"));
     }
   }
   if (source == nullptr) return InvalidArgumentError(StrCat(what, ": no chunk source"));
@@ -416,8 +416,8 @@ Status OrbaxWriter::Impl::CommitImpl(OrbaxWriteStats* stats,
     if (leaf.node->kind == TreeNode::Kind::kArray) {
       const int64_t id = leaf.node->array_id;
       if (id < 0 || id >= static_cast<int64_t>(arrays.size())) {
-        return InvalidArgumentError(StrCat("leaf '", leaf.name, "' refers to array ", id, " of ",
-                                           arrays.size()));
+        return InvalidArgumentError(
+            StrCat("leaf '", leaf.name, "' refers to array ", id, " of ", arrays.size()));
       }
       ++references[id];
     } else if (leaf.node->kind == TreeNode::Kind::kInt) {
@@ -437,13 +437,15 @@ Status OrbaxWriter::Impl::CommitImpl(OrbaxWriteStats* stats,
 
   // 2. The destination, and the temporary folder.
   if (!kv->SupportsRename()) {
-    return UnimplementedError(StrCat(kv->Describe(), " cannot rename folders, which the Orbax "
+    return UnimplementedError(StrCat(kv->Describe(),
+                                     " cannot rename folders, which the Orbax "
                                      "writer needs to publish a checkpoint whole"));
   }
   // Never replaces what tensorstash did not write, nor a complete checkpoint without
   // `overwrite` (step_folder.h).
   TS_ASSIGN_OR_RETURN(FolderContent content, CheckSaveDestination(kv, dir, options.overwrite));
-  if (content == FolderContent::kTensorstashLeftover) TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
+  if (content == FolderContent::kTensorstashLeftover)
+    TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
   const std::string tmp = StrCat(dir, kTmpSuffix, RandomHexId());
   TS_RETURN_IF_ERROR(kv->DeletePrefix(tmp + "/"));
   Status status = WriteInto(tmp, leaves, stats, progress);
@@ -451,8 +453,8 @@ Status OrbaxWriter::Impl::CommitImpl(OrbaxWriteStats* stats,
   // 5. Into place: the old checkpoint (overwrite) is moved aside and removed once the new one is
   // in place and durable; on failure nothing new is visible and the old one is as it was.
   if (status.ok()) {
-    status = PublishFolder(kv, tmp, dir, StrCat(dir, kTmpSuffix, "old-", RandomHexId()),
-                           options.sync);
+    status =
+        PublishFolder(kv, tmp, dir, StrCat(dir, kTmpSuffix, "old-", RandomHexId()), options.sync);
   }
   if (!status.ok()) (void)kv->DeletePrefix(tmp + "/");
   return status;
@@ -473,8 +475,8 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
 
   uint64_t total = 0;
   for (const ArrayEntry& a : arrays) {
-    total += static_cast<uint64_t>(Box::FromShape(a.spec.shape).num_elements()) *
-             ItemSize(a.spec.dtype);
+    total +=
+        static_cast<uint64_t>(Box::FromShape(a.spec.shape).num_elements()) * ItemSize(a.spec.dtype);
   }
   std::atomic<uint64_t> done{0};
   std::atomic<uint64_t> chunks{0};
@@ -540,9 +542,9 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
                    &chunks]() -> Status {
           const uint64_t bytes = static_cast<uint64_t>(box.num_elements()) * item;
           std::string buffer(bytes, '\0');
-          TS_RETURN_IF_ERROR(Annotate(a.source(box, buffer.data()),
-                                      StrCat("reading ", box.ToString(), " of array '",
-                                             a.spec.path, "'")));
+          TS_RETURN_IF_ERROR(
+              Annotate(a.source(box, buffer.data()),
+                       StrCat("reading ", box.ToString(), " of array '", a.spec.path, "'")));
           TS_RETURN_IF_ERROR(w->WriteChunk(cell, buffer.data()));
           chunks.fetch_add(1);
           report(bytes);
@@ -605,11 +607,10 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
         value["value_type"] = "jax.Array";
         value["skip_deserialize"] = false;
         value["write_shape"] = a.chunk_shape;
-        array_metadatas.push_back(Json{{"array_metadata",
-                                        Json{{"param_name", leaf.name},
-                                             {"write_shape", a.chunk_shape},
-                                             {"chunk_shape", a.chunk_shape},
-                                             {"ext_metadata", nullptr}}}});
+        array_metadatas.push_back(Json{{"array_metadata", Json{{"param_name", leaf.name},
+                                                               {"write_shape", a.chunk_shape},
+                                                               {"chunk_shape", a.chunk_shape},
+                                                               {"ext_metadata", nullptr}}}});
       } else {
         value["value_type"] = "np.ndarray";
         value["skip_deserialize"] = false;
@@ -634,14 +635,12 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
   }
   if (status.ok()) {
     const int64_t now = NowNanos();
-    Json handlers = options.item.empty() ? Json(kStandardHandler)
-                                         : Json{{options.item, kStandardHandler}};
-    Json checkpoint_metadata = {{"item_handlers", std::move(handlers)},
-                                {"metrics", Json::object()},
-                                {"performance_metrics", Json::object()},
-                                {"init_timestamp_nsecs", now},
-                                {"commit_timestamp_nsecs", now},
-                                {"custom_metadata", Json::object()}};
+    Json handlers =
+        options.item.empty() ? Json(kStandardHandler) : Json{{options.item, kStandardHandler}};
+    Json checkpoint_metadata = {
+        {"item_handlers", std::move(handlers)},  {"metrics", Json::object()},
+        {"performance_metrics", Json::object()}, {"init_timestamp_nsecs", now},
+        {"commit_timestamp_nsecs", now},         {"custom_metadata", Json::object()}};
     status = WriteFile(tmp + "/_CHECKPOINT_METADATA", checkpoint_metadata.dump());
   }
   if (status.ok() && options.sync) {

@@ -22,8 +22,8 @@
 namespace tensorstash {
 namespace {
 
-using ::testing::HasSubstr;
 using test::StoreKind;
+using ::testing::HasSubstr;
 
 constexpr int64_t kRows = 48;
 constexpr int64_t kCols = 40;
@@ -49,7 +49,8 @@ Status SaveVersion(KvStore* kv, const std::string& dir, int version, bool overwr
     shards.push_back({Box({r, 0}, {kRows / 4, kCols}), m.data() + r * kCols, 0, 1});
   }
   TS_RETURN_IF_ERROR(writer->AddArray({"w", DType::kFloat32, {kRows, kCols}}, std::move(shards)));
-  TS_RETURN_IF_ERROR(writer->AddArray({"v", DType::kInt32, {4}}, {{Box({0}, {4}), v.data(), 0, 1}}));
+  TS_RETURN_IF_ERROR(
+      writer->AddArray({"v", DType::kInt32, {4}}, {{Box({0}, {4}), v.data(), 0, 1}}));
   TreeNode root = TreeNode::Dict();
   root.entries.emplace_back("w", TreeNode::Array(0));
   root.entries.emplace_back("v", TreeNode::Array(1));
@@ -64,10 +65,10 @@ Status RestoreVersion(KvStore* kv, const std::string& dir, const std::set<int>& 
   TS_ASSIGN_OR_RETURN(std::unique_ptr<StepSource> source, OpenStepSource(kv, dir));
   std::vector<float> m(kRows * kCols);
   std::vector<int32_t> v(4);
-  TS_RETURN_IF_ERROR(source->ReadMany(
-      {{"w", Box::FromShape({kRows, kCols}), DType::kFloat32, m.data()},
-       {"v", Box::FromShape({4}), DType::kInt32, v.data()}},
-      nullptr, nullptr));
+  TS_RETURN_IF_ERROR(
+      source->ReadMany({{"w", Box::FromShape({kRows, kCols}), DType::kFloat32, m.data()},
+                        {"v", Box::FromShape({4}), DType::kInt32, v.data()}},
+                       nullptr, nullptr));
   for (int version : versions) {
     if (m == Matrix(version) && v == Vector(version)) {
       *found = version;
@@ -124,7 +125,8 @@ TEST_P(OrbaxWriterFaultTest, InjectedErrorsReachTheCallerAndLeaveNothingNewVisib
   TS_ASSERT_OK(SaveVersion(kv_.get(), "ckpt_a", 0, false));
   committed_["ckpt_a"] = 0;
   std::map<KvOp, int64_t> before, profile;
-  for (int i = 0; i < kNumKvOps; ++i) before[static_cast<KvOp>(i)] = kv_->calls(Mask(static_cast<KvOp>(i)));
+  for (int i = 0; i < kNumKvOps; ++i)
+    before[static_cast<KvOp>(i)] = kv_->calls(Mask(static_cast<KvOp>(i)));
   TS_ASSERT_OK(SaveVersion(kv_.get(), "ckpt_a", 1, /*overwrite=*/true));
   committed_["ckpt_a"] = 1;
   for (const auto& [op, n] : before) {
@@ -185,7 +187,8 @@ TEST_P(OrbaxWriterFaultTest, CrashAtAnyPointKeepsEveryCommittedCheckpoint) {
   int crashed = 0;
   for (int iteration = 0; iteration < 40; ++iteration) {
     const bool overwrite = rng_() % 2 == 0;
-    const std::string dir = overwrite ? (rng_() % 2 ? "ckpt_a" : "ckpt_b") : StrCat("new_", iteration);
+    const std::string dir =
+        overwrite ? (rng_() % 2 ? "ckpt_a" : "ckpt_b") : StrCat("new_", iteration);
     const int version = iteration + 1;
     FaultRule rule;
     rule.kind = FaultKind::kCrash;

@@ -45,15 +45,17 @@ TEST(OrbaxWriterTest, WritesZarrArraysInOcdbtAndMetadata) {
   }
   for (size_t i = 0; i < parts.size(); ++i) {
     const int64_t r = static_cast<int64_t>(i) * 3;
-    shards.push_back({Box({r, 0}, {static_cast<int64_t>(parts[i].size() / 3), 3}),
-                      parts[i].data(), 0, 2});
-    shards.push_back({Box({r, 0}, {static_cast<int64_t>(parts[i].size() / 3), 3}),
-                      parts[i].data(), 1, 2});  // a replica: not written twice
+    shards.push_back(
+        {Box({r, 0}, {static_cast<int64_t>(parts[i].size() / 3), 3}), parts[i].data(), 0, 2});
+    shards.push_back({Box({r, 0}, {static_cast<int64_t>(parts[i].size() / 3), 3}), parts[i].data(),
+                      1, 2});  // a replica: not written twice
   }
   const int32_t b[4] = {7, 0, 0, -1};
   auto writer = OrbaxWriter::Create(&kv, "run/5").value();
-  ASSERT_TRUE(writer->AddArray({"params/w", DType::kFloat32, {10, 3}, OrbaxValueType::kJaxArray},
-                               std::move(shards)).ok());
+  ASSERT_TRUE(writer
+                  ->AddArray({"params/w", DType::kFloat32, {10, 3}, OrbaxValueType::kJaxArray},
+                             std::move(shards))
+                  .ok());
   ASSERT_TRUE(writer->AddArray({"b", DType::kInt32, {4}}, {{Box({0}, {4}), b, 0, 1}}).ok());
   TreeNode root = TreeNode::Dict();
   TreeNode params = TreeNode::Dict();
@@ -112,7 +114,8 @@ TEST(OrbaxWriterTest, WritesZarrArraysInOcdbtAndMetadata) {
   EXPECT_EQ(tree["('l', '1')"]["key_metadata"],
             nlohmann::json::parse(R"([{"key": "l", "key_type": 2}, {"key": "1", "key_type": 1}])"));
   const auto checkpoint = nlohmann::json::parse(kv.Read("run/5/_CHECKPOINT_METADATA").value());
-  EXPECT_THAT(checkpoint["item_handlers"].get<std::string>(), HasSubstr("StandardCheckpointHandler"));
+  EXPECT_THAT(checkpoint["item_handlers"].get<std::string>(),
+              HasSubstr("StandardCheckpointHandler"));
   const auto arrays = nlohmann::json::parse(kv.Read("run/5/array_metadatas/process_0").value());
   EXPECT_EQ(arrays["array_metadatas"][0]["array_metadata"]["param_name"], "params.w");
 }
@@ -123,15 +126,23 @@ TEST(OrbaxWriterTest, ManagerItemLayoutAndChunkSource) {
   options.item = "default";
   auto writer = OrbaxWriter::Create(&kv, "ckpts/3", options).value();
   const std::vector<float> m = Iota(5 * 4);
-  ASSERT_TRUE(writer->AddArray({"m", DType::kFloat32, {5, 4}}, {2, 4},
-                               [&](const Box& box, void* dest) {
-                                 std::vector<float> rows = Rows(m, 4, box.origin[0], box.shape[0]);
-                                 std::memcpy(dest, rows.data(), rows.size() * 4);
-                                 return OkStatus();
-                               }).ok());
+  ASSERT_TRUE(writer
+                  ->AddArray({"m", DType::kFloat32, {5, 4}}, {2, 4},
+                             [&](const Box& box, void* dest) {
+                               std::vector<float> rows = Rows(m, 4, box.origin[0], box.shape[0]);
+                               std::memcpy(dest, rows.data(), rows.size() * 4);
+                               return OkStatus();
+                             })
+                  .ok());
   ASSERT_TRUE(writer->AddFile("_sharding", "{}").ok());
   uint64_t last = 0, total = 0;
-  ASSERT_TRUE(writer->Commit(nullptr, [&](uint64_t d, uint64_t t) { last = d; total = t; }).ok());
+  ASSERT_TRUE(writer
+                  ->Commit(nullptr,
+                           [&](uint64_t d, uint64_t t) {
+                             last = d;
+                             total = t;
+                           })
+                  .ok());
   EXPECT_EQ(last, 80u);
   EXPECT_EQ(total, 80u);
   EXPECT_TRUE(kv.Read("ckpts/3/_CHECKPOINT_METADATA").ok());
@@ -151,11 +162,13 @@ TEST(OrbaxWriterTest, FailuresLeaveNothing) {
   MemoryKvStore kv;
   {  // A failing source: no checkpoint, no temporary folder.
     auto writer = OrbaxWriter::Create(&kv, "c/1").value();
-    ASSERT_TRUE(writer->AddArray({"x", DType::kFloat32, {8}}, {2},
-                                 [](const Box& box, void*) {
-                                   return box.origin[0] == 4 ? DataLossError("bad chunk")
-                                                             : OkStatus();
-                                 }).ok());
+    ASSERT_TRUE(writer
+                    ->AddArray({"x", DType::kFloat32, {8}}, {2},
+                               [](const Box& box, void*) {
+                                 return box.origin[0] == 4 ? DataLossError("bad chunk")
+                                                           : OkStatus();
+                               })
+                    .ok());
     Status s = writer->Commit();
     EXPECT_TRUE(absl::IsDataLoss(s)) << s;
     EXPECT_THAT(std::string(s.message()), HasSubstr("bad chunk"));

@@ -63,15 +63,15 @@ inline Status SaveReliabilityStep(KvStore* kv, const std::string& dir, int64_t s
 // `versions` of `step` bit for bit; the open or read error otherwise, or DataLoss if the bytes
 // match none of them.
 inline Status RestoreReliabilityStep(KvStore* kv, const std::string& dir, int64_t step,
-                                     const std::set<int>& versions, int* version,
-                                     int scale = 1, ReaderOptions options = {}) {
+                                     const std::set<int>& versions, int* version, int scale = 1,
+                                     ReaderOptions options = {}) {
   TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
                       CheckpointReader::Open(kv, dir, options));
   std::vector<std::vector<char>> got;
   const std::vector<TestArray> shapes = ReliabilityStepArrays(step, 0, scale);
   if (reader->arrays().size() != shapes.size()) {
-    return DataLossError(StrCat(dir, ": ", reader->arrays().size(), " arrays, expected ",
-                                shapes.size()));
+    return DataLossError(
+        StrCat(dir, ": ", reader->arrays().size(), " arrays, expected ", shapes.size()));
   }
   for (const TestArray& a : shapes) {
     const Box whole = Box::FromShape(a.spec.shape);
@@ -114,12 +114,10 @@ inline void ExpectNothingIncompleteOpens(KvStore* kv, const std::string& root,
                                          const std::map<std::string, std::set<int>>& committed) {
   for (const std::string& folder : TopFolders(kv, root)) {
     if (committed.count(folder) != 0) continue;
-    Result<std::unique_ptr<CheckpointReader>> reader =
-        CheckpointReader::Open(kv, root + folder);
+    Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(kv, root + folder);
     EXPECT_FALSE(reader.ok()) << "folder '" << folder << "' opened as a complete step";
     if (!reader.ok()) {
-      EXPECT_TRUE(absl::IsFailedPrecondition(reader.status()) ||
-                  absl::IsNotFound(reader.status()))
+      EXPECT_TRUE(absl::IsFailedPrecondition(reader.status()) || absl::IsNotFound(reader.status()))
           << folder << ": " << reader.status();
     }
   }

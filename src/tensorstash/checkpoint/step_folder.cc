@@ -39,13 +39,14 @@ bool IsDataFileName(std::string_view name) {
 
 bool IsTensorstashStepKey(std::string_view key) {
   // The file store writes whole objects to "<key>.tmp.<16 hex>" first (docs/format.md).
-  if (const size_t tmp = key.rfind(".tmp."); tmp != std::string_view::npos &&
-                                             IsHexId(key.substr(tmp + 5))) {
+  if (const size_t tmp = key.rfind(".tmp.");
+      tmp != std::string_view::npos && IsHexId(key.substr(tmp + 5))) {
     key = key.substr(0, tmp);
   }
   if (key == kCommitFileName || key == kMetadataFileName || key == kMetricsFileName) return true;
   std::string_view rest = key;
-  if (ConsumePrefix(&rest, kProcessStateFolder) && ConsumePrefix(&rest, "/")) return AllDigits(rest);
+  if (ConsumePrefix(&rest, kProcessStateFolder) && ConsumePrefix(&rest, "/"))
+    return AllDigits(rest);
   rest = key;
   if (!ConsumePrefix(&rest, kStateItem) || !ConsumePrefix(&rest, "/")) return false;
   if (rest == kTreeFileName || rest == kIndexFileName) return true;
@@ -97,7 +98,8 @@ Result<FolderContent> CheckSaveDestination(KvStore* kv, std::string_view dir, bo
       break;
   }
   return AlreadyExistsError(StrCat(
-      "'", dir, "' in ", kv->Describe(), " already exists and is neither a tensorstash step nor "
+      "'", dir, "' in ", kv->Describe(),
+      " already exists and is neither a tensorstash step nor "
       "an Orbax checkpoint; tensorstash does not delete it (with or without overwrite): choose "
       "another path or remove it yourself"));
 }

@@ -154,8 +154,8 @@ TEST(SaveDestinationMemoryTest, StoresWithoutRenameRefuseUserFilesToo) {
 }
 
 TEST_F(SaveDestinationTest, ManagerLeavesFoldersItDidNotWriteAlone) {
-  WriteFile(root_ / "0000000005" / "notes.txt", "mine");             // a step name, not ours
-  WriteFile(root_ / "photos.old-2024" / "a.jpg", "mine");            // looks like a marker
+  WriteFile(root_ / "0000000005" / "notes.txt", "mine");               // a step name, not ours
+  WriteFile(root_ / "photos.old-2024" / "a.jpg", "mine");              // looks like a marker
   WriteFile(root_ / "0000000005.tmp-0123456789abcdef" / "x", "ours");  // our leftover name
   {
     Result<std::unique_ptr<CheckpointManager>> manager =

@@ -17,7 +17,8 @@ bool Exists(KvStore* kv, const std::string& key) { return kv->Size(key).ok(); }
 // The native CheckpointReader as a StepSource.
 class NativeStepSource final : public StepSource {
  public:
-  explicit NativeStepSource(std::unique_ptr<CheckpointReader> reader) : reader_(std::move(reader)) {}
+  explicit NativeStepSource(std::unique_ptr<CheckpointReader> reader)
+      : reader_(std::move(reader)) {}
 
   StepFormat format() const override { return StepFormat::kNative; }
   const std::string& dir() const override { return reader_->dir(); }
@@ -61,10 +62,14 @@ class NativeStepSource final : public StepSource {
 
 std::string_view StepFormatName(StepFormat format) {
   switch (format) {
-    case StepFormat::kNative: return "tensorstash";
-    case StepFormat::kOrbaxOcdbt: return "orbax-ocdbt";
-    case StepFormat::kOrbaxFolders: return "orbax-zarr-folders";
-    case StepFormat::kZarrGroup: return "zarr-group";
+    case StepFormat::kNative:
+      return "tensorstash";
+    case StepFormat::kOrbaxOcdbt:
+      return "orbax-ocdbt";
+    case StepFormat::kOrbaxFolders:
+      return "orbax-zarr-folders";
+    case StepFormat::kZarrGroup:
+      return "zarr-group";
   }
   return "unknown";
 }
@@ -74,13 +79,14 @@ Result<DetectedStep> DetectStepFormat(KvStore* kv, const std::string& dir) {
   DetectedStep step{StepFormat::kNative, dir};
   if (Exists(kv, StrCat(dir, "/", kCommitFileName))) return step;
   if (dir.find(kOrbaxTmpMarker) != std::string::npos) {
-    return FailedPreconditionError(StrCat(
-        "'", dir, "' is the temporary folder of an Orbax save (running, failed or crashed), "
-        "not a finished checkpoint; it cannot be read"));
+    return FailedPreconditionError(
+        StrCat("'", dir,
+               "' is the temporary folder of an Orbax save (running, failed or crashed), "
+               "not a finished checkpoint; it cannot be read"));
   }
   if (Exists(kv, StrCat(dir, "/_METADATA"))) {
     step.format = Exists(kv, StrCat(dir, "/manifest.ocdbt")) ? StepFormat::kOrbaxOcdbt
-                                                              : StepFormat::kOrbaxFolders;
+                                                             : StepFormat::kOrbaxFolders;
     return step;
   }
   if (Exists(kv, StrCat(dir, "/.zgroup")) || Exists(kv, StrCat(dir, "/zarr.json"))) {
@@ -102,9 +108,10 @@ Result<DetectedStep> DetectStepFormat(KvStore* kv, const std::string& dir) {
   }
   if (items.empty()) {
     if (orbax_step && !keys->empty()) {
-      return FailedPreconditionError(StrCat(
-          "'", dir, "' is an Orbax checkpoint without _METADATA: an incomplete save, or an "
-          "item type other than a PyTree; it cannot be read"));
+      return FailedPreconditionError(
+          StrCat("'", dir,
+                 "' is an Orbax checkpoint without _METADATA: an incomplete save, or an "
+                 "item type other than a PyTree; it cannot be read"));
     }
     return step;
   }

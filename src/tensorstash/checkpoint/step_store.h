@@ -42,7 +42,7 @@ class StepStore {
   void ReleaseLock() { lock_.reset(); }
 
   struct StepListing {
-    std::set<int64_t> complete;             // steps that open (COMMIT, tree.json, index check)
+    std::set<int64_t> complete;              // steps that open (COMMIT, tree.json, index check)
     std::map<int64_t, std::string> damaged;  // steps with a COMMIT that do not open, and why
   };
   // Cleans up after crashes and lists the steps. Removes only what tensorstash wrote and nothing

@@ -35,8 +35,10 @@ TEST(InProcessCoordinatorTest, ProcessesExchangeValuesAndMeetAtBarriers) {
       if (s.ok()) s = c.Barrier("after-set", milliseconds(5000));
       for (int q = 0; q < kProcesses && s.ok(); ++q) {
         auto v = c.KeyValueGet(StrCat("from/", q), milliseconds(5000));
-        if (!v.ok()) s = v.status();
-        else seen[p] += *v;
+        if (!v.ok())
+          s = v.status();
+        else
+          seen[p] += *v;
       }
       results[p] = s;
     });

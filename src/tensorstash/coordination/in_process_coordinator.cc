@@ -10,8 +10,7 @@ Status InProcessCoordinator::Barrier(std::string_view name, std::chrono::millise
   const int needed = group_->process_count_;
   if (!group_->cv_.wait_for(lock, timeout, [&] { return arrivals >= needed; })) {
     return DeadlineExceededError(
-        StrCat("barrier '", name, "' timed out: ", arrivals, " of ", needed,
-                     " processes arrived"));
+        StrCat("barrier '", name, "' timed out: ", arrivals, " of ", needed, " processes arrived"));
   }
   return OkStatus();
 }
@@ -30,8 +29,7 @@ Result<std::string> InProcessCoordinator::KeyValueGet(std::string_view key,
   std::unique_lock<std::mutex> lock(group_->mutex_);
   auto found = [&] { return group_->values_.find(key) != group_->values_.end(); };
   if (!group_->cv_.wait_for(lock, timeout, found)) {
-    return DeadlineExceededError(
-        StrCat("timed out waiting for coordinator key '", key, "'"));
+    return DeadlineExceededError(StrCat("timed out waiting for coordinator key '", key, "'"));
   }
   return group_->values_.find(key)->second;
 }

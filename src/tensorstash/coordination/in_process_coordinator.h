@@ -41,8 +41,7 @@ class InProcessCoordinator final : public Coordinator {
   int process_count() const override { return group_->process_count(); }
   Status Barrier(std::string_view name, std::chrono::milliseconds timeout) override;
   Status KeyValueSet(std::string_view key, std::string_view value) override;
-  Result<std::string> KeyValueGet(std::string_view key,
-                                  std::chrono::milliseconds timeout) override;
+  Result<std::string> KeyValueGet(std::string_view key, std::chrono::milliseconds timeout) override;
 
  private:
   std::shared_ptr<InProcessCoordinatorGroup> group_;

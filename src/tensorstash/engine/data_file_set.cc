@@ -33,8 +33,8 @@ Result<DataFileSet::Location> DataFileSet::Allocate(uint64_t length, int lane) {
   int& current = lane_file_[static_cast<size_t>(lane) % lane_file_.size()];
   if (current < 0 || files_[current]->size >= target_file_bytes_) {
     if (files_.size() >= kMaxDataFiles) {
-      return ResourceExhaustedError(StrCat("more than ", kMaxDataFiles,
-                                           " data files; raise target_data_file_bytes"));
+      return ResourceExhaustedError(
+          StrCat("more than ", kMaxDataFiles, " data files; raise target_data_file_bytes"));
     }
     auto file = std::make_unique<File>();
     file->name = StrCat("data/", process_index_, "-", files_.size(), ".dat");
@@ -45,7 +45,8 @@ Result<DataFileSet::Location> DataFileSet::Allocate(uint64_t length, int lane) {
   }
   File& file = *files_[current];
   uint64_t offset = file.size;
-  if (length >= kAlignChunksFrom) offset = (offset + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment;
+  if (length >= kAlignChunksFrom)
+    offset = (offset + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment;
   file.size = offset + length;
   return Location{static_cast<uint32_t>(current), offset};
 }

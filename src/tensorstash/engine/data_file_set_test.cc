@@ -77,8 +77,8 @@ void WriteSyncAndReadBack(int chunks, size_t chunk_bytes, uint64_t file_bytes, b
   for (size_t i = 0; i < written.data.size(); ++i) {
     const DataFileSet::Location& loc = written.where[i][0];
     std::string back(written.data[i].size(), '\0');
-    TS_ASSERT_OK((*kv)->ReadRange(StrCat("item/", infos[loc.file_id].name), loc.offset,
-                                  back.size(), back.data()));
+    TS_ASSERT_OK((*kv)->ReadRange(StrCat("item/", infos[loc.file_id].name), loc.offset, back.size(),
+                                  back.data()));
     EXPECT_EQ(back, written.data[i]) << "chunk " << i;
   }
   // Finished: no second Finish, no more writes.
@@ -118,8 +118,8 @@ TEST(DataFileSetTest, ParallelSyncSurvivesACrashAndReportsAFailedSync) {
     for (size_t i = 0; i < written.data.size(); ++i) {
       const DataFileSet::Location& loc = written.where[i][0];
       std::string back(written.data[i].size(), '\0');
-      TS_ASSERT_OK(kv.ReadRange(StrCat("item/", infos[loc.file_id].name), loc.offset,
-                                back.size(), back.data()));
+      TS_ASSERT_OK(kv.ReadRange(StrCat("item/", infos[loc.file_id].name), loc.offset, back.size(),
+                                back.data()));
       EXPECT_EQ(back, written.data[i]) << "chunk " << i;
     }
   }

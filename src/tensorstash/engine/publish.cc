@@ -46,8 +46,8 @@ Status PublishFolder(KvStore* kv, const std::string& work_dir, const std::string
     if (!absl::IsUnimplemented(exchanged)) return exchanged;
   }
   if (moved_aside) {
-    TS_RETURN_IF_ERROR(Annotate(kv->RenameDirectory(dir, aside_dir),
-                                StrCat("moving the old '", dir, "' aside")));
+    TS_RETURN_IF_ERROR(
+        Annotate(kv->RenameDirectory(dir, aside_dir), StrCat("moving the old '", dir, "' aside")));
   }
   const auto put_back = [&] {
     if (moved_aside) (void)kv->RenameDirectory(aside_dir, dir);

@@ -21,9 +21,10 @@ namespace tensorstash {
 //     checkpoint, and its removal failing does not fail a publish that has committed).
 // Where the store can exchange folders atomically (KvStore::ExchangeDirectories), 1 and 2 are one
 // exchange (the old folder lands at `work_dir`, and is removed from there), so that `dir` is
-// never missing for a reader. On success the new folder is at `dir`. On failure (at 1-3) every rename done so far is
-// undone: `dir` holds what it held before, and `work_dir` still holds the new folder for the
-// caller to remove; the error names the step that failed. Requires kv->SupportsRename().
+// never missing for a reader. On success the new folder is at `dir`. On failure (at 1-3) every
+// rename done so far is undone: `dir` holds what it held before, and `work_dir` still holds the new
+// folder for the caller to remove; the error names the step that failed. Requires
+// kv->SupportsRename().
 Status PublishFolder(KvStore* kv, const std::string& work_dir, const std::string& dir,
                      const std::string& aside_dir, bool sync);
 

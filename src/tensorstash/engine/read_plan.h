@@ -17,8 +17,8 @@ namespace tensorstash {
 
 struct ChunkRead {
   uint32_t file_id = 0;
-  uint64_t offset = 0;  // in the data file
-  uint64_t length = 0;  // stored bytes
+  uint64_t offset = 0;          // in the data file
+  uint64_t length = 0;          // stored bytes
   char* direct_dest = nullptr;  // non-null: the chunk's bytes go exactly here
   size_t tag = 0;               // caller's reference (which chunk of which request)
 };
@@ -27,7 +27,7 @@ struct ReadRequestPlan {
   uint32_t file_id = 0;
   uint64_t offset = 0;
   uint64_t length = 0;
-  char* direct_dest = nullptr;  // non-null for a direct request
+  char* direct_dest = nullptr;    // non-null for a direct request
   std::vector<ChunkRead> chunks;  // in file order
 };
 

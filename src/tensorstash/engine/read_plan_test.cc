@@ -7,9 +7,9 @@ namespace {
 
 TEST(ReadPlanTest, StagedChunksCoalesceAcrossSmallGaps) {
   std::vector<ChunkRead> chunks = {
-      {0, 100, 50, nullptr, 0}, {0, 0, 100, nullptr, 1}, {0, 160, 40, nullptr, 2},  // gap 10
-      {0, 1000, 10, nullptr, 3},                                                    // gap 800
-      {1, 200, 10, nullptr, 4},                                                     // other file
+      {0, 100, 50, nullptr, 0},  {0, 0, 100, nullptr, 1}, {0, 160, 40, nullptr, 2},  // gap 10
+      {0, 1000, 10, nullptr, 3},                                                     // gap 800
+      {1, 200, 10, nullptr, 4},                                                      // other file
   };
   auto plans = PlanReadRequests(chunks, /*max_gap=*/64, /*max_request=*/1 << 20);
   ASSERT_EQ(plans.size(), 3u);
@@ -38,7 +38,8 @@ TEST(ReadPlanTest, DirectChunksMergeOnlyWhenDestinationIsContiguous) {
 
 TEST(ReadPlanTest, RequestsStayUnderTheSizeCap) {
   std::vector<ChunkRead> chunks;
-  for (int i = 0; i < 10; ++i) chunks.push_back({0, static_cast<uint64_t>(i) * 100, 100, nullptr, static_cast<size_t>(i)});
+  for (int i = 0; i < 10; ++i)
+    chunks.push_back({0, static_cast<uint64_t>(i) * 100, 100, nullptr, static_cast<size_t>(i)});
   auto plans = PlanReadRequests(chunks, 0, 300);
   ASSERT_EQ(plans.size(), 4u);
   for (const auto& plan : plans) EXPECT_LE(plan.length, 300u);

@@ -28,8 +28,8 @@ Status DecodeChunk(Codec codec, std::string_view stored, void* dest, size_t raw_
                    std::string_view what) {
   if (codec == Codec::kNone) {
     if (stored.size() != raw_size) {
-      return DataLossError(StrCat(what, ": stored ", stored.size(),
-                                              " bytes but the chunk holds ", raw_size));
+      return DataLossError(
+          StrCat(what, ": stored ", stored.size(), " bytes but the chunk holds ", raw_size));
     }
     // memcpy with a null pointer is undefined even for 0 bytes (an empty chunk's buffers may be).
     if (raw_size > 0) std::memcpy(dest, stored.data(), raw_size);
@@ -43,8 +43,8 @@ Status DecodeChunk(Codec codec, std::string_view stored, void* dest, size_t raw_
   }
   const size_t n = ZSTD_decompress(dest, raw_size, stored.data(), stored.size());
   if (ZSTD_isError(n) || n != raw_size) {
-    return DataLossError(StrCat(
-        what, ": zstd decompression failed: ", ZSTD_isError(n) ? ZSTD_getErrorName(n) : "short output"));
+    return DataLossError(StrCat(what, ": zstd decompression failed: ",
+                                ZSTD_isError(n) ? ZSTD_getErrorName(n) : "short output"));
   }
   return OkStatus();
 }

@@ -27,10 +27,10 @@ Result<CommitRecord> DecodeImpl(std::string_view text, std::string_view where) {
     return bad("missing or malformed \"version\"");
   }
   if (version[0].get<int64_t>() != kCommitMajorVersion) {
-    return UnimplementedError(StrCat(
-        "commit record '", where, "' has format version ", version[0].dump(), ".",
-        version[1].dump(), "; this tensorstash reads version ", kCommitMajorVersion,
-        ".x only (upgrade tensorstash)"));
+    return UnimplementedError(StrCat("commit record '", where, "' has format version ",
+                                     version[0].dump(), ".", version[1].dump(),
+                                     "; this tensorstash reads version ", kCommitMajorVersion,
+                                     ".x only (upgrade tensorstash)"));
   }
   CommitRecord record;
   // Integers must be JSON integers: get<> of a float outside the target's range is undefined
@@ -106,9 +106,9 @@ std::string EncodeCommitRecord(const CommitRecord& record) {
   doc["process_count"] = record.process_count;
   json items = json::object();
   for (const auto& [name, c] : record.items) {
-    items[name] = {{"tree_crc32c", c.tree_crc32c}, {"tree_size", c.tree_size},
+    items[name] = {{"tree_crc32c", c.tree_crc32c},   {"tree_size", c.tree_size},
                    {"index_crc32c", c.index_crc32c}, {"index_size", c.index_size},
-                   {"data_bytes", c.data_bytes}, {"num_arrays", c.num_arrays}};
+                   {"data_bytes", c.data_bytes},     {"num_arrays", c.num_arrays}};
   }
   doc["items"] = std::move(items);
   if (!record.files.empty()) {

@@ -25,9 +25,8 @@ Result<std::string> EncodeIndex(ChunkIndex index) {
   std::sort(index.entries.begin(), index.entries.end(), EntryLess);
   for (size_t i = 1; i < index.entries.size(); ++i) {
     if (!EntryLess(index.entries[i - 1], index.entries[i])) {
-      return InvalidArgumentError(
-          StrCat("chunk ", index.entries[i].chunk, " of array ", index.entries[i].array_id,
-                       " was written twice"));
+      return InvalidArgumentError(StrCat("chunk ", index.entries[i].chunk, " of array ",
+                                         index.entries[i].array_id, " was written twice"));
     }
   }
   std::string out;
@@ -48,8 +47,8 @@ Result<std::string> EncodeIndex(ChunkIndex index) {
   }
   for (const IndexEntry& e : index.entries) {
     if (e.file_id >= index.files.size()) {
-      return InvalidArgumentError(StrCat("entry names data file ", e.file_id,
-                                                     " of ", index.files.size()));
+      return InvalidArgumentError(
+          StrCat("entry names data file ", e.file_id, " of ", index.files.size()));
     }
     PutLE32(&out, e.array_id);
     PutLE32(&out, e.file_id);
@@ -80,9 +79,9 @@ Result<ChunkIndex> DecodeIndex(std::string_view bytes, std::string_view where) {
   const uint16_t major = GetLE16(bytes.data() + 8);
   const uint16_t minor = GetLE16(bytes.data() + 10);
   if (major != kIndexMajorVersion) {
-    return UnimplementedError(StrCat(
-        "chunk index '", where, "' has format version ", major, ".", minor,
-        "; this tensorstash reads version ", kIndexMajorVersion, ".x only (upgrade tensorstash)"));
+    return UnimplementedError(StrCat("chunk index '", where, "' has format version ", major, ".",
+                                     minor, "; this tensorstash reads version ", kIndexMajorVersion,
+                                     ".x only (upgrade tensorstash)"));
   }
   const char* footer = bytes.data() + bytes.size() - kIndexFooterSize;
   if (std::memcmp(footer + 8, kIndexFooterMagic, sizeof(kIndexFooterMagic)) != 0) {
@@ -93,7 +92,8 @@ Result<ChunkIndex> DecodeIndex(std::string_view bytes, std::string_view where) {
   const uint32_t stored_crc = GetLE32(footer);
   const uint32_t actual_crc = Crc32c(bytes.data(), body_size);
   if (stored_crc != actual_crc) {
-    return Corrupt(where, StrCat("CRC-32C mismatch (stored ", Hex32(stored_crc), ", computed ", Hex32(actual_crc), ")"));
+    return Corrupt(where, StrCat("CRC-32C mismatch (stored ", Hex32(stored_crc), ", computed ",
+                                 Hex32(actual_crc), ")"));
   }
   if (GetLE32(bytes.data() + 12) != 0 || GetLE32(bytes.data() + 20) != 0) {
     return Corrupt(where, "reserved header fields are not zero");
@@ -123,15 +123,16 @@ Result<ChunkIndex> DecodeIndex(std::string_view bytes, std::string_view where) {
     }
     for (const DataFileInfo& earlier : index.files) {
       // Two ids for one file would let chunks alias each other past the overlap check.
-      if (earlier.name == file.name) return Corrupt(where, StrCat("data file '", file.name, "' listed twice"));
+      if (earlier.name == file.name)
+        return Corrupt(where, StrCat("data file '", file.name, "' listed twice"));
     }
     index.files.push_back(std::move(file));
   }
   uint64_t entry_bytes;
   if (__builtin_mul_overflow(num_entries, uint64_t{kIndexEntrySize}, &entry_bytes) ||
       entry_bytes != body_size - pos) {
-    return Corrupt(where, StrCat("claims ", num_entries, " entries but holds ",
-                                       (body_size - pos), " bytes of entries"));
+    return Corrupt(where, StrCat("claims ", num_entries, " entries but holds ", (body_size - pos),
+                                 " bytes of entries"));
   }
   index.entries.resize(num_entries);
   for (uint64_t i = 0; i < num_entries; ++i, pos += kIndexEntrySize) {
@@ -145,18 +146,16 @@ Result<ChunkIndex> DecodeIndex(std::string_view bytes, std::string_view where) {
     e.crc32c = GetLE32(p + 32);
     if (GetLE32(p + 36) != 0) return Corrupt(where, StrCat("entry ", i, ": reserved bits set"));
     if (e.file_id >= num_files) {
-      return Corrupt(where, StrCat("entry ", i, " names data file ", e.file_id, " of ",
-                                         num_files));
+      return Corrupt(where, StrCat("entry ", i, " names data file ", e.file_id, " of ", num_files));
     }
     uint64_t end;
     if (__builtin_add_overflow(e.offset, e.length, &end) || end > index.files[e.file_id].size) {
       return Corrupt(where, StrCat("entry ", i, " (array ", e.array_id, ", chunk ", e.chunk,
-                                         ") reaches past the end of ",
-                                         index.files[e.file_id].name));
+                                   ") reaches past the end of ", index.files[e.file_id].name));
     }
     if (i > 0 && !EntryLess(index.entries[i - 1], e)) {
       return Corrupt(where, StrCat("entry ", i, " (array ", e.array_id, ", chunk ", e.chunk,
-                                         ") is duplicated or out of order"));
+                                   ") is duplicated or out of order"));
     }
   }
   // No two entries may share bytes: a hostile index could alias chunks.
@@ -173,8 +172,8 @@ Result<ChunkIndex> DecodeIndex(std::string_view bytes, std::string_view where) {
     const IndexEntry& b = *by_position[i];
     if (a.file_id == b.file_id && a.offset + a.length > b.offset) {
       return Corrupt(where, StrCat("chunks (array ", a.array_id, ", chunk ", a.chunk,
-                                         ") and (array ", b.array_id, ", chunk ", b.chunk,
-                                         ") overlap in ", index.files[a.file_id].name));
+                                   ") and (array ", b.array_id, ", chunk ", b.chunk,
+                                   ") overlap in ", index.files[a.file_id].name));
     }
   }
   return index;

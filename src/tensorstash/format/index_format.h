@@ -28,7 +28,7 @@ inline constexpr uint32_t kMaxDataFiles = 1 << 20;
 inline constexpr size_t kMaxDataFileNameSize = 1024;
 
 struct DataFileInfo {
-  std::string name;  // key relative to the item folder, "data/<process>-<seq>.dat"
+  std::string name;   // key relative to the item folder, "data/<process>-<seq>.dat"
   uint64_t size = 0;  // bytes the writer wrote; a shorter file is truncated
   bool operator==(const DataFileInfo&) const = default;
 };

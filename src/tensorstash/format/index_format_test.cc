@@ -13,7 +13,9 @@ using ::testing::HasSubstr;
 ChunkIndex SampleIndex() {
   ChunkIndex index;
   index.files = {{"data/0-0.dat", 10000}, {"data/1-0.dat", 500}};
-  index.entries = {{1, 0, 3, 0, 100, 0xdeadbeef}, {0, 0, 0, 4096, 5000, 7}, {0, 1, 1, 0, 500, 9},
+  index.entries = {{1, 0, 3, 0, 100, 0xdeadbeef},
+                   {0, 0, 0, 4096, 5000, 7},
+                   {0, 1, 1, 0, 500, 9},
                    {1, 0, 0, 100, 50, 1}};
   return index;
 }

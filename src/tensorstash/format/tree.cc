@@ -22,16 +22,26 @@ constexpr std::string_view kTreeFormatName = "tensorstash/tree";
 
 std::string_view KindName(Kind kind) {
   switch (kind) {
-    case Kind::kNone: return "none";
-    case Kind::kDict: return "dict";
-    case Kind::kList: return "list";
-    case Kind::kTuple: return "tuple";
-    case Kind::kArray: return "array";
-    case Kind::kInt: return "int";
-    case Kind::kFloat: return "float";
-    case Kind::kBool: return "bool";
-    case Kind::kString: return "string";
-    case Kind::kBytes: return "bytes";
+    case Kind::kNone:
+      return "none";
+    case Kind::kDict:
+      return "dict";
+    case Kind::kList:
+      return "list";
+    case Kind::kTuple:
+      return "tuple";
+    case Kind::kArray:
+      return "array";
+    case Kind::kInt:
+      return "int";
+    case Kind::kFloat:
+      return "float";
+    case Kind::kBool:
+      return "bool";
+    case Kind::kString:
+      return "string";
+    case Kind::kBytes:
+      return "bytes";
   }
   return "?";
 }
@@ -57,10 +67,12 @@ json NodeToJson(const TreeNode& node) {
   json j;
   j["kind"] = KindName(node.kind);
   switch (node.kind) {
-    case Kind::kNone: break;
+    case Kind::kNone:
+      break;
     case Kind::kDict: {
       json entries = json::array();
-      for (const auto& [key, child] : node.entries) entries.push_back(json::array({key, NodeToJson(child)}));
+      for (const auto& [key, child] : node.entries)
+        entries.push_back(json::array({key, NodeToJson(child)}));
       j["entries"] = std::move(entries);
       break;
     }
@@ -71,12 +83,24 @@ json NodeToJson(const TreeNode& node) {
       j["items"] = std::move(items);
       break;
     }
-    case Kind::kArray: j["array"] = node.array_id; break;
-    case Kind::kInt: j["value"] = node.int_value; break;
-    case Kind::kFloat: j["value"] = FormatFloat(node.float_value); break;
-    case Kind::kBool: j["value"] = node.bool_value; break;
-    case Kind::kString: j["value"] = node.string_value; break;
-    case Kind::kBytes: j["base64"] = Base64Encode(node.string_value); break;
+    case Kind::kArray:
+      j["array"] = node.array_id;
+      break;
+    case Kind::kInt:
+      j["value"] = node.int_value;
+      break;
+    case Kind::kFloat:
+      j["value"] = FormatFloat(node.float_value);
+      break;
+    case Kind::kBool:
+      j["value"] = node.bool_value;
+      break;
+    case Kind::kString:
+      j["value"] = node.string_value;
+      break;
+    case Kind::kBytes:
+      j["base64"] = Base64Encode(node.string_value);
+      break;
   }
   return j;
 }
@@ -89,8 +113,10 @@ int JsonDepth(std::string_view text) {
   for (size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
     if (in_string) {
-      if (c == '\\') ++i;
-      else if (c == '"') in_string = false;
+      if (c == '\\')
+        ++i;
+      else if (c == '"')
+        in_string = false;
     } else if (c == '"') {
       in_string = true;
     } else if (c == '[' || c == '{') {
@@ -116,7 +142,8 @@ class Decoder {
     }
     std::vector<int64_t> out;
     for (const json& v : j[field]) {
-      if (!v.is_number_integer()) return Error(StrCat(ctx, ": \"", field, "\" holds a non-integer"));
+      if (!v.is_number_integer())
+        return Error(StrCat(ctx, ": \"", field, "\" holds a non-integer"));
       out.push_back(v.get<int64_t>());
     }
     return out;
@@ -128,7 +155,8 @@ class Decoder {
     ArrayMetadata a;
     if (!j.contains("path") || !j["path"].is_string()) return Error(StrCat(ctx, ": no \"path\""));
     a.path = j["path"].get<std::string>();
-    if (!j.contains("dtype") || !j["dtype"].is_string()) return Error(StrCat(ctx, ": no \"dtype\""));
+    if (!j.contains("dtype") || !j["dtype"].is_string())
+      return Error(StrCat(ctx, ": no \"dtype\""));
     auto dtype = ParseDType(j["dtype"].get<std::string>());
     if (!dtype.ok()) return Error(StrCat("array '", a.path, "': ", dtype.status().message()));
     a.dtype = *dtype;
@@ -160,10 +188,12 @@ class Decoder {
       node.kind = Kind::kNone;
     } else if (kind == "dict") {
       node.kind = Kind::kDict;
-      if (!j.contains("entries") || !j["entries"].is_array()) return Error("dict without \"entries\"");
+      if (!j.contains("entries") || !j["entries"].is_array())
+        return Error("dict without \"entries\"");
       std::set<std::string> seen;
       for (const json& e : j["entries"]) {
-        if (!e.is_array() || e.size() != 2 || !e[0].is_string()) return Error("malformed dict entry");
+        if (!e.is_array() || e.size() != 2 || !e[0].is_string())
+          return Error("malformed dict entry");
         std::string key = e[0].get<std::string>();
         if (!seen.insert(key).second) return Error(StrCat("duplicate dict key \"", key, "\""));
         TS_ASSIGN_OR_RETURN(TreeNode child, Node(e[1], depth + 1));
@@ -171,18 +201,21 @@ class Decoder {
       }
     } else if (kind == "list" || kind == "tuple") {
       node.kind = kind == "list" ? Kind::kList : Kind::kTuple;
-      if (!j.contains("items") || !j["items"].is_array()) return Error(StrCat(kind, " without \"items\""));
+      if (!j.contains("items") || !j["items"].is_array())
+        return Error(StrCat(kind, " without \"items\""));
       for (const json& item : j["items"]) {
         TS_ASSIGN_OR_RETURN(TreeNode child, Node(item, depth + 1));
         node.items.push_back(std::move(child));
       }
     } else if (kind == "array") {
       node.kind = Kind::kArray;
-      if (!j.contains("array") || !j["array"].is_number_integer()) return Error("array leaf without \"array\"");
+      if (!j.contains("array") || !j["array"].is_number_integer())
+        return Error("array leaf without \"array\"");
       node.array_id = j["array"].get<int64_t>();
     } else if (kind == "int") {
       node.kind = Kind::kInt;
-      if (!j.contains("value") || !j["value"].is_string()) return Error("int leaf without \"value\"");
+      if (!j.contains("value") || !j["value"].is_string())
+        return Error("int leaf without \"value\"");
       node.int_value = j["value"].get<std::string>();
       std::string_view digits = node.int_value;
       if (!digits.empty() && digits[0] == '-') digits.remove_prefix(1);
@@ -191,7 +224,8 @@ class Decoder {
       }
     } else if (kind == "float") {
       node.kind = Kind::kFloat;
-      if (!j.contains("value") || !j["value"].is_string()) return Error("float leaf without \"value\"");
+      if (!j.contains("value") || !j["value"].is_string())
+        return Error("float leaf without \"value\"");
       const std::string text = j["value"].get<std::string>();
       auto parsed = std::from_chars(text.data(), text.data() + text.size(), node.float_value);
       if (text.empty() || parsed.ec != std::errc() || parsed.ptr != text.data() + text.size()) {
@@ -199,11 +233,13 @@ class Decoder {
       }
     } else if (kind == "bool") {
       node.kind = Kind::kBool;
-      if (!j.contains("value") || !j["value"].is_boolean()) return Error("bool leaf without \"value\"");
+      if (!j.contains("value") || !j["value"].is_boolean())
+        return Error("bool leaf without \"value\"");
       node.bool_value = j["value"].get<bool>();
     } else if (kind == "string") {
       node.kind = Kind::kString;
-      if (!j.contains("value") || !j["value"].is_string()) return Error("string leaf without \"value\"");
+      if (!j.contains("value") || !j["value"].is_string())
+        return Error("string leaf without \"value\"");
       node.string_value = j["value"].get<std::string>();
     } else if (kind == "bytes") {
       node.kind = Kind::kBytes;
@@ -229,12 +265,12 @@ Status CheckArrayRefs(const TreeNode& node, const std::string* path,
   const std::string here = path == nullptr ? std::string() : *path;
   if (node.kind == Kind::kArray) {
     if (node.array_id < 0 || node.array_id >= static_cast<int64_t>(refs->size())) {
-      return decoder.Error(StrCat("array leaf refers to array ", node.array_id, " of ",
-                                  refs->size()));
+      return decoder.Error(
+          StrCat("array leaf refers to array ", node.array_id, " of ", refs->size()));
     }
     if (arrays[node.array_id].path != here) {
-      return decoder.Error(StrCat("array '", arrays[node.array_id].path,
-                                  "' sits in the tree at path '", here, "'"));
+      return decoder.Error(
+          StrCat("array '", arrays[node.array_id].path, "' sits in the tree at path '", here, "'"));
     }
     ++(*refs)[node.array_id];
   }
@@ -260,9 +296,12 @@ std::string EscapePathKey(std::string_view key) {
   std::string out;
   out.reserve(key.size());
   for (char c : key) {
-    if (c == '~') out += "~0";
-    else if (c == '/') out += "~1";
-    else out += c;
+    if (c == '~')
+      out += "~0";
+    else if (c == '/')
+      out += "~1";
+    else
+      out += c;
   }
   return out;
 }
@@ -295,8 +334,8 @@ Result<TreeNode> TreeFromArrayPaths(const std::vector<ArrayMetadata>& arrays) {
     TreeNode* node = &root;
     for (size_t k = 0; k < keys.size(); ++k) {
       if (node->kind != Kind::kDict) {
-        return InvalidArgumentError(StrCat(
-            "array path '", arrays[i].path, "' goes below another array's path"));
+        return InvalidArgumentError(
+            StrCat("array path '", arrays[i].path, "' goes below another array's path"));
       }
       TreeNode* child = nullptr;
       for (auto& entry : node->entries) {
@@ -304,8 +343,8 @@ Result<TreeNode> TreeFromArrayPaths(const std::vector<ArrayMetadata>& arrays) {
       }
       const bool last = k + 1 == keys.size();
       if (child == nullptr) {
-        node->entries.emplace_back(keys[k], last ? TreeNode::Array(static_cast<int64_t>(i))
-                                                 : TreeNode::Dict());
+        node->entries.emplace_back(
+            keys[k], last ? TreeNode::Array(static_cast<int64_t>(i)) : TreeNode::Dict());
         child = &node->entries.back().second;
       } else if (last) {
         return InvalidArgumentError(
@@ -361,11 +400,11 @@ Result<TreeFile> DecodeTreeJsonImpl(std::string_view text, std::string_view wher
   const int64_t major = doc["version"][0].get<int64_t>();
   if (major != kTreeMajorVersion) {
     return UnimplementedError(StrCat(
-        "tree.json '", where, "' has format version ", major, ".",
-        doc["version"][1].get<int64_t>(), "; this tensorstash reads version ", kTreeMajorVersion,
-        ".x only (upgrade tensorstash)"));
+        "tree.json '", where, "' has format version ", major, ".", doc["version"][1].get<int64_t>(),
+        "; this tensorstash reads version ", kTreeMajorVersion, ".x only (upgrade tensorstash)"));
   }
-  if (!doc.contains("arrays") || !doc["arrays"].is_array()) return decoder.Error("no \"arrays\" list");
+  if (!doc.contains("arrays") || !doc["arrays"].is_array())
+    return decoder.Error("no \"arrays\" list");
   TreeFile tree;
   std::set<std::string> paths;
   for (size_t i = 0; i < doc["arrays"].size(); ++i) {
@@ -381,8 +420,8 @@ Result<TreeFile> DecodeTreeJsonImpl(std::string_view text, std::string_view wher
   TS_RETURN_IF_ERROR(CheckArrayRefs(tree.root, nullptr, tree.arrays, &refs, decoder));
   for (size_t i = 0; i < refs.size(); ++i) {
     if (refs[i] != 1) {
-      return decoder.Error(StrCat("array '", tree.arrays[i].path, "' is referenced ",
-                                        refs[i], " times by the tree (must be once)"));
+      return decoder.Error(StrCat("array '", tree.arrays[i].path, "' is referenced ", refs[i],
+                                  " times by the tree (must be once)"));
     }
   }
   return tree;
@@ -400,7 +439,8 @@ Result<std::string> TreeNodeToJson(const TreeNode& node) {
 
 Result<TreeNode> TreeNodeFromJson(std::string_view text) {
   Decoder decoder("tree node");
-  if (JsonDepth(text) > 3 * kMaxTreeDepth + 8) return InvalidArgumentError("tree nested too deeply");
+  if (JsonDepth(text) > 3 * kMaxTreeDepth + 8)
+    return InvalidArgumentError("tree nested too deeply");
   try {
     json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (doc.is_discarded()) return InvalidArgumentError("tree node is not valid JSON");

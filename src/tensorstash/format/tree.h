@@ -44,15 +44,26 @@ struct ArrayMetadata {
 };
 
 struct TreeNode {
-  enum class Kind : uint8_t { kNone, kDict, kList, kTuple, kArray, kInt, kFloat, kBool, kString, kBytes };
+  enum class Kind : uint8_t {
+    kNone,
+    kDict,
+    kList,
+    kTuple,
+    kArray,
+    kInt,
+    kFloat,
+    kBool,
+    kString,
+    kBytes
+  };
   Kind kind = Kind::kNone;
   std::vector<std::pair<std::string, TreeNode>> entries;  // kDict, in order
   std::vector<TreeNode> items;                            // kList, kTuple
   int64_t array_id = -1;                                  // kArray: position in `arrays`
-  std::string int_value;     // kInt: decimal, any magnitude ("-12")
-  double float_value = 0;    // kFloat
-  bool bool_value = false;   // kBool
-  std::string string_value;  // kString (UTF-8) and kBytes (raw)
+  std::string int_value;                                  // kInt: decimal, any magnitude ("-12")
+  double float_value = 0;                                 // kFloat
+  bool bool_value = false;                                // kBool
+  std::string string_value;                               // kString (UTF-8) and kBytes (raw)
 
   // Declared here and defined in tree.cc: with an implicit one, clang + libstdc++ ask whether
   // TreeNode is default constructible while still deciding it (std::pair<std::string, TreeNode>

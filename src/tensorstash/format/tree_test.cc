@@ -30,7 +30,8 @@ TreeNode Leaf(Kind kind) {
 
 TEST(TreeTest, PathEscapingRoundTrips) {
   EXPECT_EQ(EscapePathKey("a/b~c"), "a~1b~0c");
-  EXPECT_EQ(SplitArrayPath("opt/mu/layer~10").value(), (std::vector<std::string>{"opt", "mu", "layer/0"}));
+  EXPECT_EQ(SplitArrayPath("opt/mu/layer~10").value(),
+            (std::vector<std::string>{"opt", "mu", "layer/0"}));
   EXPECT_EQ(SplitArrayPath("").value(), (std::vector<std::string>{""}));
   EXPECT_FALSE(SplitArrayPath("a~2").ok());
   EXPECT_FALSE(SplitArrayPath("a~").ok());
@@ -40,7 +41,8 @@ TEST(TreeTest, PathEscapingRoundTrips) {
 }
 
 TEST(TreeTest, TreeFromPathsBuildsNestedDicts) {
-  std::vector<ArrayMetadata> arrays = {Array("params/w", {2}), Array("params/b", {2}), Array("step", {})};
+  std::vector<ArrayMetadata> arrays = {Array("params/w", {2}), Array("params/b", {2}),
+                                       Array("step", {})};
   TreeNode root = TreeFromArrayPaths(arrays).value();
   ASSERT_EQ(root.kind, Kind::kDict);
   ASSERT_EQ(root.entries.size(), 2u);
@@ -138,8 +140,12 @@ TEST(TreeTest, BadDocumentsAreDataLossNamingTheFile) {
   expect_bad(edit([](auto& j) { j["tree"]["entries"][0][1]["array"] = 7; }), "refers to array 7");
   expect_bad(edit([](auto& j) { j["arrays"][0]["codec"] = 5; }), "tree.json");
   expect_bad(edit([](auto& j) { j["arrays"][0]["shape"] = {-4}; }), "extent -4");
-  expect_bad(edit([](auto& j) { j["tree"]["entries"].push_back(j["tree"]["entries"][0]); }), "duplicate");
-  expect_bad(edit([](auto& j) { j["tree"]["entries"][0][0] = "v"; j["tree"]["entries"].push_back({"w", {{"kind", "array"}, {"array", 0}}}); }),
+  expect_bad(edit([](auto& j) { j["tree"]["entries"].push_back(j["tree"]["entries"][0]); }),
+             "duplicate");
+  expect_bad(edit([](auto& j) {
+               j["tree"]["entries"][0][0] = "v";
+               j["tree"]["entries"].push_back({"w", {{"kind", "array"}, {"array", 0}}});
+             }),
              "sits in the tree at path 'v'");
   Result<TreeFile> newer = DecodeTreeJson(edit([](auto& j) { j["version"][0] = 2; }), "t");
   EXPECT_EQ(newer.status().code(), absl::StatusCode::kUnimplemented);
@@ -161,9 +167,11 @@ TEST(TreeNodeJsonTest, RoundTripsAndRejectsBadInput) {
   std::string text = TreeNodeToJson(root).value();
   TreeNode back = TreeNodeFromJson(text).value();
   EXPECT_EQ(TreeNodeToJson(back).value(), text);
-  EXPECT_EQ(TreeNodeFromJson("{\"kind\": \"frob\"}").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(TreeNodeFromJson("{\"kind\": \"frob\"}").status().code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(TreeNodeFromJson("[").status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(TreeNodeFromJson(std::string(100000, '[')).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(TreeNodeFromJson(std::string(100000, '[')).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -111,7 +111,8 @@ constexpr char kNotAnObjectPayload[] = "tensorstash/kvstore/not-an-object";
 }  // namespace
 
 Status NotAnObjectError(std::string_view operation, std::string_view path) {
-  Status status = NotFoundError(StrCat(operation, " '", path, "' failed: is a directory, not an object"));
+  Status status =
+      NotFoundError(StrCat(operation, " '", path, "' failed: is a directory, not an object"));
   status.SetPayload(kNotAnObjectPayload, absl::Cord("1"));
   return status;
 }

@@ -76,11 +76,10 @@ class KvStoreConformanceTest : public ::testing::TestWithParam<KvStoreBackend> {
 
 // Runs the suite against `backends` (a std::vector<KvStoreBackend>), tests named
 // "<prefix>/KvStoreConformanceTest.<test>/<backend name>". Use it inside namespace tensorstash.
-#define TS_INSTANTIATE_KVSTORE_CONFORMANCE(prefix, backends)                                  \
-  INSTANTIATE_TEST_SUITE_P(                                                                   \
-      prefix, KvStoreConformanceTest, ::testing::ValuesIn(backends),                         \
-      [](const ::testing::TestParamInfo<KvStoreBackend>& param_info) {                       \
-        return param_info.param.name;                                                         \
-      })
+#define TS_INSTANTIATE_KVSTORE_CONFORMANCE(prefix, backends)                                \
+  INSTANTIATE_TEST_SUITE_P(prefix, KvStoreConformanceTest, ::testing::ValuesIn(backends),   \
+                           [](const ::testing::TestParamInfo<KvStoreBackend>& param_info) { \
+                             return param_info.param.name;                                  \
+                           })
 
 #endif  // TENSORSTASH_KVSTORE_KVSTORE_CONFORMANCE_H_

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -11,7 +12,6 @@
 #include <random>
 #include <string>
 #include <string_view>
-#include <atomic>
 #include <thread>
 #include <vector>
 
@@ -219,15 +219,15 @@ TEST_P(KvStoreConformanceTest, PreferDirectWritesKeepsEveryByte) {
     size_t offset, size, source;  // source: offset into `from` (0: page-aligned in `aligned`)
   };
   const std::vector<Piece> pieces = {
-      {0, 2 * kMiB, 1},                        // aligned start and end, unaligned source
-      {2 * kMiB, 100, 5},                      // small, shares a block with the next
-      {2 * kMiB + 100, kMiB + 3000, 7},        // unaligned start and end
-      {3 * kMiB + 3100, 50, 0},                // small, in the previous piece's last block
-      {3 * kMiB + 3150, 946, 3},               // fills that block up to the boundary
-      {3 * kMiB + 4096, 5 * kMiB + 17, 0},     // aligned start, unaligned end, aligned source
-      {8 * kMiB + 4113, 2 * kMiB - 4113, 9},   // unaligned start, aligned end
-      {10 * kMiB, kMiB / 2, 11},               // below the direct threshold
-      {10 * kMiB + kMiB / 2, 6 * kMiB, 0},     // large, aligned everything
+      {0, 2 * kMiB, 1},                       // aligned start and end, unaligned source
+      {2 * kMiB, 100, 5},                     // small, shares a block with the next
+      {2 * kMiB + 100, kMiB + 3000, 7},       // unaligned start and end
+      {3 * kMiB + 3100, 50, 0},               // small, in the previous piece's last block
+      {3 * kMiB + 3150, 946, 3},              // fills that block up to the boundary
+      {3 * kMiB + 4096, 5 * kMiB + 17, 0},    // aligned start, unaligned end, aligned source
+      {8 * kMiB + 4113, 2 * kMiB - 4113, 9},  // unaligned start, aligned end
+      {10 * kMiB, kMiB / 2, 11},              // below the direct threshold
+      {10 * kMiB + kMiB / 2, 6 * kMiB, 0},    // large, aligned everything
   };
   const size_t total = 16 * kMiB + kMiB / 2;
   const std::string expected = Pattern(total, 12);
@@ -257,7 +257,8 @@ TEST_P(KvStoreConformanceTest, PreferDirectWritesKeepsEveryByte) {
   const std::string got = Get("direct");
   ASSERT_EQ(got.size(), expected.size());
   EXPECT_TRUE(got == expected) << "first difference at byte "
-                               << std::mismatch(got.begin(), got.end(), expected.begin()).first - got.begin();
+                               << std::mismatch(got.begin(), got.end(), expected.begin()).first -
+                                      got.begin();
 }
 
 TEST_P(KvStoreConformanceTest, ConcurrentWriteAtFromSeveralThreads) {

@@ -39,8 +39,8 @@ size_t SchemeEnd(std::string_view text) {
   if (!(text[0] >= 'a' && text[0] <= 'z')) return std::string_view::npos;
   for (size_t i = 1; i < sep; ++i) {
     const char c = text[i];
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '+' || c == '.' ||
-                    c == '-';
+    const bool ok =
+        (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '+' || c == '.' || c == '-';
     if (!ok) return std::string_view::npos;
   }
   return sep;
@@ -82,10 +82,9 @@ Result<std::unique_ptr<KvStore>> OpenKvStore(std::string_view url, OpenStoreOpti
     if (it != registry.openers.end()) opener = it->second;
   }
   if (!opener) {
-    return InvalidArgumentError(StrCat("no store serves '", scheme, "://' URLs such as '", url,
-                                       "'; the schemes there are: ",
-                                       StrJoin(RegisteredKvStoreSchemes(), ", "),
-                                       " (and plain paths)"));
+    return InvalidArgumentError(StrCat(
+        "no store serves '", scheme, "://' URLs such as '", url, "'; the schemes there are: ",
+        StrJoin(RegisteredKvStoreSchemes(), ", "), " (and plain paths)"));
   }
   return opener(rest, options);
 }

@@ -72,7 +72,7 @@ class StagingPool {
   const uint64_t cap_;
   mutable std::mutex mutex_;
   std::condition_variable cv_;
-  uint64_t leased_ = 0;     // capacity of the buffers out on lease
+  uint64_t leased_ = 0;      // capacity of the buffers out on lease
   uint64_t free_bytes_ = 0;  // capacity of the buffers in free_
   uint64_t peak_ = 0;
   uint64_t created_ = 0;

@@ -11,8 +11,7 @@ Status Annotate(const Status& status, std::string_view context) {
 }
 
 Status ErrnoToStatus(int error_number, std::string_view operation, std::string_view path) {
-  std::string message =
-      StrCat(operation, " '", path, "' failed: ", std::strerror(error_number));
+  std::string message = StrCat(operation, " '", path, "' failed: ", std::strerror(error_number));
   switch (error_number) {
     case ENOENT:
     case ENOTDIR:

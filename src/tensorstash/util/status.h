@@ -30,9 +30,9 @@ using Result = absl::StatusOr<T>;
 inline Status OkStatus() { return absl::OkStatus(); }
 
 // Status constructors that take std::string_view (Debian's Abseil wants absl::string_view).
-#define TS_DEFINE_ERROR_(Name, Code)                              \
-  inline Status Name(std::string_view message) {                  \
-    return Status(absl::StatusCode::Code, std::string(message));  \
+#define TS_DEFINE_ERROR_(Name, Code)                             \
+  inline Status Name(std::string_view message) {                 \
+    return Status(absl::StatusCode::Code, std::string(message)); \
   }
 TS_DEFINE_ERROR_(InvalidArgumentError, kInvalidArgument)
 TS_DEFINE_ERROR_(NotFoundError, kNotFound)
@@ -66,17 +66,17 @@ Status ErrnoToStatus(int error_number, std::string_view operation, std::string_v
 #define TS_STATUS_CONCAT_(a, b) TS_STATUS_CONCAT_INNER_(a, b)
 
 // Evaluates `expr` (a Status); returns it from the current function when it is not OK.
-#define TS_RETURN_IF_ERROR(expr)                          \
-  do {                                                    \
-    ::tensorstash::Status ts_status_ = (expr);            \
-    if (!ts_status_.ok()) return ts_status_;              \
+#define TS_RETURN_IF_ERROR(expr)               \
+  do {                                         \
+    ::tensorstash::Status ts_status_ = (expr); \
+    if (!ts_status_.ok()) return ts_status_;   \
   } while (false)
 
 // Evaluates `rexpr` (a Result<T>); on error returns its status, else moves the value into `lhs`.
 #define TS_ASSIGN_OR_RETURN(lhs, rexpr) \
   TS_ASSIGN_OR_RETURN_IMPL_(TS_STATUS_CONCAT_(ts_result_, __LINE__), lhs, rexpr)
-#define TS_ASSIGN_OR_RETURN_IMPL_(result, lhs, rexpr) \
-  auto result = (rexpr);                              \
+#define TS_ASSIGN_OR_RETURN_IMPL_(result, lhs, rexpr)  \
+  auto result = (rexpr);                               \
   if (!result.ok()) return std::move(result).status(); \
   lhs = std::move(result).value()
 

@@ -51,7 +51,8 @@ TEST(ThreadPoolTest, TaskGroupReturnsFirstErrorAndSkipsTheRest) {
     return DataLossError("first");
   });
   group.Wait().IgnoreError();
-  for (int i = 0; i < 100; ++i) group.Run([&] {
+  for (int i = 0; i < 100; ++i)
+    group.Run([&] {
       ++ran;
       return OkStatus();
     });
@@ -64,7 +65,8 @@ TEST(ThreadPoolTest, RunsEverything) {
   ThreadPool pool(3);
   std::atomic<int> sum{0};
   TaskGroup group(&pool);
-  for (int i = 1; i <= 1000; ++i) group.Run([&, i] {
+  for (int i = 1; i <= 1000; ++i)
+    group.Run([&, i] {
       sum += i;
       return OkStatus();
     });

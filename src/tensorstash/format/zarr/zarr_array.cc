@@ -51,12 +51,12 @@ Status ForEachChunkMaybeParallel(
   // hold a task for each of them in memory.
   constexpr int kMaxQueuedChunks = 256;
   TaskGroup group(pool, kMaxQueuedChunks);
-  Status status = ForEachChunk(chunk_shape, region, [&](const std::vector<int64_t>& grid,
-                                                        const Box& chunk_box) {
-    if (group.failed()) return OkStatus();  // Wait() reports the error
-    group.Run([&fn, grid, chunk_box] { return fn(grid, chunk_box); });
-    return OkStatus();
-  });
+  Status status = ForEachChunk(chunk_shape, region,
+                               [&](const std::vector<int64_t>& grid, const Box& chunk_box) {
+                                 if (group.failed()) return OkStatus();  // Wait() reports the error
+                                 group.Run([&fn, grid, chunk_box] { return fn(grid, chunk_box); });
+                                 return OkStatus();
+                               });
   Status waited = group.Wait();
   return status.ok() ? waited : status;
 }
@@ -124,8 +124,8 @@ Status ZarrArray::Read(const Box& box, DType dest_dtype, void* dest, ThreadPool*
   }
   TS_RETURN_IF_ERROR(ValidateBox(box, ItemSize(dest_dtype), what));
   if (!CanConvert(metadata_.dtype, dest_dtype)) {
-    return InvalidArgumentError(StrCat(what, ": cannot convert stored ",
-                                       DTypeName(metadata_.dtype), " to ", DTypeName(dest_dtype)));
+    return InvalidArgumentError(StrCat(what, ": cannot convert stored ", DTypeName(metadata_.dtype),
+                                       " to ", DTypeName(dest_dtype)));
   }
   if (box.empty()) return OkStatus();
   if (dest == nullptr) return InvalidArgumentError(StrCat(what, ": no destination"));
@@ -139,18 +139,17 @@ Status ZarrArray::Read(const Box& box, DType dest_dtype, void* dest, ThreadPool*
   }
   const Box inside = Intersect(box, shape_box);
   if (inside.empty()) return OkStatus();
-  return ForEachChunkMaybeParallel(
-      metadata_.chunk_shape, inside, pool,
-      [&](const std::vector<int64_t>& grid, const Box& chunk_box) {
-        return ReadChunk(grid, Intersect(chunk_box, inside), box, dest_dtype, dest, dest_fill,
-                         staging);
-      });
+  return ForEachChunkMaybeParallel(metadata_.chunk_shape, inside, pool,
+                                   [&](const std::vector<int64_t>& grid, const Box& chunk_box) {
+                                     return ReadChunk(grid, Intersect(chunk_box, inside), box,
+                                                      dest_dtype, dest, dest_fill, staging);
+                                   });
 }
 
-Status ZarrArray::ReadChunkInPlace(const std::string& key, const Box& chunk_box,
-                                   const Box& region, const Box& box, DType dest_dtype,
-                                   void* dest, const std::string& dest_fill,
-                                   StagingPool* staging, bool* done) const {
+Status ZarrArray::ReadChunkInPlace(const std::string& key, const Box& chunk_box, const Box& region,
+                                   const Box& box, DType dest_dtype, void* dest,
+                                   const std::string& dest_fill, StagingPool* staging,
+                                   bool* done) const {
   *done = false;
   const std::vector<ZarrCodec>& codecs = metadata_.codecs;
   const size_t item = ItemSize(metadata_.dtype);
@@ -209,8 +208,8 @@ Status ZarrArray::CheckStoredSize(uint64_t size, const Box& chunk_box,
   const uint64_t raw = elements * ItemSize(metadata_.dtype);
   const uint64_t bound = 2 * raw + 16 * elements + (64 << 10);
   if (size <= bound) return OkStatus();
-  return DataLossError(StrCat(what, ": holds ", size, " bytes, more than any encoding of its ",
-                              raw, " bytes could take"));
+  return DataLossError(StrCat(what, ": holds ", size, " bytes, more than any encoding of its ", raw,
+                              " bytes could take"));
 }
 
 Status ZarrArray::MissingChunk(const Status& status, const std::string& what, const Box& region,
@@ -220,7 +219,8 @@ Status ZarrArray::MissingChunk(const Status& status, const std::string& what, co
     return DataLossError(StrCat(what, ": not a regular file (", status.message(), ")"));
   }
   if (all_chunks_stored_) {
-    return DataLossError(StrCat(what, ": missing, though the checkpoint's metadata says every "
+    return DataLossError(StrCat(what,
+                                ": missing, though the checkpoint's metadata says every "
                                 "chunk was written (store_array_data_equal_to_fill_value)"));
   }
   FillBox(region, dest_fill, dest, box);  // zarr: a chunk left out holds the fill value
@@ -236,8 +236,8 @@ Status ZarrArray::ReadChunk(const std::vector<int64_t>& grid, const Box& region,
   for (size_t d = 0; d < grid.size(); ++d) chunk_box.origin[d] = grid[d] * metadata_.chunk_shape[d];
   if (metadata_.sole_sharding() == nullptr) {
     bool done = false;
-    TS_RETURN_IF_ERROR(ReadChunkInPlace(key, chunk_box, region, box, dest_dtype, dest, dest_fill,
-                                        staging, &done));
+    TS_RETURN_IF_ERROR(
+        ReadChunkInPlace(key, chunk_box, region, box, dest_dtype, dest, dest_fill, staging, &done));
     if (done) return OkStatus();
   }
 
@@ -313,8 +313,8 @@ Result<std::unique_ptr<ZarrArrayWriter>> ZarrArrayWriter::Create(KvStore* kv, st
   const std::string what = StrCat("creating ", ArrayWhat(prefix));
   TS_RETURN_IF_ERROR(Annotate(ValidatePrefix(prefix), what));
   if (spec.zarr_format != 2 && spec.zarr_format != 3) {
-    return InvalidArgumentError(StrCat(what, ": zarr_format ", spec.zarr_format,
-                                       " (2 or 3 are supported)"));
+    return InvalidArgumentError(
+        StrCat(what, ": zarr_format ", spec.zarr_format, " (2 or 3 are supported)"));
   }
   if (spec.shape.size() > static_cast<size_t>(kMaxRank)) {
     return InvalidArgumentError(StrCat(what, ": rank ", spec.shape.size(), " is above ", kMaxRank));
@@ -334,8 +334,12 @@ Result<std::unique_ptr<ZarrArrayWriter>> ZarrArrayWriter::Create(KvStore* kv, st
     ZarrCodec c;
     c.level = spec.level;
     switch (spec.compressor) {
-      case ZarrCompressor::kZstd: c.kind = ZarrCodecKind::kZstd; break;
-      case ZarrCompressor::kGzip: c.kind = ZarrCodecKind::kGzip; break;
+      case ZarrCompressor::kZstd:
+        c.kind = ZarrCodecKind::kZstd;
+        break;
+      case ZarrCompressor::kGzip:
+        c.kind = ZarrCodecKind::kGzip;
+        break;
       default:
         c.kind = ZarrCodecKind::kBlosc;
         c.blosc_typesize = static_cast<int>(ItemSize(spec.dtype));
@@ -377,8 +381,8 @@ Status ZarrArrayWriter::WriteChunk(const std::vector<int64_t>& grid, const void*
   for (size_t d = 0; d < grid.size(); ++d) {
     const int64_t c = metadata_.chunk_shape[d];
     if (grid[d] < 0 || grid[d] >= (metadata_.shape[d] + c - 1) / c) {
-      return InvalidArgumentError(StrCat(what, ": chunk [", StrJoin(grid, ", "),
-                                         "] is outside the array's grid"));
+      return InvalidArgumentError(
+          StrCat(what, ": chunk [", StrJoin(grid, ", "), "] is outside the array's grid"));
     }
     chunk_box.origin[d] = grid[d] * c;
   }
@@ -406,11 +410,10 @@ Status ZarrArrayWriter::WriteBox(const Box& box, const void* data, ThreadPool* p
     }
   }
   if (box.empty()) return OkStatus();
-  return ForEachChunkMaybeParallel(
-      metadata_.chunk_shape, box, pool,
-      [&](const std::vector<int64_t>& grid, const Box&) {
-        return WriteChunkFrom(grid, data, box);
-      });
+  return ForEachChunkMaybeParallel(metadata_.chunk_shape, box, pool,
+                                   [&](const std::vector<int64_t>& grid, const Box&) {
+                                     return WriteChunkFrom(grid, data, box);
+                                   });
 }
 
 Status ZarrArrayWriter::WriteChunkFrom(const std::vector<int64_t>& grid, const void* data,

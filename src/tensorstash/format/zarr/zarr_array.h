@@ -20,8 +20,8 @@
 #include "tensorstash/array/dtype.h"
 #include "tensorstash/format/zarr/zarr_metadata.h"
 #include "tensorstash/kvstore/kvstore.h"
-#include "tensorstash/util/status.h"
 #include "tensorstash/util/staging_pool.h"
+#include "tensorstash/util/status.h"
 #include "tensorstash/util/thread_pool.h"
 
 namespace tensorstash {

@@ -256,8 +256,8 @@ TEST(ZarrArrayTest, ParallelReadMatchesSequential) {
   EXPECT_TRUE(ReadAll(**a, DType::kBfloat16) == data);
   // Cast on read: bfloat16 -> float32 matches ConvertElements.
   std::string expect(data.size() * 2, '\0');
-  TS_ASSERT_OK(ConvertElements(DType::kBfloat16, data.data(), DType::kFloat32, expect.data(),
-                               33 * 17, "x"));
+  TS_ASSERT_OK(
+      ConvertElements(DType::kBfloat16, data.data(), DType::kFloat32, expect.data(), 33 * 17, "x"));
   EXPECT_TRUE(ReadAll(**a, DType::kFloat32, &pool) == expect);
 }
 
@@ -388,11 +388,11 @@ void StoreWithMetadata(MemoryKvStore* kv, const std::string& prefix, const std::
     }
     std::string raw(static_cast<size_t>(chunk_box.num_elements()) * ItemSize(m.dtype), '\0');
     FillBox(chunk_box, m.fill_value, raw.data(), chunk_box);
-    TS_ASSERT_OK(CopyBox(Intersect(chunk_box, shape_box), m.dtype, data.data(), shape_box,
-                         m.dtype, raw.data(), chunk_box, "store"));
+    TS_ASSERT_OK(CopyBox(Intersect(chunk_box, shape_box), m.dtype, data.data(), shape_box, m.dtype,
+                         raw.data(), chunk_box, "store"));
     std::string encoded;
-    TS_ASSERT_OK(EncodeZarrChunk(m.codecs, m.dtype, m.chunk_shape, m.fill_value, raw, &encoded,
-                                 "store"));
+    TS_ASSERT_OK(
+        EncodeZarrChunk(m.codecs, m.dtype, m.chunk_shape, m.fill_value, raw, &encoded, "store"));
     TS_ASSERT_OK(kv->Write((*a)->ChunkKey(grid), encoded));
   }
 }
@@ -400,10 +400,9 @@ void StoreWithMetadata(MemoryKvStore* kv, const std::string& prefix, const std::
 std::string V3Json(const std::string& dtype, const std::string& shape, const std::string& chunks,
                    const std::string& codecs, const std::string& fill = "0",
                    const std::string& encoding = R"({"name":"default"})") {
-  return StrCat(R"({"zarr_format":3,"node_type":"array","shape":)", shape,
-                R"(,"data_type":")", dtype,
-                R"(","chunk_grid":{"name":"regular","configuration":{"chunk_shape":)", chunks,
-                R"(}},"chunk_key_encoding":)", encoding, R"(,"fill_value":)", fill,
+  return StrCat(R"({"zarr_format":3,"node_type":"array","shape":)", shape, R"(,"data_type":")",
+                dtype, R"(","chunk_grid":{"name":"regular","configuration":{"chunk_shape":)",
+                chunks, R"(}},"chunk_key_encoding":)", encoding, R"(,"fill_value":)", fill,
                 R"(,"codecs":)", codecs, R"(,"attributes":{"x":1},"dimension_names":null})");
 }
 
@@ -425,8 +424,9 @@ TEST(ZarrArrayTest, CodecChainsRoundTrip) {
       SCOPED_TRACE(StrCat(name, " ", DTypeName(dtype)));
       MemoryKvStore kv;
       const std::string data = RandomData(dtype, 5 * 5 * 7, 11);
-      StoreWithMetadata(&kv, "arr", V3Json(std::string(DTypeName(dtype)), "[5,5,7]", "[4,4,3]",
-                                           codecs, Kind(dtype) == DTypeKind::kComplex ? "[0,0]" : "0"),
+      StoreWithMetadata(&kv, "arr",
+                        V3Json(std::string(DTypeName(dtype)), "[5,5,7]", "[4,4,3]", codecs,
+                               Kind(dtype) == DTypeKind::kComplex ? "[0,0]" : "0"),
                         data);
       auto a = ZarrArray::Open(&kv, "arr");
       ASSERT_TRUE(a.ok()) << a.status();
@@ -442,8 +442,9 @@ TEST(ZarrArrayTest, CodecChainsRoundTrip) {
 TEST(ZarrArrayTest, V2KeyEncodingInV3) {
   MemoryKvStore kv;
   const std::string data = RandomData(DType::kInt8, 6, 2);
-  StoreWithMetadata(&kv, "k", V3Json("int8", "[2,3]", "[1,3]", R"(["bytes"])", "0",
-                                     R"({"name":"v2","configuration":{"separator":"/"}})"),
+  StoreWithMetadata(&kv, "k",
+                    V3Json("int8", "[2,3]", "[1,3]", R"(["bytes"])", "0",
+                           R"({"name":"v2","configuration":{"separator":"/"}})"),
                     data);
   EXPECT_TRUE(kv.Size("k/1/0").ok());
   auto a = ZarrArray::Open(&kv, "k");
@@ -478,21 +479,32 @@ TEST(ZarrArrayTest, FillValueForms) {
     for (unsigned char b : m->fill_value) hex += StrCat(Hex32(b).substr(6));
     EXPECT_EQ(hex, c.expect_hex);
   }
-  for (const auto& [dtype, fill] : std::vector<std::pair<std::string, std::string>>{
-           {"int8", "200"}, {"uint8", "-1"}, {"float32", "\"nan\""}, {"bool", "\"x\""},
-           {"int32", "1.5"}, {"complex64", "[1]"}, {"float32", "{}"}, {"float32", "\"0xzz\""}}) {
+  for (const auto& [dtype, fill] :
+       std::vector<std::pair<std::string, std::string>>{{"int8", "200"},
+                                                        {"uint8", "-1"},
+                                                        {"float32", "\"nan\""},
+                                                        {"bool", "\"x\""},
+                                                        {"int32", "1.5"},
+                                                        {"complex64", "[1]"},
+                                                        {"float32", "{}"},
+                                                        {"float32", "\"0xzz\""}}) {
     SCOPED_TRACE(dtype + " " + fill);
     auto m = ParseZarrV3Metadata(V3Json(dtype, "[1]", "[1]", R"(["bytes"])", fill), "arr 'q'");
     EXPECT_TRUE(absl::IsInvalidArgument(m.status())) << m.status();
     EXPECT_THAT(std::string(m.status().message()), HasSubstr("arr 'q'"));
   }
   // v2 typestrs and the names TensorStore writes.
-  for (const auto& [typestr, dtype] : std::vector<std::pair<std::string, DType>>{
-           {"|b1", DType::kBool}, {"<c16", DType::kComplex128}, {"bfloat16", DType::kBfloat16},
-           {">u2", DType::kUint16}, {"|i1", DType::kInt8}, {"float8_e5m2", DType::kFloat8E5m2}}) {
-    auto m = ParseZarrV2Metadata(StrCat(R"({"zarr_format":2,"shape":[1],"chunks":[1],"dtype":")",
-                                        typestr, R"(","compressor":null,"fill_value":null,"order":"C","filters":null})"),
-                                 "v2");
+  for (const auto& [typestr, dtype] :
+       std::vector<std::pair<std::string, DType>>{{"|b1", DType::kBool},
+                                                  {"<c16", DType::kComplex128},
+                                                  {"bfloat16", DType::kBfloat16},
+                                                  {">u2", DType::kUint16},
+                                                  {"|i1", DType::kInt8},
+                                                  {"float8_e5m2", DType::kFloat8E5m2}}) {
+    auto m = ParseZarrV2Metadata(
+        StrCat(R"({"zarr_format":2,"shape":[1],"chunks":[1],"dtype":")", typestr,
+               R"(","compressor":null,"fill_value":null,"order":"C","filters":null})"),
+        "v2");
     ASSERT_TRUE(m.ok()) << typestr << m.status();
     EXPECT_EQ(m->dtype, dtype);
   }
@@ -514,39 +526,64 @@ TEST(ZarrArrayHostileTest, MetadataIsRejectedWithTheArrayNamed) {
       {"not an object", "[1,2]", absl::StatusCode::kInvalidArgument},
       {"group", R"({"zarr_format":3,"node_type":"group"})", absl::StatusCode::kInvalidArgument},
       {"format 4", R"({"zarr_format":4,"node_type":"array"})", absl::StatusCode::kInvalidArgument},
-      {"shape string", V3Json("int8", "\"abc\"", "[1]", ok_codecs), absl::StatusCode::kInvalidArgument},
-      {"negative dim", V3Json("int8", "[-1]", "[1]", ok_codecs), absl::StatusCode::kInvalidArgument},
-      {"overflowing count", V3Json("float64", "[4611686018427387904,4611686018427387904]", "[1,1]", ok_codecs),
+      {"shape string", V3Json("int8", "\"abc\"", "[1]", ok_codecs),
        absl::StatusCode::kInvalidArgument},
-      {"huge dim", V3Json("int8", "[18446744073709551615]", "[1]", ok_codecs), absl::StatusCode::kInvalidArgument},
+      {"negative dim", V3Json("int8", "[-1]", "[1]", ok_codecs),
+       absl::StatusCode::kInvalidArgument},
+      {"overflowing count",
+       V3Json("float64", "[4611686018427387904,4611686018427387904]", "[1,1]", ok_codecs),
+       absl::StatusCode::kInvalidArgument},
+      {"huge dim", V3Json("int8", "[18446744073709551615]", "[1]", ok_codecs),
+       absl::StatusCode::kInvalidArgument},
       {"float dim", V3Json("int8", "[1.5]", "[1]", ok_codecs), absl::StatusCode::kInvalidArgument},
       {"rank 33", V3Json("int8", rank33, rank33, ok_codecs), absl::StatusCode::kInvalidArgument},
-      {"rank mismatch", V3Json("int8", "[4,4]", "[4]", ok_codecs), absl::StatusCode::kInvalidArgument},
+      {"rank mismatch", V3Json("int8", "[4,4]", "[4]", ok_codecs),
+       absl::StatusCode::kInvalidArgument},
       {"zero chunk", V3Json("int8", "[4]", "[0]", ok_codecs), absl::StatusCode::kInvalidArgument},
       {"huge chunk", V3Json("float64", "[1048576,1048576]", "[1048576,1048576]", ok_codecs),
        absl::StatusCode::kInvalidArgument},
-      {"unknown dtype", V3Json("float128", "[4]", "[4]", ok_codecs), absl::StatusCode::kUnimplemented},
+      {"unknown dtype", V3Json("float128", "[4]", "[4]", ok_codecs),
+       absl::StatusCode::kUnimplemented},
       {"unknown codec", V3Json("int8", "[4]", "[4]", R"([{"name":"bytes"},{"name":"lzma"}])"),
        absl::StatusCode::kUnimplemented},
-      {"no array codec", V3Json("int8", "[4]", "[4]", R"([{"name":"zstd"}])"), absl::StatusCode::kInvalidArgument},
-      {"two array codecs", V3Json("int8", "[4]", "[4]", R"(["bytes","bytes"])"), absl::StatusCode::kInvalidArgument},
-      {"codec not object", V3Json("int8", "[4]", "[4]", R"([7])"), absl::StatusCode::kInvalidArgument},
-      {"codecs not array", V3Json("int8", "[4]", "[4]", R"({"name":"bytes"})"), absl::StatusCode::kInvalidArgument},
-      {"bad endian", V3Json("int8", "[4]", "[4]", R"([{"name":"bytes","configuration":{"endian":7}}])"),
+      {"no array codec", V3Json("int8", "[4]", "[4]", R"([{"name":"zstd"}])"),
        absl::StatusCode::kInvalidArgument},
-      {"bad transpose", V3Json("int8", "[4,4]", "[4,4]", R"([{"name":"transpose","configuration":{"order":[0,0]}},"bytes"])"),
+      {"two array codecs", V3Json("int8", "[4]", "[4]", R"(["bytes","bytes"])"),
        absl::StatusCode::kInvalidArgument},
-      {"inner not dividing", V3Json("int8", "[4]", "[4]", R"([{"name":"sharding_indexed","configuration":{"chunk_shape":[3],"codecs":["bytes"],"index_codecs":["bytes","crc32c"]}}])"),
+      {"codec not object", V3Json("int8", "[4]", "[4]", R"([7])"),
        absl::StatusCode::kInvalidArgument},
-      {"compressed index", V3Json("int8", "[4]", "[4]", R"([{"name":"sharding_indexed","configuration":{"chunk_shape":[2],"codecs":["bytes"],"index_codecs":["bytes","zstd"]}}])"),
+      {"codecs not array", V3Json("int8", "[4]", "[4]", R"({"name":"bytes"})"),
+       absl::StatusCode::kInvalidArgument},
+      {"bad endian",
+       V3Json("int8", "[4]", "[4]", R"([{"name":"bytes","configuration":{"endian":7}}])"),
+       absl::StatusCode::kInvalidArgument},
+      {"bad transpose",
+       V3Json("int8", "[4,4]", "[4,4]",
+              R"([{"name":"transpose","configuration":{"order":[0,0]}},"bytes"])"),
+       absl::StatusCode::kInvalidArgument},
+      {"inner not dividing",
+       V3Json(
+           "int8", "[4]", "[4]",
+           R"([{"name":"sharding_indexed","configuration":{"chunk_shape":[3],"codecs":["bytes"],"index_codecs":["bytes","crc32c"]}}])"),
+       absl::StatusCode::kInvalidArgument},
+      {"compressed index",
+       V3Json(
+           "int8", "[4]", "[4]",
+           R"([{"name":"sharding_indexed","configuration":{"chunk_shape":[2],"codecs":["bytes"],"index_codecs":["bytes","zstd"]}}])"),
        absl::StatusCode::kUnimplemented},
-      {"huge inner chunk", V3Json("int64", "[1099511627776]", "[1099511627776]", R"([{"name":"sharding_indexed","configuration":{"chunk_shape":[1099511627776],"codecs":["bytes"],"index_codecs":["bytes"]}}])"),
+      {"huge inner chunk",
+       V3Json(
+           "int64", "[1099511627776]", "[1099511627776]",
+           R"([{"name":"sharding_indexed","configuration":{"chunk_shape":[1099511627776],"codecs":["bytes"],"index_codecs":["bytes"]}}])"),
        absl::StatusCode::kInvalidArgument},
-      {"irregular grid", R"({"zarr_format":3,"node_type":"array","shape":[1],"data_type":"int8","chunk_grid":{"name":"rectilinear"},"fill_value":0,"codecs":["bytes"]})",
+      {"irregular grid",
+       R"({"zarr_format":3,"node_type":"array","shape":[1],"data_type":"int8","chunk_grid":{"name":"rectilinear"},"fill_value":0,"codecs":["bytes"]})",
        absl::StatusCode::kUnimplemented},
-      {"storage transformer", R"({"zarr_format":3,"node_type":"array","shape":[1],"data_type":"int8","chunk_grid":{"name":"regular","configuration":{"chunk_shape":[1]}},"fill_value":0,"codecs":["bytes"],"storage_transformers":[{"name":"x"}]})",
+      {"storage transformer",
+       R"({"zarr_format":3,"node_type":"array","shape":[1],"data_type":"int8","chunk_grid":{"name":"regular","configuration":{"chunk_shape":[1]}},"fill_value":0,"codecs":["bytes"],"storage_transformers":[{"name":"x"}]})",
        absl::StatusCode::kUnimplemented},
-      {"missing codecs", R"({"zarr_format":3,"node_type":"array","shape":[1],"data_type":"int8","chunk_grid":{"name":"regular","configuration":{"chunk_shape":[1]}},"fill_value":0})",
+      {"missing codecs",
+       R"({"zarr_format":3,"node_type":"array","shape":[1],"data_type":"int8","chunk_grid":{"name":"regular","configuration":{"chunk_shape":[1]}},"fill_value":0})",
        absl::StatusCode::kInvalidArgument},
   };
   for (const Case& c : cases) {
@@ -630,7 +667,8 @@ TEST(ZarrArrayHostileTest, CorruptChunkDataIsDataLossNamingTheKey) {
 // With a StagingPool, whole chunks landing as one run of the destination are decoded straight
 // into it: the same values as the general path, for every layout; damage is still DataLoss.
 TEST(ZarrArrayTest, InPlaceReadsMatchTheGeneralPath) {
-  const std::vector<int64_t> shape = {20, 84};  // most layouts divide it; clipped edges go the general way
+  const std::vector<int64_t> shape = {
+      20, 84};  // most layouts divide it; clipped edges go the general way
   for (const Layout& layout : Layouts()) {
     for (DType dtype : {DType::kFloat32, DType::kUint8, DType::kBfloat16}) {
       SCOPED_TRACE(StrCat(layout.name, " ", DTypeName(dtype)));
@@ -678,7 +716,8 @@ TEST(ZarrArrayHostileTest, InPlaceReadsOfDamagedChunksAreDataLoss) {
     const std::string good = *kv.Read(key);
     // Twice the data, compressed: a chunk that decodes to more bytes than its shape holds.
     std::string twice(ZSTD_compressBound(2 * data.size()), '\0');
-    twice.resize(ZSTD_compress(twice.data(), twice.size(), (data + data).data(), 2 * data.size(), 1));
+    twice.resize(
+        ZSTD_compress(twice.data(), twice.size(), (data + data).data(), 2 * data.size(), 1));
     std::vector<std::string> bad = {good.substr(0, good.size() / 2), "", "garbage!",
                                     good + "trailing junk"};
     if (compressor == ZarrCompressor::kZstd) bad.push_back(twice);

@@ -88,8 +88,8 @@ uint64_t ArrayToBytesBound(const ZarrCodec& ab, DType dtype, const std::vector<i
   if (ab.kind == ZarrCodecKind::kBytes) return SatMul(NumElements(shape), ItemSize(dtype));
   std::vector<int64_t> per_shard(shape.size());
   for (size_t d = 0; d < shape.size(); ++d) per_shard[d] = shape[d] / ab.inner_chunk_shape[d];
-  const uint64_t inner = EncodedBound(*ab.inner_codecs, ab.inner_codecs->size(), dtype,
-                                      ab.inner_chunk_shape);
+  const uint64_t inner =
+      EncodedBound(*ab.inner_codecs, ab.inner_codecs->size(), dtype, ab.inner_chunk_shape);
   return SatAdd(ShardIndexBytes(ab, shape), SatMul(NumElements(per_shard), inner));
 }
 
@@ -184,8 +184,7 @@ Status GzipDecode(std::string_view in, uint64_t limit, std::string* out, std::st
       if (produced >= limit) return TooLarge(what, "gzip", limit);
       out->resize(std::min<uint64_t>(limit, out->size() * 2));
     }
-    const size_t room =
-        std::min<size_t>(out->size() - produced, std::numeric_limits<uInt>::max());
+    const size_t room = std::min<size_t>(out->size() - produced, std::numeric_limits<uInt>::max());
     zs.next_out = reinterpret_cast<Bytef*>(out->data() + produced);
     zs.avail_out = static_cast<uInt>(room);
     const int ret = inflate(&zs, Z_NO_FLUSH);
@@ -215,8 +214,10 @@ Status BloscDecode(std::string_view in, uint64_t limit, std::string* out, std::s
   size_t header_nbytes = 0, cbytes = 0, blocksize = 0;
   blosc_cbuffer_sizes(in.data(), &header_nbytes, &cbytes, &blocksize);
   if (cbytes != in.size()) {
-    return DataLossError(StrCat(what, ": blosc header says ", cbytes, " compressed bytes, the "
-                                "chunk has ", in.size()));
+    return DataLossError(StrCat(what, ": blosc header says ", cbytes,
+                                " compressed bytes, the "
+                                "chunk has ",
+                                in.size()));
   }
   if (nbytes > limit) return TooLarge(what, "blosc", limit);
   out->resize(nbytes);
@@ -241,14 +242,19 @@ Status Crc32cDecode(std::string_view in, std::string* out, std::string_view what
   return OkStatus();
 }
 
-Status BytesToBytesDecode(const ZarrCodec& c, std::string_view in, uint64_t limit,
-                          std::string* out, std::string_view what) {
+Status BytesToBytesDecode(const ZarrCodec& c, std::string_view in, uint64_t limit, std::string* out,
+                          std::string_view what) {
   switch (c.kind) {
-    case ZarrCodecKind::kZstd: return ZstdDecode(in, limit, out, what);
-    case ZarrCodecKind::kGzip: return GzipDecode(in, limit, out, what);
-    case ZarrCodecKind::kBlosc: return BloscDecode(in, limit, out, what);
-    case ZarrCodecKind::kCrc32c: return Crc32cDecode(in, out, what);
-    default: return InternalError("not a bytes-to-bytes codec");
+    case ZarrCodecKind::kZstd:
+      return ZstdDecode(in, limit, out, what);
+    case ZarrCodecKind::kGzip:
+      return GzipDecode(in, limit, out, what);
+    case ZarrCodecKind::kBlosc:
+      return BloscDecode(in, limit, out, what);
+    case ZarrCodecKind::kCrc32c:
+      return Crc32cDecode(in, out, what);
+    default:
+      return InternalError("not a bytes-to-bytes codec");
   }
 }
 
@@ -292,16 +298,16 @@ Status BytesToBytesEncode(const ZarrCodec& c, DType dtype, std::string_view in, 
     }
     case ZarrCodecKind::kBlosc: {
       if (in.size() > static_cast<size_t>(BLOSC_MAX_BUFFERSIZE)) {
-        return InvalidArgumentError(StrCat(what, ": chunk of ", in.size(),
-                                           " bytes is too large for blosc"));
+        return InvalidArgumentError(
+            StrCat(what, ": chunk of ", in.size(), " bytes is too large for blosc"));
       }
       out->resize(in.size() + BLOSC_MAX_OVERHEAD);
       const int typesize =
           c.blosc_typesize > 0 ? c.blosc_typesize : static_cast<int>(ItemSize(dtype));
-      const int n = blosc_compress_ctx(c.level, c.blosc_shuffle, static_cast<size_t>(typesize),
-                                       in.size(), in.data(), out->data(), out->size(),
-                                       c.blosc_cname.c_str(),
-                                       static_cast<size_t>(c.blosc_blocksize), 1);
+      const int n =
+          blosc_compress_ctx(c.level, c.blosc_shuffle, static_cast<size_t>(typesize), in.size(),
+                             in.data(), out->data(), out->size(), c.blosc_cname.c_str(),
+                             static_cast<size_t>(c.blosc_blocksize), 1);
       if (n <= 0) {
         return InvalidArgumentError(StrCat(what, ": blosc compression failed (", n,
                                            "; compressor \"", c.blosc_cname, "\")"));
@@ -338,8 +344,8 @@ Result<std::vector<uint64_t>> DecodeShardIndex(const ZarrCodec& sharding, uint64
     data = std::move(stripped);
   }
   if (data.size() != count * 16) {
-    return DataLossError(StrCat(what, ": shard index has ", data.size(), " bytes, expected ",
-                                count * 16));
+    return DataLossError(
+        StrCat(what, ": shard index has ", data.size(), " bytes, expected ", count * 16));
   }
   if (codecs[0].big_endian) SwapBytes(&data, 8);
   std::vector<uint64_t> entries(count * 2);
@@ -350,9 +356,8 @@ Result<std::vector<uint64_t>> DecodeShardIndex(const ZarrCodec& sharding, uint64
     uint64_t end;
     if (offset == kMissing || length == kMissing || __builtin_add_overflow(offset, length, &end) ||
         end > shard_size) {
-      return DataLossError(StrCat(what, ": shard index entry ", i, " (offset ", offset,
-                                  ", length ", length, ") points outside the shard of ",
-                                  shard_size, " bytes"));
+      return DataLossError(StrCat(what, ": shard index entry ", i, " (offset ", offset, ", length ",
+                                  length, ") points outside the shard of ", shard_size, " bytes"));
     }
   }
   return entries;
@@ -379,8 +384,8 @@ Status EncodeShard(const ZarrCodec& sharding, DType dtype, const std::vector<int
     Box inner_box(std::vector<int64_t>(rank), sharding.inner_chunk_shape);
     for (int d = 0; d < rank; ++d) inner_box.origin[d] = grid[d] * sharding.inner_chunk_shape[d];
     inner_raw.resize(inner_bytes);
-    TS_RETURN_IF_ERROR(CopyBox(inner_box, dtype, raw.data(), shard_box, dtype, inner_raw.data(),
-                               inner_box, what));
+    TS_RETURN_IF_ERROR(
+        CopyBox(inner_box, dtype, raw.data(), shard_box, dtype, inner_raw.data(), inner_box, what));
     if (!AllEqualTo(inner_raw, fill)) {
       TS_RETURN_IF_ERROR(EncodeZarrChunk(*sharding.inner_codecs, dtype, sharding.inner_chunk_shape,
                                          fill, inner_raw, &encoded,
@@ -410,12 +415,14 @@ Status EncodeShard(const ZarrCodec& sharding, DType dtype, const std::vector<int
 
 Status ZstdDecodeInto(std::string_view in, char* out, size_t size, std::string_view what) {
   const unsigned long long declared = ZSTD_getFrameContentSize(in.data(), in.size());
-  if (declared == ZSTD_CONTENTSIZE_ERROR) return DataLossError(StrCat(what, ": zstd data is malformed"));
+  if (declared == ZSTD_CONTENTSIZE_ERROR)
+    return DataLossError(StrCat(what, ": zstd data is malformed"));
   if (declared != ZSTD_CONTENTSIZE_UNKNOWN && declared != size &&
       ZSTD_findFrameCompressedSize(in.data(), in.size()) == in.size()) {
     return DataLossError(StrCat(what, ": chunk decodes to ", declared, " bytes, expected ", size));
   }
-  std::unique_ptr<ZSTD_DStream, size_t (*)(ZSTD_DStream*)> ds(ZSTD_createDStream(), ZSTD_freeDStream);
+  std::unique_ptr<ZSTD_DStream, size_t (*)(ZSTD_DStream*)> ds(ZSTD_createDStream(),
+                                                              ZSTD_freeDStream);
   if (!ds) return InternalError("ZSTD_createDStream failed");
   ZSTD_initDStream(ds.get());
   ZSTD_inBuffer input{in.data(), in.size(), 0};
@@ -439,7 +446,8 @@ Status ZstdDecodeInto(std::string_view in, char* out, size_t size, std::string_v
     if (input.pos == input.size) return DataLossError(StrCat(what, ": zstd data is truncated"));
   }
   if (output.pos != size) {
-    return DataLossError(StrCat(what, ": chunk decodes to ", output.pos, " bytes, expected ", size));
+    return DataLossError(
+        StrCat(what, ": chunk decodes to ", output.pos, " bytes, expected ", size));
   }
   return OkStatus();
 }
@@ -573,8 +581,8 @@ Status DecodeZarrChunk(const std::vector<ZarrCodec>& codecs, DType dtype,
   const ZarrCodec& c = codecs[ab];
   if (c.kind == ZarrCodecKind::kBytes) {
     if (current.size() != bytes) {
-      return DataLossError(StrCat(what, ": chunk decodes to ", current.size(),
-                                  " bytes, expected ", bytes));
+      return DataLossError(
+          StrCat(what, ": chunk decodes to ", current.size(), " bytes, expected ", bytes));
     }
     if (c.big_endian) SwapBytes(&current, SwapUnit(dtype));
   } else {

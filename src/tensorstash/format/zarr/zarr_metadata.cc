@@ -42,8 +42,8 @@ Result<std::vector<int64_t>> GetShape(const json& value, std::string_view what,
                                       std::string_view field, int64_t min_extent) {
   if (!value.is_array()) return Invalid(what, StrCat(field, " must be an array of integers"));
   if (value.size() > static_cast<size_t>(kMaxRank)) {
-    return Invalid(what, StrCat(field, " has rank ", value.size(), ", above the limit of ",
-                                kMaxRank));
+    return Invalid(what,
+                   StrCat(field, " has rank ", value.size(), ", above the limit of ", kMaxRank));
   }
   std::vector<int64_t> out;
   for (const json& v : value) {
@@ -85,7 +85,6 @@ Result<int64_t> GetIntMember(const json& obj, std::string_view key, std::string_
 
 // ---- fill values ----
 
-
 // One float (or complex part) of dtype `dtype` from a number, "NaN", "Infinity", "-Infinity" or
 // a "0x..." bit pattern, into ItemSize(dtype) host-order bytes at `out`.
 Status ParseFloatFill(const json& value, DType dtype, char* out, std::string_view what) {
@@ -106,10 +105,14 @@ Status ParseFloatFill(const json& value, DType dtype, char* out, std::string_vie
       for (size_t i = 2; i < s.size(); ++i) {
         const char c = s[i];
         int digit;
-        if (c >= '0' && c <= '9') digit = c - '0';
-        else if (c >= 'a' && c <= 'f') digit = c - 'a' + 10;
-        else if (c >= 'A' && c <= 'F') digit = c - 'A' + 10;
-        else return Invalid(what, StrCat("fill_value \"", s, "\" is not valid hex"));
+        if (c >= '0' && c <= '9')
+          digit = c - '0';
+        else if (c >= 'a' && c <= 'f')
+          digit = c - 'a' + 10;
+        else if (c >= 'A' && c <= 'F')
+          digit = c - 'A' + 10;
+        else
+          return Invalid(what, StrCat("fill_value \"", s, "\" is not valid hex"));
         bits = (bits << 4) | static_cast<uint64_t>(digit);
       }
       std::memcpy(out, &bits, ItemSize(dtype));  // little-endian host: the low bytes
@@ -158,13 +161,13 @@ Result<std::string> ParseFillValue(const json& value, DType dtype, std::string_v
       }
       const int bits = static_cast<int>(ItemSize(dtype)) * 8;
       const bool is_signed = Kind(dtype) == DTypeKind::kSignedInt;
-      const uint64_t max_positive =
-          is_signed ? (uint64_t{1} << (bits - 1)) - 1
-                    : (bits == 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1);
+      const uint64_t max_positive = is_signed
+                                        ? (uint64_t{1} << (bits - 1)) - 1
+                                        : (bits == 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1);
       const uint64_t max_negative = is_signed ? uint64_t{1} << (bits - 1) : 0;
       if (negative ? magnitude > max_negative : magnitude > max_positive) {
-        return Invalid(what, StrCat("fill_value ", Quote(value), " does not fit ",
-                                    DTypeName(dtype)));
+        return Invalid(what,
+                       StrCat("fill_value ", Quote(value), " does not fit ", DTypeName(dtype)));
       }
       const uint64_t raw = negative ? 0 - magnitude : magnitude;
       std::memcpy(out.data(), &raw, out.size());
@@ -206,10 +209,23 @@ json FillValueJson(DType dtype, const std::string& fill) {
     case DTypeKind::kSignedInt: {
       int64_t v = 0;
       switch (ItemSize(dtype)) {
-        case 1: v = static_cast<int8_t>(fill[0]); break;
-        case 2: { int16_t x; std::memcpy(&x, fill.data(), 2); v = x; break; }
-        case 4: { int32_t x; std::memcpy(&x, fill.data(), 4); v = x; break; }
-        default: std::memcpy(&v, fill.data(), 8);
+        case 1:
+          v = static_cast<int8_t>(fill[0]);
+          break;
+        case 2: {
+          int16_t x;
+          std::memcpy(&x, fill.data(), 2);
+          v = x;
+          break;
+        }
+        case 4: {
+          int32_t x;
+          std::memcpy(&x, fill.data(), 4);
+          v = x;
+          break;
+        }
+        default:
+          std::memcpy(&v, fill.data(), 8);
       }
       return v;
     }
@@ -222,8 +238,8 @@ json FillValueJson(DType dtype, const std::string& fill) {
       return FloatFillJson(dtype, fill.data());
     case DTypeKind::kComplex: {
       const DType part = dtype == DType::kComplex64 ? DType::kFloat32 : DType::kFloat64;
-      return json::array({FloatFillJson(part, fill.data()),
-                          FloatFillJson(part, fill.data() + ItemSize(part))});
+      return json::array(
+          {FloatFillJson(part, fill.data()), FloatFillJson(part, fill.data() + ItemSize(part))});
     }
   }
   return nullptr;
@@ -338,8 +354,8 @@ bool IsArrayToBytes(ZarrCodecKind k) {
   return k == ZarrCodecKind::kBytes || k == ZarrCodecKind::kSharding;
 }
 
-Status ValidateChain(const std::vector<ZarrCodec>& codecs, std::vector<int64_t> shape,
-                     DType dtype, bool check_chunk_bytes, int depth, std::string_view what) {
+Status ValidateChain(const std::vector<ZarrCodec>& codecs, std::vector<int64_t> shape, DType dtype,
+                     bool check_chunk_bytes, int depth, std::string_view what) {
   if (depth > 4) return Invalid(what, "sharding nested more than 4 levels deep");
   const int rank = static_cast<int>(shape.size());
   size_t i = 0;
@@ -360,8 +376,9 @@ Status ValidateChain(const std::vector<ZarrCodec>& codecs, std::vector<int64_t> 
     shape = std::move(permuted);
   }
   if (i == codecs.size() || !IsArrayToBytes(codecs[i].kind)) {
-    return Invalid(what, "the codec chain needs exactly one array-to-bytes codec (\"bytes\" or "
-                         "\"sharding_indexed\") after the array-to-array ones");
+    return Invalid(what,
+                   "the codec chain needs exactly one array-to-bytes codec (\"bytes\" or "
+                   "\"sharding_indexed\") after the array-to-array ones");
   }
   const ZarrCodec& ab = codecs[i];
   for (size_t j = i + 1; j < codecs.size(); ++j) {
@@ -388,9 +405,9 @@ Status ValidateChain(const std::vector<ZarrCodec>& codecs, std::vector<int64_t> 
   std::vector<int64_t> per_shard(rank);
   for (int d = 0; d < rank; ++d) {
     if (shape[d] % ab.inner_chunk_shape[d] != 0) {
-      return Invalid(swhat, StrCat("inner chunk_shape [", StrJoin(ab.inner_chunk_shape, ", "),
-                                   "] does not divide the shard shape [", StrJoin(shape, ", "),
-                                   "]"));
+      return Invalid(swhat,
+                     StrCat("inner chunk_shape [", StrJoin(ab.inner_chunk_shape, ", "),
+                            "] does not divide the shard shape [", StrJoin(shape, ", "), "]"));
     }
     per_shard[d] = shape[d] / ab.inner_chunk_shape[d];
   }
@@ -406,8 +423,9 @@ Status ValidateChain(const std::vector<ZarrCodec>& codecs, std::vector<int64_t> 
     index_ok = index[j].kind == ZarrCodecKind::kCrc32c;
   }
   if (!index_ok) {
-    return UnimplementedError(StrCat(swhat, ": index_codecs other than \"bytes\" followed by "
-                                            "\"crc32c\" are not supported"));
+    return UnimplementedError(StrCat(swhat,
+                                     ": index_codecs other than \"bytes\" followed by "
+                                     "\"crc32c\" are not supported"));
   }
   return OkStatus();
 }
@@ -421,8 +439,8 @@ struct V2Type {
 
 Result<V2Type> ParseV2DType(const json& value, std::string_view what) {
   if (!value.is_string()) {
-    return UnimplementedError(StrCat(what, ": dtype ", Quote(value),
-                                     " (structured dtypes are not supported)"));
+    return UnimplementedError(
+        StrCat(what, ": dtype ", Quote(value), " (structured dtypes are not supported)"));
   }
   const std::string s = value.get<std::string>();
   // TensorStore spells the ml_dtypes types by name.
@@ -434,11 +452,15 @@ Result<V2Type> ParseV2DType(const json& value, std::string_view what) {
     int size = 0;
     if (ParseInt(std::string_view(s).substr(2), &size)) {
       const bool big = s[0] == '>';
-      static constexpr struct { char kind; int size; DType dtype; } kTable[] = {
-          {'b', 1, DType::kBool},      {'i', 1, DType::kInt8},       {'i', 2, DType::kInt16},
-          {'i', 4, DType::kInt32},     {'i', 8, DType::kInt64},      {'u', 1, DType::kUint8},
-          {'u', 2, DType::kUint16},    {'u', 4, DType::kUint32},     {'u', 8, DType::kUint64},
-          {'f', 2, DType::kFloat16},   {'f', 4, DType::kFloat32},    {'f', 8, DType::kFloat64},
+      static constexpr struct {
+        char kind;
+        int size;
+        DType dtype;
+      } kTable[] = {
+          {'b', 1, DType::kBool},      {'i', 1, DType::kInt8},        {'i', 2, DType::kInt16},
+          {'i', 4, DType::kInt32},     {'i', 8, DType::kInt64},       {'u', 1, DType::kUint8},
+          {'u', 2, DType::kUint16},    {'u', 4, DType::kUint32},      {'u', 8, DType::kUint64},
+          {'f', 2, DType::kFloat16},   {'f', 4, DType::kFloat32},     {'f', 8, DType::kFloat64},
           {'c', 8, DType::kComplex64}, {'c', 16, DType::kComplex128},
       };
       for (const auto& row : kTable) {
@@ -452,11 +474,14 @@ Result<V2Type> ParseV2DType(const json& value, std::string_view what) {
 std::string V2TypeString(DType dtype, bool big_endian) {
   const char order = ItemSize(dtype) == 1 ? '|' : (big_endian ? '>' : '<');
   switch (dtype) {
-    case DType::kBool: return "|b1";
+    case DType::kBool:
+      return "|b1";
     case DType::kBfloat16:
     case DType::kFloat8E4m3fn:
-    case DType::kFloat8E5m2: return std::string(DTypeName(dtype));
-    default: break;
+    case DType::kFloat8E5m2:
+      return std::string(DTypeName(dtype));
+    default:
+      break;
   }
   const char kind = Kind(dtype) == DTypeKind::kSignedInt     ? 'i'
                     : Kind(dtype) == DTypeKind::kUnsignedInt ? 'u'
@@ -481,8 +506,10 @@ Result<std::vector<int64_t>> GetChunkShape(const json& value, const std::vector<
                                            std::string_view what, std::string_view field) {
   TS_ASSIGN_OR_RETURN(std::vector<int64_t> chunks, GetShape(value, what, field, 0));
   if (chunks.size() != shape.size()) {
-    return Invalid(what, StrCat(field, " [", StrJoin(chunks, ", "), "] does not have the rank of "
-                                "shape [", StrJoin(shape, ", "), "]"));
+    return Invalid(what, StrCat(field, " [", StrJoin(chunks, ", "),
+                                "] does not have the rank of "
+                                "shape [",
+                                StrJoin(shape, ", "), "]"));
   }
   for (size_t d = 0; d < chunks.size(); ++d) {
     if (chunks[d] == 0) {
@@ -540,9 +567,8 @@ Result<ZarrMetadata> ParseV3(const json& doc, std::string_view what) {
     }
     const json* cfg = Member(*enc, "configuration");
     const std::string default_sep = enc_name == "v2" ? "." : "/";
-    TS_ASSIGN_OR_RETURN(std::string sep,
-                        cfg ? GetString(*cfg, "separator", what, default_sep)
-                            : Result<std::string>(default_sep));
+    TS_ASSIGN_OR_RETURN(std::string sep, cfg ? GetString(*cfg, "separator", what, default_sep)
+                                             : Result<std::string>(default_sep));
     if (sep != "/" && sep != ".") return Invalid(what, StrCat("unknown separator \"", sep, "\""));
     m.separator = sep[0];
   }
@@ -645,8 +671,7 @@ json CodecJson(const ZarrCodec& c) {
     case ZarrCodecKind::kTranspose:
       return {{"name", "transpose"}, {"configuration", {{"order", c.order}}}};
     case ZarrCodecKind::kBytes:
-      return {{"name", "bytes"},
-              {"configuration", {{"endian", c.big_endian ? "big" : "little"}}}};
+      return {{"name", "bytes"}, {"configuration", {{"endian", c.big_endian ? "big" : "little"}}}};
     case ZarrCodecKind::kZstd:
       return {{"name", "zstd"},
               {"configuration", {{"level", c.level}, {"checksum", c.zstd_checksum}}}};
@@ -686,15 +711,15 @@ Status ValidateZarrMetadata(const ZarrMetadata& m, std::string_view what) {
     return Invalid(what, StrCat("rank ", m.rank(), " is above the limit of ", kMaxRank));
   }
   if (m.chunk_shape.size() != m.shape.size()) {
-    return Invalid(what, StrCat("chunk shape [", StrJoin(m.chunk_shape, ", "),
-                                "] does not have the rank of shape [", StrJoin(m.shape, ", "),
-                                "]"));
+    return Invalid(what,
+                   StrCat("chunk shape [", StrJoin(m.chunk_shape, ", "),
+                          "] does not have the rank of shape [", StrJoin(m.shape, ", "), "]"));
   }
   TS_RETURN_IF_ERROR(ValidateBox(Box::FromShape(m.shape), ItemSize(m.dtype), what));
   for (int64_t c : m.chunk_shape) {
     if (c < 1) {
-      return Invalid(what, StrCat("chunk shape [", StrJoin(m.chunk_shape, ", "),
-                                  "] has an extent below 1"));
+      return Invalid(
+          what, StrCat("chunk shape [", StrJoin(m.chunk_shape, ", "), "] has an extent below 1"));
     }
   }
   if (m.fill_value.size() != ItemSize(m.dtype)) {
@@ -773,8 +798,11 @@ Result<std::string> EncodeZarrMetadata(const ZarrMetadata& m) {
           compressor = {{"id", c.zlib_framing ? "zlib" : "gzip"}, {"level", c.level}};
           break;
         case ZarrCodecKind::kBlosc:
-          compressor = {{"id", "blosc"}, {"cname", c.blosc_cname}, {"clevel", c.level},
-                        {"shuffle", c.blosc_shuffle}, {"blocksize", c.blosc_blocksize}};
+          compressor = {{"id", "blosc"},
+                        {"cname", c.blosc_cname},
+                        {"clevel", c.level},
+                        {"shuffle", c.blosc_shuffle},
+                        {"blocksize", c.blosc_blocksize}};
           break;
         default:
           return InvalidArgumentError("zarr v2 supports one compressor: zstd, gzip, zlib or blosc");

@@ -22,23 +22,40 @@ namespace tensorstash {
 
 std::string_view KvOpName(KvOp op) {
   switch (op) {
-    case KvOp::kRead: return "read";
-    case KvOp::kReadRange: return "read range";
-    case KvOp::kSize: return "size";
-    case KvOp::kOpenForRead: return "open for read";
-    case KvOp::kFileReadAt: return "file read";
-    case KvOp::kWrite: return "write";
-    case KvOp::kOpenForWrite: return "open for write";
-    case KvOp::kFileWriteAt: return "file write";
-    case KvOp::kFileSync: return "file sync";
-    case KvOp::kFileClose: return "file close";
-    case KvOp::kList: return "list";
-    case KvOp::kDelete: return "delete";
-    case KvOp::kDeletePrefix: return "delete prefix";
-    case KvOp::kRenameDirectory: return "rename directory";
-    case KvOp::kSync: return "sync";
-    case KvOp::kSyncDirectory: return "sync directory";
-    case KvOp::kTryLock: return "lock";
+    case KvOp::kRead:
+      return "read";
+    case KvOp::kReadRange:
+      return "read range";
+    case KvOp::kSize:
+      return "size";
+    case KvOp::kOpenForRead:
+      return "open for read";
+    case KvOp::kFileReadAt:
+      return "file read";
+    case KvOp::kWrite:
+      return "write";
+    case KvOp::kOpenForWrite:
+      return "open for write";
+    case KvOp::kFileWriteAt:
+      return "file write";
+    case KvOp::kFileSync:
+      return "file sync";
+    case KvOp::kFileClose:
+      return "file close";
+    case KvOp::kList:
+      return "list";
+    case KvOp::kDelete:
+      return "delete";
+    case KvOp::kDeletePrefix:
+      return "delete prefix";
+    case KvOp::kRenameDirectory:
+      return "rename directory";
+    case KvOp::kSync:
+      return "sync";
+    case KvOp::kSyncDirectory:
+      return "sync directory";
+    case KvOp::kTryLock:
+      return "lock";
   }
   return "?";
 }
@@ -57,12 +74,12 @@ struct FaultInjectionKvStore::Model {
   using Entries = std::map<std::string, int, std::less<>>;
   struct Node {
     bool dir = false;
-    Entries entries;          // directories: names now
-    Entries durable;          // directories: names as of the last sync
-    std::string content;      // files: bytes now
+    Entries entries;              // directories: names now
+    Entries durable;              // directories: names as of the last sync
+    std::string content;          // files: bytes now
     std::string durable_content;  // files: bytes as of the last sync
   };
-  std::vector<Node> nodes;  // nodes[0] is the root directory
+  std::vector<Node> nodes;             // nodes[0] is the root directory
   bool names_durable_at_once = false;  // DurabilityModel::kObjectStore
 
   Model() { nodes.push_back(Node{true, {}, {}, {}, {}}); }
@@ -162,7 +179,8 @@ struct FaultInjectionKvStore::Model {
     const int parent = Lookup(dir);
     if (parent < 0 || !nodes[parent].dir) return;
     Entries& entries = nodes[parent].entries;
-    for (auto it = entries.lower_bound(filter); it != entries.end() && it->first.starts_with(filter);) {
+    for (auto it = entries.lower_bound(filter);
+         it != entries.end() && it->first.starts_with(filter);) {
       it = entries.erase(it);
     }
   }
@@ -222,7 +240,10 @@ class FaultWritableFile final : public WritableFile {
  public:
   FaultWritableFile(FaultInjectionKvStore* store, std::unique_ptr<WritableFile> base,
                     std::string key, int node, uint64_t generation)
-      : store_(store), base_(std::move(base)), key_(std::move(key)), node_(node),
+      : store_(store),
+        base_(std::move(base)),
+        key_(std::move(key)),
+        node_(node),
         generation_(generation) {}
 
   Status WriteAt(uint64_t offset, const void* data, size_t size) override {
@@ -271,8 +292,8 @@ class FaultWritableFile final : public WritableFile {
   Status CheckGeneration(std::string_view operation) {
     std::lock_guard<std::mutex> lock(store_->mutex_);
     if (generation_ == store_->generation_) return OkStatus();
-    return FailedPreconditionError(StrCat(operation, " '", key_,
-                                          "' failed: file opened before a simulated crash"));
+    return FailedPreconditionError(
+        StrCat(operation, " '", key_, "' failed: file opened before a simulated crash"));
   }
 
   void Record(uint64_t offset, const void* data, size_t size) {
@@ -362,9 +383,10 @@ FaultInjectionKvStore::Decision FaultInjectionKvStore::Decide(KvOp op, std::stri
   std::unique_lock<std::mutex> lock(mutex_);
   const std::string_view name = KvOpName(op);
   if (crashed_) {
-    decision.status = Status(absl::StatusCode::kUnavailable,
-                             StrCat(name, " '", key, "' failed: simulated crash (the store is "
-                                    "down until SimulateCrash)"));
+    decision.status =
+        Status(absl::StatusCode::kUnavailable, StrCat(name, " '", key,
+                                                      "' failed: simulated crash (the store is "
+                                                      "down until SimulateCrash)"));
     return decision;
   }
   ++calls_[static_cast<int>(op)];
@@ -400,17 +422,17 @@ FaultInjectionKvStore::Decision FaultInjectionKvStore::Decide(KvOp op, std::stri
         if (op == KvOp::kWrite || op == KvOp::kFileWriteAt) {
           decision.short_write = true;
           decision.status_after = injected(ENOSPC);
-          decision.status_after = Status(
-              decision.status_after.code(),
-              StrCat(decision.status_after.message(), " after a short write"));
+          decision.status_after =
+              Status(decision.status_after.code(),
+                     StrCat(decision.status_after.message(), " after a short write"));
         } else {
           decision.status = injected(ENOSPC);
         }
         break;
       case FaultKind::kSlow:
         decision.delay = rule.delay;
-        fault_log_.push_back(StrCat(name, " '", key, "' delayed by ", rule.delay.count(), " ms",
-                                    number));
+        fault_log_.push_back(
+            StrCat(name, " '", key, "' delayed by ", rule.delay.count(), " ms", number));
         continue;  // a slow call may still be hit by a later rule
       case FaultKind::kCrash:
         crashed_ = true;
@@ -418,8 +440,8 @@ FaultInjectionKvStore::Decision FaultInjectionKvStore::Decide(KvOp op, std::stri
                                  StrCat(name, " '", key, "' failed: simulated crash", number));
         break;
     }
-    fault_log_.push_back(std::string(
-        (decision.short_write ? decision.status_after : decision.status).message()));
+    fault_log_.push_back(
+        std::string((decision.short_write ? decision.status_after : decision.status).message()));
     break;
   }
   if (decision.delay.count() > 0) {

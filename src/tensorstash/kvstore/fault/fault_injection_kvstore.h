@@ -95,7 +95,7 @@ struct FaultRule {
   // `probability` (drawn from the store's seeded generator).
   int64_t nth = 0;
   double probability = 1.0;
-  int64_t max_faults = -1;  // stop after this many hits; -1: no limit
+  int64_t max_faults = -1;              // stop after this many hits; -1: no limit
   std::chrono::milliseconds delay{20};  // kSlow
 };
 
@@ -140,8 +140,8 @@ class FaultInjectionKvStore final : public ForwardingKvStore {
   }
   // Not modelled (faults, the crash model): Unimplemented rather than bypassing them.
   Status WriteIfAbsent(std::string_view key, std::string_view) override {
-    return UnimplementedError(StrCat("the fault injector does not model create-only writes ('",
-                                     key, "')"));
+    return UnimplementedError(
+        StrCat("the fault injector does not model create-only writes ('", key, "')"));
   }
   KvStoreCapabilities Capabilities() const override {
     KvStoreCapabilities capabilities = ForwardingKvStore::Capabilities();
@@ -169,14 +169,14 @@ class FaultInjectionKvStore final : public ForwardingKvStore {
 
   std::unique_ptr<KvStore> owned_base_;
   mutable std::mutex mutex_;
-  std::mt19937_64 rng_;                                    // Guarded by mutex_.
-  std::vector<std::pair<FaultRule, int64_t>> rules_;       // rule, matches so far; mutex_.
-  std::vector<int64_t> rule_hits_;                         // Guarded by mutex_.
-  int64_t calls_[kNumKvOps] = {};                          // Guarded by mutex_.
-  std::vector<std::string> fault_log_;                     // Guarded by mutex_.
-  bool crashed_ = false;                                   // Guarded by mutex_.
-  uint64_t generation_ = 0;  // bumped by SimulateCrash; mutex_.
-  std::unique_ptr<Model> model_;  // null unless tracking; guarded by mutex_.
+  std::mt19937_64 rng_;                               // Guarded by mutex_.
+  std::vector<std::pair<FaultRule, int64_t>> rules_;  // rule, matches so far; mutex_.
+  std::vector<int64_t> rule_hits_;                    // Guarded by mutex_.
+  int64_t calls_[kNumKvOps] = {};                     // Guarded by mutex_.
+  std::vector<std::string> fault_log_;                // Guarded by mutex_.
+  bool crashed_ = false;                              // Guarded by mutex_.
+  uint64_t generation_ = 0;                           // bumped by SimulateCrash; mutex_.
+  std::unique_ptr<Model> model_;                      // null unless tracking; guarded by mutex_.
 };
 
 }  // namespace tensorstash

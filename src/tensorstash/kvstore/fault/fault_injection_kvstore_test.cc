@@ -13,8 +13,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tensorstash/kvstore/kvstore_conformance.h"
 #include "tensorstash/kvstore/file/file_kvstore.h"
+#include "tensorstash/kvstore/kvstore_conformance.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/util/status_test_macros.h"
 
@@ -152,8 +152,8 @@ TEST_P(FaultInjectionKvStoreTest, RandomFaultsAreReproducibleFromTheSeed) {
     rule.probability = 0.5;
     store.AddRule(rule);
     std::string bits;
-    for (int i = 0; i < 200; ++i) bits += store.Size("missing").status().code() ==
-                                                  absl::StatusCode::kNotFound ? '.' : 'X';
+    for (int i = 0; i < 200; ++i)
+      bits += store.Size("missing").status().code() == absl::StatusCode::kNotFound ? '.' : 'X';
     return bits;
   };
   const std::string a = pattern(7);

@@ -32,8 +32,8 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
-#include <sys/random.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
@@ -556,20 +556,22 @@ class FileWritableFile final : public WritableFile {
   Status WriteAt(uint64_t offset, const void* data, size_t size) override {
     TS_RETURN_IF_ERROR(CheckOpen("write"));
     const char* bytes = static_cast<const char*>(data);
-    if (size >= kMinDirectBytes && direct_fd_.valid() && direct_ok_.load(std::memory_order_relaxed) &&
-        offset <= kMaxOffset - size) {
+    if (size >= kMinDirectBytes && direct_fd_.valid() &&
+        direct_ok_.load(std::memory_order_relaxed) && offset <= kMaxOffset - size) {
       // The whole blocks inside the write go direct; the partial ones at its ends, buffered.
       const uint64_t begin = (offset + kDirectBlock - 1) / kDirectBlock * kDirectBlock;
       const uint64_t end = (offset + size) / kDirectBlock * kDirectBlock;
       if (end > begin && end - begin >= kMinDirectBytes) {
         TS_RETURN_IF_ERROR(WriteBuffered(offset, bytes, begin - offset));
-        const int error = PwriteDirect(direct_fd_.get(), bytes + (begin - offset), end - begin, begin);
+        const int error =
+            PwriteDirect(direct_fd_.get(), bytes + (begin - offset), end - begin, begin);
         if (error == EINVAL) {
           // This file system wants other alignment: buffered from now on (the same bytes again).
           direct_ok_.store(false, std::memory_order_relaxed);
           TS_RETURN_IF_ERROR(WriteBuffered(begin, bytes + (begin - offset), end - begin));
         } else if (error != 0) {
-          return FsError(error, StrCat("write ", end - begin, " bytes at offset ", begin, " of"), path_);
+          return FsError(error, StrCat("write ", end - begin, " bytes at offset ", begin, " of"),
+                         path_);
         }
         return WriteBuffered(end, bytes + (end - offset), offset + size - end);
       }
@@ -581,7 +583,8 @@ class FileWritableFile final : public WritableFile {
     if (!fd_.valid() || direct_fd_.valid()) return;
     const std::string self = StrCat("/proc/self/fd/", fd_.get());
     // Without /proc, or on a file system without O_DIRECT, writes stay buffered.
-    direct_fd_ = UniqueFd(RetryOnEintr([&] { return ::open(self.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC); }));
+    direct_fd_ = UniqueFd(
+        RetryOnEintr([&] { return ::open(self.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC); }));
   }
 
   Status Sync() override {
@@ -594,7 +597,8 @@ class FileWritableFile final : public WritableFile {
   // returns; it is not a durability barrier (the final fsync is).
   Status StartWriteback() override {
     TS_RETURN_IF_ERROR(CheckOpen("start writeback of"));
-    if (RetryOnEintr([&] { return ::sync_file_range(fd_.get(), 0, 0, SYNC_FILE_RANGE_WRITE); }) != 0) {
+    if (RetryOnEintr([&] { return ::sync_file_range(fd_.get(), 0, 0, SYNC_FILE_RANGE_WRITE); }) !=
+        0) {
       return FsError(errno, "start writeback of", path_);
     }
     return OkStatus();
@@ -800,7 +804,8 @@ Status FileKvStore::WriteObject(std::string_view key, std::string_view value, bo
     // exactly one wins): renameat2(RENAME_NOREPLACE), or where the file system lacks it, link(2),
     // which never replaces either.
     const auto exists = [&] {
-      return fail(AlreadyExistsError(StrCat("create-only write of '", path, "' failed: it exists")));
+      return fail(
+          AlreadyExistsError(StrCat("create-only write of '", path, "' failed: it exists")));
     };
 #ifdef RENAME_NOREPLACE
     if (::renameat2(parent.fd, temp_name.c_str(), parent.fd, parent.name.c_str(),
@@ -808,7 +813,8 @@ Status FileKvStore::WriteObject(std::string_view key, std::string_view value, bo
       return OkStatus();
     }
     if (errno == EEXIST) return exists();
-    if (errno != EINVAL && errno != ENOSYS) return fail(FsError(errno, "write (create-only)", path));
+    if (errno != EINVAL && errno != ENOSYS)
+      return fail(FsError(errno, "write (create-only)", path));
 #endif
     if (::linkat(parent.fd, temp_name.c_str(), parent.fd, parent.name.c_str(), 0) != 0) {
       if (errno == EEXIST) return exists();
@@ -1002,9 +1008,10 @@ Status FileKvStore::ReadRangeAtGeneration(std::string_view key, std::string_view
   if (::fstat(opened.fd.get(), &st) != 0) return FsError(errno, "read range", path);
   TS_RETURN_IF_ERROR(CheckIsObject(st, "read range", path));
   if (GenerationOf(st) != generation) {
-    return FailedPreconditionError(StrCat("read of '", path, "' failed: the object was replaced "
-                                          "(generation ", GenerationOf(st), ", expected ",
-                                          generation, ")"));
+    return FailedPreconditionError(StrCat("read of '", path,
+                                          "' failed: the object was replaced "
+                                          "(generation ",
+                                          GenerationOf(st), ", expected ", generation, ")"));
   }
   const PreadResult read = PreadFully(opened.fd.get(), static_cast<char*>(dest), size, offset);
   if (read.error != 0) {
@@ -1061,12 +1068,12 @@ Status FileKvStore::ExchangeDirectories(std::string_view a, std::string_view b) 
       return FsError(errno, "exchange directories", *path);
     }
     if (!S_ISDIR(st.st_mode)) {
-      return FailedPreconditionError(StrCat(operation, " '", b_path, "' failed: '", *path,
-                                            "' is not a directory"));
+      return FailedPreconditionError(
+          StrCat(operation, " '", b_path, "' failed: '", *path, "' is not a directory"));
     }
   }
-  if (::renameat2(first.fd, first.name.c_str(), second.fd, second.name.c_str(),
-                  RENAME_EXCHANGE) == 0) {
+  if (::renameat2(first.fd, first.name.c_str(), second.fd, second.name.c_str(), RENAME_EXCHANGE) ==
+      0) {
     return OkStatus();
   }
   if (errno != EINVAL && errno != ENOSYS) return FsError(errno, operation, b_path);
@@ -1153,13 +1160,13 @@ Result<std::unique_ptr<KvLock>> FileKvStore::TryLock(std::string_view key) {
 
 Status RegisterFileKvStore() {
   return RegisterKvStoreScheme(
-      "file", [](std::string_view rest, const OpenStoreOptions& options)
-                  -> Result<std::unique_ptr<KvStore>> {
+      "file",
+      [](std::string_view rest,
+         const OpenStoreOptions& options) -> Result<std::unique_ptr<KvStore>> {
         TS_ASSIGN_OR_RETURN(std::unique_ptr<FileKvStore> store,
                             FileKvStore::Open(std::string(rest), options.create));
         return std::unique_ptr<KvStore>(std::move(store));
       });
 }
-
 
 }  // namespace tensorstash

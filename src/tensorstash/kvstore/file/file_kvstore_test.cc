@@ -297,14 +297,16 @@ TEST_F(FileKvStoreTest, StartWritebackOfAClosedFileIsFailedPrecondition) {
 }  // namespace
 // The conformance suite (kvstore_conformance.h) on this backend.
 TS_INSTANTIATE_KVSTORE_CONFORMANCE(
-    File, std::vector<KvStoreBackend>({{"File", [](const std::string& scratch_dir) -> std::unique_ptr<KvStore> {
-                                          Result<std::unique_ptr<FileKvStore>> store =
-                                              FileKvStore::Open(scratch_dir + "/root");
-                                          if (!store.ok()) {
-                                            ADD_FAILURE() << store.status();
-                                            return nullptr;
-                                          }
-                                          return *std::move(store);
-                                        }}}));
+    File,
+    std::vector<KvStoreBackend>({{"File",
+                                  [](const std::string& scratch_dir) -> std::unique_ptr<KvStore> {
+                                    Result<std::unique_ptr<FileKvStore>> store =
+                                        FileKvStore::Open(scratch_dir + "/root");
+                                    if (!store.ok()) {
+                                      ADD_FAILURE() << store.status();
+                                      return nullptr;
+                                    }
+                                    return *std::move(store);
+                                  }}}));
 
 }  // namespace tensorstash

@@ -37,8 +37,8 @@ uint64_t NextGeneration() {
 
 struct MemoryKvStore::Object {
   std::mutex mutex;
-  std::string data;                          // Guarded by mutex.
-  uint64_t generation = NextGeneration();    // Guarded by mutex; new on every change of data.
+  std::string data;                        // Guarded by mutex.
+  uint64_t generation = NextGeneration();  // Guarded by mutex; new on every change of data.
 };
 
 namespace {
@@ -149,8 +149,7 @@ Result<std::unique_ptr<KvLock>> MemoryKvStore::TryLock(std::string_view key) {
   TS_RETURN_IF_ERROR(ValidateKey(key));
   std::lock_guard<std::mutex> lock(locks_->mutex);
   if (!locks_->held.emplace(key).second) {
-    return FailedPreconditionError(
-        StrCat(Describe(), " is locked by another manager (", key, ")"));
+    return FailedPreconditionError(StrCat(Describe(), " is locked by another manager (", key, ")"));
   }
   return std::unique_ptr<KvLock>(std::make_unique<MemoryKvLock>(locks_, std::string(key)));
 }
@@ -376,9 +375,10 @@ Status MemoryKvStore::ReadRangeAtGeneration(std::string_view key, std::string_vi
   {
     std::lock_guard<std::mutex> lock(object->mutex);
     if (StrCat(object->generation) != generation) {
-      return FailedPreconditionError(StrCat("read of '", key, "' failed: the object was replaced "
-                                            "(generation ", object->generation, ", expected ",
-                                            generation, ")"));
+      return FailedPreconditionError(StrCat("read of '", key,
+                                            "' failed: the object was replaced "
+                                            "(generation ",
+                                            object->generation, ", expected ", generation, ")"));
     }
   }
   // (A rewrite between the check and the copy is possible only through an open WritableFile,
@@ -417,10 +417,12 @@ Status MemoryKvStore::ExchangeDirectories(std::string_view a, std::string_view b
   }
   // Re-key the nodes rather than copy them, so open files keep sharing the same objects.
   std::vector<ObjectMap::node_type> from_a, from_b;
-  for (auto it = objects_.lower_bound(a_prefix); it != objects_.end() && it->first.starts_with(a_prefix);) {
+  for (auto it = objects_.lower_bound(a_prefix);
+       it != objects_.end() && it->first.starts_with(a_prefix);) {
     from_a.push_back(objects_.extract(it++));
   }
-  for (auto it = objects_.lower_bound(b_prefix); it != objects_.end() && it->first.starts_with(b_prefix);) {
+  for (auto it = objects_.lower_bound(b_prefix);
+       it != objects_.end() && it->first.starts_with(b_prefix);) {
     from_b.push_back(objects_.extract(it++));
   }
   for (ObjectMap::node_type& node : from_a) {
@@ -440,8 +442,8 @@ Result<std::unique_ptr<KvStore>> MemoryKvStore::OpenFolderView(std::string_view 
   auto snapshot = std::make_unique<MemoryKvStore>(supports_rename_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto it = objects_.lower_bound(prefix); it != objects_.end() && it->first.starts_with(prefix);
-         ++it) {
+    for (auto it = objects_.lower_bound(prefix);
+         it != objects_.end() && it->first.starts_with(prefix); ++it) {
       snapshot->objects_.emplace(it->first, it->second);
     }
   }
@@ -486,10 +488,12 @@ Status RegisterMemoryKvStore() {
     std::shared_ptr<MemoryKvStore> store_;
   };
   return RegisterKvStoreScheme(
-      "memory", [](std::string_view name, const OpenStoreOptions& options)
-                    -> Result<std::unique_ptr<KvStore>> {
+      "memory",
+      [](std::string_view name,
+         const OpenStoreOptions& options) -> Result<std::unique_ptr<KvStore>> {
         static std::mutex mutex;
-        static auto* stores = new std::map<std::string, std::shared_ptr<MemoryKvStore>, std::less<>>();
+        static auto* stores =
+            new std::map<std::string, std::shared_ptr<MemoryKvStore>, std::less<>>();
         std::lock_guard<std::mutex> lock(mutex);
         auto it = stores->find(name);
         if (it == stores->end()) {

@@ -12,13 +12,13 @@
 namespace tensorstash {
 
 TS_INSTANTIATE_KVSTORE_CONFORMANCE(
-    Memory,
-    std::vector<KvStoreBackend>(
-        {{"Memory", [](const std::string&) -> std::unique_ptr<KvStore> {
-            return std::make_unique<MemoryKvStore>();
-          }},
-         {"MemoryNoRename", [](const std::string&) -> std::unique_ptr<KvStore> {
-            return std::make_unique<MemoryKvStore>(/*supports_rename=*/false);
-          }}}));
+    Memory, std::vector<KvStoreBackend>(
+                {{"Memory",
+                  [](const std::string&) -> std::unique_ptr<KvStore> {
+                    return std::make_unique<MemoryKvStore>();
+                  }},
+                 {"MemoryNoRename", [](const std::string&) -> std::unique_ptr<KvStore> {
+                    return std::make_unique<MemoryKvStore>(/*supports_rename=*/false);
+                  }}}));
 
 }  // namespace tensorstash

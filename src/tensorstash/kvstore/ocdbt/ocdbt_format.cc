@@ -61,8 +61,7 @@ class ByteReader {
   }
 
   template <typename Int>
-  bool VarintAs(Int* out, std::string_view field,
-                uint64_t max = std::numeric_limits<Int>::max()) {
+  bool VarintAs(Int* out, std::string_view field, uint64_t max = std::numeric_limits<Int>::max()) {
     uint64_t value;
     if (!Varint(&value, field, max)) return false;
     *out = static_cast<Int>(value);
@@ -85,8 +84,8 @@ class ByteReader {
   bool Bytes(uint64_t n, std::string_view* out, std::string_view field) {
     if (!ok()) return false;
     if (n > remaining()) {
-      return Fail(StrCat("truncated reading ", field, " (", n, " bytes wanted, ", remaining(),
-                         " left)"));
+      return Fail(
+          StrCat("truncated reading ", field, " (", n, " bytes wanted, ", remaining(), " left)"));
     }
     *out = data_.substr(pos_, n);
     pos_ += n;
@@ -133,8 +132,8 @@ Result<std::string_view> OpenEnvelope(std::string_view encoded, uint32_t magic,
   }
   const uint32_t found_magic = GetBE32(encoded.data());
   if (found_magic != magic) {
-    return DataLossError(StrCat(what, ": bad magic 0x", Hex32(found_magic), ", expected 0x",
-                                Hex32(magic)));
+    return DataLossError(
+        StrCat(what, ": bad magic 0x", Hex32(found_magic), ", expected 0x", Hex32(magic)));
   }
   const uint64_t length = GetLE64(encoded.data() + 4);
   if (length != encoded.size()) {
@@ -154,8 +153,8 @@ Result<std::string_view> OpenEnvelope(std::string_view encoded, uint32_t magic,
   reader.VarintAs(&compression, "compression format");
   if (!reader.ok()) return reader.status();
   if (version != 0) {
-    return UnimplementedError(StrCat(what, ": OCDBT format version ", version,
-                                     " is not supported (only 0)"));
+    return UnimplementedError(
+        StrCat(what, ": OCDBT format version ", version, " is not supported (only 0)"));
   }
   std::string_view body;
   reader.Bytes(reader.remaining(), &body, "body");
@@ -176,8 +175,8 @@ Result<std::string_view> OpenEnvelope(std::string_view encoded, uint32_t magic,
       break;
     }
     const size_t old_size = storage->size();
-    const size_t grow = std::min<uint64_t>(std::max<size_t>(old_size, 64 * 1024),
-                                           kMaxDecodedBytes - old_size);
+    const size_t grow =
+        std::min<uint64_t>(std::max<size_t>(old_size, 64 * 1024), kMaxDecodedBytes - old_size);
     storage->resize(old_size + grow);
     ZSTD_outBuffer out{storage->data() + old_size, grow, 0};
     const size_t in_before = in.pos;
@@ -219,16 +218,16 @@ bool ReadDataFileTable(ByteReader& r, std::string_view transitive_path,
     }
     const size_t path_length = size_t{prefix[i]} + suffix[i];
     if (path_length > max_length) {
-      return r.Fail(StrCat("data file ", i, ": path of ", path_length,
-                           " bytes is too long (limit ", max_length, ")"));
+      return r.Fail(StrCat("data file ", i, ": path of ", path_length, " bytes is too long (limit ",
+                           max_length, ")"));
     }
     if (base[i] > path_length) {
       return r.Fail(StrCat("data file ", i, ": base_path_length ", base[i],
                            " exceeds the path length ", path_length));
     }
     if (prefix[i] > std::min<size_t>(prev_base, base[i]) && base[i] != prev_base) {
-      return r.Fail(StrCat("data file ", i, ": common prefix ", prefix[i],
-                           " crosses a base path boundary"));
+      return r.Fail(
+          StrCat("data file ", i, ": common prefix ", prefix[i], " crosses a base path boundary"));
     }
     std::string_view tail;
     if (!r.Bytes(suffix[i], &tail, "path_suffix")) return false;
@@ -334,8 +333,8 @@ bool ReadVersions(ByteReader& r, const Config& config, size_t num_files,
       return r.Fail(StrCat("generation numbers are not increasing at ", i));
     }
     if (v.root.missing() && v.root_height != 0) {
-      return r.Fail(StrCat("empty generation ", v.generation, " has root_height ",
-                           int{v.root_height}));
+      return r.Fail(
+          StrCat("empty generation ", v.generation, " has root_height ", int{v.root_height}));
     }
   }
   if (n > (versions->back().generation - 1) % max_versions + 1) {
@@ -362,12 +361,12 @@ bool ReadVersionNodes(ByteReader& r, const Config& config, size_t num_files,
   for (size_t i = 0; i < n; ++i) {
     const VersionNodeRef& v = (*nodes)[i];
     if (v.height == 0 || v.height > max_height) {
-      return r.Fail(StrCat("version node height ", int{v.height}, " is outside [1, ",
-                           max_height, "]"));
+      return r.Fail(
+          StrCat("version node height ", int{v.height}, " is outside [1, ", max_height, "]"));
     }
     if (v.generation == 0) return r.Fail("version node generation_number is 0");
-    if (i > 0 && (v.generation <= (*nodes)[i - 1].generation ||
-                  v.height >= (*nodes)[i - 1].height)) {
+    if (i > 0 &&
+        (v.generation <= (*nodes)[i - 1].generation || v.height >= (*nodes)[i - 1].height)) {
       return r.Fail(StrCat("version nodes are out of order at ", i));
     }
   }
@@ -469,7 +468,8 @@ void PutStatistics(std::string* out, const std::vector<const Statistics*>& stats
 
 size_t BtreeNode::MemoryBytes() const {
   size_t bytes = sizeof(*this);
-  for (const DataFileId& f : files) bytes += sizeof(f) + f.base_path.size() + f.relative_path.size();
+  for (const DataFileId& f : files)
+    bytes += sizeof(f) + f.base_path.size() + f.relative_path.size();
   for (const LeafEntry& e : leaves) bytes += sizeof(e) + e.key.size() + e.inline_value.size();
   for (const InteriorEntry& e : children) bytes += sizeof(e) + e.key.size();
   return bytes;
@@ -495,8 +495,8 @@ Result<std::string> EncodeEnvelope(uint32_t magic, std::string_view body, bool z
   if (zstd) {
     const size_t start = out.size();
     out.resize(start + ZSTD_compressBound(body.size()));
-    const size_t n = ZSTD_compress(out.data() + start, out.size() - start, body.data(),
-                                   body.size(), zstd_level);
+    const size_t n =
+        ZSTD_compress(out.data() + start, out.size() - start, body.data(), body.size(), zstd_level);
     if (ZSTD_isError(n)) {
       return InternalError(StrCat("zstd compression failed: ", ZSTD_getErrorName(n)));
     }
@@ -514,8 +514,7 @@ Result<std::string> EncodeEnvelope(uint32_t magic, std::string_view body, bool z
 
 Result<Manifest> DecodeManifest(std::string_view encoded, std::string_view what) {
   std::string storage;
-  TS_ASSIGN_OR_RETURN(std::string_view body,
-                      OpenEnvelope(encoded, kManifestMagic, what, &storage));
+  TS_ASSIGN_OR_RETURN(std::string_view body, OpenEnvelope(encoded, kManifestMagic, what, &storage));
   ByteReader r(body, what);
   Manifest manifest;
   if (!ReadConfig(r, &manifest.config)) return r.status();
@@ -583,8 +582,8 @@ Result<BtreeNode> DecodeBtreeNode(std::string_view encoded, std::string_view tra
     for (Location* loc : indirect) {
       if (!r.VarintAs(&loc->file, "data_file_id")) return r.status();
       if (loc->file >= node.files.size()) {
-        r.Fail(StrCat("data_file_id ", loc->file, " is outside the table of ",
-                      node.files.size(), " data files"));
+        r.Fail(StrCat("data_file_id ", loc->file, " is outside the table of ", node.files.size(),
+                      " data files"));
         return r.status();
       }
     }

@@ -118,8 +118,8 @@ struct InteriorEntry {
 struct BtreeNode {
   uint8_t height = 0;  // 0 for leaves
   std::vector<DataFileId> files;
-  std::vector<LeafEntry> leaves;         // height == 0; keys strictly increasing
-  std::vector<InteriorEntry> children;   // height > 0; keys strictly increasing
+  std::vector<LeafEntry> leaves;        // height == 0; keys strictly increasing
+  std::vector<InteriorEntry> children;  // height > 0; keys strictly increasing
   // Approximate bytes of memory held, for caches.
   size_t MemoryBytes() const;
 };

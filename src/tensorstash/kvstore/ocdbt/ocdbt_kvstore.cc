@@ -49,7 +49,8 @@ Status ReadOnly(std::string_view operation) {
 // A value held in memory (inline values).
 class StringReadableFile final : public ReadableFile {
  public:
-  StringReadableFile(std::string data, std::string key) : data_(std::move(data)), key_(std::move(key)) {}
+  StringReadableFile(std::string data, std::string key)
+      : data_(std::move(data)), key_(std::move(key)) {}
   uint64_t size() const override { return data_.size(); }
   Status ReadAt(uint64_t offset, size_t size, void* dest) const override {
     if (offset > data_.size() || size > data_.size() - offset) {
@@ -131,9 +132,9 @@ struct OcdbtKvStore::NodeCache {
 
   const size_t budget_bytes;
   std::mutex mutex;
-  size_t used_bytes = 0;                             // guarded by mutex
-  std::list<std::string> lru;                        // guarded by mutex; most recent first
-  std::unordered_map<std::string, Item> items;       // guarded by mutex
+  size_t used_bytes = 0;                        // guarded by mutex
+  std::list<std::string> lru;                   // guarded by mutex; most recent first
+  std::unordered_map<std::string, Item> items;  // guarded by mutex
 };
 
 OcdbtKvStore::OcdbtKvStore(KvStore* base, std::string root, ocdbt::Manifest manifest,
@@ -211,8 +212,8 @@ Result<std::shared_ptr<const BtreeNode>> OcdbtKvStore::GetNode(const DataFileId&
   const std::string cache_key =
       StrCat(key, '\0', file.base_path.size(), ':', location.offset, ':', location.length);
   std::shared_ptr<const BtreeNode> node = cache_->Get(cache_key);
-  const std::string what = StrCat("OCDBT B+tree node in ", base_->Describe(), " '", key,
-                                  "' at [", location.offset, ", +", location.length, ")");
+  const std::string what = StrCat("OCDBT B+tree node in ", base_->Describe(), " '", key, "' at [",
+                                  location.offset, ", +", location.length, ")");
   if (node == nullptr) {
     if (location.length > ocdbt::kMaxEncodedBytes) {
       return DataLossError(StrCat(what, ": implausibly large node"));
@@ -232,8 +233,8 @@ Result<std::shared_ptr<const BtreeNode>> OcdbtKvStore::GetNode(const DataFileId&
     cache_->Put(cache_key, node);
   }
   if (node->height != expected_height) {
-    return DataLossError(StrCat(what, ": height ", int{node->height}, " where ",
-                                expected_height, " was expected"));
+    return DataLossError(
+        StrCat(what, ": height ", int{node->height}, " where ", expected_height, " was expected"));
   }
   return node;
 }
@@ -252,9 +253,9 @@ Result<OcdbtKvStore::ValueRef> OcdbtKvStore::Lookup(std::string_view key) {
     if (!StartsWith(key, prefix)) return not_found();
     const std::string_view relative = key.substr(prefix.size());
     if (height == 0) {
-      auto it = std::lower_bound(
-          node->leaves.begin(), node->leaves.end(), relative,
-          [](const ocdbt::LeafEntry& e, std::string_view k) { return e.key < k; });
+      auto it =
+          std::lower_bound(node->leaves.begin(), node->leaves.end(), relative,
+                           [](const ocdbt::LeafEntry& e, std::string_view k) { return e.key < k; });
       if (it == node->leaves.end() || it->key != relative) return not_found();
       ValueRef ref;
       ref.is_inline = it->is_inline;
@@ -288,10 +289,9 @@ Status OcdbtKvStore::ListNode(const DataFileId& file, const Location& location, 
     // Entries are sorted: start at the first key >= prefix and stop at the first one past it,
     // so that listing one array's keys does not scan a whole leaf of other arrays' keys.
     const auto& leaves = node->leaves;
-    auto first = std::lower_bound(leaves.begin(), leaves.end(), prefix,
-                                  [&](const ocdbt::LeafEntry& e, std::string_view p) {
-                                    return inherited + e.key < p;
-                                  });
+    auto first = std::lower_bound(
+        leaves.begin(), leaves.end(), prefix,
+        [&](const ocdbt::LeafEntry& e, std::string_view p) { return inherited + e.key < p; });
     for (auto it = first; it != leaves.end(); ++it) {
       std::string key = inherited + it->key;
       if (!StartsWith(key, prefix)) break;
@@ -384,9 +384,8 @@ Status OcdbtKvStore::SyncDirectory(std::string_view) { return ReadOnly("SyncDire
 
 Status OcdbtWriter::ValueSink::Write(uint64_t offset_in_value, const void* data, size_t size) {
   if (offset_in_value > size_ || size > size_ - offset_in_value) {
-    return InvalidArgumentError(StrCat("OCDBT value '", key_, "': write of ", size,
-                                       " bytes at ", offset_in_value, " exceeds its size ",
-                                       size_));
+    return InvalidArgumentError(StrCat("OCDBT value '", key_, "': write of ", size, " bytes at ",
+                                       offset_in_value, " exceeds its size ", size_));
   }
   Status status = file_->WriteAt(base_ + offset_in_value, data, size);
   if (!status.ok()) {
@@ -422,8 +421,8 @@ Result<std::unique_ptr<OcdbtWriter>> OcdbtWriter::Create(KvStore* base, std::str
   const std::string manifest_key = StrCat(root, ocdbt::kManifestKey);
   Result<uint64_t> existing = base->Size(manifest_key);
   if (existing.ok()) {
-    return AlreadyExistsError(StrCat("an OCDBT database already exists at ", base->Describe(),
-                                     " '", manifest_key, "'"));
+    return AlreadyExistsError(
+        StrCat("an OCDBT database already exists at ", base->Describe(), " '", manifest_key, "'"));
   }
   if (!absl::IsNotFound(existing.status())) return existing.status();
   return std::unique_ptr<OcdbtWriter>(new OcdbtWriter(base, std::move(root), options));
@@ -433,8 +432,8 @@ Status OcdbtWriter::CheckNewKey(std::string_view key) const {
   if (finished_) return FailedPreconditionError("OcdbtWriter: Add after Finish");
   if (key.empty()) return InvalidArgumentError("OCDBT keys must not be empty");
   if (key.size() > ocdbt::kMaxKeyLength) {
-    return InvalidArgumentError(StrCat("OCDBT key of ", key.size(), " bytes exceeds the limit ",
-                                       ocdbt::kMaxKeyLength));
+    return InvalidArgumentError(
+        StrCat("OCDBT key of ", key.size(), " bytes exceeds the limit ", ocdbt::kMaxKeyLength));
   }
   if (entries_.count(key) != 0) {
     return InvalidArgumentError(StrCat("OCDBT key '", key, "' was already added"));
@@ -501,8 +500,7 @@ struct ChildRef {
 // Appends encoded nodes to the node data file.
 class NodeFileWriter {
  public:
-  NodeFileWriter(WritableFile* file, const ocdbt::Config& config)
-      : file_(file), config_(config) {}
+  NodeFileWriter(WritableFile* file, const ocdbt::Config& config) : file_(file), config_(config) {}
   Result<ChildRef> Append(const BtreeNode& node, std::string first_key,
                           ocdbt::Statistics statistics) {
     TS_ASSIGN_OR_RETURN(std::string encoded, ocdbt::EncodeBtreeNode(node, config_));
@@ -661,10 +659,10 @@ Status OcdbtWriter::Finish() {
   manifest.files.push_back(DataFileId{"", node_path});
   ocdbt::VersionRef version;
   version.generation = 1;
-  version.commit_time_ns = static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(
-          std::chrono::system_clock::now().time_since_epoch())
-          .count());
+  version.commit_time_ns =
+      static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count());
   if (level.empty()) {
     version.root.offset = ~uint64_t{0};  // an empty tree
     version.root.length = ~uint64_t{0};

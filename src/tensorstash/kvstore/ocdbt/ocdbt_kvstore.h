@@ -119,7 +119,7 @@ class OcdbtWriter {
     bool zstd = false;  // compress the manifest and B+tree nodes (values are stored as given)
     int zstd_level = 0;
     uint32_t max_inline_value_bytes = 100;
-    uint32_t max_decoded_node_bytes = 8 * 1024 * 1024;  // leaves and interior nodes split above
+    uint32_t max_decoded_node_bytes = 8 * 1024 * 1024;    // leaves and interior nodes split above
     uint64_t target_data_file_bytes = uint64_t{1} << 30;  // a new d/ file is started past it
   };
 
@@ -184,9 +184,9 @@ class OcdbtWriter {
   const Options options_;
   std::mutex mutex_;
   std::map<std::string, Entry, std::less<>> entries_;  // guarded by mutex_
-  std::vector<DataFile> data_files_;                    // guarded by mutex_
-  bool finished_ = false;                               // guarded by mutex_
-  Status first_error_;                                  // guarded by mutex_
+  std::vector<DataFile> data_files_;                   // guarded by mutex_
+  bool finished_ = false;                              // guarded by mutex_
+  Status first_error_;                                 // guarded by mutex_
 };
 
 }  // namespace tensorstash

@@ -74,8 +74,8 @@ TEST_P(OcdbtRoundTripTest, WriteThenReadEveryKey) {
   OcdbtWriter::Options options;
   options.zstd = GetParam();
   options.zstd_level = 3;
-  options.max_decoded_node_bytes = 4096;        // many leaves and three levels
-  options.target_data_file_bytes = 1 << 20;     // several data files
+  options.max_decoded_node_bytes = 4096;     // many leaves and three levels
+  options.target_data_file_bytes = 1 << 20;  // several data files
   ASSERT_TRUE(WriteDb(&base, "ckpt/ocdbt", entries, options).ok());
 
   auto store = OcdbtKvStore::Open(&base, "ckpt/ocdbt/");
@@ -421,7 +421,7 @@ TEST_F(OcdbtHostileTest, AbsurdCountsAndVarints) {
   auto node_with_body = [](const std::string& body) {
     return *ocdbt::EncodeEnvelope(ocdbt::kBtreeNodeMagic, body, false, 0);
   };
-  std::string huge_count(1, '\0');  // height 0
+  std::string huge_count(1, '\0');   // height 0
   ocdbt::PutVarint(&huge_count, 0);  // no data files
   ocdbt::PutVarint(&huge_count, uint64_t{1} << 40);
   std::string long_varint(1, '\0');
@@ -440,9 +440,9 @@ TEST_F(OcdbtHostileTest, AbsurdCountsAndVarints) {
   ocdbt::PutVarint(&inline_too_big, uint64_t{1} << 40);
   inline_too_big.push_back('\0');
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {huge_count, "num_entries"},         {long_varint, "varint"},
-      {huge_files, "num_files"},           {long_key, "key_suffix_length"},
-      {inline_too_big, "inline value"},    {std::string(), "truncated reading height"},
+      {huge_count, "num_entries"},      {long_varint, "varint"},
+      {huge_files, "num_files"},        {long_key, "key_suffix_length"},
+      {inline_too_big, "inline value"}, {std::string(), "truncated reading height"},
   };
   for (const auto& [body, expected] : cases) {
     ForgeRootBytes(node_with_body(body), 0);
@@ -474,9 +474,9 @@ TEST_F(OcdbtHostileTest, RandomCorruptionNeverCrashes) {
     ASSERT_TRUE(base_.Write(in_manifest ? "db/manifest.ocdbt" : node_key_, bytes).ok());
     const Status status = ReadStatus();
     if (!status.ok()) ++failures;
-    ASSERT_TRUE(base_.Write(in_manifest ? "db/manifest.ocdbt" : node_key_,
-                            in_manifest ? manifest_ : node)
-                    .ok());
+    ASSERT_TRUE(
+        base_.Write(in_manifest ? "db/manifest.ocdbt" : node_key_, in_manifest ? manifest_ : node)
+            .ok());
   }
   // The crc catches nearly every corruption.
   EXPECT_GT(failures, 1400);
@@ -506,9 +506,9 @@ TEST_F(OcdbtHostileTest, RandomCorruptionBehindAValidChecksum) {
       ++failures;
       EXPECT_TRUE(absl::IsDataLoss(status) || absl::IsNotFound(status)) << status;
     }
-    ASSERT_TRUE(base_.Write(in_manifest ? "db/manifest.ocdbt" : node_key_,
-                            in_manifest ? manifest_ : node)
-                    .ok());
+    ASSERT_TRUE(
+        base_.Write(in_manifest ? "db/manifest.ocdbt" : node_key_, in_manifest ? manifest_ : node)
+            .ok());
   }
   EXPECT_GT(failures, 1000);
 }
