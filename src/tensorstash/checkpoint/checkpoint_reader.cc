@@ -102,19 +102,12 @@ struct CheckpointReader::Impl {
   }
   // The id of the array a request names, after checking the box against it (its rank, and
   // ValidateBox for elements of `dtype`, default the stored one). NotFound for an unknown path.
-  Result<size_t> CheckRequest(const ReadRequest& req, std::optional<DType> dtype,
-                              std::string_view what) const {
+  Result<size_t> CheckRequest(const ReadRequest& req, std::optional<DType> dtype) const {
     auto it = array_by_path.find(req.path);
     if (it == array_by_path.end()) {
       return NotFoundError(StrCat("no array '", req.path, "' in checkpoint '", dir, "'"));
     }
-    const ArrayMetadata& a = tree.arrays[it->second];
-    if (req.box.rank() != a.grid.rank()) {
-      return InvalidArgumentError(StrCat(what, ": box ", req.box.ToString(), " has rank ",
-                                         req.box.rank(), " but the array has rank ",
-                                         a.grid.rank()));
-    }
-    TS_RETURN_IF_ERROR(ValidateBox(req.box, ItemSize(dtype.value_or(a.dtype)), what));
+    TS_RETURN_IF_ERROR(ValidateReadRequest(req, tree.arrays[it->second], dtype));
     return it->second;
   }
   Status ReadFile(uint32_t file_id, uint64_t offset, uint64_t length, void* dest) const {
@@ -172,6 +165,25 @@ Result<std::string> ReadCommitText(KvStore* kv, const std::string& commit_key) {
 }
 
 }  // namespace
+
+Status ValidateReadRequest(const ReadRequest& req, const ArrayMetadata& a,
+                           std::optional<DType> cast_to) {
+  const std::string what = StrCat("read of array '", a.path, "'");
+  if (req.box.rank() != a.grid.rank()) {
+    return InvalidArgumentError(StrCat(what, ": box ", req.box.ToString(), " has rank ",
+                                       req.box.rank(), " but the array has rank ", a.grid.rank()));
+  }
+  TS_RETURN_IF_ERROR(ValidateBox(req.box, ItemSize(cast_to.value_or(a.dtype)), what));
+  if (!cast_to) return OkStatus();
+  if (!CanConvert(a.dtype, *cast_to)) {
+    return InvalidArgumentError(
+        StrCat(what, ": cannot convert stored ", DTypeName(a.dtype), " to ", DTypeName(*cast_to)));
+  }
+  if (!req.box.empty() && req.dest == nullptr) {
+    return InvalidArgumentError(StrCat(what, ": no destination"));
+  }
+  return OkStatus();
+}
 
 Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, std::string dir,
                                                                  ReaderOptions options) {
@@ -388,14 +400,9 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
   for (size_t r = 0; r < requests.size(); ++r) {
     const ReadRequest& req = requests[r];
     const std::string what = StrCat("read of array '", req.path, "'");
-    TS_ASSIGN_OR_RETURN(const size_t array_id, s.CheckRequest(req, req.dtype, what));
+    TS_ASSIGN_OR_RETURN(const size_t array_id, s.CheckRequest(req, req.dtype));
     const ArrayMetadata* a = &s.tree.arrays[array_id];
-    if (!CanConvert(a->dtype, req.dtype)) {
-      return InvalidArgumentError(StrCat(what, ": cannot convert stored ", DTypeName(a->dtype),
-                                         " to ", DTypeName(req.dtype)));
-    }
     if (req.box.empty()) continue;
-    if (req.dest == nullptr) return InvalidArgumentError(StrCat(what, ": no destination"));
     const size_t out_item = ItemSize(req.dtype);
     if (!Box::FromShape(a->shape()).Contains(req.box)) {
       // Zeros where the box reaches past the stored shape.
@@ -593,7 +600,7 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   auto map_one = [&](const ReadRequest& req) -> Result<MappedBox> {
     const std::string what = StrCat("mapping of array '", req.path, "'");
-    TS_ASSIGN_OR_RETURN(const size_t array_id, s.CheckRequest(req, std::nullopt, what));
+    TS_ASSIGN_OR_RETURN(const size_t array_id, s.CheckRequest(req, std::nullopt));
     const ArrayMetadata* a = &s.tree.arrays[array_id];
     if (req.dtype != a->dtype) return NotMappable(a->path, "a dtype conversion");
     if (a->codec != Codec::kNone) return NotMappable(a->path, "compressed");

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -55,6 +56,13 @@ struct ReadRequest {
   DType dtype;       // element type of `dest` (a cast when it differs from the stored dtype)
   void* dest;        // box.num_elements() elements of `dtype`, C order
 };
+
+// Checks one read request against the array it names, for every reader (native, Orbax): the
+// box's rank and size, and with `cast_to` the cast from the stored dtype and a destination for a
+// non-empty box. OK, or InvalidArgument naming the array. (MapMany passes no cast: it maps
+// stored bytes and has no destination.)
+Status ValidateReadRequest(const ReadRequest& request, const ArrayMetadata& array,
+                           std::optional<DType> cast_to);
 
 struct ReadStats {
   uint64_t bytes_read = 0;     // stored bytes fetched from storage

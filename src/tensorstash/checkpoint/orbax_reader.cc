@@ -726,21 +726,7 @@ Status OrbaxReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats
       return NotFoundError(StrCat("no array '", req.path, "' in ", dir_));
     }
     ids[r] = it->second;
-    const ArrayMetadata& a = metadata_[it->second];
-    const std::string what = StrCat("read of array '", a.path, "'");
-    if (req.box.rank() != a.grid.rank()) {
-      return InvalidArgumentError(StrCat(what, ": box ", req.box.ToString(), " has rank ",
-                                         req.box.rank(), " but the array has rank ",
-                                         a.grid.rank()));
-    }
-    TS_RETURN_IF_ERROR(ValidateBox(req.box, ItemSize(req.dtype), what));
-    if (!CanConvert(a.dtype, req.dtype)) {
-      return InvalidArgumentError(StrCat(what, ": cannot convert stored ", DTypeName(a.dtype),
-                                         " to ", DTypeName(req.dtype)));
-    }
-    if (!req.box.empty() && req.dest == nullptr) {
-      return InvalidArgumentError(StrCat(what, ": no destination"));
-    }
+    TS_RETURN_IF_ERROR(ValidateReadRequest(req, metadata_[it->second], req.dtype));
     total += static_cast<uint64_t>(req.box.num_elements()) * ItemSize(req.dtype);
   }
   const uint64_t bytes_before = counting_->bytes(), requests_before = counting_->requests();
