@@ -1,4 +1,5 @@
 #include "tensorstash/checkpoint/orbax_reader.h"
+#include "tensorstash/format/orbax_names.h"
 
 #include <algorithm>
 #include <cctype>
@@ -18,9 +19,7 @@ using OrderedJson = nlohmann::ordered_json;
 
 // Orbax's file names (orbax/checkpoint/_src: metadata/tree.py, serialization/type_handlers.py,
 // metadata/checkpoint.py).
-constexpr char kOrbaxMetadataFile[] = "_METADATA";
 constexpr char kOrbaxStringsFile[] = "_strings.json";
-constexpr char kOrbaxCheckpointMetadataFile[] = "_CHECKPOINT_METADATA";
 // Metadata documents larger than this are rejected unread.
 constexpr uint64_t kMaxOrbaxMetadataBytes = uint64_t{256} << 20;
 // KeyType in _METADATA's key_metadata.
@@ -370,7 +369,7 @@ Status OrbaxReader::CheckGridIsPlausible(const ZarrArray& array, const std::stri
 }
 
 Status OrbaxReader::LoadOrbax() {
-  const std::string metadata_key = StrCat(dir_, "/", kOrbaxMetadataFile);
+  const std::string metadata_key = StrCat(dir_, "/", kOrbaxMetadataFileName);
   TS_ASSIGN_OR_RETURN(OrbaxMetadataDoc metadata, ParseOrbaxMetadata(base_, metadata_key));
   const nlohmann::json& doc = metadata.doc;
   const std::string where = StrCat("Orbax metadata '", metadata_key, "'");
@@ -459,10 +458,10 @@ Status OrbaxReader::LoadOrbax() {
 
   // Creation time: _CHECKPOINT_METADATA of the item or of its manager step. Optional.
   for (const std::string& key :
-       {StrCat(dir_, "/", kOrbaxCheckpointMetadataFile),
+       {StrCat(dir_, "/", kOrbaxCheckpointMetadataFileName),
         dir_.find('/') == std::string::npos
             ? std::string()
-            : StrCat(dir_.substr(0, dir_.rfind('/')), "/", kOrbaxCheckpointMetadataFile)}) {
+            : StrCat(dir_.substr(0, dir_.rfind('/')), "/", kOrbaxCheckpointMetadataFileName)}) {
     if (key.empty()) continue;
     Result<OrderedJson> meta = ParseJsonFile(base_, key);
     if (!meta.ok() || !meta->is_object()) continue;

@@ -19,6 +19,7 @@
 // Any failure removes the temporary folder: nothing new is visible.
 
 #include "tensorstash/checkpoint/orbax_writer.h"
+#include "tensorstash/format/orbax_names.h"
 
 #include <atomic>
 #include <chrono>
@@ -43,7 +44,7 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-constexpr std::string_view kTmpSuffix = ".orbax-checkpoint-tmp-";
+constexpr std::string_view kTmpSuffix = ".orbax-checkpoint-tmp-";  // kOrbaxTmpMarker + "-"
 constexpr std::string_view kStandardHandler =
     "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler";
 constexpr int kSequenceKey = 1;  // Orbax's KeyType.SEQUENCE
@@ -367,9 +368,9 @@ Status OrbaxWriter::AddArray(OrbaxArraySpec spec, std::vector<int64_t> chunk_sha
 
 Status OrbaxWriter::AddFile(std::string name, std::string contents) {
   TS_RETURN_IF_ERROR(ValidateKey(name));
-  if (name == "_METADATA" || name == "_CHECKPOINT_METADATA" || name == "manifest.ocdbt" ||
-      name.starts_with("d/") || name.starts_with("array_metadatas/") ||
-      name.starts_with("ocdbt.process_")) {
+  if (name == kOrbaxMetadataFileName || name == kOrbaxCheckpointMetadataFileName ||
+      name == kOcdbtManifestFileName || name.starts_with("d/") ||
+      name.starts_with("array_metadatas/") || name.starts_with("ocdbt.process_")) {
     return InvalidArgumentError(StrCat("'", name, "' is written by the Orbax writer itself"));
   }
   impl_->files.emplace_back(std::move(name), std::move(contents));
@@ -625,7 +626,7 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
                    {"use_zarr3", true},
                    {"store_array_data_equal_to_fill_value", false},
                    {"custom_metadata", nullptr}};
-  status = WriteFile(item_dir + "/_METADATA", metadata.dump());
+  status = WriteFile(StrCat(item_dir, "/", kOrbaxMetadataFileName), metadata.dump());
   if (status.ok() && !array_metadatas.empty()) {
     status = WriteFile(item_dir + "/array_metadatas/process_0",
                        Json{{"array_metadatas", std::move(array_metadatas)}}.dump());
@@ -641,7 +642,8 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
         {"item_handlers", std::move(handlers)},  {"metrics", Json::object()},
         {"performance_metrics", Json::object()}, {"init_timestamp_nsecs", now},
         {"commit_timestamp_nsecs", now},         {"custom_metadata", Json::object()}};
-    status = WriteFile(tmp + "/_CHECKPOINT_METADATA", checkpoint_metadata.dump());
+    status =
+        WriteFile(StrCat(tmp, "/", kOrbaxCheckpointMetadataFileName), checkpoint_metadata.dump());
   }
   if (status.ok() && options.sync) {
     status = kv->SyncDirectory(item_dir);

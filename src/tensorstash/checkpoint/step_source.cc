@@ -1,4 +1,5 @@
 #include "tensorstash/checkpoint/step_source.h"
+#include "tensorstash/format/orbax_names.h"
 
 #include <algorithm>
 
@@ -10,7 +11,6 @@ namespace tensorstash {
 namespace {
 
 // Orbax writes a step or item into "<name>.orbax-checkpoint-tmp-<n>" and renames it when done.
-constexpr char kOrbaxTmpMarker[] = ".orbax-checkpoint-tmp";
 
 bool Exists(KvStore* kv, const std::string& key) { return kv->Size(key).ok(); }
 
@@ -84,9 +84,9 @@ Result<DetectedStep> DetectStepFormat(KvStore* kv, const std::string& dir) {
                "' is the temporary folder of an Orbax save (running, failed or crashed), "
                "not a finished checkpoint; it cannot be read"));
   }
-  if (Exists(kv, StrCat(dir, "/_METADATA"))) {
-    step.format = Exists(kv, StrCat(dir, "/manifest.ocdbt")) ? StepFormat::kOrbaxOcdbt
-                                                             : StepFormat::kOrbaxFolders;
+  if (Exists(kv, StrCat(dir, "/", kOrbaxMetadataFileName))) {
+    step.format = Exists(kv, StrCat(dir, "/", kOcdbtManifestFileName)) ? StepFormat::kOrbaxOcdbt
+                                                                       : StepFormat::kOrbaxFolders;
     return step;
   }
   if (Exists(kv, StrCat(dir, "/.zgroup")) || Exists(kv, StrCat(dir, "/zarr.json"))) {
@@ -100,9 +100,9 @@ Result<DetectedStep> DetectStepFormat(KvStore* kv, const std::string& dir) {
   bool orbax_step = false;
   for (const std::string& key : *keys) {
     const std::string_view rest = std::string_view(key).substr(dir.size() + 1);
-    if (rest == "_CHECKPOINT_METADATA") orbax_step = true;
+    if (rest == kOrbaxCheckpointMetadataFileName) orbax_step = true;
     const size_t slash = rest.find('/');
-    if (slash != std::string_view::npos && rest.substr(slash + 1) == "_METADATA") {
+    if (slash != std::string_view::npos && rest.substr(slash + 1) == kOrbaxMetadataFileName) {
       items.emplace_back(rest.substr(0, slash));
     }
   }
