@@ -38,6 +38,7 @@ for kind in "${KINDS[@]}"; do
   built=$(date +%s)
   # The CLI test needs the CLI, which this lean build leaves out. Each test in its own process;
   # TSan slows threads 5-15x, hence the longer timeout.
+  rm -f "$dir/Testing/Temporary/LastTestsFailed.log"
   (cd "$dir" && ctest --output-on-failure -j "$JOBS" --timeout 900 -E '^cli\.' "${filter[@]}") || status=1
   end=$(date +%s)
   echo "run_sanitizers: $kind built in $((built - start)) s, tests ran in $((end - built)) s"

@@ -5,6 +5,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh build || exit 1
+rm -f build/Testing/Temporary/LastTestsFailed.log
 (cd build && ctest --output-on-failure -j "$(nproc)" --timeout 600)
 ctest_status=$?
 .venv/bin/python -m pytest tests/python -q
@@ -18,4 +19,11 @@ if [ "${CI:-}" = "true" ] || [ "${TS_SANITIZERS:-0}" = "1" ]; then
   scripts/run_sanitizers.sh
   sanitizer_status=$?
 fi
+# A summary last, so that the tail of a long log says which part failed.
+word() { if [ "$1" = 0 ]; then echo ok; else echo "FAILED ($1)"; fi; }
+for failed in build*/Testing/Temporary/LastTestsFailed.log; do
+  [ -s "$failed" ] && echo "run_tests: failed in ${failed%%/*}: $(cut -d: -f2 "$failed" | tr '\n' ' ')"
+done
+echo "run_tests: ctest $(word $ctest_status); pytest $(word $pytest_status);" \
+  "fuzz $(word $fuzz_status); sanitizers $(word $sanitizer_status)"
 exit $((ctest_status != 0 || pytest_status != 0 || fuzz_status != 0 || sanitizer_status != 0))
