@@ -42,7 +42,8 @@ void ThrowIfError(const Status& status) {
   nb::object text = nb::steal(PyUnicode_DecodeUTF8(
       message.data(), static_cast<Py_ssize_t>(message.size()), "backslashreplace"));
   if (!text.is_valid()) throw nb::python_error();
-  PyErr_SetObject(ExceptionTypeFor(status.code()), text.ptr());
+  PyErr_SetObject(IsOutOfMemory(status) ? PyExc_MemoryError : ExceptionTypeFor(status.code()),
+                  text.ptr());
   throw nb::python_error();
 }
 

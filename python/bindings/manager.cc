@@ -276,9 +276,9 @@ void DefineManager(nb::module_& m) {
            nb::arg("best_metric") = "", nb::arg("best_mode") = "min",
            nb::arg("max_staging_bytes") = 0, nb::arg("handle_sigterm") = false,
            nb::arg("coordinator").none() = nb::none(), nb::arg("on_commit").none() = nb::none(),
-           nb::arg("target_chunk_bytes") = int64_t{8} << 20,
-           nb::arg("target_data_file_bytes") = int64_t{1} << 30,
-           nb::arg("max_inflight_bytes") = int64_t{256} << 20, nb::arg("io_threads") = 0,
+           nb::arg("target_chunk_bytes") = WriterOptions{}.target_chunk_bytes,
+           nb::arg("target_data_file_bytes") = WriterOptions{}.target_data_file_bytes,
+           nb::arg("max_inflight_bytes") = int64_t(WriterOptions{}.max_inflight_bytes), nb::arg("io_threads") = 0,
            nb::arg("sync") = true, nb::arg("overwrite") = false,
            nb::arg("coordination_timeout_s") = 1800.0,
            "Creates `root` if needed, takes its lock and removes the leftovers of crashed saves. "
@@ -293,7 +293,7 @@ void DefineManager(nb::module_& m) {
            nb::arg("tree_json").none() = nb::none(), nb::arg("metadata_json") = "",
            nb::arg("process_state").none() = nb::none(),
            nb::arg("metrics") = std::map<std::string, double>(), nb::arg("codec") = "none",
-           nb::arg("zstd_level") = 3, nb::arg("async_save") = true,
+           nb::arg("zstd_level") = ArraySpec{}.zstd_level, nb::arg("async_save") = true,
            nb::sig("def save(self, step: int, arrays: list[tuple[str, str, "
                    "collections.abc.Sequence[int], list[tuple[collections.abc.Sequence[int], "
                    "collections.abc.Sequence[int], numpy.typing.NDArray[numpy.uint8], int, "

@@ -12,6 +12,9 @@
 #include "bindings.h"
 #include "errors.h"
 #include "tensorstash/array/dtype.h"
+#include "tensorstash/checkpoint/checkpoint_reader.h"
+#include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/checkpoint/host_restore.h"
 #include "tensorstash/kvstore/registry.h"
 #include "tensorstash/util/staging_buffer.h"
 
@@ -41,6 +44,22 @@ nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> HostBuffer(size_t nbytes) {
                                                       {nbytes}, owner);
 }
 
+// The defaults of the engine's options, for the Python signatures: written once, in C++.
+nb::dict Defaults() {
+  const WriterOptions writer;
+  const ReaderOptions reader;
+  nb::dict d;
+  d["chunk_bytes"] = writer.target_chunk_bytes;
+  d["data_file_bytes"] = writer.target_data_file_bytes;
+  d["max_inflight_bytes"] = writer.max_inflight_bytes;
+  d["read_max_inflight_bytes"] = reader.max_inflight_bytes;
+  d["io_threads"] = writer.io_threads;
+  d["zstd_level"] = ArraySpec{}.zstd_level;
+  d["map_from_bytes"] = kDefaultMapFromBytes;
+  d["host_batch_bytes"] = kDefaultHostBatchBytes;
+  return d;
+}
+
 }  // namespace
 }  // namespace tensorstash::python
 
@@ -49,6 +68,11 @@ NB_MODULE(_ext, m) {
   m.doc() = "Native core of tensorstash: checkpoint writer, reader and manager.";
   m.def("dtype_names", &py::DTypeNames,
         "The element type names a checkpoint can store, as NumPy and ml_dtypes spell them.");
+  m.def("defaults", &py::Defaults,
+        "The engine's defaults: chunk_bytes, data_file_bytes, max_inflight_bytes (writes), "
+        "read_max_inflight_bytes, io_threads, zstd_level, map_from_bytes (boxes mapped instead "
+        "of read from this size), host_batch_bytes (restores hand buffers over in batches of "
+        "about this size).");
   m.def("item_size", &py::ItemSizeOf, nb::arg("dtype"),
         "Bytes per element of `dtype`; ValueError for an unknown name.");
   m.def("host_buffer", &py::HostBuffer, nb::arg("nbytes"),

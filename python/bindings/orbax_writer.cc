@@ -117,7 +117,7 @@ void DefineOrbaxWriter(nb::module_& m) {
                             "at folder `step` of `root`.")
       .def("__init__", &InitOrbaxWriter, nb::arg("root"), nb::arg("step"), nb::kw_only(),
            nb::arg("item") = "", nb::arg("overwrite") = false, nb::arg("sync") = true,
-           nb::arg("io_threads") = 0, nb::arg("zstd_level") = 3)
+           nb::arg("io_threads") = 0, nb::arg("zstd_level") = ArraySpec{}.zstd_level)
       .def("add_array", &PyOrbaxWriter::AddArray, nb::arg("path"), nb::arg("dtype"),
            nb::arg("shape"), nb::arg("shards"), nb::kw_only(), nb::arg("value_type"),
            nb::sig("def add_array(self, path: str, dtype: str, "

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -30,6 +31,7 @@
 #include "buffers.h"
 #include "errors.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
+#include "tensorstash/checkpoint/host_restore.h"
 #include "tensorstash/checkpoint/step_source.h"
 #include "tensorstash/format/tree.h"
 #include "tensorstash/kvstore/registry.h"
@@ -220,6 +222,79 @@ class Reader {
     return result;
   }
 
+  // RestoreToHost (checkpoint/host_restore.h): every box at once; on_batch(list of (request
+  // index, uint8 array)) with the GIL held, once per batch; requests for the same box share one
+  // array. An exception of on_batch or progress stops the restore and is raised.
+  nb::dict RestoreToHost(const std::vector<MapRequestTuple>& requests, nb::object on_batch,
+                         bool map, int64_t batch_bytes, nb::object progress) {
+    const std::shared_ptr<OpenStep> step = Step();
+    if (!PyCallable_Check(on_batch.ptr())) throw nb::type_error("on_batch must be callable");
+    if (!progress.is_none() && !PyCallable_Check(progress.ptr())) {
+      throw nb::type_error("progress must be callable or None");
+    }
+    if (batch_bytes <= 0) {
+      ThrowIfError(InvalidArgumentError(StrCat("batch_bytes must be > 0, not ", batch_bytes)));
+    }
+    std::vector<HostBoxRequest> boxes;
+    boxes.reserve(requests.size());
+    for (const auto& [path, origin, shape, dtype_name] : requests) {
+      boxes.push_back({path, Box(origin, shape), ValueOrThrow(ParseDType(dtype_name))});
+    }
+    HostRestoreOptions options;
+    options.map = map;
+    options.batch_bytes = static_cast<uint64_t>(batch_bytes);
+    std::optional<ThrottledProgress> forward;
+    std::function<void(uint64_t, uint64_t)> on_progress;
+    if (!progress.is_none()) {
+      forward.emplace(progress);
+      on_progress = [&forward](uint64_t done, uint64_t total) { (*forward)(done, total); };
+    }
+    std::optional<nb::python_error> batch_error;
+    auto hand_over = [&](HostBatch& batch) -> Status {
+      nb::gil_scoped_acquire gil;
+      try {
+        nb::list items;
+        std::map<const HostBuffer*, nb::object> arrays;  // one array per distinct buffer
+        for (size_t i = 0; i < batch.requests.size(); ++i) {
+          std::shared_ptr<HostBuffer>& buffer = batch.buffers[i];
+          nb::object& array = arrays[buffer.get()];
+          if (!array.is_valid()) {
+            auto* owned = new std::shared_ptr<HostBuffer>(std::move(buffer));
+            nb::capsule owner(owned, [](void* p) noexcept {
+              delete static_cast<std::shared_ptr<HostBuffer>*>(p);
+            });
+            array = nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(
+                        reinterpret_cast<uint8_t*>((*owned)->data()), {(*owned)->size()}, owner)
+                        .cast();
+          }
+          items.append(nb::make_tuple(batch.requests[i], array));
+        }
+        batch.buffers.clear();
+        on_batch(items);
+      } catch (nb::python_error& error) {
+        batch_error.emplace(std::move(error));
+        return CancelledError("on_batch raised");
+      }
+      return OkStatus();
+    };
+    HostRestoreStats stats;
+    Status status;
+    {
+      nb::gil_scoped_release release;
+      status = tensorstash::RestoreToHost(*step->source, boxes, options, hand_over, on_progress,
+                                          &stats);
+    }
+    if (batch_error.has_value()) throw std::move(*batch_error);
+    ThrowIfError(status);
+    if (forward.has_value()) forward->Finish();
+    nb::dict result;
+    result["bytes_read"] = stats.bytes_read;
+    result["mapped_bytes"] = stats.mapped_bytes;
+    result["boxes"] = stats.boxes;
+    result["batches"] = stats.batches;
+    return result;
+  }
+
   nb::bytes ReadFile(const std::string& name) const {
     const std::shared_ptr<OpenStep> step = Step();
     std::string contents = ValueOrThrow([&] {
@@ -285,7 +360,7 @@ void DefineReader(nb::module_& m) {
                      "step, an Orbax checkpoint (OCDBT or per-parameter zarr folders; an Orbax "
                      "manager step opens its item) or a zarr group; the format is detected.")
       .def("__init__", &InitReader, nb::arg("root"), nb::arg("step"), nb::kw_only(),
-           nb::arg("verify_checksums") = true, nb::arg("max_inflight_bytes") = int64_t{256} << 20,
+           nb::arg("verify_checksums") = true, nb::arg("max_inflight_bytes") = int64_t(ReaderOptions{}.max_inflight_bytes),
            nb::arg("io_threads") = 0, nb::arg("map_spans") = true)
       .def("close", &Reader::Close,
            "Closes the step's files now (arrays from map_many stay valid). Later calls raise "
@@ -324,6 +399,19 @@ void DefineReader(nb::module_& m) {
            "uint8 array mapped copy-on-write from the data files, its checksums checked, or "
            "None where the box cannot be mapped (compressed, small or unaligned chunks, a cast, "
            "a foreign format): read those. Raises as read_many for unknown arrays and damage.")
+      .def("restore_to_host", &Reader::RestoreToHost, nb::arg("requests"), nb::arg("on_batch"),
+           nb::kw_only(), nb::arg("map") = true,
+           nb::arg("batch_bytes") = int64_t(kDefaultHostBatchBytes),
+           nb::arg("progress").none() = nb::none(),
+           nb::sig("def restore_to_host(self, requests: list[tuple[str, typing.Sequence[int], "
+                   "typing.Sequence[int], str]], on_batch: typing.Callable[[list[tuple[int, "
+                   "numpy.ndarray]]], None], *, map: bool = True, batch_bytes: int = ..., "
+                   "progress: typing.Callable[[int, int], None] | None = None) -> dict[str, int]"),
+           "Reads (or maps) the boxes of (path, origin, shape, dtype) requests, all at once, "
+           "and calls on_batch with [(request index, uint8 array of the box's bytes)] once per "
+           "batch of about batch_bytes; requests for the same box share one array. Boxes of at "
+           "least 1 MiB in the stored dtype are mapped where their chunks allow it (unless "
+           "map=False). Returns bytes_read, mapped_bytes, boxes and batches.")
       .def("read_file", &Reader::ReadFile, nb::arg("name"),
            "The bytes of a file committed with the step (e.g. \"metadata.json\"), checked "
            "against the size and CRC-32C in COMMIT. FileNotFoundError when the step has no such "

@@ -5,6 +5,20 @@
 
 namespace tensorstash {
 
+namespace {
+constexpr char kOutOfMemoryPayload[] = "tensorstash/out-of-memory";
+}  // namespace
+
+Status OutOfMemoryError(std::string_view message) {
+  Status status = ResourceExhaustedError(message);
+  status.SetPayload(kOutOfMemoryPayload, absl::Cord("1"));
+  return status;
+}
+
+bool IsOutOfMemory(const Status& status) {
+  return absl::IsResourceExhausted(status) && status.GetPayload(kOutOfMemoryPayload).has_value();
+}
+
 Status Annotate(const Status& status, std::string_view context) {
   if (status.ok()) return status;
   return Status(status.code(), StrCat(context, ": ", status.message()));

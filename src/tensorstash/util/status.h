@@ -47,7 +47,13 @@ TS_DEFINE_ERROR_(PermissionDeniedError, kPermissionDenied)
 TS_DEFINE_ERROR_(DeadlineExceededError, kDeadlineExceeded)
 TS_DEFINE_ERROR_(AbortedError, kAborted)
 TS_DEFINE_ERROR_(OutOfRangeError, kOutOfRange)
+TS_DEFINE_ERROR_(CancelledError, kCancelled)
 #undef TS_DEFINE_ERROR_
+
+// ResourceExhausted for memory that could not be allocated (rather than storage that is full:
+// the fronts raise MemoryError for it, not OSError); IsOutOfMemory tells it apart.
+Status OutOfMemoryError(std::string_view message);
+bool IsOutOfMemory(const Status& status);
 
 // The message of a status as a std::string.
 inline std::string MessageOf(const Status& status) { return std::string(status.message()); }

@@ -1,0 +1,191 @@
+#include "tensorstash/checkpoint/host_restore.h"
+
+#include <algorithm>
+#include <map>
+#include <new>
+#include <optional>
+#include <string_view>
+#include <tuple>
+#include <utility>
+
+#include "tensorstash/checkpoint/checkpoint_reader.h"
+#include "tensorstash/util/staging_buffer.h"
+#include "tensorstash/util/str_util.h"
+
+namespace tensorstash {
+namespace {
+
+// XLA's CPU client adopts a host buffer as a device buffer without copying it when its address
+// is a multiple of 64 bytes.
+constexpr std::align_val_t kAlignment{64};
+// From this size buffers are mapped for themselves (StagingBuffer: page-aligned, returned to the
+// system when freed). Below it, the allocator's memory: a mapping per small box would cost more
+// in system calls than the box's bytes.
+constexpr size_t kOwnMappingFrom = size_t{4} << 20;
+
+class OwnedBuffer final : public HostBuffer {
+ public:
+  // OutOfMemory naming the box when the memory cannot be had.
+  static Result<std::shared_ptr<HostBuffer>> Allocate(size_t size, const HostBoxRequest& r) {
+    auto buffer = std::make_shared<OwnedBuffer>();
+    buffer->size_ = size;
+    try {  // the allocators report failure by throwing; the core returns a Status
+      if (size >= kOwnMappingFrom) {
+        buffer->staging_ = StagingBuffer(size);
+        buffer->data_ = buffer->staging_.data();
+      } else {
+        // Never zero-sized: the reader wants a destination even for an empty box.
+        buffer->data_ = static_cast<char*>(::operator new(size == 0 ? 1 : size, kAlignment));
+      }
+    } catch (const std::bad_alloc&) {
+      return OutOfMemoryError(StrCat("out of memory: cannot allocate ", size, " bytes for box ",
+                                     r.box.ToString(), " of array '", r.path, "'"));
+    }
+    return buffer;
+  }
+  ~OwnedBuffer() override {
+    if (staging_.data() == nullptr && data_ != nullptr) ::operator delete(data_, kAlignment);
+  }
+  char* data() const override { return data_; }
+  size_t size() const override { return size_; }
+  bool mapped() const override { return false; }
+
+ private:
+  StagingBuffer staging_;
+  char* data_ = nullptr;
+  size_t size_;
+};
+
+class MappedBuffer final : public HostBuffer {
+ public:
+  explicit MappedBuffer(MappedBox box) : box_(std::move(box)) {}
+  char* data() const override { return box_.data(); }
+  size_t size() const override { return box_.size(); }
+  bool mapped() const override { return true; }
+
+ private:
+  MappedBox box_;
+};
+
+// One distinct box: the requests that asked for it, and its buffer once there is one.
+struct DistinctBox {
+  size_t first_request;
+  uint64_t nbytes;
+  std::shared_ptr<HostBuffer> buffer;
+};
+
+using BoxKey = std::tuple<std::string_view, std::vector<int64_t>, std::vector<int64_t>, int>;
+
+}  // namespace
+
+Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requests,
+                     const HostRestoreOptions& options,
+                     const std::function<Status(HostBatch&)>& on_batch,
+                     const std::function<void(uint64_t, uint64_t)>& progress,
+                     HostRestoreStats* stats) {
+  HostRestoreStats local_stats;
+  HostRestoreStats& out_stats = stats != nullptr ? *stats : local_stats;
+  out_stats = {};
+
+  // Check every request before anything is read or allocated.
+  std::map<std::string_view, const ArrayMetadata*> arrays;
+  for (const ArrayMetadata& a : source.arrays()) arrays.emplace(a.path, &a);
+  std::vector<size_t> box_of(requests.size());  // request -> index into `boxes`
+  std::vector<DistinctBox> boxes;
+  std::map<BoxKey, size_t> box_index;
+  char placeholder = 0;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const HostBoxRequest& r = requests[i];
+    auto array = arrays.find(r.path);
+    if (array == arrays.end()) {
+      return NotFoundError(StrCat("no array '", r.path, "' in checkpoint '", source.dir(), "'"));
+    }
+    TS_RETURN_IF_ERROR(ValidateReadRequest({r.path, r.box, r.dtype, &placeholder},
+                                           *array->second, r.dtype));
+    BoxKey key{r.path, r.box.origin, r.box.shape, static_cast<int>(r.dtype)};
+    auto [it, inserted] = box_index.emplace(std::move(key), boxes.size());
+    if (inserted) {
+      boxes.push_back({i, static_cast<uint64_t>(r.box.num_elements()) * ItemSize(r.dtype), {}});
+    }
+    box_of[i] = it->second;
+  }
+  out_stats.boxes = boxes.size();
+
+  // Map what can be mapped, all at once (the maps run in parallel).
+  CheckpointReader* native = source.native();
+  if (options.map && native != nullptr) {
+    std::vector<ReadRequest> maps;
+    std::vector<size_t> mapped_box;
+    for (size_t b = 0; b < boxes.size(); ++b) {
+      const HostBoxRequest& r = requests[boxes[b].first_request];
+      if (boxes[b].nbytes < options.map_from_bytes || boxes[b].nbytes == 0) continue;
+      if (arrays[r.path]->dtype != r.dtype) continue;
+      maps.push_back({r.path, r.box, r.dtype, nullptr});
+      mapped_box.push_back(b);
+    }
+    std::vector<Result<MappedBox>> mapped = native->MapMany(maps);
+    for (size_t m = 0; m < mapped.size(); ++m) {
+      if (mapped[m].ok()) {
+        boxes[mapped_box[m]].buffer = std::make_shared<MappedBuffer>(*std::move(mapped[m]));
+        out_stats.mapped_bytes += boxes[mapped_box[m]].nbytes;
+      } else if (!absl::IsUnimplemented(mapped[m].status())) {
+        return mapped[m].status();  // a read would fail the same way (a bad checksum, ...)
+      }
+    }
+  }
+
+  uint64_t total = 0;  // bytes of the boxes to read
+  for (const DistinctBox& box : boxes) {
+    if (box.buffer == nullptr) total += box.nbytes;
+  }
+  uint64_t done = 0;  // of `total`, in the batches read so far
+
+  // Batches in request order; a batch ends after an array once its reads reach batch_bytes.
+  size_t begin = 0;
+  while (begin < requests.size()) {
+    size_t end = begin;
+    uint64_t batch_bytes = 0;
+    std::vector<ReadRequest> reads;
+    std::vector<size_t> read_box;
+    while (end < requests.size() &&
+           (end == begin || batch_bytes < options.batch_bytes ||
+            requests[end].path == requests[end - 1].path)) {
+      DistinctBox& box = boxes[box_of[end]];
+      if (box.buffer == nullptr) {
+        const HostBoxRequest& r = requests[end];
+        TS_ASSIGN_OR_RETURN(box.buffer, OwnedBuffer::Allocate(box.nbytes, r));
+        reads.push_back({r.path, r.box, r.dtype, box.buffer->data()});
+        read_box.push_back(box_of[end]);
+        batch_bytes += box.nbytes;
+      }
+      ++end;
+    }
+    if (!reads.empty()) {
+      ReadStats read_stats;
+      std::function<void(uint64_t, uint64_t)> on_progress;
+      if (progress) {
+        // The reader counts stored bytes of this call; shown as bytes of its boxes.
+        on_progress = [&progress, done, batch_bytes, total](uint64_t d, uint64_t t) {
+          progress(std::min(total, done + (t == 0 ? batch_bytes : batch_bytes * d / t)), total);
+        };
+      }
+      TS_RETURN_IF_ERROR(source.ReadMany(reads, &read_stats, on_progress));
+      out_stats.bytes_read += read_stats.bytes_read;
+      done = std::min(total, done + batch_bytes);
+    }
+    HostBatch batch;
+    for (size_t i = begin; i < end; ++i) {
+      batch.requests.push_back(i);
+      batch.buffers.push_back(boxes[box_of[i]].buffer);
+    }
+    // Only the batch holds its buffers now: the caller frees them by dropping it.
+    for (size_t i = begin; i < end; ++i) boxes[box_of[i]].buffer.reset();
+    ++out_stats.batches;
+    TS_RETURN_IF_ERROR(on_batch(batch));
+    begin = end;
+  }
+  if (progress && total == 0) progress(0, 0);
+  return OkStatus();
+}
+
+}  // namespace tensorstash

@@ -1,0 +1,93 @@
+// RestoreToHost: every box a restore needs, from one step, into host memory, in one call.
+//
+// A front (the Python package) hands over the boxes of all its target leaves at once: for each
+// device shard of each leaf, the array's path, the box and the dtype it wants. The engine then
+//   - reads each distinct box once (replicas on several devices ask for the same box);
+//   - maps a box copy-on-write from the data files instead of reading it, where it is at least
+//     `map_from_bytes`, in the stored dtype, and its chunks allow it (CheckpointReader::MapMany);
+//   - reads the rest into fresh host buffers (64-byte aligned, so that XLA's CPU client adopts
+//     them without a copy), all of a batch in parallel under the reader's byte budget;
+//   - hands the buffers over batch by batch, each batch about `batch_bytes` of reads, every
+//     request of an array in the same batch, so that the caller can pass a batch on (to
+//     devices) and drop it before the next is read: host memory stays near one batch. (Give the
+//     requests of an array one after another: a box asked for again in a later batch is read
+//     again.)
+// The defaults below are the only place these numbers are written; the Python package takes
+// them from here.
+//
+// Thread-safety: several calls may run on one StepSource at once (its reads are thread-safe).
+// `on_batch` is called from the calling thread; `progress` from the reader's IO threads, one
+// call at a time.
+#ifndef TENSORSTASH_CHECKPOINT_HOST_RESTORE_H_
+#define TENSORSTASH_CHECKPOINT_HOST_RESTORE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tensorstash/array/box.h"
+#include "tensorstash/array/dtype.h"
+#include "tensorstash/checkpoint/step_source.h"
+#include "tensorstash/util/status.h"
+
+namespace tensorstash {
+
+// Boxes of at least this many bytes are mapped where their chunks allow it.
+inline constexpr uint64_t kDefaultMapFromBytes = uint64_t{1} << 20;
+// Reads are handed over in batches of about this many bytes.
+inline constexpr uint64_t kDefaultHostBatchBytes = uint64_t{512} << 20;
+
+struct HostBoxRequest {
+  std::string path;  // array path
+  Box box;           // may reach past the stored shape: zeros there
+  DType dtype;       // a cast when it differs from the stored dtype
+};
+
+// The bytes of one box, C order: memory of its own, or a copy-on-write mapping of the data
+// files. Freed (unmapped) when destroyed.
+class HostBuffer {
+ public:
+  virtual ~HostBuffer() = default;
+  virtual char* data() const = 0;
+  virtual size_t size() const = 0;
+  virtual bool mapped() const = 0;
+};
+
+struct HostRestoreOptions {
+  bool map = true;  // false: read every box
+  uint64_t map_from_bytes = kDefaultMapFromBytes;
+  uint64_t batch_bytes = kDefaultHostBatchBytes;
+};
+
+struct HostRestoreStats {
+  uint64_t bytes_read = 0;    // stored bytes fetched from storage
+  uint64_t mapped_bytes = 0;  // bytes of the boxes mapped instead of read
+  uint64_t boxes = 0;         // distinct boxes
+  uint64_t batches = 0;
+};
+
+// One batch: for each request index in it, its buffer (requests for the same box share one).
+struct HostBatch {
+  std::vector<size_t> requests;
+  std::vector<std::shared_ptr<HostBuffer>> buffers;  // parallel to `requests`
+};
+
+// Restores `requests` from `source`, calling `on_batch` once per batch, in request order (a batch
+// may be moved from). Every request is in exactly one batch. `progress(done, total)` counts bytes
+// of the boxes read (not mapped), from the reader's threads, one call at a time.
+// OK once every batch has been handed over. Otherwise the first error: InvalidArgument or
+// NotFound naming the array for a bad request (before anything is read), a read's error
+// (DataLoss naming the chunk, ...), or the error `on_batch` returned, after which no further
+// batch is read. Batches handed over before an error stay valid.
+Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requests,
+                     const HostRestoreOptions& options,
+                     const std::function<Status(HostBatch&)>& on_batch,
+                     const std::function<void(uint64_t, uint64_t)>& progress = nullptr,
+                     HostRestoreStats* stats = nullptr);
+
+}  // namespace tensorstash
+
+#endif  // TENSORSTASH_CHECKPOINT_HOST_RESTORE_H_
