@@ -278,8 +278,8 @@ void DefineManager(nb::module_& m) {
            nb::arg("coordinator").none() = nb::none(), nb::arg("on_commit").none() = nb::none(),
            nb::arg("target_chunk_bytes") = WriterOptions{}.target_chunk_bytes,
            nb::arg("target_data_file_bytes") = WriterOptions{}.target_data_file_bytes,
-           nb::arg("max_inflight_bytes") = int64_t(WriterOptions{}.max_inflight_bytes), nb::arg("io_threads") = 0,
-           nb::arg("sync") = true, nb::arg("overwrite") = false,
+           nb::arg("max_inflight_bytes") = int64_t(WriterOptions{}.max_inflight_bytes),
+           nb::arg("io_threads") = 0, nb::arg("sync") = true, nb::arg("overwrite") = false,
            nb::arg("coordination_timeout_s") = 1800.0,
            "Creates `root` if needed, takes its lock and removes the leftovers of crashed saves. "
            "ValueError when another manager holds the lock or for bad options. on_commit(stats: "

@@ -281,17 +281,22 @@ class Reader {
     Status status;
     {
       nb::gil_scoped_release release;
-      status = tensorstash::RestoreToHost(*step->source, boxes, options, hand_over, on_progress,
-                                          &stats);
+      status =
+          tensorstash::RestoreToHost(*step->source, boxes, options, hand_over, on_progress, &stats);
     }
     if (batch_error.has_value()) throw std::move(*batch_error);
     ThrowIfError(status);
     if (forward.has_value()) forward->Finish();
     nb::dict result;
-    result["bytes_read"] = stats.bytes_read;
+    result["bytes_read"] = stats.reads.bytes_read;
+    result["requests"] = stats.reads.requests;
+    result["direct_chunks"] = stats.reads.direct_chunks;
+    result["staged_chunks"] = stats.reads.staged_chunks;
+    result["peak_staging_bytes"] = stats.reads.peak_staging_bytes;
     result["mapped_bytes"] = stats.mapped_bytes;
     result["boxes"] = stats.boxes;
     result["batches"] = stats.batches;
+    result["read_calls"] = stats.read_calls;
     return result;
   }
 
@@ -360,7 +365,8 @@ void DefineReader(nb::module_& m) {
                      "step, an Orbax checkpoint (OCDBT or per-parameter zarr folders; an Orbax "
                      "manager step opens its item) or a zarr group; the format is detected.")
       .def("__init__", &InitReader, nb::arg("root"), nb::arg("step"), nb::kw_only(),
-           nb::arg("verify_checksums") = true, nb::arg("max_inflight_bytes") = int64_t(ReaderOptions{}.max_inflight_bytes),
+           nb::arg("verify_checksums") = true,
+           nb::arg("max_inflight_bytes") = int64_t(ReaderOptions{}.max_inflight_bytes),
            nb::arg("io_threads") = 0, nb::arg("map_spans") = true)
       .def("close", &Reader::Close,
            "Closes the step's files now (arrays from map_many stay valid). Later calls raise "
@@ -411,7 +417,9 @@ void DefineReader(nb::module_& m) {
            "and calls on_batch with [(request index, uint8 array of the box's bytes)] once per "
            "batch of about batch_bytes; requests for the same box share one array. Boxes of at "
            "least 1 MiB in the stored dtype are mapped where their chunks allow it (unless "
-           "map=False). Returns bytes_read, mapped_bytes, boxes and batches.")
+           "map=False). Returns bytes_read, requests, direct_chunks, staged_chunks, "
+           "peak_staging_bytes (as read_many, over all batches), mapped_bytes, boxes (distinct), "
+           "batches and read_calls (batches that read anything).")
       .def("read_file", &Reader::ReadFile, nb::arg("name"),
            "The bytes of a file committed with the step (e.g. \"metadata.json\"), checked "
            "against the size and CRC-32C in COMMIT. FileNotFoundError when the step has no such "

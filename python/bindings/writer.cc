@@ -131,13 +131,13 @@ void DefineWriter(nb::module_& m) {
       .def("__init__", &InitWriter, nb::arg("root"), nb::arg("step"), nb::kw_only(),
            nb::arg("target_chunk_bytes") = WriterOptions{}.target_chunk_bytes,
            nb::arg("target_data_file_bytes") = WriterOptions{}.target_data_file_bytes,
-           nb::arg("max_inflight_bytes") = int64_t(WriterOptions{}.max_inflight_bytes), nb::arg("io_threads") = 0,
-           nb::arg("sync") = true, nb::arg("overwrite") = false,
+           nb::arg("max_inflight_bytes") = int64_t(WriterOptions{}.max_inflight_bytes),
+           nb::arg("io_threads") = 0, nb::arg("sync") = true, nb::arg("overwrite") = false,
            nb::arg("split_replicated_writes") = true, nb::arg("coordinator").none() = nb::none(),
            nb::arg("coordination_timeout_s") = 1800.0)
       .def("add_array", &Writer::AddArray, nb::arg("path"), nb::arg("dtype"), nb::arg("shape"),
-           nb::arg("shards"), nb::kw_only(), nb::arg("codec") = "none", nb::arg("zstd_level") = ArraySpec{}.zstd_level,
-           nb::arg("target_chunk_bytes") = 0,
+           nb::arg("shards"), nb::kw_only(), nb::arg("codec") = "none",
+           nb::arg("zstd_level") = ArraySpec{}.zstd_level, nb::arg("target_chunk_bytes") = 0,
            nb::sig("def add_array(self, path: str, dtype: str, "
                    "shape: collections.abc.Sequence[int], "
                    "shards: list[tuple[collections.abc.Sequence[int], "

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import _ext
+from . import _adapters, _ext
 
 try:
     import jax
@@ -45,9 +45,8 @@ def is_namedtuple(x: Any) -> bool:
 
 
 def is_array(x: Any) -> bool:
-    if isinstance(x, (np.ndarray, np.generic)):
-        return True
-    return jax is not None and isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+    """Whether `x` is an array leaf: one that a framework adapter owns (_adapters.py)."""
+    return _adapters.owner(x) is not None
 
 
 def _key_name(key: Any) -> str:

@@ -4,6 +4,7 @@ restored buffers into a jax.Array, and a Coordinator backed by JAX's distributed
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 import jax
@@ -80,6 +81,54 @@ def assemble(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
     arrays = [jax.device_put(buffers[device], device) for device in buffers]
     jax.block_until_ready(arrays)
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+class JaxAdapter:
+    """Leaves that are jax.Array (any sharding: each process saves its own shards, and restores
+    each device's block) and jax.ShapeDtypeStruct targets. See _adapters.py for the protocol."""
+
+    def owns(self, x: Any) -> bool:
+        return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+
+    def check_savable(self, x: Any, path: str) -> None:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise TypeError(f"cannot save the abstract array at {path!r} (a ShapeDtypeStruct)")
+
+    def save_shards(self, x: jax.Array, process_index: int, process_count: int):
+        return tuple(x.shape), shards_of(x), not in_host_memory(x)
+
+    def restore_boxes(self, target: Any, shape: tuple[int, ...]) -> dict[Any, tuple]:
+        return device_boxes(self._sharding(target), shape)
+
+    def build(self, target: Any, shape: tuple[int, ...], buffers: dict[Any, np.ndarray]):
+        return assemble(shape, self._sharding(target), buffers)
+
+    def orbax_sharding(self, x: Any) -> str | None:
+        return orbax_sharding(x.sharding)
+
+    @staticmethod
+    def _sharding(target: Any) -> jax.sharding.Sharding:
+        sharding = getattr(target, "sharding", None)
+        return sharding if sharding is not None else jax.sharding.SingleDeviceSharding(
+            jax.devices()[0])
+
+
+def orbax_sharding(sharding: Any) -> str | None:
+    """The JSON Orbax keeps in `_sharding` for a NamedSharding or SingleDeviceSharding (None
+    for other shardings, whose arrays are then recorded as NumPy arrays)."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
+        doc = {"sharding_type": "NamedSharding", "shape": [int(n) for n in mesh.devices.shape],
+               "axis_names": list(mesh.axis_names),
+               "axis_types": [str(t) for t in mesh.axis_types], "partition_spec": spec,
+               "device_mesh": {"mesh": np.vectorize(lambda d: {"id": d.id}, otypes=[object])(
+                   mesh.devices).tolist()}}
+        return json.dumps(doc)
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        device = next(iter(sharding.device_set))
+        return json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": str(device)})
+    return None
 
 
 _save_counter = itertools.count()

@@ -25,8 +25,10 @@ import time
 import weakref
 from typing import Any, Callable
 
-from . import (_abspath, _arrays_to_save, _check_codec, _default_coordinator, _ext,
-               _format_bytes, _restore, _tree, restore as _restore_signature)
+from . import _ext, _options, _paths, _tree
+from ._progress import format_bytes as _format_bytes
+from ._restore import _restore, restore as _restore_signature
+from ._save import arrays_to_save as _arrays_to_save, default_coordinator as _default_coordinator
 
 # Marks a per-process value saved as bytes (JSON text never contains a NUL character).
 _BYTES_MARKER = b"\0bytes\n"
@@ -120,13 +122,15 @@ class CheckpointManager:
                  keep_period: int | None = None, save_interval_steps: int = 1,
                  best_metric: str | None = None, best_mode: str = "min", async_save: bool = True,
                  handle_sigterm: bool = False, max_staging_bytes: int | None = None,
-                 codec: str | None = None, zstd_level: int = 3, chunk_bytes: int = 8 << 20,
-                 data_file_bytes: int = 1 << 30, max_inflight_bytes: int = 256 << 20,
+                 codec: str | None = None, zstd_level: int = _options.ZSTD_LEVEL,
+                 chunk_bytes: int = _options.CHUNK_BYTES,
+                 data_file_bytes: int = _options.DATA_FILE_BYTES,
+                 max_inflight_bytes: int = _options.MAX_INFLIGHT_BYTES,
                  io_threads: int = 0, sync: bool = True, coordinator: Any = None,
                  on_save: Callable[[SaveStats], Any] | None = None,
                  on_restore: Callable[[RestoreStats], Any] | None = None,
                  logger: logging.Logger | None = None):
-        _check_codec(codec)
+        _options.check_codec(codec)
         for name, value in (("max_to_keep", max_to_keep), ("keep_period", keep_period),
                             ("save_interval_steps", save_interval_steps),
                             ("max_staging_bytes", max_staging_bytes)):
@@ -134,7 +138,7 @@ class CheckpointManager:
                 raise ValueError(f"{name} must be a positive int or None, not {value!r}")
         if best_metric is not None and max_to_keep is None:
             raise ValueError("best_metric needs max_to_keep (how many of the best steps to keep)")
-        self.root = _abspath(root)
+        self.root = _paths.abspath(root)
         self.async_save = bool(async_save)
         self.codec = codec or "none"
         self.zstd_level = zstd_level

@@ -88,3 +88,33 @@ def empty_aligned(shape, dtype) -> np.ndarray:
     raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % _ALIGNMENT
     return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+class NumpyAdapter:
+    """Leaves that are NumPy arrays, NumPy scalars or anything np.asarray takes; restore targets
+    with .shape and .dtype (np.ndarray, np.generic). See _adapters.py for the protocol."""
+
+    def owns(self, x) -> bool:
+        return isinstance(x, (np.ndarray, np.generic))
+
+    def check_savable(self, x, path: str) -> None:
+        pass
+
+    def save_shards(self, x, process_index: int, process_count: int):
+        a = native_contiguous(np.asarray(x))
+        # Every process holds the whole array: they share the writing as replicas.
+        shards = [((0,) * a.ndim, a.shape, byte_view(a), process_index, process_count)]
+        return a.shape, shards, False
+
+    def restore_boxes(self, target, shape):
+        return {None: ((0,) * len(shape), shape)}
+
+    def build(self, target, shape, buffers):
+        out = buffers[None]
+        if isinstance(target, np.generic):
+            return out[()]
+        wanted = np.dtype(target.dtype)
+        return out if wanted.isnative else out.astype(wanted)
+
+    def orbax_sharding(self, x) -> None:
+        return None

@@ -111,14 +111,15 @@ def main() -> None:
         got = tensorstash.restore(step, target=target, truncate=True, max_inflight_bytes=CAP,
                                   io_threads=IO_THREADS, mmap=mode == "mapped")
         result.update(seconds=time.perf_counter() - t0, before=before, peak=rss_peak(),
-                      restored_bytes=got["big"].nbytes, stats=merged(calls), read_calls=len(calls))
+                      restored_bytes=got["big"].nbytes, stats=merged(calls),
+                      read_calls=merged(calls)["read_calls"])
         want = big_values()
         result["correct"] = bool(np.array_equal(got["big"].view(np.uint32),
                                                 want[:, :shape[1]].view(np.uint32)))
     elif mode == "jax":
         import jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-        tensorstash._DEVICE_BATCH_BYTES = 32 * MiB
+        tensorstash._options.HOST_BATCH_BYTES = 32 * MiB
         sharding = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P(None, "x"))
         target = {"parts": [jax.ShapeDtypeStruct(PART, np.float32, sharding=sharding)
                             for _ in range(NUM_PARTS)]}
@@ -131,7 +132,8 @@ def main() -> None:
         for a in got["parts"]:
             a.block_until_ready()
         result.update(seconds=time.perf_counter() - t0, before=before, peak=rss_peak(),
-                      restored_bytes=sum(a.nbytes for a in got["parts"]), batches=len(calls),
+                      restored_bytes=sum(a.nbytes for a in got["parts"]),
+                      batches=merged(calls)["read_calls"],
                       stats=merged(calls))
         result["correct"] = all(
             a.sharding == sharding and np.array_equal(np.asarray(a), part_values(i))

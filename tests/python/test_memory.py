@@ -73,7 +73,8 @@ def test_restore_memory_mapped(saved, tmp_path):
     step, _ = saved
     r = run_worker("mapped", step, str(tmp_path))
     assert r["correct"], r
-    assert r["read_calls"] == 0 and r["stats"] == {}, r  # mapped, not read
+    assert r["read_calls"] == 0 and r["stats"]["bytes_read"] == 0, r  # mapped, not read
+    assert r["stats"]["mapped_bytes"] == r["restored_bytes"], r
     limit = r["restored_bytes"] + CAP + allowance(r["restored_bytes"])
     assert growth(r) <= limit, (f"grew {growth(r) / MiB:.1f} MiB for {r['restored_bytes'] / MiB} "
                                 f"MiB restored (limit {limit / MiB:.1f})", r)

@@ -138,7 +138,7 @@ def test_every_dtype_and_shape_restores_as_numpy(tmp_path, layout):
     assert meta["scalars"] == {"big": 2**40 + 3, "f": 0.125, "i": -7, "flag": True, "np32": 1.5, "s": "héllo"}
     assert meta["nested"][1] is None
 
-    reader = tensorstash._open(path, True, 1 << 20, 1)
+    reader = tensorstash._restore._open(path, True, 1 << 20, 1)
     assert reader.format == FORMAT_OF[layout]
 
 
@@ -297,7 +297,7 @@ def test_seed_zarr_group_layout(tmp_path):
     assert_same_array(got["opt"][1]["mu"], values["opt"][1]["mu"])
     assert_same_array(got["layer"]["w"], values["layer"].w)
     assert_same_array(got["layer"]["b"], values["layer"].b)
-    assert tensorstash._open(path, True, 1 << 20, 1).format == "zarr-group"
+    assert tensorstash._restore._open(path, True, 1 << 20, 1).format == "zarr-group"
 
     m = mesh((2, 2), ("x", "y"))
     target = {"params": {"w": jax.ShapeDtypeStruct((6, 8), jnp.float32, sharding=named(m, "y", "x")),

@@ -192,12 +192,16 @@ def assert_jax_array(got: Any, want: np.ndarray, sharding, what: str = "") -> No
 
 
 def record_read_stats(tensorstash, setattr_fn=setattr):
-    """Records the engine statistics of every read_many call that tensorstash.restore makes.
+    """Records the engine statistics of every restore_to_host call (one per restore) that
+    tensorstash.restore makes: bytes_read, direct/staged chunks, peak staging, mapped_bytes,
+    batches, read_calls.
 
-    Wraps tensorstash._open so that each reader's read_many stats are appended to the returned
-    list. `setattr_fn` lets pytest pass monkeypatch.setattr, which undoes the wrap afterwards."""
+    Wraps the readers that tensorstash._restore opens, so that each call's stats are appended to
+    the returned list. `setattr_fn` lets pytest pass monkeypatch.setattr, which undoes the wrap
+    afterwards."""
     calls = []
-    real_open = tensorstash._open
+    module = tensorstash._restore
+    real_open = module._open
 
     class Recorder:
         def __init__(self, reader):
@@ -206,10 +210,10 @@ def record_read_stats(tensorstash, setattr_fn=setattr):
         def __getattr__(self, name):
             return getattr(self._reader, name)
 
-        def read_many(self, requests):
-            stats = self._reader.read_many(requests)
+        def restore_to_host(self, *args, **kwargs):
+            stats = self._reader.restore_to_host(*args, **kwargs)
             calls.append(stats)
             return stats
 
-    setattr_fn(tensorstash, "_open", lambda *a, **k: Recorder(real_open(*a, **k)))
+    setattr_fn(module, "_open", lambda *a, **k: Recorder(real_open(*a, **k)))
     return calls

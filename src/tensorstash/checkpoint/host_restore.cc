@@ -100,8 +100,8 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
     if (array == arrays.end()) {
       return NotFoundError(StrCat("no array '", r.path, "' in checkpoint '", source.dir(), "'"));
     }
-    TS_RETURN_IF_ERROR(ValidateReadRequest({r.path, r.box, r.dtype, &placeholder},
-                                           *array->second, r.dtype));
+    TS_RETURN_IF_ERROR(
+        ValidateReadRequest({r.path, r.box, r.dtype, &placeholder}, *array->second, r.dtype));
     BoxKey key{r.path, r.box.origin, r.box.shape, static_cast<int>(r.dtype)};
     auto [it, inserted] = box_index.emplace(std::move(key), boxes.size());
     if (inserted) {
@@ -147,9 +147,8 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
     uint64_t batch_bytes = 0;
     std::vector<ReadRequest> reads;
     std::vector<size_t> read_box;
-    while (end < requests.size() &&
-           (end == begin || batch_bytes < options.batch_bytes ||
-            requests[end].path == requests[end - 1].path)) {
+    while (end < requests.size() && (end == begin || batch_bytes < options.batch_bytes ||
+                                     requests[end].path == requests[end - 1].path)) {
       DistinctBox& box = boxes[box_of[end]];
       if (box.buffer == nullptr) {
         const HostBoxRequest& r = requests[end];
@@ -170,7 +169,14 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
         };
       }
       TS_RETURN_IF_ERROR(source.ReadMany(reads, &read_stats, on_progress));
-      out_stats.bytes_read += read_stats.bytes_read;
+      ReadStats& sum = out_stats.reads;
+      sum.bytes_read += read_stats.bytes_read;
+      sum.requests += read_stats.requests;
+      sum.direct_chunks += read_stats.direct_chunks;
+      sum.staged_chunks += read_stats.staged_chunks;
+      sum.mapped_spans += read_stats.mapped_spans;
+      sum.peak_staging_bytes = std::max(sum.peak_staging_bytes, read_stats.peak_staging_bytes);
+      ++out_stats.read_calls;
       done = std::min(total, done + batch_bytes);
     }
     HostBatch batch;

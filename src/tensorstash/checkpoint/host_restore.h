@@ -63,10 +63,11 @@ struct HostRestoreOptions {
 };
 
 struct HostRestoreStats {
-  uint64_t bytes_read = 0;    // stored bytes fetched from storage
   uint64_t mapped_bytes = 0;  // bytes of the boxes mapped instead of read
   uint64_t boxes = 0;         // distinct boxes
   uint64_t batches = 0;
+  uint64_t read_calls = 0;  // reads of batches (a batch that is all mapped reads nothing)
+  ReadStats reads;          // of all batches (peak_staging_bytes: the highest of one batch)
 };
 
 // One batch: for each request index in it, its buffer (requests for the same box share one).

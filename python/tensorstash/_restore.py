@@ -1,0 +1,296 @@
+"""tensorstash.restore and tensorstash.metadata: a step (any format the engine reads) into
+NumPy arrays, jax.Arrays or scalars, planned by the engine in one call (Reader.restore_to_host,
+checkpoint/host_restore.h): this module turns the target into boxes and the boxes into leaves."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from . import _adapters, _ext, _options, _paths, _progress, _tree
+from . import numpy as tnp
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayMetadata:
+    """What a checkpoint stores about one array (from its metadata only)."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_shape: tuple[int, ...]
+    num_chunks: int
+    stored_bytes: int
+    codec: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _open(path, verify_checksums: bool, max_inflight_bytes: int, io_threads: int,
+          mmap: bool = True) -> _ext.Reader:
+    """The reader of step folder `path`. Close it (contextlib.closing) once done: its open
+    files would keep the space of a deleted step until the garbage collector ran."""
+    root, step = _paths.split(path)
+    return _ext.Reader(root, step, verify_checksums=verify_checksums,
+                       max_inflight_bytes=max_inflight_bytes, io_threads=io_threads,
+                       map_spans=mmap)
+
+
+def metadata(path: str | os.PathLike) -> Any:
+    """The saved tree with each array replaced by its ArrayMetadata (and scalars by their
+    values), as plain dicts, lists and tuples. Reads no array data (Orbax scalars excepted:
+    they are 0-d arrays). Any format restore() reads."""
+    with contextlib.closing(_open(path, True, 1 << 20, 1)) as reader:
+        infos = {a["path"]: a for a in reader.arrays()}
+        node = _tree.loads(reader.tree_json())
+
+    def describe(array_path: str, _id: int) -> ArrayMetadata:
+        a = infos[array_path]
+        return ArrayMetadata(path=array_path, shape=tuple(a["shape"]),
+                             dtype=tnp.dtype_from_name(a["dtype"]),
+                             chunk_shape=tuple(a["chunk_shape"]), num_chunks=a["num_chunks"],
+                             stored_bytes=a["stored_bytes"], codec=a["codec"])
+
+    return _tree.decode(node, describe)
+
+
+# The casts of scalars, by kind (_scalar_kind): the kinds of target each kind of value goes into.
+_SCALAR_CASTS = {"b": "bif", "i": "bif", "f": "f", "c": "c"}
+
+
+def _shown(value: Any) -> str:
+    """A scalar for an error message: "the float 2.7" (repr fails for ints of more than
+    sys.get_int_max_str_digits() digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 1000:
+        return f"an int of {value.bit_length()} bits"
+    return f"the {type(value).__name__} {value!r}"
+
+
+def _scalar_kind(x: Any) -> str:
+    """The kind of a scalar for _SCALAR_CASTS: "b" (bool), "i" (int), "f" (float), "c"
+    (complex), after a NumPy scalar's dtype; "str" or "bytes" for text."""
+    if isinstance(x, np.generic):
+        return tnp.dtype_kind(x.dtype)
+    for kind, types in (("b", bool), ("i", int), ("f", float), ("c", complex), ("str", str),
+                        ("bytes", bytes)):
+        if isinstance(x, types):
+            return kind
+    raise TypeError(f"not a scalar: {type(x).__name__}")  # pragma: no cover - callers check
+
+
+def _cast_scalar(value: Any, target: Any, path: str, ckpt: str) -> Any:
+    """`value` (the scalar leaf at `path` of checkpoint `ckpt`, or a 0-d stored array's
+    .item()) as the type of the scalar `target`, by the casts restore makes for arrays
+    (array/convert.h): ints and bools into ints, bools and floats, each value exactly
+    (ValueError where it does not fit); floats into floats; complex into complex; other casts,
+    floats into ints among them, are ValueError (TypeError between text and numbers). Errors
+    name the leaf."""
+    have, want = _scalar_kind(value), _scalar_kind(target)
+    held = f"{path!r} in {ckpt} holds {_shown(value)}"
+    if have in ("str", "bytes") or want in ("str", "bytes"):
+        if have != want:
+            raise TypeError(f"{path!r} in {ckpt} holds a {type(value).__name__}, the target a "
+                            f"{type(target).__name__}")
+        return value
+    if want not in _SCALAR_CASTS[have]:
+        raise ValueError(f"{held}, which the target's {type(target).__name__} cannot take: "
+                         "restore converts ints and bools into ints, bools and floats, and "
+                         "floats into floats only, as it does arrays")
+    if type(value) is type(target):
+        return value
+    try:
+        with np.errstate(over="ignore"):  # a float too large for a float16 becomes inf
+            return type(target)(value)
+    except OverflowError:
+        raise ValueError(f"{held}, out of the range of the target's "
+                         f"{type(target).__name__}") from None
+
+
+class _Plan:
+    """The boxes a restore reads, and what becomes of them: each array leaf asks for one or more
+    boxes (one per device, or one for the whole array), and is built once all of them are in."""
+
+    def __init__(self, ckpt: str, infos: dict[str, dict], truncate: bool = False):
+        self.ckpt = ckpt
+        self.infos = infos
+        self.truncate = truncate
+        self.requests: list[tuple] = []  # (path, origin, shape, dtype name), for the engine
+        self.owners: list[tuple[_Leaf, Any]] = []  # per request: its leaf and box key
+        self.values: dict[str, Any] = {}
+
+    def check_shape(self, path: str, shape: tuple[int, ...]) -> None:
+        stored = tuple(self.infos[path]["shape"])
+        if len(shape) != len(stored):
+            raise ValueError(f"array {path!r} in {self.ckpt} has shape {stored}; the target's "
+                             f"shape {shape} has a different rank")
+        if not self.truncate and any(t < s for t, s in zip(shape, stored)):
+            raise ValueError(f"array {path!r} in {self.ckpt} has shape {stored}, larger than the "
+                             f"target's {shape}; pass truncate=True to read only the target's part")
+
+    def add(self, path: str, dtype: np.dtype, boxes: dict[Any, tuple], build) -> None:
+        """Asks for `boxes` ({key: (origin, shape)}) of array `path` as `dtype` (native order);
+        build({key: array}) makes the leaf once they are read."""
+        leaf = _Leaf(path, dtype, boxes, build)
+        name = tnp.dtype_name(dtype)
+        for key, (origin, shape) in boxes.items():
+            self.requests.append((path, origin, shape, name))
+            self.owners.append((leaf, key))
+        if not boxes:
+            self.values[path] = build({})
+
+    def run(self, reader: _ext.Reader, progress: Any, desc: str, mmap: bool) -> int:
+        """Reads every box and builds every leaf; returns the stored bytes read or mapped."""
+        reporter = _progress.Reporter(progress, desc)
+
+        def on_batch(items: list[tuple[int, np.ndarray]]) -> None:
+            for index, data in items:
+                leaf, key = self.owners[index]
+                self.owners[index] = None  # nothing but the leaf keeps the buffer
+                if leaf.receive(key, data):
+                    self.values[leaf.path] = leaf.finish()
+
+        try:
+            stats = reader.restore_to_host(self.requests, on_batch, map=mmap,
+                                           batch_bytes=_options.HOST_BATCH_BYTES,
+                                           progress=reporter.callback())
+        finally:
+            reporter.close()
+        return stats["bytes_read"] + stats["mapped_bytes"]
+
+
+class _Leaf:
+    """One array leaf of a restore: its boxes as they arrive, then the leaf built from them."""
+
+    def __init__(self, path: str, dtype: np.dtype, boxes: dict[Any, tuple], build):
+        self.path, self.dtype, self.boxes, self.build = path, dtype, boxes, build
+        self.buffers: dict[Any, np.ndarray] = {}
+
+    def receive(self, key: Any, data: np.ndarray) -> bool:
+        """Takes the bytes of box `key`; whether every box is in."""
+        self.buffers[key] = data.view(self.dtype).reshape(self.boxes[key][1])
+        return len(self.buffers) == len(self.boxes)
+
+    def finish(self) -> Any:
+        buffers, self.buffers = self.buffers, {}  # the host buffers go once the leaf is built
+        return self.build(buffers)
+
+
+def _plan_target(plan: _Plan, leaves: dict[str, dict], path: str, target: Any) -> None:
+    """Plans the restore of target leaf `target` at `path` (errors name the leaf)."""
+    stored = leaves.get(path)
+    if stored is None or stored["kind"] == "none":
+        raise KeyError(f"{path!r} is not in checkpoint {plan.ckpt}")
+    scalar_target = isinstance(target, (bool, int, float, str, bytes, np.generic))
+    if not scalar_target and not (hasattr(target, "shape") and hasattr(target, "dtype")):
+        raise TypeError(f"the target's leaf {path!r} is of type {type(target).__name__}; "
+                        "target leaves are arrays (np.ndarray, jax.Array, "
+                        "jax.ShapeDtypeStruct), NumPy scalars, bool, int, float, str or bytes")
+    if stored["kind"] != "array":
+        value = _tree.scalar_value(stored)
+        plan.values[path] = (_cast_scalar(value, target, path, plan.ckpt) if scalar_target
+                             else value)
+        return
+    if isinstance(target, (str, bytes)):
+        raise TypeError(f"{path!r} in {plan.ckpt} holds an array, the target a {type(target).__name__}")
+    if isinstance(target, (bool, int, float)):
+        plan.check_shape(path, ())
+        dtype = tnp.dtype_from_name(plan.infos[path]["dtype"])
+        ckpt = plan.ckpt
+        plan.add(path, dtype, {None: ((), ())},
+                 lambda buffers: _cast_scalar(buffers[None].item(), target, path, ckpt))
+        return
+    shape = tuple(target.shape)
+    # Read in native byte order (what the engine writes); the adapter converts a big-endian
+    # target's array to its byte order once read.
+    dtype = np.dtype(target.dtype).newbyteorder("=")
+    plan.check_shape(path, shape)
+    tnp.dtype_name(dtype)  # TypeError for a dtype the engine does not have
+    adapter = _adapters.adapter_for(target)
+    plan.add(path, dtype, adapter.restore_boxes(target, shape),
+             lambda buffers: adapter.build(target, shape, buffers))
+
+
+def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = False,
+            verify_checksums: bool = True, max_inflight_bytes: int = _options.MAX_INFLIGHT_BYTES,
+            io_threads: int = 0, progress: Any = None, mmap: bool = True) -> Any:
+    """Restores the checkpoint step folder `path`: a tensorstash step, or an Orbax checkpoint
+    (OCDBT or per-parameter zarr folders, zarr3 or zarr2; an Orbax CheckpointManager step opens
+    its item) or a zarr-group checkpoint, detected from the folder's files
+    (docs/foreign_formats.md, "Orbax checkpoints"). Orbax sequences come back as lists and its
+    custom nodes as dicts without a target; a target gives them their types.
+
+    Without `target`: the saved tree as plain dicts, lists and tuples, arrays as NumPy arrays of
+    the saved shapes and dtypes. With `target` (a pytree of jax.ShapeDtypeStruct with .sharding,
+    jax.Array, np.ndarray, or scalars): the target's structure, each array with the target's
+    shape, dtype (a cast when it differs; in the target's byte order) and sharding, each device
+    reading just its own block. Only the target's arrays are read. A target shape larger than
+    the stored one is zero-filled; a smaller one is a ValueError unless `truncate`. Scalar
+    targets (bool, int, float, NumPy scalars) take the casts arrays take: ints and bools into
+    ints, bools and floats, each value exactly; floats into floats; complex into complex; any
+    other (a float into an int, say) is a ValueError naming the leaf.
+
+    `progress`: None shows a tqdm bar on stderr when tqdm is installed, stderr is a terminal and
+    the restore fills more than 1 GiB; True always shows one (a plain line without tqdm); False
+    never; a callable is called as progress(done_bytes, total_bytes), in bytes of the restored
+    arrays, from the engine's reading threads, at most about ten times a second and finally
+    with done_bytes == total_bytes.
+
+    `mmap`: host buffers of at least 1 MiB whose stored chunks allow it (tensorstash format,
+    uncompressed, the stored dtype) are mapped copy-on-write from the data files instead of
+    read into fresh memory, their checksums checked all the same: much faster, and pages of the
+    page cache rather than new memory. The arrays stay valid whatever happens to the checkpoint
+    afterwards, except if its files were truncated in place (tensorstash never does; their
+    pages would then fault). Chunks cut into pieces for another layout are likewise copied out
+    of a mapping of the data file rather than out of a staging copy, when uncompressed. False
+    reads everything.
+
+    The step's files are closed before restore returns or raises (restored arrays that are
+    mapped from them remain valid).
+
+    Raises FileNotFoundError for a missing step, ValueError for an incomplete step, a shape
+    mismatch or a cast it does not make, KeyError naming the path of a target leaf the
+    checkpoint lacks, TypeError naming a target leaf that is neither an array nor a scalar,
+    OSError when stored bytes are corrupt (CRC-32C mismatch, truncated files); an exception
+    raised by a `progress` callable once the reads are over.
+    """
+    return _restore(path, target, truncate=truncate, verify_checksums=verify_checksums,
+                    max_inflight_bytes=max_inflight_bytes, io_threads=io_threads,
+                    progress=progress, mmap=mmap)[0]
+
+
+def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_checksums: bool,
+             max_inflight_bytes: int, io_threads: int, progress: Any,
+             mmap: bool = True) -> tuple[Any, int]:
+    """restore(), returning (the restored tree, the stored bytes read or mapped)."""
+    ckpt = os.fspath(path)
+    desc = f"restoring {_paths.split(ckpt)[1]}"
+    _progress.check(progress)
+    # Closed on return, error or not: an open file would keep a deleted step's space.
+    with contextlib.closing(_open(path, verify_checksums, max_inflight_bytes, io_threads,
+                                  mmap)) as reader:
+        infos = {a["path"]: a for a in reader.arrays()}
+        node = _tree.loads(reader.tree_json())
+        plan = _Plan(ckpt, infos, truncate)
+        if target is None:
+            # The saved tree, each array whole, in its stored dtype.
+            def as_saved(array_path: str, _id: int) -> _Leaf:
+                info = infos[array_path]
+                shape = tuple(info["shape"])
+                plan.add(array_path, tnp.dtype_from_name(info["dtype"]),
+                         {None: ((0,) * len(shape), shape)}, lambda buffers: buffers[None])
+                return array_path
+
+            _tree.decode(node, as_saved)  # plans every array
+            nbytes = plan.run(reader, progress, desc, mmap)
+            return _tree.decode(node, lambda p, _id: plan.values[p]), nbytes
+        leaves = _tree.index_leaves(node)
+        _tree.map_target(target, lambda p, t: _plan_target(plan, leaves, p, t))
+        nbytes = plan.run(reader, progress, desc, mmap)
+    return _tree.map_target(target, lambda p, _: plan.values[p]), nbytes

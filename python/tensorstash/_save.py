@@ -1,0 +1,149 @@
+"""tensorstash.save: a pytree through the engine's writers (native, or Orbax's format)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from typing import Any
+
+from . import _adapters, _ext, _options, _paths, _tree
+from . import numpy as tnp
+
+
+def default_coordinator() -> Any:
+    """The JAX distributed runtime's coordinator when JAX runs several processes, else None."""
+    try:
+        from . import jax as tjax
+    except ImportError:  # JAX is optional
+        return None
+    return tjax.default_coordinator()
+
+
+def arrays_to_save(tree: Any, coordinator: Any) -> tuple[list[tuple], str]:
+    """The arrays of `tree` as the engine saves them, and the tree around them.
+
+    Returns ([(array path, dtype name, shape, shards, stable)], tree JSON), with shards as
+    _ext.Writer.add_array takes them, from the leaf's framework adapter (_adapters.py): this
+    process's shards of each jax.Array (views of the device buffers on CPU, one copy from other
+    devices), and for NumPy arrays the whole array as a shard of which this process is one
+    replica, in native byte order (big-endian arrays are converted: the format stores
+    little-endian). The shards refer to the caller's memory (or to copies) and must stay
+    unchanged until the engine has read them.
+
+    `stable` is true where nothing else can change the shards' memory, so that an async save
+    may write them in the background without copying them first: for a jax.Array whose
+    buffers are not in host memory, as its shards are then host copies made for this save
+    (tjax.in_host_memory). A jax.Array in host memory is not stable although JAX arrays are
+    immutable: its memory may be a NumPy array's, which the caller may change once save()
+    returns (XLA's CPU client adopts the buffer of an aligned NumPy array given to
+    jax.device_put instead of copying it). Raises TypeError for unsupported leaves and
+    abstract arrays (jax.ShapeDtypeStruct), ValueError for text that is not valid Unicode and
+    trees nested too deeply.
+    """
+    process_index = coordinator.process_index() if coordinator is not None else 0
+    process_count = coordinator.process_count() if coordinator is not None else 1
+    leaves: list[tuple[str, Any]] = []
+    node = _tree.encode(tree, lambda p, x: leaves.append((p, x)))
+    arrays = []
+    for array_path, x in leaves:
+        adapter = _adapters.adapter_for(x)
+        adapter.check_savable(x, array_path)
+        try:
+            dtype = tnp.dtype_name(x.dtype)
+        except TypeError as e:
+            raise TypeError(f"cannot save the array at {array_path!r}: {e}") from None
+        shape, shards, stable = adapter.save_shards(x, process_index, process_count)
+        arrays.append((array_path, dtype, tuple(shape), shards, stable))
+    return arrays, _tree.dumps(node)
+
+
+def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: str | None = None,
+         zstd_level: int = _options.ZSTD_LEVEL, chunk_bytes: int = _options.CHUNK_BYTES,
+         data_file_bytes: int = _options.DATA_FILE_BYTES,
+         max_inflight_bytes: int = _options.MAX_INFLIGHT_BYTES, io_threads: int = 0,
+         sync: bool = True, coordinator: Any = None, format: str = "native",
+         orbax_item: str | None = None) -> dict:
+    """Saves `tree` as the checkpoint step folder `path` (e.g. ".../ckpts/0000001000").
+
+    `format="orbax"` writes an Orbax checkpoint instead (OCDBT + zarr3, what orbax-checkpoint
+    0.12 writes by default), which `orbax.checkpoint.StandardCheckpointer().restore(path, ...)`
+    restores; with `orbax_item="default"` the folder is laid out as a step of an Orbax
+    CheckpointManager with that item. Orbax format: a single process only; chunks are zstd
+    (`zstd_level`), one per shard of each jax.Array and one per NumPy array; `chunk_bytes`,
+    `data_file_bytes` and `max_inflight_bytes` do not apply; Python scalars are stored as Orbax
+    stores them (0-d int64/float64/bool); str and bytes leaves raise NotImplementedError; dict
+    keys must not contain '/' nor collide once joined with '.' (Orbax's parameter names).
+    Returns raw_bytes, chunks and seconds.
+
+    Leaves may be jax.Array (any sharding; each process writes its own shards, replicated data
+    once), np.ndarray (big-endian ones are stored by value, in the format's little-endian
+    order) and NumPy scalars, bool, int (any number of digits), float, str and bytes. The tree
+    may be nested up to 512 levels below its root (docs/format.md, section 10). In a job with
+    several processes every process calls save with the same tree; NumPy arrays are taken to be
+    the same in every process and are written once, the work split across processes.
+
+    Returns the engine's statistics for this process (raw_bytes, stored_bytes, chunks,
+    data_files, seconds). Raises FileExistsError when the step is already complete and not
+    `overwrite`, TypeError for unsupported leaves, ValueError for a tree nested more deeply
+    and for text (keys, strings, the path) that is not valid Unicode, OSError for storage
+    errors. On error nothing new is visible at `path`.
+    """
+    root, step = _paths.split(path)
+    if format == "orbax":
+        return _save_orbax(root, step, tree, overwrite=overwrite, codec=codec,
+                           zstd_level=zstd_level, io_threads=io_threads, sync=sync,
+                           coordinator=coordinator, item=orbax_item)
+    if format != "native":
+        raise ValueError(f"unknown format {format!r}; use 'native' or 'orbax'")
+    if orbax_item is not None:
+        raise ValueError("orbax_item applies to format='orbax' only")
+    _options.check_codec(codec)
+    if coordinator is None:
+        coordinator = default_coordinator()
+    arrays, tree_json = arrays_to_save(tree, coordinator)
+    writer = _ext.Writer(root, step, target_chunk_bytes=chunk_bytes,
+                         target_data_file_bytes=data_file_bytes,
+                         max_inflight_bytes=max_inflight_bytes, io_threads=io_threads, sync=sync,
+                         overwrite=overwrite, coordinator=coordinator)
+    for array_path, dtype, shape, shards, _stable in arrays:
+        writer.add_array(array_path, dtype, shape, shards, codec=codec or "none",
+                         zstd_level=zstd_level)
+    writer.set_tree(tree_json)
+    return writer.commit()
+
+
+def _orbax_name(array_path: str) -> str:
+    """Orbax's parameter name of the leaf at `array_path`: its keys joined by '.'."""
+    return ".".join(k.replace("~1", "/").replace("~0", "~") for k in array_path.split("/"))
+
+
+def _save_orbax(root: str, step: str, tree: Any, *, overwrite: bool, codec: str | None,
+                zstd_level: int, io_threads: int, sync: bool, coordinator: Any,
+                item: str | None) -> dict:
+    """save(format="orbax"): the tree through _ext.OrbaxWriter."""
+    if codec not in (None, "zstd"):
+        raise ValueError(f"the Orbax format stores zstd chunks; codec {codec!r} is not available")
+    if coordinator is None:
+        coordinator = default_coordinator()
+    if coordinator is not None and coordinator.process_count() > 1:
+        raise NotImplementedError("format='orbax' writes from a single process only")
+    arrays, tree_json = arrays_to_save(tree, None)
+    writer = _ext.OrbaxWriter(root, step, item=item or "", overwrite=overwrite, sync=sync,
+                              io_threads=io_threads, zstd_level=zstd_level)
+    shardings = {}
+    leaves: dict[str, Any] = {}
+    _tree.encode(tree, leaves.__setitem__)
+    for array_path, dtype, shape, shards, _stable in arrays:
+        value_type = "np.ndarray"
+        x = leaves[array_path]
+        serialized = _adapters.adapter_for(x).orbax_sharding(x)
+        if serialized is not None:
+            value_type = "jax.Array"
+            name = base64.urlsafe_b64encode(_orbax_name(array_path).encode()).decode("ascii")
+            shardings[name] = serialized
+        writer.add_array(array_path, dtype, shape, shards, value_type=value_type)
+    if shardings:
+        writer.add_file("_sharding", json.dumps(shardings))
+    writer.set_tree(tree_json)
+    return writer.commit()
