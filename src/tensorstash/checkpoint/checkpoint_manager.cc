@@ -61,6 +61,20 @@ Result<std::vector<int64_t>> DecodeSteps(std::string_view text) {
   return steps;
 }
 
+// The value of metric `name` in the step's metrics file, if it has one. A step whose metrics
+// cannot be read (none saved, or damaged) simply has no metric: it ranks last, which must not
+// stop the manager from opening.
+std::optional<double> ReadMetric(const CheckpointReader& reader, const std::string& name) {
+  // The reader checks the file's size before reading it, and its CRC-32C.
+  Result<std::string> text = reader.ReadFile(kMetricsFileName);
+  if (!text.ok()) return std::nullopt;
+  json doc = json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  if (!doc.is_object() || !doc.contains(name)) return std::nullopt;
+  const json& value = doc[name];
+  if (!value.is_number()) return std::nullopt;
+  return value.get<double>();
+}
+
 // A save that has been checked and set up, ready to commit.
 struct SaveJob {
   int64_t step = 0;
@@ -103,8 +117,9 @@ struct CheckpointManager::Impl {
 
   bool is_leader() const { return coordinator->process_index() == 0; }
   Status OpenSteps();
+  // Cleans up and lists the steps (process 0), and with best_metric reads each one's metric
+  // from the reader the listing opened it with.
   Status CleanUpAndListSteps();
-  void LoadMetrics();
   Result<SaveJob> Prepare(int64_t step, SaveRequest request, bool async);
   // After a successful commit: lists the step, applies retention (unlisting the doomed steps,
   // which process 0 returns for deletion) and calls on_commit.
@@ -164,10 +179,7 @@ Status CheckpointManager::Impl::OpenSteps() {
   Coordinator& c = *coordinator;
   if (c.process_count() == 1) {
     TS_RETURN_IF_ERROR(step_store->Lock());
-    TS_RETURN_IF_ERROR(
-        Annotate(CleanUpAndListSteps(), StrCat("opening the checkpoints in ", kv->Describe())));
-    if (!options.best_metric.empty()) LoadMetrics();
-    return OkStatus();
+    return Annotate(CleanUpAndListSteps(), StrCat("opening the checkpoints in ", kv->Describe()));
   }
   // Process 0 locks and cleans up, then tells the others the steps (or its error).
   const std::string key = StrCat("tensorstash-manager/", c.NextOperationId(), "/open");
@@ -176,7 +188,6 @@ Status CheckpointManager::Impl::OpenSteps() {
     if (status.ok()) {
       status =
           Annotate(CleanUpAndListSteps(), StrCat("opening the checkpoints in ", kv->Describe()));
-      if (status.ok() && !options.best_metric.empty()) LoadMetrics();
     }
     std::vector<int64_t> listed;
     {
@@ -198,35 +209,21 @@ Status CheckpointManager::Impl::OpenSteps() {
 }
 
 Status CheckpointManager::Impl::CleanUpAndListSteps() {
-  TS_ASSIGN_OR_RETURN(StepStore::StepListing listing, step_store->CleanUpAndList());
+  std::map<int64_t, double> loaded;
+  StepStore::OpenedStep read_metric;
+  if (!options.best_metric.empty()) {
+    read_metric = [&](int64_t step, const CheckpointReader& reader) {
+      if (std::optional<double> metric = ReadMetric(reader, options.best_metric)) {
+        loaded[step] = *metric;
+      }
+    };
+  }
+  TS_ASSIGN_OR_RETURN(StepStore::StepListing listing, step_store->CleanUpAndList(read_metric));
   std::lock_guard<std::mutex> guard(mutex);
   steps = std::move(listing.complete);
   damaged = std::move(listing.damaged);
+  metrics = std::move(loaded);
   return OkStatus();
-}
-
-void CheckpointManager::Impl::LoadMetrics() {
-  // A step whose metrics cannot be read (none saved, or damaged) simply has no metric: it ranks
-  // last, which must not stop the manager from opening.
-  std::vector<int64_t> listed;
-  {
-    std::lock_guard<std::mutex> guard(mutex);
-    listed.assign(steps.begin(), steps.end());
-  }
-  for (int64_t step : listed) {
-    // The reader checks COMMIT's size before reading it, and the file's size and CRC-32C.
-    Result<std::unique_ptr<CheckpointReader>> reader =
-        CheckpointReader::Open(kv, StepDir(step).value());
-    if (!reader.ok()) continue;
-    Result<std::string> text = (*reader)->ReadFile(kMetricsFileName);
-    if (!text.ok()) continue;
-    json doc = json::parse(*text, nullptr, /*allow_exceptions=*/false);
-    if (!doc.is_object() || !doc.contains(options.best_metric)) continue;
-    const json& value = doc[options.best_metric];
-    if (!value.is_number()) continue;
-    std::lock_guard<std::mutex> guard(mutex);
-    metrics[step] = value.get<double>();
-  }
 }
 
 Result<std::string> CheckpointManager::StepDir(int64_t step) { return StepStore::StepDir(step); }

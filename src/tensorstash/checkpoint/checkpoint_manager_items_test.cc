@@ -6,6 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -16,7 +17,9 @@
 #include "tensorstash/checkpoint/checkpoint_manager.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_test_util.h"
+#include "tensorstash/checkpoint/layout.h"
 #include "tensorstash/coordination/in_process_coordinator.h"
+#include "tensorstash/format/commit_record.h"
 #include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 
@@ -186,6 +189,58 @@ TEST(ManagerBestMetricTest, KeepsTheBestAndTheNewest) {
     ASSERT_TRUE(keys.ok());
     EXPECT_TRUE(keys->empty());
   }
+}
+
+// With best_metric, opening a manager opens each step once: the reader that checks a step in the
+// listing also gives its metric. Also for a step rolled back from an interrupted overwrite.
+TEST(ManagerBestMetricTest, OpeningReadsEachStepOnce) {
+  class CountingReads final : public ForwardingKvStore {
+   public:
+    using ForwardingKvStore::ForwardingKvStore;
+    Result<std::string> Read(std::string_view key) override {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        ++reads[std::string(key)];
+      }
+      return ForwardingKvStore::Read(key);
+    }
+    std::mutex mutex;
+    std::map<std::string, int> reads;
+  };
+  MemoryKvStore memory;
+  ManagerOptions options = Fast();
+  options.best_metric = "loss";
+  {
+    auto mgr = CheckpointManager::Open(&memory, options);
+    ASSERT_TRUE(mgr.ok()) << mgr.status();
+    for (const auto& [step, loss] :
+         std::vector<std::pair<int64_t, double>>{{1, 3}, {2, 1}, {3, 2}}) {
+      State state(step);
+      SaveRequest request = RequestFor(state);
+      request.metrics = {{"loss", loss}};
+      TS_ASSERT_OK((*mgr)->Save(step, std::move(request)));
+    }
+    TS_ASSERT_OK((*mgr)->Close());
+  }
+  // An overwrite of step 3 that crashed between its two renames: the open rolls it back.
+  TS_ASSERT_OK(memory.RenameDirectory("0000000003", "0000000003.old-00000000000000aa"));
+
+  CountingReads kv(&memory);
+  options.max_to_keep = 2;
+  auto mgr = CheckpointManager::Open(&kv, options);
+  ASSERT_TRUE(mgr.ok()) << mgr.status();
+  EXPECT_THAT((*mgr)->AllSteps(), ElementsAre(1, 2, 3));
+  for (const char* dir : {"0000000001", "0000000002", "0000000003"}) {
+    EXPECT_EQ(kv.reads[StrCat(dir, "/", kCommitFileName)], 1) << dir;
+    EXPECT_EQ(kv.reads[StrCat(dir, "/", kMetricsFileName)], 1) << dir;
+  }
+  // The metrics were read: a worse step 4 keeps the best two (2, 3) and itself, the newest.
+  State state(4);
+  SaveRequest request = RequestFor(state);
+  request.metrics = {{"loss", 9}};
+  TS_ASSERT_OK((*mgr)->Save(4, std::move(request)));
+  TS_ASSERT_OK((*mgr)->WaitUntilFinished());
+  EXPECT_THAT((*mgr)->AllSteps(), ElementsAre(2, 3, 4));
 }
 
 // A store whose file writes wait while the gate is closed (a slow disk, on demand).

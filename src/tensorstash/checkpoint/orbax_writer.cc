@@ -19,7 +19,6 @@
 // Any failure removes the temporary folder: nothing new is visible.
 
 #include "tensorstash/checkpoint/orbax_writer.h"
-#include "tensorstash/format/orbax_names.h"
 
 #include <atomic>
 #include <chrono>
@@ -33,6 +32,7 @@
 
 #include "tensorstash/checkpoint/step_folder.h"
 #include "tensorstash/engine/publish.h"
+#include "tensorstash/format/orbax_names.h"
 #include "tensorstash/format/zarr/zarr_array.h"
 #include "tensorstash/kvstore/ocdbt/ocdbt_kvstore.h"
 #include "tensorstash/util/random_id.h"
@@ -44,11 +44,16 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-constexpr std::string_view kTmpSuffix = ".orbax-checkpoint-tmp-";  // kOrbaxTmpMarker + "-"
 constexpr std::string_view kStandardHandler =
     "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler";
 constexpr int kSequenceKey = 1;  // Orbax's KeyType.SEQUENCE
 constexpr int kDictKey = 2;      // Orbax's KeyType.DICT
+
+// `dir` + kOrbaxTmpMarker + "-<tag><random id>": a temporary name as Orbax makes them, which
+// Orbax's CheckpointManager and our format detection and listing skip.
+std::string TmpFolderName(std::string_view dir, std::string_view tag = "") {
+  return StrCat(dir, kOrbaxTmpMarker, "-", tag, RandomHexId());
+}
 
 // A KvStore that adds every written key to an OcdbtWriter: how ZarrArrayWriter's output lands
 // in the database. It is write-once: nothing can be read back or deleted.
@@ -447,15 +452,14 @@ Status OrbaxWriter::Impl::CommitImpl(OrbaxWriteStats* stats,
   TS_ASSIGN_OR_RETURN(FolderContent content, CheckSaveDestination(kv, dir, options.overwrite));
   if (content == FolderContent::kTensorstashLeftover)
     TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
-  const std::string tmp = StrCat(dir, kTmpSuffix, RandomHexId());
+  const std::string tmp = TmpFolderName(dir);
   TS_RETURN_IF_ERROR(kv->DeletePrefix(tmp + "/"));
   Status status = WriteInto(tmp, leaves, stats, progress);
 
   // 5. Into place: the old checkpoint (overwrite) is moved aside and removed once the new one is
   // in place and durable; on failure nothing new is visible and the old one is as it was.
   if (status.ok()) {
-    status =
-        PublishFolder(kv, tmp, dir, StrCat(dir, kTmpSuffix, "old-", RandomHexId()), options.sync);
+    status = PublishFolder(kv, tmp, dir, TmpFolderName(dir, "old-"), options.sync);
   }
   if (!status.ok()) (void)kv->DeletePrefix(tmp + "/");
   return status;

@@ -41,7 +41,7 @@ Status StepStore::Lock() {
   return OkStatus();
 }
 
-Result<StepStore::StepListing> StepStore::CleanUpAndList() {
+Result<StepStore::StepListing> StepStore::CleanUpAndList(const OpenedStep& on_open) {
   // Top-level folders (one listing with the delimiter, not every data file of every step), and
   // whether each has a COMMIT. Loose files (LOCK, stray files) are not folders.
   TS_ASSIGN_OR_RETURN(ListedChildren top, kv_->ListChildren(""));
@@ -92,7 +92,13 @@ Result<StepStore::StepListing> StepStore::CleanUpAndList() {
   std::set<int64_t>& complete_steps = listing.complete;
   std::map<int64_t, std::string>& damaged_steps = listing.damaged;
   for (const std::string& name : restored) {
-    if (std::optional<int64_t> step = ParseStepName(name)) complete_steps.insert(*step);
+    std::optional<int64_t> step = ParseStepName(name);
+    if (!step) continue;
+    complete_steps.insert(*step);
+    if (on_open) {
+      Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(kv_, name);
+      if (reader.ok()) on_open(*step, **reader);
+    }
   }
   for (const auto& [name, complete] : folders) {
     if (restored.count(name) > 0) continue;
@@ -108,6 +114,7 @@ Result<StepStore::StepListing> StepStore::CleanUpAndList() {
       Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(kv_, name);
       if (reader.ok()) {
         complete_steps.insert(*step);
+        if (on_open) on_open(*step, **reader);
       } else {
         damaged_steps[*step] = std::string(reader.status().message());
       }

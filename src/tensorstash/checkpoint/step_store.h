@@ -11,6 +11,7 @@
 #define TENSORSTASH_CHECKPOINT_STEP_STORE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -22,6 +23,8 @@
 #include "tensorstash/util/status.h"
 
 namespace tensorstash {
+
+class CheckpointReader;
 
 class StepStore {
  public:
@@ -50,7 +53,13 @@ class StepStore {
   // folders without COMMIT holding only files a save writes: step_folder.h), after rolling back
   // an overwrite that crashed between its two renames. Must run with the lock held (no save in
   // flight). Anything else in the root is left alone.
-  Result<StepListing> CleanUpAndList();
+  //
+  // Each complete step is opened once, to check it; `on_open` (optional) is called with the
+  // reader of every complete step that opens, so that a caller who needs something from each
+  // step (the manager's metrics) does not open it again. A step restored from an interrupted
+  // overwrite is listed without that check and is opened only when `on_open` is given.
+  using OpenedStep = std::function<void(int64_t step, const CheckpointReader& reader)>;
+  Result<StepListing> CleanUpAndList(const OpenedStep& on_open = nullptr);
 
   // Deletes `step`: COMMIT first, so that a crash halfway leaves an incomplete folder (removed by
   // the next CleanUpAndList), never a step that claims to be complete with files missing.

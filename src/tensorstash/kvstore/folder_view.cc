@@ -8,7 +8,8 @@ namespace tensorstash {
 
 FolderView::FolderView(std::string folder, KvStore* target, std::string target_prefix,
                        std::unique_ptr<KvStore> owned)
-    : folder_prefix_(StrCat(folder, "/")),
+    : ReadOnlyKvStore("a folder view"),
+      folder_prefix_(StrCat(folder, "/")),
       owned_(std::move(owned)),
       target_(target),
       target_prefix_(std::move(target_prefix)) {}
@@ -24,11 +25,6 @@ Result<std::string> FolderView::Map(std::string_view key) const {
   const std::string_view rest =
       key.size() > folder_prefix_.size() ? key.substr(folder_prefix_.size()) : std::string_view();
   return StrCat(target_prefix_, rest);
-}
-
-Status FolderView::ReadOnly(std::string_view operation, std::string_view key) const {
-  return FailedPreconditionError(
-      StrCat(operation, " '", key, "' failed: a folder view is read-only"));
 }
 
 Result<std::string> FolderView::Read(std::string_view key) {
@@ -60,19 +56,8 @@ Result<std::vector<std::string>> FolderView::List(std::string_view prefix) {
   return keys;
 }
 
-Status FolderView::Write(std::string_view key, std::string_view) { return ReadOnly("write", key); }
-Result<std::unique_ptr<WritableFile>> FolderView::OpenForWrite(std::string_view key) {
-  return ReadOnly("open for write", key);
-}
-Status FolderView::Delete(std::string_view key) { return ReadOnly("delete", key); }
-Status FolderView::DeletePrefix(std::string_view prefix) { return ReadOnly("delete", prefix); }
-Status FolderView::RenameDirectory(std::string_view from, std::string_view) {
-  return ReadOnly("rename directory", from);
-}
-Status FolderView::Sync(std::string_view key) { return ReadOnly("sync", key); }
-Status FolderView::SyncDirectory(std::string_view dir) { return ReadOnly("sync directory", dir); }
 Result<std::unique_ptr<KvLock>> FolderView::TryLock(std::string_view key) {
-  return ReadOnly("lock", key);
+  return Refuse("lock", key);
 }
 
 }  // namespace tensorstash

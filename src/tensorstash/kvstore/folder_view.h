@@ -13,10 +13,11 @@
 #include <vector>
 
 #include "tensorstash/kvstore/kvstore.h"
+#include "tensorstash/kvstore/read_only_kvstore.h"
 
 namespace tensorstash {
 
-class FolderView final : public KvStore {
+class FolderView final : public ReadOnlyKvStore {
  public:
   // `owned` (may be null) is kept alive with the view; `target` may be it, or a store that
   // outlives the view.
@@ -29,21 +30,13 @@ class FolderView final : public KvStore {
   Result<uint64_t> Size(std::string_view key) override;
   Result<std::unique_ptr<ReadableFile>> OpenForRead(std::string_view key) override;
   Result<std::vector<std::string>> List(std::string_view prefix) override;
-  // Writes, deletes, renames, syncs and locks: FailedPrecondition (the view is read-only).
-  Status Write(std::string_view key, std::string_view value) override;
-  Result<std::unique_ptr<WritableFile>> OpenForWrite(std::string_view key) override;
-  Status Delete(std::string_view key) override;
-  Status DeletePrefix(std::string_view prefix) override;
-  bool SupportsRename() const override { return false; }
-  Status RenameDirectory(std::string_view from, std::string_view to) override;
-  Status Sync(std::string_view key) override;
-  Status SyncDirectory(std::string_view dir) override;
+  // Writes, deletes, renames and syncs are refused by ReadOnlyKvStore (FailedPrecondition: "a
+  // folder view is read-only"); so are locks, here.
   Result<std::unique_ptr<KvLock>> TryLock(std::string_view key) override;
 
  private:
   // The target's key for `key`, or InvalidArgument when `key` is not under the folder.
   Result<std::string> Map(std::string_view key) const;
-  Status ReadOnly(std::string_view operation, std::string_view key) const;
 
   const std::string folder_prefix_;  // "<folder>/"
   std::unique_ptr<KvStore> owned_;

@@ -19,34 +19,12 @@ constexpr size_t kMaxSegmentLength = 255;
 // A rejected 4 KiB key is quoted only in part: the message has to stay readable in a log.
 constexpr size_t kMaxQuotedLength = 200;
 
-// Escapes '"', '\\' and non-printable bytes ("a\x00b"), so that a key with control bytes stays
-// legible in a message.
-std::string Escape(std::string_view text) {
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out;
-  out.reserve(text.size());
-  for (const char c : text) {
-    const auto byte = static_cast<unsigned char>(c);
-    if (c == '"' || c == '\\') {
-      out.push_back('\\');
-      out.push_back(c);
-    } else if (byte < 0x20 || byte >= 0x7f) {
-      out += "\\x";
-      out.push_back(kHex[byte >> 4]);
-      out.push_back(kHex[byte & 0xf]);
-    } else {
-      out.push_back(c);
-    }
-  }
-  return out;
-}
-
 std::string Quote(std::string_view text) {
   if (text.size() > kMaxQuotedLength) {
-    return StrCat("\"", Escape(text.substr(0, kMaxQuotedLength)), "\"... (", text.size(),
+    return StrCat("\"", EscapeBytes(text.substr(0, kMaxQuotedLength)), "\"... (", text.size(),
                   " bytes)");
   }
-  return StrCat("\"", Escape(text), "\"");
+  return StrCat("\"", EscapeBytes(text), "\"");
 }
 
 Status Invalid(std::string_view what, std::string_view original, std::string_view problem) {

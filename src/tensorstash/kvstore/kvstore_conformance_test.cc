@@ -491,6 +491,9 @@ TEST_P(KvStoreConformanceTest, FolderViewReadsTheFolderAndRefusesWrites) {
   EXPECT_TRUE(absl::IsInvalidArgument((*view)->Read("other/x").status()));
   EXPECT_TRUE(absl::IsFailedPrecondition((*view)->Write("step/new", "n")));
   EXPECT_TRUE(absl::IsFailedPrecondition((*view)->DeletePrefix("step/")));
+  const Status refused = (*view)->Write("step/new", "n");
+  EXPECT_THAT(MessageOf(refused), HasSubstr("write 'step/new' failed: a folder view is read-only"));
+  EXPECT_TRUE(absl::IsFailedPrecondition((*view)->TryLock("step/LOCK").status()));
   // A pinning store keeps showing the folder it opened after another one takes its name.
   if (!store_->SupportsRename()) return;
   Put("new/COMMIT", "c2");

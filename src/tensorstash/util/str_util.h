@@ -119,16 +119,22 @@ inline bool IsValidUtf8(std::string_view text) {
   return true;
 }
 
-// `text` with bytes outside printable ASCII written as \xNN, for messages.
+// `text` for a message: '"' and '\\' escaped with a backslash and bytes outside printable ASCII
+// written as \xNN ("a\x00b"), so that a key or name with control bytes stays legible and can be
+// put between double quotes.
 inline std::string EscapeBytes(std::string_view text) {
   static constexpr char kHex[] = "0123456789abcdef";
   std::string out;
+  out.reserve(text.size());
   for (const char c : text) {
     const auto byte = static_cast<unsigned char>(c);
-    if (byte < 0x20 || byte >= 0x7f || c == '\\') {
+    if (c == '"' || c == '\\') {
+      out.push_back('\\');
+      out.push_back(c);
+    } else if (byte < 0x20 || byte >= 0x7f) {
       out += "\\x";
       out.push_back(kHex[byte >> 4]);
-      out.push_back(kHex[byte & 15]);
+      out.push_back(kHex[byte & 0xf]);
     } else {
       out.push_back(c);
     }

@@ -42,6 +42,12 @@ TEST(StrUtilTest, CatJoinSplitParse) {
   EXPECT_EQ(Hex32(0xab), "000000ab");
 }
 
+TEST(StrUtilTest, EscapeBytes) {
+  EXPECT_EQ(EscapeBytes("plain/key.0"), "plain/key.0");
+  EXPECT_EQ(EscapeBytes(std::string_view("a\0b\n\x7f\xff", 6)), "a\\x00b\\x0a\\x7f\\xff");
+  EXPECT_EQ(EscapeBytes("say \"hi\" \\ bye"), "say \\\"hi\\\" \\\\ bye");
+}
+
 TEST(ThreadPoolTest, TaskGroupReturnsFirstErrorAndSkipsTheRest) {
   ThreadPool pool(4);
   std::atomic<int> ran{0};

@@ -41,11 +41,6 @@ Result<std::string> NormalizeRoot(std::string root) {
   return root;
 }
 
-Status ReadOnly(std::string_view operation) {
-  return FailedPreconditionError(
-      StrCat("OCDBT store is read-only (", operation, "); use OcdbtWriter to create one"));
-}
-
 // A value held in memory (inline values).
 class StringReadableFile final : public ReadableFile {
  public:
@@ -139,7 +134,8 @@ struct OcdbtKvStore::NodeCache {
 
 OcdbtKvStore::OcdbtKvStore(KvStore* base, std::string root, ocdbt::Manifest manifest,
                            Options options)
-    : base_(base),
+    : ReadOnlyKvStore("the OCDBT store", "use OcdbtWriter to create one"),
+      base_(base),
       root_(std::move(root)),
       manifest_(std::move(manifest)),
       version_(manifest_.versions.back()),
@@ -366,18 +362,6 @@ Result<std::vector<std::string>> OcdbtKvStore::List(std::string_view prefix) {
                               version_.root_height, "", prefix, &keys));
   return keys;
 }
-
-Status OcdbtKvStore::Write(std::string_view, std::string_view) { return ReadOnly("Write"); }
-Result<std::unique_ptr<WritableFile>> OcdbtKvStore::OpenForWrite(std::string_view) {
-  return ReadOnly("OpenForWrite");
-}
-Status OcdbtKvStore::Delete(std::string_view) { return ReadOnly("Delete"); }
-Status OcdbtKvStore::DeletePrefix(std::string_view) { return ReadOnly("DeletePrefix"); }
-Status OcdbtKvStore::RenameDirectory(std::string_view, std::string_view) {
-  return ReadOnly("RenameDirectory");
-}
-Status OcdbtKvStore::Sync(std::string_view) { return ReadOnly("Sync"); }
-Status OcdbtKvStore::SyncDirectory(std::string_view) { return ReadOnly("SyncDirectory"); }
 
 // ---------------------------------------------------------------------------------------------
 // OcdbtWriter

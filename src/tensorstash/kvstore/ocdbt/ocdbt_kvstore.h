@@ -25,6 +25,7 @@
 
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/kvstore/ocdbt/ocdbt_format.h"
+#include "tensorstash/kvstore/read_only_kvstore.h"
 #include "tensorstash/util/status.h"
 
 namespace tensorstash {
@@ -36,8 +37,9 @@ namespace tensorstash {
 // structure is verified (magic, length, crc32c, bounds) when first read; corruption is DataLoss
 // naming the base key of the file and what is wrong. Data file paths that would leave the
 // database root ("..", absolute, empty segments) are DataLoss too.
-// The write methods return FailedPrecondition: use OcdbtWriter to create a database.
-class OcdbtKvStore final : public KvStore {
+// The write methods return FailedPrecondition (ReadOnlyKvStore): use OcdbtWriter to create a
+// database.
+class OcdbtKvStore final : public ReadOnlyKvStore {
  public:
   struct Options {
     // Decoded B+tree nodes kept in memory (least recently used ones are dropped first).
@@ -72,16 +74,6 @@ class OcdbtKvStore final : public KvStore {
   // Every key starting with `prefix`, sorted bytewise. Visits only the subtrees that can hold
   // such keys.
   Result<std::vector<std::string>> List(std::string_view prefix) override;
-
-  // Not supported (FailedPrecondition): the database is read-only.
-  Status Write(std::string_view key, std::string_view value) override;
-  Result<std::unique_ptr<WritableFile>> OpenForWrite(std::string_view key) override;
-  Status Delete(std::string_view key) override;
-  Status DeletePrefix(std::string_view prefix) override;
-  bool SupportsRename() const override { return false; }
-  Status RenameDirectory(std::string_view from, std::string_view to) override;
-  Status Sync(std::string_view key) override;
-  Status SyncDirectory(std::string_view dir) override;
 
   // Where a value lives; defined in the .cc.
   struct ValueRef;

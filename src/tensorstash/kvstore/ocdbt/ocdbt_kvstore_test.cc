@@ -129,6 +129,12 @@ TEST(OcdbtKvStoreTest, ListByPrefixAndRanges) {
   EXPECT_TRUE(absl::IsNotFound((*store)->Size("nope").status()));
   EXPECT_TRUE(absl::IsFailedPrecondition((*store)->Write("k", "v")));
   EXPECT_TRUE(absl::IsFailedPrecondition((*store)->Delete("k")));
+  const Status refused = (*store)->DeletePrefix("params.");
+  EXPECT_TRUE(absl::IsFailedPrecondition(refused)) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("delete prefix 'params.'"));
+  EXPECT_THAT(refused.message(), HasSubstr("OCDBT store is read-only"));
+  EXPECT_THAT(refused.message(), HasSubstr("OcdbtWriter"));
+  EXPECT_FALSE((*store)->SupportsRename());
 }
 
 TEST(OcdbtKvStoreTest, EmptyDatabase) {
