@@ -43,6 +43,7 @@
 #include "tensorstash/coordination/single_process_coordinator.h"
 #include "tensorstash/engine/data_file_set.h"
 #include "tensorstash/engine/publish.h"
+#include "tensorstash/engine/write_plan.h"
 #include "tensorstash/format/chunk_codec.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/format/index_format.h"
@@ -62,13 +63,11 @@ struct ArrayEntry {
   ChunkGrid grid;
 };
 
+// A planned chunk write (engine/write_plan.h) and what executing it needs.
 struct ChunkTask {
-  uint32_t array_id;
-  int64_t chunk;
-  Box chunk_box;
+  ChunkWrite plan;
   const ShardData* shard;
   bool preallocated = false;
-  int lane = 0;
   DataFileSet::Location location{};
 };
 
@@ -476,39 +475,31 @@ Status CheckpointWriter::Impl::AgreeOnGrids() {
 
 Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) {
   Coordinator& c = *coordinator;
-  // Plan: which chunks this process writes, from which shard.
-  std::vector<ChunkTask> tasks;
-  for (uint32_t id = 0; id < arrays.size(); ++id) {
-    const ArrayEntry& a = arrays[id];
-    for (const ShardData& shard : a.shards) {
-      if (shard.box.empty()) continue;
-      if (!options.split_replicated_writes && shard.replica_id != 0) continue;
-      int64_t sequence = 0;
-      Status aligned;
-      a.grid.ForEachChunkIntersecting(shard.box, [&](int64_t chunk, const Box& chunk_box) {
-        if (!shard.box.Contains(chunk_box)) {
-          aligned = InternalError(StrCat("array '", a.spec.path, "': chunk ", chunk_box.ToString(),
-                                         " straddles shards"));
-        }
-        const int writer =
-            options.split_replicated_writes ? static_cast<int>(sequence % shard.num_replicas) : 0;
-        ++sequence;
-        if (writer == shard.replica_id) tasks.push_back({id, chunk, chunk_box, &shard});
-      });
-      TS_RETURN_IF_ERROR(aligned);
-    }
-  }
-
-  // Big saves write a few files at once (lanes): the filesystem serializes buffered writes
+  // Plan (engine/write_plan.h): which chunks this process writes, from which shard, in which
+  // lane. Big saves write a few files at once (lanes): the filesystem serializes buffered writes
   // into one file. Each lane gets at least kMinLaneBytes so small saves stay in one file.
   constexpr uint64_t kMinLaneBytes = uint64_t{64} << 20;
-  uint64_t total_raw = 0;
-  for (const ChunkTask& task : tasks) {
-    total_raw += task.chunk_box.num_elements() * ItemSize(arrays[task.array_id].spec.dtype);
+  std::vector<ChunkTask> tasks;
+  int lanes = 1;
+  {
+    std::vector<ArrayToWrite> to_write(arrays.size());
+    for (size_t id = 0; id < arrays.size(); ++id) {
+      const ArrayEntry& a = arrays[id];
+      to_write[id] = {a.spec.path, &a.grid, ItemSize(a.spec.dtype), {}};
+      for (const ShardData& shard : a.shards) {
+        to_write[id].shards.push_back({shard.box, shard.replica_id, shard.num_replicas});
+      }
+    }
+    TS_ASSIGN_OR_RETURN(std::vector<ChunkWrite> writes,
+                        PlanChunkWrites(to_write, options.split_replicated_writes));
+    lanes = CountLanes(writes, options.io_threads, kMaxLanes, kMinLaneBytes);
+    AssignLanes(&writes, lanes);
+    tasks.reserve(writes.size());
+    for (ChunkWrite& w : writes) {
+      const ShardData* shard = &arrays[w.array_id].shards[w.shard];
+      tasks.push_back({std::move(w), shard});
+    }
   }
-  const int lanes = static_cast<int>(
-      std::clamp<uint64_t>(total_raw / kMinLaneBytes, 1,
-                           static_cast<uint64_t>(std::min(options.io_threads, kMaxLanes))));
   // A synced save starts each file's writeback every few MiB: the storage then writes while
   // the save copies, instead of all at once in the final fsync (a 512 MiB save on 4 files here:
   // 430-470 -> 280-290 ms). It also writes large chunks around the page cache
@@ -521,30 +512,18 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   // Uncompressed chunks get their places up front, in array and chunk order, each lane taking
   // a contiguous share of the bytes, so that the chunks of an array lie side by side and
   // readers can fetch neighbours in one request.
-  std::sort(tasks.begin(), tasks.end(), [](const ChunkTask& x, const ChunkTask& y) {
-    return std::tie(x.array_id, x.chunk) < std::tie(y.array_id, y.chunk);
-  });
-  uint64_t placed = 0;
   for (ChunkTask& task : tasks) {
-    const ArrayEntry& a = arrays[task.array_id];
-    const uint64_t raw = task.chunk_box.num_elements() * ItemSize(a.spec.dtype);
-    task.lane = static_cast<int>(
-        std::min<uint64_t>(lanes - 1, placed * lanes / std::max<uint64_t>(total_raw, 1)));
-    placed += raw;
-    if (a.spec.codec != Codec::kNone) continue;
-    TS_ASSIGN_OR_RETURN(task.location, files.Allocate(raw, task.lane));
+    if (arrays[task.plan.array_id].spec.codec != Codec::kNone) continue;
+    TS_ASSIGN_OR_RETURN(task.location, files.Allocate(task.plan.raw_bytes, task.plan.lane));
     task.preallocated = true;
   }
   // Run the lanes side by side: take tasks from each lane in turn.
   std::vector<const ChunkTask*> order;
   {
-    std::vector<std::vector<const ChunkTask*>> by_lane(lanes);
-    for (const ChunkTask& task : tasks) by_lane[task.lane].push_back(&task);
-    for (size_t i = 0; order.size() < tasks.size(); ++i) {
-      for (auto& lane : by_lane) {
-        if (i < lane.size()) order.push_back(lane[i]);
-      }
-    }
+    std::vector<ChunkWrite> plans;
+    plans.reserve(tasks.size());
+    for (const ChunkTask& task : tasks) plans.push_back(task.plan);
+    for (size_t i : InterleaveLanes(plans, lanes)) order.push_back(&tasks[i]);
   }
 
   ThreadPool pool(options.io_threads);
@@ -566,8 +545,8 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
             [&, task] { return WriteTask(*task, &files, &limiter, &mutex, &entries, stats); });
         continue;
       }
-      const ArrayEntry& a = arrays[task->array_id];
-      const uint64_t raw_size = task->chunk_box.num_elements() * ItemSize(a.spec.dtype);
+      const ArrayEntry& a = arrays[task->plan.array_id];
+      const uint64_t raw_size = task->plan.chunk_box.num_elements() * ItemSize(a.spec.dtype);
       // The reservation covers the compressed copy too, so that a write never waits for
       // staging that only the copying thread could free.
       const uint64_t reserved =
@@ -607,27 +586,28 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
 }
 
 Status CheckpointWriter::Impl::GatherChunk(const ChunkTask& task, char* out) const {
-  const ArrayEntry& a = arrays[task.array_id];
+  const ArrayEntry& a = arrays[task.plan.array_id];
   const ShardData& shard = *task.shard;
   const size_t item = ItemSize(a.spec.dtype);
-  if (IsContiguousIn(task.chunk_box, shard.box)) {
+  if (IsContiguousIn(task.plan.chunk_box, shard.box)) {
     std::memcpy(
-        out, static_cast<const char*>(shard.data) + ByteOffsetIn(task.chunk_box, shard.box, item),
-        task.chunk_box.num_elements() * item);
+        out,
+        static_cast<const char*>(shard.data) + ByteOffsetIn(task.plan.chunk_box, shard.box, item),
+        task.plan.chunk_box.num_elements() * item);
     return OkStatus();
   }
-  return CopyBox(task.chunk_box, a.spec.dtype, shard.data, shard.box, a.spec.dtype, out,
-                 task.chunk_box, a.spec.path);
+  return CopyBox(task.plan.chunk_box, a.spec.dtype, shard.data, shard.box, a.spec.dtype, out,
+                 task.plan.chunk_box, a.spec.path);
 }
 
 Status CheckpointWriter::Impl::WriteTask(const ChunkTask& task, DataFileSet* files,
                                          ByteLimiter* limiter, std::mutex* mutex,
                                          std::vector<IndexEntry>* entries, WriteStats* stats) {
-  const ArrayEntry& a = arrays[task.array_id];
+  const ArrayEntry& a = arrays[task.plan.array_id];
   const ShardData& shard = *task.shard;
   const size_t item = ItemSize(a.spec.dtype);
-  const uint64_t raw_size = task.chunk_box.num_elements() * item;
-  const bool contiguous = IsContiguousIn(task.chunk_box, shard.box);
+  const uint64_t raw_size = task.plan.chunk_box.num_elements() * item;
+  const bool contiguous = IsContiguousIn(task.plan.chunk_box, shard.box);
 
   // Staging is needed to gather a non-contiguous chunk and to hold compressed bytes; a
   // contiguous uncompressed chunk goes straight from the caller's buffer to the file.
@@ -635,7 +615,7 @@ Status CheckpointWriter::Impl::WriteTask(const ChunkTask& task, DataFileSet* fil
                      (a.spec.codec == Codec::kNone ? 0 : MaxEncodedSize(a.spec.codec, raw_size));
   ByteReservation reservation(limiter, staging);
   const char* raw =
-      static_cast<const char*>(shard.data) + ByteOffsetIn(task.chunk_box, shard.box, item);
+      static_cast<const char*>(shard.data) + ByteOffsetIn(task.plan.chunk_box, shard.box, item);
   StagingBuffer gathered;
   if (!contiguous) {
     gathered = StagingBuffer(raw_size);
@@ -648,7 +628,7 @@ Status CheckpointWriter::Impl::WriteTask(const ChunkTask& task, DataFileSet* fil
 Status CheckpointWriter::Impl::WriteChunk(const ChunkTask& task, std::string_view raw,
                                           DataFileSet* files, std::mutex* mutex,
                                           std::vector<IndexEntry>* entries, WriteStats* stats) {
-  const ArrayEntry& a = arrays[task.array_id];
+  const ArrayEntry& a = arrays[task.plan.array_id];
   std::string encoded;
   std::string_view stored = raw;
   if (a.spec.codec != Codec::kNone) {
@@ -658,13 +638,13 @@ Status CheckpointWriter::Impl::WriteChunk(const ChunkTask& task, std::string_vie
   const uint32_t crc = Crc32c(stored);
   DataFileSet::Location location = task.location;
   if (!task.preallocated) {
-    TS_ASSIGN_OR_RETURN(location, files->Allocate(stored.size(), task.lane));
+    TS_ASSIGN_OR_RETURN(location, files->Allocate(stored.size(), task.plan.lane));
   }
-  TS_RETURN_IF_ERROR(Annotate(
-      files->Write(location, stored.data(), stored.size()),
-      StrCat("writing chunk ", a.grid.ChunkName(task.chunk), " of array '", a.spec.path, "'")));
+  TS_RETURN_IF_ERROR(Annotate(files->Write(location, stored.data(), stored.size()),
+                              StrCat("writing chunk ", a.grid.ChunkName(task.plan.chunk),
+                                     " of array '", a.spec.path, "'")));
   std::lock_guard<std::mutex> lock(*mutex);
-  entries->push_back({task.array_id, location.file_id, static_cast<uint64_t>(task.chunk),
+  entries->push_back({task.plan.array_id, location.file_id, static_cast<uint64_t>(task.plan.chunk),
                       location.offset, stored.size(), crc});
   stats->raw_bytes += raw.size();
   stats->stored_bytes += stored.size();
