@@ -15,6 +15,9 @@ An adapter is a small object with these methods (see numpy.NumpyAdapter, jax.Jax
         device), or one for the whole array.
     build(target, shape, buffers) -> leaf
         The restored leaf from `buffers` ({key: NumPy array of the box, native byte order}).
+    build_many(items) -> list   (optional)
+        The leaves of [(target, shape, buffers)], finished in the same batch, built together
+        (jax.JaxAdapter places them with one device_put call).
     orbax_sharding(x) -> str | None
         The JSON Orbax records in `_sharding` for the leaf's sharding (save(format="orbax")),
         or None: the leaf is then recorded as a NumPy array.

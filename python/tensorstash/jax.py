@@ -83,6 +83,12 @@ def assemble(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
+# Arrays up to this size are read whole into one host buffer and placed with one device_put for
+# all of a batch (a copy per device, cheap at this size); larger ones are read device by device
+# into buffers the devices can adopt without a copy.
+_WHOLE_UP_TO = 4 << 20
+
+
 class JaxAdapter:
     """Leaves that are jax.Array (any sharding: each process saves its own shards, and restores
     each device's block) and jax.ShapeDtypeStruct targets. See _adapters.py for the protocol."""
@@ -98,10 +104,33 @@ class JaxAdapter:
         return tuple(x.shape), shards_of(x), not in_host_memory(x)
 
     def restore_boxes(self, target: Any, shape: tuple[int, ...]) -> dict[Any, tuple]:
-        return device_boxes(self._sharding(target), shape)
+        sharding = self._sharding(target)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(target.dtype).itemsize
+        if nbytes <= _WHOLE_UP_TO and sharding.is_fully_addressable:
+            return {None: ((0,) * len(shape), shape)}  # one host array, split by device_put
+        return device_boxes(sharding, shape)
 
     def build(self, target: Any, shape: tuple[int, ...], buffers: dict[Any, np.ndarray]):
-        return assemble(shape, self._sharding(target), buffers)
+        return self.build_many([(target, shape, buffers)])[0]
+
+    def build_many(self, items: list[tuple]) -> list[jax.Array]:
+        """The leaves of one batch: the small ones (read whole) in one device_put call, which
+        costs a third of placing them shard by shard (profile of 4,000 arrays on 8 CPU
+        devices: 32,000 device_put calls took 3.0 s of a 4.6 s restore); the others assembled
+        from their per-device buffers. Returns once the devices hold their copies, so that
+        the host buffers can go."""
+        out: list[Any] = [None] * len(items)
+        whole = [i for i, (_, _, buffers) in enumerate(items) if None in buffers]
+        if whole:
+            put = jax.device_put([items[i][2][None] for i in whole],
+                                 [self._sharding(items[i][0]) for i in whole])
+            jax.block_until_ready(put)
+            for i, array in zip(whole, put):
+                out[i] = array
+        for i, (target, shape, buffers) in enumerate(items):
+            if out[i] is None:
+                out[i] = assemble(shape, self._sharding(target), buffers)
+        return out
 
     def orbax_sharding(self, x: Any) -> str | None:
         return orbax_sharding(x.sharding)
