@@ -32,13 +32,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! .venv/bin/python -c "import numpy, ml_dtypes, scikit_build_core, nanobind, pytest, hypothesis, jax" 2>/dev/null; then
   echo "setup: installing Python packages into .venv"
-  .venv/bin/pip install -q --disable-pip-version-check numpy ml_dtypes scikit-build-core nanobind \
+  .venv/bin/pip install -q --disable-pip-version-check -c scripts/constraints.txt numpy ml_dtypes scikit-build-core nanobind \
     pytest hypothesis jax
 fi
 # The benchmark's peers (bench/, and its smoke test under pytest): Orbax + TensorStore from PyPI.
 if ! .venv/bin/python -c "import orbax.checkpoint, tensorstore, safetensors, matplotlib" 2>/dev/null; then
   echo "setup: installing the benchmark's peers into .venv (orbax-checkpoint, tensorstore)"
-  .venv/bin/pip install -q --disable-pip-version-check orbax-checkpoint tensorstore safetensors \
+  .venv/bin/pip install -q --disable-pip-version-check -c scripts/constraints.txt orbax-checkpoint tensorstore safetensors \
     matplotlib
 fi
 
@@ -46,7 +46,7 @@ fi
 # (blosc) and v3 arrays beside TensorStore and Orbax.
 if ! .venv/bin/python -c "import zarr, numcodecs" 2>/dev/null; then
   echo "setup: installing zarr-python into .venv"
-  .venv/bin/pip install -q --disable-pip-version-check zarr numcodecs
+  .venv/bin/pip install -q --disable-pip-version-check -c scripts/constraints.txt zarr numcodecs
 fi
 
 GENERATOR=()

@@ -20,8 +20,8 @@ Result<std::vector<ChunkWrite>> PlanChunkWrites(const std::vector<ArrayToWrite>&
       Status aligned;
       a.grid->ForEachChunkIntersecting(shard.box, [&](int64_t chunk, const Box& chunk_box) {
         if (!shard.box.Contains(chunk_box)) {
-          aligned = InternalError(StrCat("array '", a.path, "': chunk ", chunk_box.ToString(),
-                                         " straddles shards"));
+          aligned = InternalError(
+              StrCat("array '", a.path, "': chunk ", chunk_box.ToString(), " straddles shards"));
         }
         const int writer =
             split_replicated_writes ? static_cast<int>(sequence % shard.num_replicas) : 0;
@@ -44,8 +44,8 @@ int CountLanes(const std::vector<ChunkWrite>& writes, int io_threads, int max_la
   uint64_t total = 0;
   for (const ChunkWrite& w : writes) total += w.raw_bytes;
   const uint64_t most = static_cast<uint64_t>(std::max(1, std::min(io_threads, max_lanes)));
-  return static_cast<int>(std::clamp<uint64_t>(total / std::max<uint64_t>(min_lane_bytes, 1), 1,
-                                               most));
+  return static_cast<int>(
+      std::clamp<uint64_t>(total / std::max<uint64_t>(min_lane_bytes, 1), 1, most));
 }
 
 void AssignLanes(std::vector<ChunkWrite>* writes, int lanes) {

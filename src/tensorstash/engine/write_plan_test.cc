@@ -34,8 +34,8 @@ TEST(WritePlanTest, ReplicasDealOutTheChunksOfAShardInTurn) {
     Result<std::vector<ChunkWrite>> writes =
         PlanChunkWrites({Array({{top, replica, 2}})}, /*split_replicated_writes=*/true);
     TS_ASSERT_OK(writes.status());
-    EXPECT_EQ(Chunks(*writes), replica == 0 ? std::vector<int64_t>({0, 2})
-                                            : std::vector<int64_t>({1, 3}));
+    EXPECT_EQ(Chunks(*writes),
+              replica == 0 ? std::vector<int64_t>({0, 2}) : std::vector<int64_t>({1, 3}));
     for (const ChunkWrite& w : *writes) {
       EXPECT_TRUE(all.insert(w.chunk).second) << "chunk written twice: " << w.chunk;
       EXPECT_EQ(w.raw_bytes, 16u);
@@ -58,7 +58,8 @@ TEST(WritePlanTest, WithoutSplittingReplicaZeroWritesEverything) {
 TEST(WritePlanTest, WritesComeInArrayAndChunkOrderAndNameTheirShard) {
   // Shards given bottom first; empty shards are skipped.
   Result<std::vector<ChunkWrite>> writes = PlanChunkWrites(
-      {Array({{Box({4, 0}, {4, 4}), 0, 1}, {Box({0, 0}, {0, 4}), 0, 1}, {Box({0, 0}, {4, 4}), 0, 1}}),
+      {Array(
+           {{Box({4, 0}, {4, 4}), 0, 1}, {Box({0, 0}, {0, 4}), 0, 1}, {Box({0, 0}, {4, 4}), 0, 1}}),
        Array({{Box({0, 0}, {8, 4}), 0, 1}})},
       true);
   TS_ASSERT_OK(writes.status());
