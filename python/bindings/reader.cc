@@ -54,6 +54,18 @@ class ThrottledProgress {
 
   explicit ThrottledProgress(nb::handle callable) : callable_(callable) {}
 
+  // The reader's progress callback for the Python `progress` (None: no callback), calling it
+  // through `*forward`, which this sets up. TypeError unless `progress` is callable or None.
+  static std::function<void(uint64_t, uint64_t)> Forward(
+      nb::handle progress, std::optional<ThrottledProgress>* forward) {
+    if (progress.is_none()) return nullptr;
+    if (!PyCallable_Check(progress.ptr())) {
+      throw nb::type_error("progress must be callable or None");
+    }
+    forward->emplace(progress);
+    return [forward](uint64_t done, uint64_t total) { (**forward)(done, total); };
+  }
+
   void operator()(uint64_t done, uint64_t total) {
     const bool final = done >= total;
     const auto now = std::chrono::steady_clock::now();
@@ -150,9 +162,6 @@ class Reader {
 
   nb::dict ReadMany(const std::vector<RequestTuple>& requests, nb::object progress) {
     const std::shared_ptr<OpenStep> step = Step();
-    if (!progress.is_none() && !PyCallable_Check(progress.ptr())) {
-      throw nb::type_error("progress must be callable or None");
-    }
     std::vector<ReadRequest> reads;
     // References to the destinations, so that they outlive the read even if another thread
     // drops the caller's list while the GIL is released.
@@ -172,11 +181,8 @@ class Reader {
     ReadStats stats;
     Status status;
     std::optional<ThrottledProgress> forward;
-    std::function<void(uint64_t, uint64_t)> on_progress;
-    if (!progress.is_none()) {
-      forward.emplace(progress);
-      on_progress = [&forward](uint64_t done, uint64_t total) { (*forward)(done, total); };
-    }
+    const std::function<void(uint64_t, uint64_t)> on_progress =
+        ThrottledProgress::Forward(progress, &forward);
     {
       nb::gil_scoped_release release;
       status = step->source->ReadMany(reads, &stats, on_progress);
@@ -229,9 +235,6 @@ class Reader {
                          bool map, int64_t batch_bytes, nb::object progress) {
     const std::shared_ptr<OpenStep> step = Step();
     if (!PyCallable_Check(on_batch.ptr())) throw nb::type_error("on_batch must be callable");
-    if (!progress.is_none() && !PyCallable_Check(progress.ptr())) {
-      throw nb::type_error("progress must be callable or None");
-    }
     if (batch_bytes <= 0) {
       ThrowIfError(InvalidArgumentError(StrCat("batch_bytes must be > 0, not ", batch_bytes)));
     }
@@ -244,11 +247,8 @@ class Reader {
     options.map = map;
     options.batch_bytes = static_cast<uint64_t>(batch_bytes);
     std::optional<ThrottledProgress> forward;
-    std::function<void(uint64_t, uint64_t)> on_progress;
-    if (!progress.is_none()) {
-      forward.emplace(progress);
-      on_progress = [&forward](uint64_t done, uint64_t total) { (*forward)(done, total); };
-    }
+    const std::function<void(uint64_t, uint64_t)> on_progress =
+        ThrottledProgress::Forward(progress, &forward);
     std::optional<nb::python_error> batch_error;
     auto hand_over = [&](HostBatch& batch) -> Status {
       nb::gil_scoped_acquire gil;

@@ -90,11 +90,10 @@ def _stderr_is_tty() -> bool:
 
 
 class Reporter:
-    """Forwards the engine's progress(done, total) calls to the display `progress` asks for,
-    made on the first call, when the total is known."""
+    """Forwards the engine's progress(done, total) calls to the display `progress` asks for
+    (checked by check() beforehand), made on the first call, when the total is known."""
 
     def __init__(self, progress: Any, desc: str):
-        check(progress)
         self.progress, self.desc = progress, desc
         self.display = None
         self.started = False

@@ -135,36 +135,35 @@ class _Plan:
                              f"target's {shape}; pass truncate=True to read only the target's part")
 
     def add(self, path: str, dtype: np.dtype, boxes: dict[Any, tuple], build,
-            adapter: Any = None) -> None:
+            together: tuple | None = None) -> None:
         """Asks for `boxes` ({key: (origin, shape)}) of array `path` as `dtype` (native order);
-        build({key: array}) makes the leaf once they are read. With `adapter`, leaves of that
-        adapter finished in one batch are built together when it has build_many (which
-        `build` then describes as (target, shape))."""
-        leaf = _Leaf(path, dtype, boxes, build, adapter)
+        build({key: array}) makes the leaf once they are read. `together`: (adapter, target,
+        shape) of an adapter with build_many, which builds the leaves of a batch at once."""
+        leaf = _Leaf(path, dtype, boxes, build, together)
         name = tnp.dtype_name(dtype)
         for key, (origin, shape) in boxes.items():
             self.requests.append((path, origin, shape, name))
             self.owners.append((leaf, key))
         if not boxes:  # nothing of it on this process's devices
-            self.values[path] = adapter.build(*build, {}) if adapter is not None else build({})
+            self.values[path] = build({})
 
     def run(self, reader: _ext.Reader, progress: Any, desc: str, mmap: bool) -> int:
         """Reads every box and builds every leaf; returns the stored bytes read or mapped."""
         reporter = _progress.Reporter(progress, desc)
 
         def on_batch(items: list[tuple[int, np.ndarray]]) -> None:
-            together: dict[int, list[_Leaf]] = {}  # by adapter: leaves built in one call
+            by_adapter: dict[int, list[_Leaf]] = {}  # leaves to build in one call
             for index, data in items:
                 leaf, key = self.owners[index]
                 self.owners[index] = None  # nothing but the leaf keeps the buffer
                 if not leaf.receive(key, data):
                     continue
-                if leaf.adapter is not None and hasattr(leaf.adapter, "build_many"):
-                    together.setdefault(id(leaf.adapter), []).append(leaf)
+                if leaf.together is not None:
+                    by_adapter.setdefault(id(leaf.together[0]), []).append(leaf)
                 else:
                     self.values[leaf.path] = leaf.finish()
-            for leaves in together.values():
-                built = leaves[0].adapter.build_many([leaf.take() for leaf in leaves])
+            for leaves in by_adapter.values():
+                built = leaves[0].together[0].build_many([leaf.take() for leaf in leaves])
                 for leaf, value in zip(leaves, built):
                     self.values[leaf.path] = value
 
@@ -181,9 +180,9 @@ class _Leaf:
     """One array leaf of a restore: its boxes as they arrive, then the leaf built from them."""
 
     def __init__(self, path: str, dtype: np.dtype, boxes: dict[Any, tuple], build,
-                 adapter: Any = None):
+                 together: tuple | None = None):
         self.path, self.dtype, self.boxes, self.build = path, dtype, boxes, build
-        self.adapter = adapter
+        self.together = together
         self.buffers: dict[Any, np.ndarray] = {}
 
     def receive(self, key: Any, data: np.ndarray) -> bool:
@@ -198,7 +197,7 @@ class _Leaf:
     def take(self) -> tuple:
         """(target, shape, buffers) for the adapter's build_many; the leaf lets go of them."""
         buffers, self.buffers = self.buffers, {}
-        target, shape = self.build
+        _, target, shape = self.together
         return target, shape, buffers
 
 
@@ -233,11 +232,9 @@ def _plan_target(plan: _Plan, leaves: dict[str, dict], path: str, target: Any) -
     plan.check_shape(path, shape)
     tnp.dtype_name(dtype)  # TypeError for a dtype the engine does not have
     adapter = _adapters.adapter_for(target)
-    boxes = adapter.restore_boxes(target, shape)
-    if hasattr(adapter, "build_many"):
-        plan.add(path, dtype, boxes, (target, shape), adapter)
-    else:
-        plan.add(path, dtype, boxes, lambda buffers: adapter.build(target, shape, buffers))
+    together = (adapter, target, shape) if hasattr(adapter, "build_many") else None
+    plan.add(path, dtype, adapter.restore_boxes(target, shape),
+             lambda buffers: adapter.build(target, shape, buffers), together)
 
 
 def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = False,

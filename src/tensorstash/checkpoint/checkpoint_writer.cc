@@ -480,6 +480,7 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   // into one file. Each lane gets at least kMinLaneBytes so small saves stay in one file.
   constexpr uint64_t kMinLaneBytes = uint64_t{64} << 20;
   std::vector<ChunkTask> tasks;
+  std::vector<size_t> lane_order;  // the lanes side by side: a task of each in turn
   int lanes = 1;
   {
     std::vector<ArrayToWrite> to_write(arrays.size());
@@ -494,6 +495,7 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
                         PlanChunkWrites(to_write, options.split_replicated_writes));
     lanes = CountLanes(writes, options.io_threads, kMaxLanes, kMinLaneBytes);
     AssignLanes(&writes, lanes);
+    lane_order = InterleaveLanes(writes, lanes);
     tasks.reserve(writes.size());
     for (ChunkWrite& w : writes) {
       const ShardData* shard = &arrays[w.array_id].shards[w.shard];
@@ -517,14 +519,10 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
     TS_ASSIGN_OR_RETURN(task.location, files.Allocate(task.plan.raw_bytes, task.plan.lane));
     task.preallocated = true;
   }
-  // Run the lanes side by side: take tasks from each lane in turn.
+  // Run the lanes side by side (`tasks` are in the order of the plan's writes).
   std::vector<const ChunkTask*> order;
-  {
-    std::vector<ChunkWrite> plans;
-    plans.reserve(tasks.size());
-    for (const ChunkTask& task : tasks) plans.push_back(task.plan);
-    for (size_t i : InterleaveLanes(plans, lanes)) order.push_back(&tasks[i]);
-  }
+  order.reserve(tasks.size());
+  for (size_t i : lane_order) order.push_back(&tasks[i]);
 
   ThreadPool pool(options.io_threads);
   ByteLimiter limiter(options.max_inflight_bytes);
