@@ -14,6 +14,7 @@
 #include "tensorstash/array/chunk_grid.h"
 #include "tensorstash/array/convert.h"
 #include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/engine/executor.h"
 #include "tensorstash/engine/read_plan.h"
 #include "tensorstash/format/chunk_codec.h"
 #include "tensorstash/util/byte_limiter.h"
@@ -29,14 +30,6 @@ namespace {
 // Mapping pays for a kernel mapping entry (vm.max_map_count is about 65,000 per process) and an
 // unmap; spans and chunks smaller than this are read and copied, which is cheap at that size.
 constexpr uint64_t kMinMappedSpanBytes = 1 << 20;
-
-// One chunk needed by one request.
-struct Piece {
-  size_t request;
-  const IndexEntry* entry;
-  Box chunk_box;
-  Box region;  // chunk_box ∩ request box
-};
 
 // Faults in the bytes of `req.dest` that `region` covers, from its first element to its last,
 // before the copy into them (see prefault.h).
@@ -390,71 +383,53 @@ Result<std::string> CheckpointReader::ReadFile(std::string_view name) const {
 Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats,
                                   const std::function<void(uint64_t, uint64_t)>& progress) {
   Impl& s = *impl_;
-  std::vector<Piece> pieces;
-  std::vector<ChunkRead> chunk_reads;
-  // A stored chunk needed by several requests (resharding, replication) is read once: its
-  // ChunkRead's tag indexes `targets`, the pieces it feeds.
-  std::vector<std::vector<size_t>> targets;
-  std::map<const IndexEntry*, size_t> staged_target_of;
-  ReadStats local;
+  // 1. Which stored chunks the requests need, each once (engine/read_plan.h).
+  std::vector<BoxRead> box_reads(requests.size());
   for (size_t r = 0; r < requests.size(); ++r) {
     const ReadRequest& req = requests[r];
-    const std::string what = StrCat("read of array '", req.path, "'");
     TS_ASSIGN_OR_RETURN(const size_t array_id, s.CheckRequest(req, req.dtype));
     const ArrayMetadata* a = &s.tree.arrays[array_id];
-    if (req.box.empty()) continue;
-    const size_t out_item = ItemSize(req.dtype);
-    if (!Box::FromShape(a->shape()).Contains(req.box)) {
+    box_reads[r] = {static_cast<uint32_t>(array_id), &a->grid, req.box};
+    if (!req.box.empty() && !Box::FromShape(a->shape()).Contains(req.box)) {
       // Zeros where the box reaches past the stored shape.
-      std::memset(req.dest, 0, req.box.num_elements() * out_item);
+      std::memset(req.dest, 0, req.box.num_elements() * ItemSize(req.dtype));
     }
-    Status missing;
-    a->grid.ForEachChunkIntersecting(req.box, [&](int64_t chunk, const Box& chunk_box) {
-      const IndexEntry* entry = s.FindEntry(array_id, chunk);
-      if (entry == nullptr) {
-        missing = DataLossError(StrCat("chunk ", a->grid.ChunkName(chunk), " of array '", a->path,
-                                       "' is not in the index"));
-        return;
-      }
-      Piece piece{r, entry, chunk_box, Intersect(chunk_box, req.box)};
-      const bool direct = a->codec == Codec::kNone && a->dtype == req.dtype &&
-                          piece.region == chunk_box && IsContiguousIn(chunk_box, req.box);
-      pieces.push_back(std::move(piece));
-      if (direct) {
-        char* dest = static_cast<char*>(req.dest) + ByteOffsetIn(chunk_box, req.box, out_item);
-        chunk_reads.push_back({entry->file_id, entry->offset, entry->length, dest, targets.size()});
-        targets.push_back({pieces.size() - 1});
-        return;
-      }
-      auto [it, inserted] = staged_target_of.emplace(entry, targets.size());
-      if (inserted) {
-        chunk_reads.push_back(
-            {entry->file_id, entry->offset, entry->length, nullptr, targets.size()});
-        targets.emplace_back();
-      }
-      targets[it->second].push_back(pieces.size() - 1);
-    });
-    TS_RETURN_IF_ERROR(missing);
   }
-
-  // Direct requests read into the caller's buffers. Staged ones hold their span plus room to
-  // decode one chunk under the byte cap, so they are coalesced only up to what fits in it
-  // (otherwise one coalesced span could blow through the cap; a single chunk still goes alone).
+  const std::vector<NeededChunk> needed = PlanChunkPieces(box_reads);
+  // A chunk that lands whole, uncompressed and unconverted, as one run of its only
+  // destination is read straight there (direct); the others are staged, checked, decoded and
+  // copied into each piece. A ChunkRead's tag indexes `needed` and `entries`.
+  std::vector<const IndexEntry*> entries(needed.size());
   std::vector<ChunkRead> direct_reads, staged_reads;
   uint64_t max_decode_room = 0;
-  for (ChunkRead& c : chunk_reads) {
-    if (c.direct_dest != nullptr) {
-      direct_reads.push_back(c);
+  auto raw_bytes = [&](size_t i) {
+    return needed[i].chunk_box.num_elements() * ItemSize(s.tree.arrays[needed[i].array_id].dtype);
+  };
+  for (size_t i = 0; i < needed.size(); ++i) {
+    const NeededChunk& n = needed[i];
+    const ArrayMetadata& a = s.tree.arrays[n.array_id];
+    const IndexEntry* entry = s.FindEntry(n.array_id, n.chunk);
+    if (entry == nullptr) {
+      return DataLossError(StrCat("chunk ", a.grid.ChunkName(n.chunk), " of array '", a.path,
+                                  "' is not in the index"));
+    }
+    entries[i] = entry;
+    const ReadRequest& req = requests[n.pieces.front().read];
+    if (n.pieces.size() == 1 && a.codec == Codec::kNone && a.dtype == req.dtype &&
+        n.pieces.front().region == n.chunk_box && IsContiguousIn(n.chunk_box, req.box)) {
+      char* dest =
+          static_cast<char*>(req.dest) + ByteOffsetIn(n.chunk_box, req.box, ItemSize(req.dtype));
+      direct_reads.push_back({entry->file_id, entry->offset, entry->length, dest, i});
       continue;
     }
-    const Piece& p = pieces[targets[c.tag].front()];
-    const ArrayMetadata& a = s.tree.arrays[p.entry->array_id];
-    if (a.codec != Codec::kNone) {
-      max_decode_room =
-          std::max<uint64_t>(max_decode_room, p.chunk_box.num_elements() * ItemSize(a.dtype));
-    }
-    staged_reads.push_back(c);
+    if (a.codec != Codec::kNone)
+      max_decode_room = std::max<uint64_t>(max_decode_room, raw_bytes(i));
+    staged_reads.push_back({entry->file_id, entry->offset, entry->length, nullptr, i});
   }
+
+  // 2. Storage requests. Staged ones hold their span plus room to decode one chunk under the
+  // byte cap, so they are coalesced only up to what fits in it (otherwise one coalesced span
+  // could blow through the cap; a single chunk still goes alone).
   const uint64_t cap = std::max<uint64_t>(1, s.options.max_inflight_bytes);
   const uint64_t staged_limit = std::min<uint64_t>(
       s.options.max_request_bytes, cap > max_decode_room ? cap - max_decode_room : 1);
@@ -468,19 +443,20 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
   // mapped and staged bytes never add up past the cap (mappings count against it as well: their
   // pages are resident while the pieces are copied out).
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  bool map_spans = s.options.map_spans;
+  // A backend without mappable files (KvStoreCapabilities::mapping) reads instead.
+  bool map_spans = s.options.map_spans && s.kv->Capabilities().mapping;
   for (const ReadRequestPlan& plan : plans) {
     if (!map_spans) break;
     if (plan.direct_dest != nullptr) continue;
     map_spans = plan.offset % page == 0 && plan.length >= kMinMappedSpanBytes &&
                 s.file_errors[plan.file_id].ok();
     for (const ChunkRead& c : plan.chunks) {
-      const Piece& p = pieces[targets[c.tag].front()];
-      if (s.tree.arrays[p.entry->array_id].codec != Codec::kNone) map_spans = false;
+      if (s.tree.arrays[needed[c.tag].array_id].codec != Codec::kNone) map_spans = false;
     }
   }
-  ByteLimiter mapped_bytes(s.options.max_inflight_bytes);
-  StagingPool staging(s.options.max_inflight_bytes);
+
+  // 3. Execution under the byte cap (engine/executor.h).
+  ReadStats local;
   std::mutex stats_mutex;
   uint64_t total_bytes = 0;
   for (const ReadRequestPlan& plan : plans) total_bytes += plan.length;
@@ -488,82 +464,81 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
   auto report_progress = [&] {
     if (progress) progress(local.bytes_read, total_bytes);
   };
-  TaskGroup group(s.pool.get());
+  // Each chunk of a staged span at `span`: checked, decoded into `decoded` when compressed,
+  // and copied piece by piece into the destinations.
+  auto scatter = [&](const ReadRequestPlan& plan, const char* span, char* decoded,
+                     bool mapped) -> Status {
+    for (const ChunkRead& c : plan.chunks) {
+      const NeededChunk& n = needed[c.tag];
+      const IndexEntry& e = *entries[c.tag];
+      const ArrayMetadata& a = s.tree.arrays[e.array_id];
+      const char* stored = span + (e.offset - plan.offset);
+      TS_RETURN_IF_ERROR(s.CheckCrc(e, stored));
+      const char* raw = stored;
+      if (a.codec != Codec::kNone) {
+        TS_RETURN_IF_ERROR(DecodeChunk(a.codec, std::string_view(stored, e.length), decoded,
+                                       raw_bytes(c.tag), s.ChunkWhat(e)));
+        raw = decoded;
+      }
+      for (const ChunkPiece& p : n.pieces) {
+        const ReadRequest& req = requests[p.read];
+        PrefaultRegion(p.region, req);
+        TS_RETURN_IF_ERROR(CopyBox(p.region, a.dtype, raw, n.chunk_box, req.dtype, req.dest,
+                                   req.box, StrCat("array '", a.path, "'")));
+      }
+    }
+    std::lock_guard<std::mutex> lock(stats_mutex);
+    local.bytes_read += plan.length;
+    ++local.requests;
+    local.staged_chunks += plan.chunks.size();
+    local.mapped_spans += mapped ? 1 : 0;
+    report_progress();
+    return OkStatus();
+  };
+  Executor run(s.pool.get(), cap);
   for (const ReadRequestPlan& each : plans) {
-    group.Run([&, plan_ptr = &each]() -> Status {
-      const ReadRequestPlan& plan = *plan_ptr;
-      if (plan.direct_dest != nullptr) {
-        PrefaultForWrite(plan.direct_dest, plan.length);
-        TS_RETURN_IF_ERROR(s.ReadFile(plan.file_id, plan.offset, plan.length, plan.direct_dest));
-        for (const ChunkRead& c : plan.chunks) {
-          TS_RETURN_IF_ERROR(s.CheckCrc(*pieces[targets[c.tag].front()].entry, c.direct_dest));
+    if (run.failed()) break;
+    const ReadRequestPlan* plan = &each;
+    if (plan->direct_dest != nullptr) {
+      run.RunHolding(0, [&, plan]() -> Status {
+        PrefaultForWrite(plan->direct_dest, plan->length);
+        TS_RETURN_IF_ERROR(
+            s.ReadFile(plan->file_id, plan->offset, plan->length, plan->direct_dest));
+        for (const ChunkRead& c : plan->chunks) {
+          TS_RETURN_IF_ERROR(s.CheckCrc(*entries[c.tag], c.direct_dest));
         }
         std::lock_guard<std::mutex> lock(stats_mutex);
-        local.bytes_read += plan.length;
+        local.bytes_read += plan->length;
         ++local.requests;
-        local.direct_chunks += plan.chunks.size();
+        local.direct_chunks += plan->chunks.size();
         report_progress();
         return OkStatus();
+      });
+      continue;
+    }
+    if (map_spans) {
+      run.RunHolding(plan->length, [&, plan]() -> Status {
+        Result<MappedBox> mapped = s.MapSpan(plan->file_id, plan->offset, plan->length, page);
+        if (!mapped.ok()) return mapped.status();
+        return scatter(*plan, mapped->data(), nullptr, /*mapped=*/true);
+      });
+      continue;
+    }
+    // The span, plus room to decode the largest chunk when the codec needs it: one buffer for
+    // both (two would deadlock when every thread holds its first and waits).
+    uint64_t decode_room = 0;
+    for (const ChunkRead& c : plan->chunks) {
+      if (s.tree.arrays[needed[c.tag].array_id].codec != Codec::kNone) {
+        decode_room = std::max<uint64_t>(decode_room, raw_bytes(c.tag));
       }
-      // Each chunk of the span at `span`: checked, decoded into `decoded` when compressed, and
-      // copied piece by piece into the destinations.
-      auto scatter = [&](const char* span, char* decoded, bool mapped) -> Status {
-        for (const ChunkRead& c : plan.chunks) {
-          const Piece& first = pieces[targets[c.tag].front()];
-          const IndexEntry& e = *first.entry;
-          const ArrayMetadata& a = s.tree.arrays[e.array_id];
-          const char* stored = span + (e.offset - plan.offset);
-          TS_RETURN_IF_ERROR(s.CheckCrc(e, stored));
-          const char* raw = stored;
-          if (a.codec != Codec::kNone) {
-            const uint64_t raw_size = first.chunk_box.num_elements() * ItemSize(a.dtype);
-            TS_RETURN_IF_ERROR(DecodeChunk(a.codec, std::string_view(stored, e.length), decoded,
-                                           raw_size, s.ChunkWhat(e)));
-            raw = decoded;
-          }
-          for (size_t piece_index : targets[c.tag]) {
-            const Piece& p = pieces[piece_index];
-            const ReadRequest& req = requests[p.request];
-            PrefaultRegion(p.region, req);
-            TS_RETURN_IF_ERROR(CopyBox(p.region, a.dtype, raw, p.chunk_box, req.dtype, req.dest,
-                                       req.box, StrCat("array '", a.path, "'")));
-          }
-        }
-        std::lock_guard<std::mutex> lock(stats_mutex);
-        local.bytes_read += plan.length;
-        ++local.requests;
-        local.staged_chunks += plan.chunks.size();
-        local.mapped_spans += mapped ? 1 : 0;
-        report_progress();
-        return OkStatus();
-      };
-      if (map_spans) {
-        ByteReservation held(&mapped_bytes, plan.length);
-        Result<MappedBox> mapped = s.MapSpan(plan.file_id, plan.offset, plan.length, page);
-        if (mapped.ok()) return scatter(mapped->data(), nullptr, /*mapped=*/true);
-        // A backend without mappable files reads instead; any other failure is the read's.
-        if (!absl::IsUnimplemented(mapped.status())) return mapped.status();
-      }
-      // Staged: the span, plus room to decode the largest chunk when the codec needs it.
-      uint64_t decode_room = 0;
-      for (const ChunkRead& c : plan.chunks) {
-        const Piece& p = pieces[targets[c.tag].front()];
-        const ArrayMetadata& a = s.tree.arrays[p.entry->array_id];
-        if (a.codec != Codec::kNone) {
-          decode_room =
-              std::max<uint64_t>(decode_room, p.chunk_box.num_elements() * ItemSize(a.dtype));
-        }
-      }
-      // One lease for both: two would deadlock when every thread holds its first and waits.
-      StagingPool::Lease lease = staging.Acquire(plan.length + decode_room);
-      char* const span = lease.data();
-      char* const decoded = span + plan.length;
-      TS_RETURN_IF_ERROR(s.ReadFile(plan.file_id, plan.offset, plan.length, span));
-      return scatter(span, decoded, /*mapped=*/false);
+    }
+    run.Run(plan->length + decode_room, [&, plan](char* span) -> Status {
+      TS_RETURN_IF_ERROR(s.ReadFile(plan->file_id, plan->offset, plan->length, span));
+      return scatter(*plan, span, span + plan->length, /*mapped=*/false);
     });
   }
-  Status status = group.Wait();
-  local.peak_staging_bytes = staging.peak();
+  Status status = run.Wait();
+  local.peak_staging_bytes = run.peak_staging_bytes();
   if (stats != nullptr) *stats = local;
   return status;
 }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "tensorstash/array/box.h"
+#include "tensorstash/engine/executor.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/format/index_format.h"
 #include "tensorstash/format/tree.h"
@@ -33,7 +34,7 @@ namespace tensorstash {
 struct ReaderOptions {
   bool verify_checksums = true;
   // Cap on bytes held in staging buffers (chunks that cannot be read in place).
-  uint64_t max_inflight_bytes = uint64_t{256} << 20;
+  uint64_t max_inflight_bytes = kDefaultMaxInflightBytes;
   // Reader threads; 0 picks a default from the number of cores.
   int io_threads = 0;
   // Neighbouring chunks separated by at most this many unused bytes are read in one request.

@@ -42,6 +42,7 @@
 #include "tensorstash/checkpoint/step_folder.h"
 #include "tensorstash/coordination/single_process_coordinator.h"
 #include "tensorstash/engine/data_file_set.h"
+#include "tensorstash/engine/executor.h"
 #include "tensorstash/engine/publish.h"
 #include "tensorstash/engine/write_plan.h"
 #include "tensorstash/format/chunk_codec.h"
@@ -183,8 +184,6 @@ struct CheckpointWriter::Impl {
   Result<std::string> PrepareStepFolder();
   Status AgreeOnGrids();
   Status WriteLocal(ChunkIndex* local, WriteStats* stats);
-  Status WriteTask(const ChunkTask& task, DataFileSet* files, ByteLimiter* limiter,
-                   std::mutex* mutex, std::vector<IndexEntry>* entries, WriteStats* stats);
   Status GatherChunk(const ChunkTask& task, char* out) const;
   Status WriteChunk(const ChunkTask& task, std::string_view raw, DataFileSet* files,
                     std::mutex* mutex, std::vector<IndexEntry>* entries, WriteStats* stats);
@@ -525,49 +524,46 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   for (size_t i : lane_order) order.push_back(&tasks[i]);
 
   ThreadPool pool(options.io_threads);
-  ByteLimiter limiter(options.max_inflight_bytes);
-  StagingPool staging(options.max_inflight_bytes);  // copy_sources: chunk copies, reused
   std::mutex mutex;
   std::vector<IndexEntry> entries;
   entries.reserve(tasks.size());
-  if (options.copy_sources) {
-    // This thread copies every chunk into staging, in waves when the cap is reached (it waits
-    // for writes to free staging), and hands each copy to the pool to write; the caller's
-    // buffers are free once the last copy is made, long before the last write ends.
-    TaskGroup group(&pool);
+  {
+    // engine/executor.h: the chunks in lane order, their staging under max_inflight_bytes.
+    Executor run(&pool, options.max_inflight_bytes);
     for (const ChunkTask* task : order) {
-      if (group.failed()) break;
-      if (task->shard->stable) {
-        // Nothing to protect from the caller: written from where it is, like a plain save.
-        group.Run(
-            [&, task] { return WriteTask(*task, &files, &limiter, &mutex, &entries, stats); });
-        continue;
-      }
+      if (run.failed()) break;
       const ArrayEntry& a = arrays[task->plan.array_id];
       const uint64_t raw_size = task->plan.chunk_box.num_elements() * ItemSize(a.spec.dtype);
-      // The reservation covers the compressed copy too, so that a write never waits for
-      // staging that only the copying thread could free.
-      const uint64_t reserved =
-          raw_size + (a.spec.codec == Codec::kNone ? 0 : MaxEncodedSize(a.spec.codec, raw_size));
-      // Shared: std::function needs a copyable task. Returned to the pool when the write ends.
-      auto staged = std::make_shared<StagingPool::Lease>(staging.Acquire(reserved));
-      if (Status copied = GatherChunk(*task, staged->data()); !copied.ok()) {
-        group.Fail(copied);
-        break;
+      // The encoder's output is held too, so that a write never waits for staging that only
+      // the admitting thread could free.
+      const uint64_t encoded =
+          a.spec.codec == Codec::kNone ? 0 : MaxEncodedSize(a.spec.codec, raw_size);
+      const bool contiguous = IsContiguousIn(task->plan.chunk_box, task->shard->box);
+      auto write = [&, task, raw_size](const char* raw) {
+        return WriteChunk(*task, std::string_view(raw, raw_size), &files, &mutex, &entries, stats);
+      };
+      if (options.copy_sources && !task->shard->stable) {
+        // Copied here, in waves when the cap is reached (waiting for writes to free staging),
+        // and written by the pool: the caller's buffers are free once the last copy is made,
+        // long before the last write ends.
+        run.RunPrepared(
+            raw_size + encoded, [&, task](char* staged) { return GatherChunk(*task, staged); },
+            write);
+      } else if (contiguous) {
+        // Straight from the caller's buffer to the file.
+        const char* raw =
+            static_cast<const char*>(task->shard->data) +
+            ByteOffsetIn(task->plan.chunk_box, task->shard->box, ItemSize(a.spec.dtype));
+        run.RunHolding(encoded, [write, raw] { return write(raw); });
+      } else {
+        run.Run(raw_size + encoded, [&, task, write](char* gathered) {
+          TS_RETURN_IF_ERROR(GatherChunk(*task, gathered));
+          return write(gathered);
+        });
       }
-      group.Run([&, task, staged, raw_size] {
-        return WriteChunk(*task, std::string_view(staged->data(), raw_size), &files, &mutex,
-                          &entries, stats);
-      });
     }
-    ReleaseSources();
-    TS_RETURN_IF_ERROR(group.Wait());
-  } else {
-    TaskGroup group(&pool);
-    for (const ChunkTask* task : order) {
-      group.Run([&, task] { return WriteTask(*task, &files, &limiter, &mutex, &entries, stats); });
-    }
-    TS_RETURN_IF_ERROR(group.Wait());
+    if (options.copy_sources) ReleaseSources();
+    TS_RETURN_IF_ERROR(run.Wait());
   }
   TS_RETURN_IF_ERROR(files.Finish(options.sync, &local->files, &pool));
   stats->data_files = local->files.size();
@@ -596,31 +592,6 @@ Status CheckpointWriter::Impl::GatherChunk(const ChunkTask& task, char* out) con
   }
   return CopyBox(task.plan.chunk_box, a.spec.dtype, shard.data, shard.box, a.spec.dtype, out,
                  task.plan.chunk_box, a.spec.path);
-}
-
-Status CheckpointWriter::Impl::WriteTask(const ChunkTask& task, DataFileSet* files,
-                                         ByteLimiter* limiter, std::mutex* mutex,
-                                         std::vector<IndexEntry>* entries, WriteStats* stats) {
-  const ArrayEntry& a = arrays[task.plan.array_id];
-  const ShardData& shard = *task.shard;
-  const size_t item = ItemSize(a.spec.dtype);
-  const uint64_t raw_size = task.plan.chunk_box.num_elements() * item;
-  const bool contiguous = IsContiguousIn(task.plan.chunk_box, shard.box);
-
-  // Staging is needed to gather a non-contiguous chunk and to hold compressed bytes; a
-  // contiguous uncompressed chunk goes straight from the caller's buffer to the file.
-  uint64_t staging = (contiguous ? 0 : raw_size) +
-                     (a.spec.codec == Codec::kNone ? 0 : MaxEncodedSize(a.spec.codec, raw_size));
-  ByteReservation reservation(limiter, staging);
-  const char* raw =
-      static_cast<const char*>(shard.data) + ByteOffsetIn(task.plan.chunk_box, shard.box, item);
-  StagingBuffer gathered;
-  if (!contiguous) {
-    gathered = StagingBuffer(raw_size);
-    TS_RETURN_IF_ERROR(GatherChunk(task, gathered.data()));
-    raw = gathered.data();
-  }
-  return WriteChunk(task, std::string_view(raw, raw_size), files, mutex, entries, stats);
 }
 
 Status CheckpointWriter::Impl::WriteChunk(const ChunkTask& task, std::string_view raw,

@@ -29,6 +29,7 @@
 #include "tensorstash/array/box.h"
 #include "tensorstash/array/dtype.h"
 #include "tensorstash/coordination/coordinator.h"
+#include "tensorstash/engine/executor.h"
 #include "tensorstash/format/tree.h"
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/util/status.h"
@@ -41,7 +42,7 @@ struct WriterOptions {
   // A data file is closed and the next one started once it reaches this size.
   int64_t target_data_file_bytes = int64_t{1} << 30;
   // Cap on bytes held in staging buffers (gathers of non-contiguous chunks, compression).
-  uint64_t max_inflight_bytes = uint64_t{256} << 20;
+  uint64_t max_inflight_bytes = kDefaultMaxInflightBytes;
   // Writer threads; 0 picks a default from the number of cores.
   int io_threads = 0;
   // fsync data and metadata before the commit (turn off only for benchmarks and scratch).

@@ -9,7 +9,8 @@
 
 #include "nlohmann/json.hpp"
 #include "tensorstash/array/convert.h"
-#include "tensorstash/util/byte_limiter.h"
+#include "tensorstash/engine/executor.h"
+#include "tensorstash/engine/read_plan.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
@@ -159,35 +160,13 @@ bool ParseKeystr(std::string_view text, std::vector<KeyPart>* keys) {
   return !keys->empty();
 }
 
-// The grid positions of every chunk of `array`, in C order.
-void ForEachGridPosition(const ZarrArray& array,
-                         const std::function<void(const std::vector<int64_t>&)>& fn) {
-  const std::vector<int64_t>& shape = array.shape();
-  const std::vector<int64_t>& chunk = array.chunk_shape();
-  std::vector<int64_t> extent(shape.size());
-  for (size_t d = 0; d < shape.size(); ++d) {
-    if (shape[d] == 0) return;
-    extent[d] = (shape[d] + chunk[d] - 1) / chunk[d];
+// A chunk's position in a zarr grid (ArrayMetadata::grid: its cells are the zarr chunks).
+std::vector<int64_t> GridPosition(const ChunkGrid& grid, const Box& chunk_box) {
+  std::vector<int64_t> position(chunk_box.rank());
+  for (int d = 0; d < chunk_box.rank(); ++d) {
+    position[d] = chunk_box.origin[d] / grid.chunk_shape[d];
   }
-  std::vector<int64_t> grid(shape.size(), 0);
-  while (true) {
-    fn(grid);
-    int d = static_cast<int>(shape.size()) - 1;
-    for (; d >= 0; --d) {
-      if (++grid[d] < extent[d]) break;
-      grid[d] = 0;
-    }
-    if (d < 0) return;
-  }
-}
-
-int64_t GridSize(const ZarrArray& array) {
-  int64_t n = 1;
-  for (size_t d = 0; d < array.shape().size(); ++d) {
-    if (array.shape()[d] == 0) return 0;
-    n *= (array.shape()[d] + array.chunk_shape()[d] - 1) / array.chunk_shape()[d];
-  }
-  return n;
+  return position;
 }
 
 std::string GridName(const std::vector<int64_t>& grid) {
@@ -310,8 +289,7 @@ OrbaxReader::OrbaxReader(KvStore* kv, std::string dir, StepFormat format, Reader
 
 OrbaxReader::~OrbaxReader() {
   // The pools run tasks that use the arrays and stores: stop them first.
-  request_pool_.reset();
-  chunk_pool_.reset();
+  pool_.reset();
   staging_.reset();
 }
 
@@ -331,8 +309,7 @@ Result<std::unique_ptr<OrbaxReader>> OrbaxReader::Open(KvStore* kv, std::string 
     case StepFormat::kNative:
       return InvalidArgumentError("OrbaxReader cannot open a native tensorstash step");
   }
-  reader->request_pool_ = std::make_unique<ThreadPool>(reader->options_.io_threads);
-  reader->chunk_pool_ = std::make_unique<ThreadPool>(reader->options_.io_threads);
+  reader->pool_ = std::make_unique<ThreadPool>(reader->options_.io_threads);
   reader->staging_ = std::make_unique<StagingPool>(reader->options_.max_inflight_bytes);
   return reader;
 }
@@ -716,42 +693,87 @@ std::string OrbaxReader::CodecDescription(size_t id) const {
 
 Status OrbaxReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats,
                              const std::function<void(uint64_t, uint64_t)>& progress) {
-  std::vector<size_t> ids(requests.size());
-  uint64_t total = 0;
+  // 1. Which zarr chunks the requests need, each once (engine/read_plan.h).
+  std::vector<BoxRead> box_reads(requests.size());
   for (size_t r = 0; r < requests.size(); ++r) {
     const ReadRequest& req = requests[r];
     auto it = by_path_.find(req.path);
     if (it == by_path_.end()) {
       return NotFoundError(StrCat("no array '", req.path, "' in ", dir_));
     }
-    ids[r] = it->second;
-    TS_RETURN_IF_ERROR(ValidateReadRequest(req, metadata_[it->second], req.dtype));
-    total += static_cast<uint64_t>(req.box.num_elements()) * ItemSize(req.dtype);
+    const ArrayMetadata& a = metadata_[it->second];
+    TS_RETURN_IF_ERROR(ValidateReadRequest(req, a, req.dtype));
+    if (!CanConvert(a.dtype, req.dtype)) {
+      return InvalidArgumentError(StrCat("reading ", ArrayWhat(it->second), ": cannot convert ",
+                                         DTypeName(a.dtype), " to ", DTypeName(req.dtype)));
+    }
+    box_reads[r] = {static_cast<uint32_t>(it->second), &a.grid, req.box};
+    if (!req.box.empty() && !Box::FromShape(a.shape()).Contains(req.box)) {
+      // Zeros where the box reaches past the stored shape, as CheckpointReader does.
+      std::memset(req.dest, 0, req.box.num_elements() * ItemSize(req.dtype));
+    }
   }
+  const std::vector<NeededChunk> needed = PlanChunkPieces(box_reads);
+  uint64_t total = 0;
+  for (const NeededChunk& n : needed) {
+    for (const ChunkPiece& p : n.pieces) {
+      total += static_cast<uint64_t>(p.region.num_elements()) * ItemSize(requests[p.read].dtype);
+    }
+  }
+
+  // 2. One task per chunk, under the byte cap (engine/executor.h). A chunk several requests
+  // need is decoded once into staging and copied into each; a chunk with one piece (or one
+  // larger than the cap) is read into its destination, in place when it lands whole.
   const uint64_t bytes_before = counting_->bytes(), requests_before = counting_->requests();
   std::mutex mutex;
   uint64_t done = 0;
+  auto report = [&](const ChunkPiece& p) {
+    if (!progress) return;
+    std::lock_guard<std::mutex> lock(mutex);
+    done += static_cast<uint64_t>(p.region.num_elements()) * ItemSize(requests[p.read].dtype);
+    progress(done, total);
+  };
+  // Part `region` of chunk `n`, into `dest` laid out over `box`.
+  auto read_chunk = [&](const NeededChunk& n, const Box& region, const Box& box, DType dtype,
+                        void* dest) {
+    return Annotate(
+        zarr_[n.array_id]->ReadChunkRegion(GridPosition(metadata_[n.array_id].grid, n.chunk_box),
+                                           region, box, dtype, dest, staging_.get()),
+        StrCat("reading ", ArrayWhat(n.array_id)));
+  };
   Status status;
   {
-    TaskGroup group(request_pool_.get());
-    for (size_t r = 0; r < requests.size(); ++r) {
-      if (requests[r].box.empty()) continue;
-      group.Run([&, r]() -> Status {
-        const ReadRequest& req = requests[r];
-        // Requests run on request_pool_, the chunks of each on chunk_pool_ (a task must not
-        // wait on its own pool), so one large array is read in parallel too.
-        Status read =
-            zarr_[ids[r]]->Read(req.box, req.dtype, req.dest, chunk_pool_.get(), staging_.get());
-        if (!read.ok()) return Annotate(read, StrCat("reading ", ArrayWhat(ids[r])));
-        if (progress) {
-          std::lock_guard<std::mutex> lock(mutex);
-          done += static_cast<uint64_t>(req.box.num_elements()) * ItemSize(req.dtype);
-          progress(done, total);
+    Executor run(pool_.get(), options_.max_inflight_bytes);
+    for (const NeededChunk& each : needed) {
+      if (run.failed()) break;
+      const NeededChunk* n = &each;
+      const ArrayMetadata& a = metadata_[n->array_id];
+      const uint64_t chunk_bytes =
+          static_cast<uint64_t>(n->chunk_box.num_elements()) * ItemSize(a.dtype);
+      if (n->pieces.size() == 1 || chunk_bytes > options_.max_inflight_bytes) {
+        for (const ChunkPiece& piece : n->pieces) {
+          run.RunHolding(chunk_bytes, [&, n, p = &piece]() -> Status {
+            const ReadRequest& req = requests[p->read];
+            TS_RETURN_IF_ERROR(read_chunk(*n, p->region, req.box, req.dtype, req.dest));
+            report(*p);
+            return OkStatus();
+          });
+        }
+        continue;
+      }
+      run.Run(chunk_bytes, [&, n](char* decoded) -> Status {
+        const ArrayMetadata& a = metadata_[n->array_id];
+        TS_RETURN_IF_ERROR(read_chunk(*n, n->chunk_box, n->chunk_box, a.dtype, decoded));
+        for (const ChunkPiece& p : n->pieces) {
+          const ReadRequest& req = requests[p.read];
+          TS_RETURN_IF_ERROR(CopyBox(p.region, a.dtype, decoded, n->chunk_box, req.dtype, req.dest,
+                                     req.box, ArrayWhat(n->array_id)));
+          report(p);
         }
         return OkStatus();
       });
     }
-    status = group.Wait();
+    status = run.Wait();
   }
   if (stats != nullptr) {
     *stats = ReadStats();
@@ -778,7 +800,7 @@ uint64_t OrbaxReader::VerifyTotalBytes() const {
 
 size_t OrbaxReader::VerifyTotalItems() const {
   size_t n = 0;
-  for (const auto& a : zarr_) n += static_cast<size_t>(GridSize(*a));
+  for (const ArrayMetadata& a : metadata_) n += static_cast<size_t>(a.grid.NumStoredChunks());
   return n;
 }
 
@@ -811,51 +833,38 @@ Result<std::vector<BadChunk>> OrbaxReader::Verify(
   }
   const uint64_t total = VerifyTotalBytes();
   uint64_t done = 0;
-  // Decoded chunks held at once stay under max_inflight_bytes (one larger chunk alone).
-  ByteLimiter limiter(options_.max_inflight_bytes);
   {
-    // A bounded queue: one task per chunk, but never millions of them held at once.
-    TaskGroup group(request_pool_.get(), /*max_pending=*/256);
+    // One task per chunk; decoded chunks held at once stay under max_inflight_bytes (one
+    // larger chunk alone), and never millions of tasks are queued at once.
+    Executor run(pool_.get(), options_.max_inflight_bytes, /*max_pending=*/256);
     for (size_t id = 0; id < zarr_.size(); ++id) {
-      const ZarrArray& array = *zarr_[id];
-      ForEachGridPosition(array, [&, id](const std::vector<int64_t>& grid) {
-        group.Run([&, id, grid]() -> Status {
-          const ZarrArray& a = *zarr_[id];
-          std::vector<int64_t> origin(grid.size()), shape(grid.size());
-          for (size_t d = 0; d < grid.size(); ++d) {
-            origin[d] = grid[d] * a.chunk_shape()[d];
-            shape[d] = std::min(a.chunk_shape()[d], a.shape()[d] - origin[d]);
-          }
-          Box box(origin, shape);
-          const uint64_t bytes = static_cast<uint64_t>(box.num_elements()) * ItemSize(a.dtype());
-          if (!all_chunks_stored_) {
-            // A chunk left out holds the fill value: nothing stored to check (and a sparse
-            // grid of huge chunks must not cost a fill of each).
-            Result<bool> stored = a.ChunkStored(grid);
-            if (stored.ok() && !*stored) {
-              std::lock_guard<std::mutex> lock(mutex);
-              done += bytes;
-              if (progress) progress(done, total);
-              return OkStatus();
-            }
-          }
-          ByteReservation reservation(&limiter, bytes);
-          std::unique_ptr<char[]> scratch(new (std::nothrow) char[std::max<uint64_t>(bytes, 1)]);
-          Status status = scratch
-                              ? a.Read(box, a.dtype(), scratch.get())
-                              : ResourceExhaustedError(StrCat("no memory for ", bytes, " bytes"));
+      const ChunkGrid& grid = metadata_[id].grid;
+      grid.ForEachChunkIntersecting(Box::FromShape(grid.shape), [&, id](int64_t, const Box& box) {
+        const ZarrArray& a = *zarr_[id];
+        const std::vector<int64_t> position = GridPosition(grid, box);
+        const uint64_t bytes = static_cast<uint64_t>(box.num_elements()) * ItemSize(a.dtype());
+        auto checked = [&, id, position, bytes](const Status& status) {
           std::lock_guard<std::mutex> lock(mutex);
           if (!status.ok()) {
-            bad.push_back({metadata_[id].path, GridName(grid), a.ChunkKey(grid),
+            bad.push_back({metadata_[id].path, GridName(position), zarr_[id]->ChunkKey(position),
                            std::string(status.message())});
           }
           done += bytes;
           if (progress) progress(done, total);
           return OkStatus();
+        };
+        run.Run(bytes, [this, &a, box, position, checked](char* scratch) {
+          if (!all_chunks_stored_) {
+            // A chunk left out holds the fill value: nothing stored to check (and a sparse
+            // grid of huge chunks must not cost a fill of each).
+            Result<bool> stored = a.ChunkStored(position);
+            if (stored.ok() && !*stored) return checked(OkStatus());
+          }
+          return checked(a.ReadChunkRegion(position, box, box, a.dtype(), scratch));
         });
       });
     }
-    TS_RETURN_IF_ERROR(group.Wait());
+    TS_RETURN_IF_ERROR(run.Wait());
   }
   std::sort(bad.begin(), bad.end(), [](const BadChunk& a, const BadChunk& b) {
     return std::tie(a.array_path, a.chunk) < std::tie(b.array_path, b.chunk);

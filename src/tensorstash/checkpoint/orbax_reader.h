@@ -113,9 +113,8 @@ class OrbaxReader final : public StepSource {
   std::optional<uint64_t> stored_total_;  // bytes of all files under dir_, listed on demand
   int64_t created_unix_ms_ = 0;
   int process_count_ = 0;
-  std::unique_ptr<ThreadPool> request_pool_;  // one task per request (or per verified chunk)
-  std::unique_ptr<ThreadPool> chunk_pool_;    // chunks of one request
-  std::unique_ptr<StagingPool> staging_;      // stored chunks read whole, reused (under the cap)
+  std::unique_ptr<ThreadPool> pool_;      // one task per chunk read or verified
+  std::unique_ptr<StagingPool> staging_;  // stored chunks read whole, reused (under the cap)
   mutable std::once_flag stored_once_;
   mutable std::vector<uint64_t> stored_bytes_;
   mutable std::vector<int64_t> stored_chunks_;

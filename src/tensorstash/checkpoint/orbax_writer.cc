@@ -30,7 +30,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tensorstash/array/chunk_grid.h"
 #include "tensorstash/checkpoint/step_folder.h"
+#include "tensorstash/engine/executor.h"
 #include "tensorstash/engine/publish.h"
 #include "tensorstash/format/orbax_names.h"
 #include "tensorstash/format/zarr/zarr_array.h"
@@ -498,8 +500,11 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
   std::vector<std::unique_ptr<ZarrArrayWriter>> writers;
   Status status;
   {
-    TaskGroup tasks(&pool);
+    // engine/executor.h: one task per zarr chunk, the chunks being gathered and encoded under
+    // max_inflight_bytes.
+    Executor run(&pool, options.max_inflight_bytes);
     for (const Leaf& leaf : leaves) {
+      if (run.failed()) break;
       if (leaf.node->kind != TreeNode::Kind::kArray) continue;
       const ArrayEntry& a = arrays[leaf.node->array_id];
       zarr.dtype = a.spec.dtype;
@@ -508,56 +513,48 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
       Result<std::unique_ptr<ZarrArrayWriter>> writer =
           ZarrArrayWriter::Create(&sink, leaf.name, zarr);
       if (!writer.ok()) {
-        tasks.Fail(writer.status());
+        run.Fail(writer.status());
         break;
       }
       const ZarrArrayWriter* w = writer->get();
       writers.push_back(*std::move(writer));
       const size_t item = ItemSize(a.spec.dtype);
       if (a.source == nullptr) {
+        // Each shard is one chunk (AddArray): encoded from where it is.
         for (const ShardData& shard : a.shards) {
           if (shard.box.empty()) continue;
-          tasks.Run([w, &shard, item, &report, &chunks]() -> Status {
+          const uint64_t bytes = static_cast<uint64_t>(shard.box.num_elements()) * item;
+          run.RunHolding(bytes, [w, &shard, bytes, &report, &chunks]() -> Status {
             TS_RETURN_IF_ERROR(w->WriteBox(shard.box, shard.data));
             chunks.fetch_add(1);
-            report(static_cast<uint64_t>(shard.box.num_elements()) * item);
+            report(bytes);
             return OkStatus();
           });
         }
         continue;
       }
-      // Chunks from the source: one buffer per running task.
-      const int rank = static_cast<int>(a.spec.shape.size());
-      std::vector<int64_t> grid_shape(rank);
-      int64_t num_cells = Box::FromShape(a.spec.shape).empty() ? 0 : 1;
-      for (int d = 0; d < rank; ++d) {
-        grid_shape[d] = (a.spec.shape[d] + a.chunk_shape[d] - 1) / a.chunk_shape[d];
-        num_cells *= grid_shape[d];
-      }
-      for (int64_t linear = 0; linear < num_cells; ++linear) {
-        std::vector<int64_t> cell(rank);
-        Box box{std::vector<int64_t>(rank), std::vector<int64_t>(rank)};
-        for (int64_t d = rank - 1, rest = linear; d >= 0; --d) {
-          cell[d] = rest % grid_shape[d];
-          rest /= grid_shape[d];
-          box.origin[d] = cell[d] * a.chunk_shape[d];
-          box.shape[d] = std::min(a.chunk_shape[d], a.spec.shape[d] - box.origin[d]);
-        }
-        tasks.Run([w, &a, cell = std::move(cell), box = std::move(box), item, &report,
-                   &chunks]() -> Status {
-          const uint64_t bytes = static_cast<uint64_t>(box.num_elements()) * item;
-          std::string buffer(bytes, '\0');
-          TS_RETURN_IF_ERROR(
-              Annotate(a.source(box, buffer.data()),
-                       StrCat("reading ", box.ToString(), " of array '", a.spec.path, "'")));
-          TS_RETURN_IF_ERROR(w->WriteChunk(cell, buffer.data()));
-          chunks.fetch_add(1);
-          report(bytes);
-          return OkStatus();
-        });
-      }
+      // Chunks from the source, into staging: the zarr grid is a chunk grid whose cells are
+      // its chunks.
+      const ChunkGrid grid{a.spec.shape, a.chunk_shape, a.chunk_shape};
+      grid.ForEachChunkIntersecting(Box::FromShape(a.spec.shape), [&](int64_t, const Box& box) {
+        if (run.failed()) return;
+        std::vector<int64_t> cell(box.rank());
+        for (int d = 0; d < box.rank(); ++d) cell[d] = box.origin[d] / a.chunk_shape[d];
+        const uint64_t bytes = static_cast<uint64_t>(box.num_elements()) * item;
+        run.Run(
+            bytes,
+            [w, &a, cell = std::move(cell), box, bytes, &report, &chunks](char* buffer) -> Status {
+              TS_RETURN_IF_ERROR(
+                  Annotate(a.source(box, buffer),
+                           StrCat("reading ", box.ToString(), " of array '", a.spec.path, "'")));
+              TS_RETURN_IF_ERROR(w->WriteChunk(cell, buffer));
+              chunks.fetch_add(1);
+              report(bytes);
+              return OkStatus();
+            });
+      });
     }
-    status = tasks.Wait();
+    status = run.Wait();
   }
   // Scalars: 0-d arrays, as Orbax's ScalarHandler stores np.asarray(value).
   for (const Leaf& leaf : leaves) {

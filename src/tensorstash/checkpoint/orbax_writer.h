@@ -65,7 +65,9 @@ struct OrbaxWriterOptions {
   std::string item;
   int zstd_level = 3;  // zarr chunks (Orbax: 3)
   int io_threads = 0;  // 0: DefaultIoThreads()
-  bool sync = true;    // fsync before the rename
+  // The most bytes of chunks being gathered and encoded at once (one larger chunk alone).
+  uint64_t max_inflight_bytes = kDefaultMaxInflightBytes;
+  bool sync = true;  // fsync before the rename
   bool overwrite = false;
   uint64_t target_data_file_bytes = uint64_t{1} << 30;  // OCDBT data files
 };

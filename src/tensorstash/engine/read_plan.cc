@@ -1,9 +1,26 @@
 #include "tensorstash/engine/read_plan.h"
 
 #include <algorithm>
+#include <map>
 #include <tuple>
+#include <utility>
 
 namespace tensorstash {
+
+std::vector<NeededChunk> PlanChunkPieces(const std::vector<BoxRead>& reads) {
+  std::vector<NeededChunk> needed;
+  std::map<std::pair<uint32_t, int64_t>, size_t> index_of;  // (array, chunk) -> in `needed`
+  for (size_t r = 0; r < reads.size(); ++r) {
+    const BoxRead& read = reads[r];
+    if (read.box.empty()) continue;
+    read.grid->ForEachChunkIntersecting(read.box, [&](int64_t chunk, const Box& chunk_box) {
+      auto [it, inserted] = index_of.emplace(std::make_pair(read.array_id, chunk), needed.size());
+      if (inserted) needed.push_back({read.array_id, chunk, chunk_box, {}});
+      needed[it->second].pieces.push_back({r, Intersect(chunk_box, read.box)});
+    });
+  }
+  return needed;
+}
 
 std::vector<ReadRequestPlan> PlanReadRequests(std::vector<ChunkRead> chunks, uint64_t max_gap,
                                               uint64_t max_request) {

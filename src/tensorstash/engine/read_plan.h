@@ -1,11 +1,16 @@
-// Read planning: turning the chunks a restore needs into as few storage requests as sensible.
+// Read planning: which stored chunks a restore needs, and as few storage requests as sensible.
 //
-// Two kinds of request come out. A *direct* request reads a run of chunks that lie back to back
-// in one data file and back to back in one destination buffer straight into that buffer. A
-// *staged* request reads a span of a file (chunks plus gaps of at most `max_gap` bytes) into a
-// staging buffer, from which each chunk is checked, decoded and copied into place.
+// PlanChunkPieces finds the chunks that a set of box reads touches. A chunk that several reads
+// need (resharding onto another layout, replicas on several devices) is listed once, with the
+// piece of each read it fills, so that it is fetched and decoded once.
 //
-// Thread-safety: pure function.
+// PlanReadRequests groups chunks into storage requests. Two kinds of request come out. A *direct*
+// request reads a run of chunks that lie back to back in one data file and back to back in one
+// destination buffer straight into that buffer. A *staged* request reads a span of a file (chunks
+// plus gaps of at most `max_gap` bytes) into a staging buffer, from which each chunk is checked,
+// decoded and copied into place.
+//
+// Thread-safety: pure functions.
 #ifndef TENSORSTASH_ENGINE_READ_PLAN_H_
 #define TENSORSTASH_ENGINE_READ_PLAN_H_
 
@@ -13,7 +18,32 @@
 #include <cstdint>
 #include <vector>
 
+#include "tensorstash/array/box.h"
+#include "tensorstash/array/chunk_grid.h"
+
 namespace tensorstash {
+
+struct BoxRead {
+  uint32_t array_id = 0;
+  const ChunkGrid* grid = nullptr;  // how the array is cut into stored chunks
+  Box box;                          // may reach past the array's shape (those parts: no chunk)
+};
+
+struct ChunkPiece {
+  size_t read = 0;  // index into the reads planned
+  Box region;       // the chunk's box intersected with the read's box
+};
+
+struct NeededChunk {
+  uint32_t array_id = 0;
+  int64_t chunk = 0;  // linear index in the array's grid
+  Box chunk_box;
+  std::vector<ChunkPiece> pieces;  // in read order
+};
+
+// The chunks `reads` need, each once, in the order first needed (read by read, chunks in
+// linear order).
+std::vector<NeededChunk> PlanChunkPieces(const std::vector<BoxRead>& reads);
 
 struct ChunkRead {
   uint32_t file_id = 0;

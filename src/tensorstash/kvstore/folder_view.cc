@@ -16,6 +16,12 @@ FolderView::FolderView(std::string folder, KvStore* target, std::string target_p
 
 std::string FolderView::Describe() const { return target_->Describe(); }
 
+KvStoreCapabilities FolderView::Capabilities() const {
+  KvStoreCapabilities capabilities;
+  capabilities.mapping = target_->Capabilities().mapping;
+  return capabilities;
+}
+
 Result<std::string> FolderView::Map(std::string_view key) const {
   TS_RETURN_IF_ERROR(ValidatePrefix(key));
   if (!key.starts_with(folder_prefix_) && StrCat(key, "/") != folder_prefix_) {

@@ -30,6 +30,8 @@ class FolderView final : public ReadOnlyKvStore {
   Result<uint64_t> Size(std::string_view key) override;
   Result<std::unique_ptr<ReadableFile>> OpenForRead(std::string_view key) override;
   Result<std::vector<std::string>> List(std::string_view prefix) override;
+  // What a read-only view can do: map its target's files.
+  KvStoreCapabilities Capabilities() const override;
   // Writes, deletes, renames and syncs are refused by ReadOnlyKvStore (FailedPrecondition: "a
   // folder view is read-only"); so are locks, here.
   Result<std::unique_ptr<KvLock>> TryLock(std::string_view key) override;

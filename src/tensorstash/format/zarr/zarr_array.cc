@@ -146,6 +146,36 @@ Status ZarrArray::Read(const Box& box, DType dest_dtype, void* dest, ThreadPool*
                                    });
 }
 
+Status ZarrArray::ReadChunkRegion(const std::vector<int64_t>& grid, const Box& region,
+                                  const Box& box, DType dest_dtype, void* dest,
+                                  StagingPool* staging) const {
+  const std::string what = StrCat("read of ", ArrayWhat(prefix_));
+  if (static_cast<int>(grid.size()) != metadata_.rank() || region.rank() != metadata_.rank() ||
+      box.rank() != metadata_.rank()) {
+    return InvalidArgumentError(StrCat(what, ": chunk ", StrJoin(grid, ", "), ", region ",
+                                       region.ToString(), " or box ", box.ToString(),
+                                       " does not have the array's rank ", metadata_.rank()));
+  }
+  if (region.empty()) return OkStatus();
+  Box chunk_box = Box::FromShape(metadata_.chunk_shape);
+  for (int d = 0; d < metadata_.rank(); ++d) chunk_box.origin[d] = grid[d] * chunk_box.shape[d];
+  if (!Intersect(chunk_box, Box::FromShape(metadata_.shape)).Contains(region) ||
+      !box.Contains(region)) {
+    return InvalidArgumentError(StrCat(what, ": region ", region.ToString(),
+                                       " is not inside chunk ", chunk_box.ToString(),
+                                       ", the shape and the box ", box.ToString()));
+  }
+  if (!CanConvert(metadata_.dtype, dest_dtype)) {
+    return InvalidArgumentError(StrCat(what, ": cannot convert stored ", DTypeName(metadata_.dtype),
+                                       " to ", DTypeName(dest_dtype)));
+  }
+  if (dest == nullptr) return InvalidArgumentError(StrCat(what, ": no destination"));
+  std::string dest_fill(ItemSize(dest_dtype), '\0');
+  TS_RETURN_IF_ERROR(ConvertElements(metadata_.dtype, metadata_.fill_value.data(), dest_dtype,
+                                     dest_fill.data(), 1, StrCat(what, ": fill_value")));
+  return ReadChunk(grid, region, box, dest_dtype, dest, dest_fill, staging);
+}
+
 Status ZarrArray::ReadChunkInPlace(const std::string& key, const Box& chunk_box, const Box& region,
                                    const Box& box, DType dest_dtype, void* dest,
                                    const std::string& dest_fill, StagingPool* staging,

@@ -65,6 +65,12 @@ class ZarrArray {
   Status Read(const Box& box, DType dest_dtype, void* dest, ThreadPool* pool = nullptr,
               StagingPool* staging = nullptr) const;
 
+  // What Read does for one chunk, for callers that plan the chunks themselves: fills the part
+  // `region` of chunk (shard) `grid` into `dest`, laid out in C order over `box`. `region` must
+  // lie inside that chunk, the array's shape and `box`. Same errors as Read.
+  Status ReadChunkRegion(const std::vector<int64_t>& grid, const Box& region, const Box& box,
+                         DType dest_dtype, void* dest, StagingPool* staging = nullptr) const;
+
   // The key of the chunk (shard) at grid position `grid`, with the prefix.
   std::string ChunkKey(const std::vector<int64_t>& grid) const;
   // Whether the chunk (shard) at `grid` is stored: true, false when it is absent (reads give the
