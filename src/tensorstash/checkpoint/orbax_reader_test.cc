@@ -125,6 +125,43 @@ TEST(OrbaxReaderTest, RebuildsTreeAndReadsBoxes) {
       s.ReadMany({{"opt/0", Box({0}, {5}), DType::kFloat32, out.data()}}, nullptr, nullptr).ok());
 }
 
+TEST(OrbaxReaderTest, AChunkSeveralRequestsNeedIsReadOnce) {
+  MemoryKvStore kv;
+  WriteArray(&kv, "step/w", {6, 4}, {4, 4});  // two chunks: rows 0-3 and 4-5
+  ASSERT_TRUE(
+      kv.Write("step/_METADATA", "{\"tree_metadata\": {" + Leaf({{"w", 2}}, "np.ndarray") + "}}")
+          .ok());
+  std::unique_ptr<StepSource> s = OpenStepSource(&kv, "step").value();
+  std::vector<float> whole(24);
+  ReadStats once;
+  ASSERT_TRUE(
+      s->ReadMany({{"w", Box({0, 0}, {6, 4}), DType::kFloat32, whole.data()}}, &once, nullptr)
+          .ok());
+  // Each column as its own request (a reshard onto 4 devices), one of them cast: every
+  // request needs both chunks, and each chunk is still fetched once.
+  std::vector<double> col0(6, -1);
+  std::vector<std::vector<float>> cols(3, std::vector<float>(6, -1));
+  std::vector<ReadRequest> requests = {{"w", Box({0, 0}, {6, 1}), DType::kFloat64, col0.data()}};
+  for (int64_t c = 1; c < 4; ++c) {
+    requests.push_back({"w", Box({0, c}, {6, 1}), DType::kFloat32, cols[c - 1].data()});
+  }
+  ReadStats columns;
+  uint64_t done = 0, total = 0;
+  Status read = s->ReadMany(requests, &columns, [&](uint64_t d, uint64_t t) {
+    done = d;
+    total = t;
+  });
+  ASSERT_TRUE(read.ok()) << read;
+  EXPECT_EQ(columns.requests, once.requests);
+  EXPECT_EQ(columns.bytes_read, once.bytes_read);
+  EXPECT_EQ(total, 6u * 8 + 3 * 6 * 4);
+  EXPECT_EQ(done, total);
+  for (int64_t r = 0; r < 6; ++r) {
+    EXPECT_EQ(col0[r], whole[r * 4]);
+    for (int64_t c = 1; c < 4; ++c) EXPECT_EQ(cols[c - 1][r], whole[r * 4 + c]) << r << "," << c;
+  }
+}
+
 TEST(OrbaxReaderTest, MalformedMetadataIsDataLoss) {
   MemoryKvStore kv;
   WriteArray(&kv, "s/a", {2}, {2});

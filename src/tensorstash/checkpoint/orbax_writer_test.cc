@@ -3,9 +3,12 @@
 // restores what the writer writes in tests/python/test_orbax_write.py.
 #include "tensorstash/checkpoint/orbax_writer.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -155,6 +158,42 @@ TEST(OrbaxWriterTest, ManagerItemLayoutAndChunkSource) {
   EXPECT_THAT(za->chunk_shape(), ElementsAre(2, 4));
   std::vector<float> got(20);
   ASSERT_TRUE(za->Read(Box({0, 0}, {5, 4}), DType::kFloat32, got.data()).ok());
+  EXPECT_EQ(got, m);
+}
+
+TEST(OrbaxWriterTest, ChunkSourcesStayUnderTheByteCap) {
+  MemoryKvStore kv;
+  OrbaxWriterOptions options;
+  options.io_threads = 4;
+  options.max_inflight_bytes = 2 * 4 * 4;  // two chunks of [1, 4] float32
+  auto writer = OrbaxWriter::Create(&kv, "ckpt", options).value();
+  const std::vector<float> m = Iota(16 * 4);
+  std::atomic<int> running{0}, most{0}, calls{0};
+  ASSERT_TRUE(writer
+                  ->AddArray({"m", DType::kFloat32, {16, 4}}, {1, 4},
+                             [&](const Box& box, void* dest) {
+                               const int now = ++running;
+                               int seen = most.load();
+                               while (now > seen && !most.compare_exchange_weak(seen, now)) {
+                               }
+                               std::this_thread::sleep_for(std::chrono::milliseconds(2));
+                               std::memcpy(dest, m.data() + box.origin[0] * 4, 16);
+                               ++calls;
+                               --running;
+                               return OkStatus();
+                             })
+                  .ok());
+  OrbaxWriteStats stats;
+  ASSERT_TRUE(writer->Commit(&stats).ok());
+  EXPECT_EQ(calls.load(), 16);
+  EXPECT_EQ(stats.chunks, 16u);
+  EXPECT_LE(most.load(), 2);
+  auto db = OcdbtKvStore::Open(&kv, "ckpt").value();
+  std::vector<float> got(64);
+  ASSERT_TRUE(ZarrArray::Open(db.get(), "m")
+                  .value()
+                  ->Read(Box({0, 0}, {16, 4}), DType::kFloat32, got.data())
+                  .ok());
   EXPECT_EQ(got, m);
 }
 

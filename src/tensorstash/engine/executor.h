@@ -62,6 +62,9 @@ class Executor {
   uint64_t peak_staging_bytes() const { return staging_.peak(); }
 
  private:
+  void Start(uint64_t bytes, bool with_buffer, const std::function<Status(char* buffer)>& prepare,
+             std::function<Status(char* buffer)> task);
+
   ByteLimiter limiter_;
   StagingPool staging_;  // leases stay within limiter_'s reservations, so never wait here
   TaskGroup group_;      // last: destroyed (waiting for the tasks) before the above

@@ -49,5 +49,40 @@ TEST(ReadPlanTest, RequestsStayUnderTheSizeCap) {
   EXPECT_EQ(plans[0].length, 1000u);
 }
 
+TEST(ReadPlanTest, AChunkSeveralReadsNeedIsListedOnceWithEachPiece) {
+  // A [4, 4] array in chunks of [2, 4]: chunk 0 holds rows 0-1, chunk 1 rows 2-3.
+  const ChunkGrid grid{{4, 4}, {2, 4}, {2, 4}};
+  const std::vector<BoxRead> reads = {
+      {0, &grid, Box({0, 0}, {4, 2})},  // left half: both chunks
+      {0, &grid, Box({1, 2}, {2, 2})},  // rows 1-2, right half: both chunks
+      {1, &grid, Box({0, 0}, {2, 4})},  // another array: its own chunk 0
+      {0, &grid, Box({0, 0}, {0, 4})},  // empty: needs nothing
+  };
+  const std::vector<NeededChunk> needed = PlanChunkPieces(reads);
+  ASSERT_EQ(needed.size(), 3u);
+  EXPECT_EQ(needed[0].array_id, 0u);
+  EXPECT_EQ(needed[0].chunk, 0);
+  EXPECT_EQ(needed[0].chunk_box, Box({0, 0}, {2, 4}));
+  ASSERT_EQ(needed[0].pieces.size(), 2u);
+  EXPECT_EQ(needed[0].pieces[0].read, 0u);
+  EXPECT_EQ(needed[0].pieces[0].region, Box({0, 0}, {2, 2}));
+  EXPECT_EQ(needed[0].pieces[1].read, 1u);
+  EXPECT_EQ(needed[0].pieces[1].region, Box({1, 2}, {1, 2}));
+  EXPECT_EQ(needed[1].chunk, 1);
+  ASSERT_EQ(needed[1].pieces.size(), 2u);
+  EXPECT_EQ(needed[1].pieces[1].region, Box({2, 2}, {1, 2}));
+  EXPECT_EQ(needed[2].array_id, 1u);
+  EXPECT_EQ(needed[2].pieces.size(), 1u);
+}
+
+TEST(ReadPlanTest, BoxesPastTheShapeNeedOnlyTheChunksThatExist) {
+  const ChunkGrid grid{{3}, {3}, {2}};
+  const std::vector<NeededChunk> needed = PlanChunkPieces({{0, &grid, Box({1}, {5})}});
+  ASSERT_EQ(needed.size(), 2u);
+  EXPECT_EQ(needed[0].pieces[0].region, Box({1}, {1}));
+  EXPECT_EQ(needed[1].chunk_box, Box({2}, {1}));
+  EXPECT_EQ(needed[1].pieces[0].region, Box({2}, {1}));
+}
+
 }  // namespace
 }  // namespace tensorstash

@@ -1,0 +1,171 @@
+#include "tensorstash/engine/executor.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tensorstash/util/status_test_macros.h"
+
+namespace tensorstash {
+namespace {
+
+// Tracks the bytes tasks hold while they run.
+struct Held {
+  std::atomic<uint64_t> now{0};
+  std::atomic<uint64_t> peak{0};
+  std::atomic<int> running{0};
+  std::atomic<int> most_running{0};
+
+  void Enter(uint64_t bytes) {
+    const uint64_t total = now.fetch_add(bytes) + bytes;
+    uint64_t seen = peak.load();
+    while (total > seen && !peak.compare_exchange_weak(seen, total)) {
+    }
+    const int count = running.fetch_add(1) + 1;
+    int most = most_running.load();
+    while (count > most && !most_running.compare_exchange_weak(most, count)) {
+    }
+  }
+  void Leave(uint64_t bytes) {
+    running.fetch_sub(1);
+    now.fetch_sub(bytes);
+  }
+};
+
+TEST(ExecutorTest, TasksHoldNoMoreThanTheCapAtOnce) {
+  ThreadPool pool(4);
+  Held held;
+  std::atomic<int> ran{0};
+  {
+    Executor run(&pool, /*cap_bytes=*/100);
+    for (int i = 0; i < 24; ++i) {
+      const uint64_t bytes = 30;
+      auto task = [&, bytes](char* buffer) {
+        held.Enter(bytes);
+        std::memset(buffer, i, bytes);  // the whole buffer is ours (ASan checks)
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        held.Leave(bytes);
+        ++ran;
+        return OkStatus();
+      };
+      if (i % 2 == 0) {
+        run.Run(bytes, task);
+      } else {
+        run.RunHolding(bytes, [task] { return task(std::vector<char>(30).data()); });
+      }
+    }
+    TS_ASSERT_OK(run.Wait());
+    EXPECT_LE(run.peak_bytes(), 100u);
+    EXPECT_LE(run.peak_staging_bytes(), 100u);
+  }
+  EXPECT_EQ(ran.load(), 24);
+  EXPECT_LE(held.peak.load(), 100u);
+}
+
+TEST(ExecutorTest, ATaskLargerThanTheCapRunsAlone) {
+  ThreadPool pool(4);
+  Held held;
+  Executor run(&pool, /*cap_bytes=*/10);
+  bool big_ran_alone = false;
+  for (int i = 0; i < 9; ++i) {
+    const uint64_t bytes = i == 4 ? 50 : 5;
+    run.Run(bytes, [&, bytes](char* buffer) {
+      held.Enter(bytes);
+      if (bytes == 50) {
+        std::memset(buffer, 1, 50);
+        big_ran_alone = held.running.load() == 1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      held.Leave(bytes);
+      return OkStatus();
+    });
+  }
+  TS_ASSERT_OK(run.Wait());
+  EXPECT_TRUE(big_ran_alone);
+  EXPECT_EQ(run.peak_bytes(), 50u);
+}
+
+TEST(ExecutorTest, NoBytesMeansNoBuffer) {
+  ThreadPool pool(1);
+  Executor run(&pool, 1);
+  char* seen = reinterpret_cast<char*>(1);
+  run.Run(0, [&](char* buffer) {
+    seen = buffer;
+    return OkStatus();
+  });
+  TS_ASSERT_OK(run.Wait());
+  EXPECT_EQ(seen, nullptr);
+}
+
+TEST(ExecutorTest, PreparedTasksArePreparedOnTheCallingThreadInOrder) {
+  ThreadPool pool(2);
+  Executor run(&pool, /*cap_bytes=*/16);
+  const std::thread::id caller = std::this_thread::get_id();
+  std::vector<int> prepared;
+  std::atomic<int> checked{0};
+  for (int i = 0; i < 10; ++i) {
+    run.RunPrepared(
+        8,
+        [&, i](char* buffer) {
+          EXPECT_EQ(std::this_thread::get_id(), caller);
+          prepared.push_back(i);
+          std::memset(buffer, 'a' + i, 8);
+          return OkStatus();
+        },
+        [&, i](char* buffer) {
+          EXPECT_NE(std::this_thread::get_id(), caller);
+          if (buffer[0] == 'a' + i && buffer[7] == 'a' + i) ++checked;
+          return OkStatus();
+        });
+  }
+  TS_ASSERT_OK(run.Wait());
+  EXPECT_EQ(prepared, (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+  EXPECT_EQ(checked.load(), 10);
+  EXPECT_LE(run.peak_bytes(), 16u);
+}
+
+TEST(ExecutorTest, TheFirstFailureStopsWhatHasNotStarted) {
+  ThreadPool pool(1);
+  Executor run(&pool, /*cap_bytes=*/1);
+  std::atomic<int> ran{0};
+  run.RunHolding(1, [&] {
+    ++ran;
+    return DataLossError("first");
+  });
+  // Admitting the next task waits for the failed one's byte: it is then skipped.
+  run.RunHolding(1, [&] {
+    ++ran;
+    return OkStatus();
+  });
+  EXPECT_TRUE(run.failed());
+  run.Run(1, [&](char*) {
+    ++ran;
+    return OkStatus();
+  });
+  Status status = run.Wait();
+  EXPECT_TRUE(absl::IsDataLoss(status)) << status;
+  EXPECT_EQ(status.message(), "first");
+  EXPECT_EQ(ran.load(), 1);
+}
+
+TEST(ExecutorTest, AFailedPreparationIsTheRunsError) {
+  ThreadPool pool(2);
+  Executor run(&pool, 64);
+  bool task_ran = false;
+  run.RunPrepared(
+      8, [](char*) { return InvalidArgumentError("cannot copy"); },
+      [&](char*) {
+        task_ran = true;
+        return OkStatus();
+      });
+  EXPECT_TRUE(run.failed());
+  EXPECT_TRUE(absl::IsInvalidArgument(run.Wait()));
+  EXPECT_FALSE(task_ran);
+}
+
+}  // namespace
+}  // namespace tensorstash
