@@ -34,6 +34,7 @@
 #include "tensorstash/checkpoint/step_folder.h"
 #include "tensorstash/engine/executor.h"
 #include "tensorstash/engine/publish.h"
+#include "tensorstash/engine/write_plan.h"
 #include "tensorstash/format/orbax_names.h"
 #include "tensorstash/format/zarr/zarr_array.h"
 #include "tensorstash/kvstore/ocdbt/ocdbt_kvstore.h"
@@ -519,23 +520,32 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
       const ZarrArrayWriter* w = writer->get();
       writers.push_back(*std::move(writer));
       const size_t item = ItemSize(a.spec.dtype);
+      // The zarr grid is a chunk grid whose cells are its chunks.
+      const ChunkGrid grid{a.spec.shape, a.chunk_shape, a.chunk_shape};
       if (a.source == nullptr) {
-        // Each shard is one chunk (AddArray): encoded from where it is.
-        for (const ShardData& shard : a.shards) {
-          if (shard.box.empty()) continue;
-          const uint64_t bytes = static_cast<uint64_t>(shard.box.num_elements()) * item;
-          run.RunHolding(bytes, [w, &shard, bytes, &report, &chunks]() -> Status {
-            TS_RETURN_IF_ERROR(w->WriteBox(shard.box, shard.data));
-            chunks.fetch_add(1);
-            report(bytes);
-            return OkStatus();
-          });
+        // Write planning as for the native format (engine/write_plan.h): the shards tile the
+        // grid (AddArray checked it), so each chunk is one shard, encoded from where it is.
+        ArrayToWrite to_write{a.spec.path, &grid, item, {}};
+        for (const ShardData& shard : a.shards) to_write.shards.push_back({shard.box, 0, 1});
+        Result<std::vector<ChunkWrite>> planned =
+            PlanChunkWrites({to_write}, /*split_replicated_writes=*/false);
+        if (!planned.ok()) {
+          run.Fail(planned.status());
+          break;
+        }
+        for (const ChunkWrite& chunk : *planned) {
+          run.RunHolding(chunk.raw_bytes,
+                         [w, data = a.shards[chunk.shard].data, box = chunk.chunk_box,
+                          bytes = chunk.raw_bytes, &report, &chunks]() -> Status {
+                           TS_RETURN_IF_ERROR(w->WriteBox(box, data));
+                           chunks.fetch_add(1);
+                           report(bytes);
+                           return OkStatus();
+                         });
         }
         continue;
       }
-      // Chunks from the source, into staging: the zarr grid is a chunk grid whose cells are
-      // its chunks.
-      const ChunkGrid grid{a.spec.shape, a.chunk_shape, a.chunk_shape};
+      // Chunks from the source, into staging.
       grid.ForEachChunkIntersecting(Box::FromShape(a.spec.shape), [&](int64_t, const Box& box) {
         if (run.failed()) return;
         std::vector<int64_t> cell(box.rank());
