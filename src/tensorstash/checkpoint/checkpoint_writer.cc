@@ -530,6 +530,14 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   {
     // engine/executor.h: the chunks in lane order, their staging under max_inflight_bytes.
     Executor run(&pool, options.max_inflight_bytes);
+    // With copy_sources, the caller's buffers are free once the last copy is made: an async
+    // save returns to training then, without waiting for the writes of stable shards (written
+    // from where they are) to be admitted under the cap.
+    auto copied = [&](const ChunkTask* task) {
+      return options.copy_sources && !task->shard->stable;
+    };
+    size_t copies_left = static_cast<size_t>(std::count_if(order.begin(), order.end(), copied));
+    if (options.copy_sources && copies_left == 0) ReleaseSources();
     for (const ChunkTask* task : order) {
       if (run.failed()) break;
       const ArrayEntry& a = arrays[task->plan.array_id];
@@ -542,13 +550,13 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
       auto write = [&, task, raw_size](const char* raw) {
         return WriteChunk(*task, std::string_view(raw, raw_size), &files, &mutex, &entries, stats);
       };
-      if (options.copy_sources && !task->shard->stable) {
+      if (copied(task)) {
         // Copied here, in waves when the cap is reached (waiting for writes to free staging),
-        // and written by the pool: the caller's buffers are free once the last copy is made,
-        // long before the last write ends.
+        // and written by the pool.
         run.RunPrepared(
             raw_size + encoded, [&, task](char* staged) { return GatherChunk(*task, staged); },
             write);
+        if (--copies_left == 0) ReleaseSources();
       } else if (contiguous) {
         // Straight from the caller's buffer to the file.
         const char* raw =
@@ -562,6 +570,7 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
         });
       }
     }
+    // After a failure the copying stopped early: what runs still reads staging only.
     if (options.copy_sources) ReleaseSources();
     TS_RETURN_IF_ERROR(run.Wait());
   }

@@ -1,7 +1,12 @@
-// The KvStore conformance suite: one set of behaviour tests that every backend runs, by
-// instantiating it from its own folder's test file:
+// The KvStore conformance suites: behaviour tests that every backend runs, by instantiating
+// them from its own folder's test file.
 //
 //   TS_INSTANTIATE_KVSTORE_CONFORMANCE(File, {{"File", [](const std::string& scratch_dir) {...}}});
+//   TS_INSTANTIATE_KVSTORE_READ_CONFORMANCE(File, {{"File", [](scratch_dir, contents) {...}}});
+//
+// The first is the whole interface, for stores that are written through themselves. The second
+// is what reading needs, for every store, read-only ones included (an OCDBT database is written
+// by its own writer): the backend makes a store that holds the given contents.
 //
 // The tests themselves are in kvstore_conformance_test.cc. A backend declares what it cannot do
 // through KvStore::Capabilities() (or SupportsRename), and the tests check the documented answer
@@ -15,6 +20,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -72,6 +78,26 @@ class KvStoreConformanceTest : public ::testing::TestWithParam<KvStoreBackend> {
   std::unique_ptr<KvStore> store_;
 };
 
+// A store holding a fixed set of objects, for the read suite.
+struct ReadableKvStoreBackend {
+  std::string name;
+  // Makes a store holding exactly `contents` (key -> value); `scratch_dir` is an empty
+  // directory it may use. Null on failure.
+  std::function<std::unique_ptr<KvStore>(const std::string& scratch_dir,
+                                         const std::map<std::string, std::string>& contents)>
+      make;
+};
+
+class KvStoreReadConformanceTest : public ::testing::TestWithParam<ReadableKvStoreBackend> {
+ protected:
+  void SetUp() override;
+  void TearDown() override;
+
+  std::map<std::string, std::string> contents_;  // what the store holds
+  std::string scratch_dir_;
+  std::unique_ptr<KvStore> store_;
+};
+
 }  // namespace tensorstash
 
 // Runs the suite against `backends` (a std::vector<KvStoreBackend>), tests named
@@ -80,6 +106,13 @@ class KvStoreConformanceTest : public ::testing::TestWithParam<KvStoreBackend> {
   INSTANTIATE_TEST_SUITE_P(prefix, KvStoreConformanceTest, ::testing::ValuesIn(backends),   \
                            [](const ::testing::TestParamInfo<KvStoreBackend>& param_info) { \
                              return param_info.param.name;                                  \
+                           })
+
+// The read suite against `backends` (a std::vector<ReadableKvStoreBackend>).
+#define TS_INSTANTIATE_KVSTORE_READ_CONFORMANCE(prefix, backends)                             \
+  INSTANTIATE_TEST_SUITE_P(prefix, KvStoreReadConformanceTest, ::testing::ValuesIn(backends), \
+                           [](const ::testing::TestParamInfo<ReadableKvStoreBackend>& info) { \
+                             return info.param.name;                                          \
                            })
 
 #endif  // TENSORSTASH_KVSTORE_KVSTORE_CONFORMANCE_H_

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -308,5 +309,25 @@ TS_INSTANTIATE_KVSTORE_CONFORMANCE(
                                     }
                                     return *std::move(store);
                                   }}}));
+
+TS_INSTANTIATE_KVSTORE_READ_CONFORMANCE(
+    File, std::vector<ReadableKvStoreBackend>(
+              {{"File",
+                [](const std::string& scratch_dir,
+                   const std::map<std::string, std::string>& contents) -> std::unique_ptr<KvStore> {
+                  Result<std::unique_ptr<FileKvStore>> store =
+                      FileKvStore::Open(scratch_dir + "/root");
+                  if (!store.ok()) {
+                    ADD_FAILURE() << store.status();
+                    return nullptr;
+                  }
+                  for (const auto& [key, value] : contents) {
+                    if (Status written = (*store)->Write(key, value); !written.ok()) {
+                      ADD_FAILURE() << written;
+                      return nullptr;
+                    }
+                  }
+                  return *std::move(store);
+                }}}));
 
 }  // namespace tensorstash

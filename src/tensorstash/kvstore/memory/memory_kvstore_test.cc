@@ -1,7 +1,8 @@
-// The memory backend runs the conformance suite (kvstore_conformance.h), with and without
+// The memory backend runs the conformance suites (kvstore_conformance.h), with and without
 // rename support (the latter stands for an object store).
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,5 +21,21 @@ TS_INSTANTIATE_KVSTORE_CONFORMANCE(
                  {"MemoryNoRename", [](const std::string&) -> std::unique_ptr<KvStore> {
                     return std::make_unique<MemoryKvStore>(/*supports_rename=*/false);
                   }}}));
+
+TS_INSTANTIATE_KVSTORE_READ_CONFORMANCE(
+    Memory,
+    std::vector<ReadableKvStoreBackend>(
+        {{"Memory",
+          [](const std::string&,
+             const std::map<std::string, std::string>& contents) -> std::unique_ptr<KvStore> {
+            auto store = std::make_unique<MemoryKvStore>();
+            for (const auto& [key, value] : contents) {
+              if (Status written = store->Write(key, value); !written.ok()) {
+                ADD_FAILURE() << written;
+                return nullptr;
+              }
+            }
+            return store;
+          }}}));
 
 }  // namespace tensorstash

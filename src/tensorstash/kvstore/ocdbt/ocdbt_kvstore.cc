@@ -236,6 +236,9 @@ Result<std::shared_ptr<const BtreeNode>> OcdbtKvStore::GetNode(const DataFileId&
 }
 
 Result<OcdbtKvStore::ValueRef> OcdbtKvStore::Lookup(std::string_view key) {
+  // Keys as every store takes them (kvstore.h), although OCDBT could hold any bytes: a "../"
+  // or an empty segment is the caller's mistake here too.
+  TS_RETURN_IF_ERROR(ValidateKey(key));
   auto not_found = [&] {
     return NotFoundError(StrCat("key '", key, "' not found in ", Describe()));
   };
@@ -356,6 +359,7 @@ Result<std::unique_ptr<ReadableFile>> OcdbtKvStore::OpenForRead(std::string_view
 }
 
 Result<std::vector<std::string>> OcdbtKvStore::List(std::string_view prefix) {
+  TS_RETURN_IF_ERROR(ValidatePrefix(prefix));
   std::vector<std::string> keys;
   if (version_.root.missing()) return keys;
   TS_RETURN_IF_ERROR(ListNode(manifest_.files[version_.root.file], version_.root,

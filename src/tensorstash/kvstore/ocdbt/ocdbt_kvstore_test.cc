@@ -10,6 +10,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tensorstash/kvstore/forwarding_kvstore.h"
+#include "tensorstash/kvstore/kvstore_conformance.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/kvstore/ocdbt/ocdbt_format.h"
 #include "tensorstash/util/crc32c.h"
@@ -520,4 +522,35 @@ TEST_F(OcdbtHostileTest, RandomCorruptionBehindAValidChecksum) {
 }
 
 }  // namespace
+// The read conformance suite (kvstore_conformance.h): a database written by OcdbtWriter into
+// a memory store, read through OcdbtKvStore. The store owns both.
+class OwnedOcdbtStore : public ForwardingKvStore {
+ public:
+  OwnedOcdbtStore(std::unique_ptr<KvStore> base, std::unique_ptr<OcdbtKvStore> db)
+      : ForwardingKvStore(db.get()), base_store_(std::move(base)), db_(std::move(db)) {}
+
+ private:
+  std::unique_ptr<KvStore> base_store_;
+  std::unique_ptr<OcdbtKvStore> db_;
+};
+
+TS_INSTANTIATE_KVSTORE_READ_CONFORMANCE(
+    Ocdbt,
+    std::vector<ReadableKvStoreBackend>(
+        {{"Ocdbt",
+          [](const std::string&,
+             const std::map<std::string, std::string>& contents) -> std::unique_ptr<KvStore> {
+            auto base = std::make_unique<MemoryKvStore>();
+            if (Status written = WriteDb(base.get(), "db", contents); !written.ok()) {
+              ADD_FAILURE() << written;
+              return nullptr;
+            }
+            Result<std::unique_ptr<OcdbtKvStore>> db = OcdbtKvStore::Open(base.get(), "db");
+            if (!db.ok()) {
+              ADD_FAILURE() << db.status();
+              return nullptr;
+            }
+            return std::make_unique<OwnedOcdbtStore>(std::move(base), *std::move(db));
+          }}}));
+
 }  // namespace tensorstash
