@@ -78,6 +78,10 @@ class KvStoreConformanceTest : public ::testing::TestWithParam<KvStoreBackend> {
   std::unique_ptr<KvStore> store_;
 };
 
+// Reads `file` (holding `value`) from 4 threads at once, each at its own offsets; the reads
+// per thread that failed or gave wrong bytes.
+std::vector<int> ConcurrentReadMismatches(const ReadableFile& file, const std::string& value);
+
 // A store holding a fixed set of objects, for the read suite.
 struct ReadableKvStoreBackend {
   std::string name;

@@ -328,21 +328,7 @@ TEST_P(KvStoreConformanceTest, OpenForReadAndReadAt) {
   EXPECT_THAT(MessageOf(status), HasSubstr("r/k"));
 
   // Several threads may read one file at once.
-  std::vector<std::thread> threads;
-  std::vector<int> mismatches(4, 0);
-  for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([&, t] {
-      std::string local(997, '\0');
-      for (size_t offset = static_cast<size_t>(t) * 11; offset + local.size() <= value.size();
-           offset += 3001) {
-        if (!(*file)->ReadAt(offset, local.size(), local.data()).ok() ||
-            local != value.substr(offset, local.size())) {
-          ++mismatches[t];
-        }
-      }
-    });
-  }
-  for (std::thread& thread : threads) thread.join();
+  const std::vector<int> mismatches = ConcurrentReadMismatches(**file, value);
   EXPECT_THAT(mismatches, ElementsAre(0, 0, 0, 0));
 }
 

@@ -38,6 +38,25 @@ void KvStoreReadConformanceTest::SetUp() {
   ASSERT_NE(store_, nullptr);
 }
 
+std::vector<int> ConcurrentReadMismatches(const ReadableFile& file, const std::string& value) {
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(4, 0);
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::string local(997, '\0');
+      for (size_t offset = static_cast<size_t>(t) * 11; offset + local.size() <= value.size();
+           offset += 3001) {
+        if (!file.ReadAt(offset, local.size(), local.data()).ok() ||
+            local != value.substr(offset, local.size())) {
+          ++mismatches[t];
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  return mismatches;
+}
+
 void KvStoreReadConformanceTest::TearDown() {
   store_.reset();
   std::error_code ignored;
@@ -100,21 +119,7 @@ TEST_P(KvStoreReadConformanceTest, OpenForReadServesThreadsAtOnce) {
   std::string buffer(16, '\0');
   const Status past = (*file)->ReadAt(big.size() - 8, 16, buffer.data());
   EXPECT_TRUE(absl::IsDataLoss(past)) << past;
-  std::vector<std::thread> threads;
-  std::vector<int> mismatches(4, 0);
-  for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([&, t] {
-      std::string local(997, '\0');
-      for (size_t offset = static_cast<size_t>(t) * 13; offset + local.size() <= big.size();
-           offset += 7001) {
-        if (!(*file)->ReadAt(offset, local.size(), local.data()).ok() ||
-            local != big.substr(offset, local.size())) {
-          ++mismatches[t];
-        }
-      }
-    });
-  }
-  for (std::thread& thread : threads) thread.join();
+  const std::vector<int> mismatches = ConcurrentReadMismatches(**file, big);
   EXPECT_THAT(mismatches, ElementsAre(0, 0, 0, 0));
 }
 
