@@ -17,11 +17,8 @@
 #include "tensorstash/engine/executor.h"
 #include "tensorstash/engine/read_plan.h"
 #include "tensorstash/format/chunk_codec.h"
-#include "tensorstash/util/byte_limiter.h"
 #include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/prefault.h"
-#include "tensorstash/util/staging_buffer.h"
-#include "tensorstash/util/staging_pool.h"
 #include "tensorstash/util/thread_pool.h"
 
 namespace tensorstash {
@@ -632,14 +629,15 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
   results.reserve(requests.size());
   for (size_t i = 0; i < requests.size(); ++i)
     results.emplace_back(UnimplementedError("not mapped"));
-  TaskGroup group(s.pool.get());
+  // Mappings hold no staging: nothing to cap.
+  Executor run(s.pool.get(), s.options.max_inflight_bytes);
   for (size_t i = 0; i < requests.size(); ++i) {
-    group.Run([&, i] {
+    run.RunHolding(0, [&, i] {
       results[i] = map_one(requests[i]);
       return OkStatus();
     });
   }
-  (void)group.Wait();  // every task returns OK: the results carry the errors
+  (void)run.Wait();  // every task returns OK: the results carry the errors
   return results;
 }
 
@@ -658,7 +656,6 @@ Result<std::vector<BadChunk>> CheckpointReader::Verify(
       PlanReadRequests(std::move(reads), s.options.coalesce_gap_bytes,
                        std::min<uint64_t>(s.options.max_request_bytes,
                                           std::max<uint64_t>(1, s.options.max_inflight_bytes)));
-  StagingPool staging(s.options.max_inflight_bytes);
   std::mutex mutex;
   std::vector<BadChunk> bad;
   uint64_t done = 0;
@@ -668,18 +665,27 @@ Result<std::vector<BadChunk>> CheckpointReader::Verify(
                    std::string(error.message())});
   };
   {
-    TaskGroup group(s.pool.get());
+    Executor run(s.pool.get(), s.options.max_inflight_bytes);
+    auto raw_bytes = [&](const IndexEntry& e) -> uint64_t {
+      const ArrayMetadata& a = s.tree.arrays[e.array_id];
+      if (a.codec == Codec::kNone) return 0;
+      return a.grid.ChunkBox(static_cast<int64_t>(e.chunk)).num_elements() * ItemSize(a.dtype);
+    };
     for (const ReadRequestPlan& each : plans) {
-      group.Run([&, plan_ptr = &each]() -> Status {
+      // The span, and room to decode its largest compressed chunk, under the cap.
+      uint64_t decode_room = 0;
+      for (const ChunkRead& c : each.chunks) {
+        decode_room = std::max(decode_room, raw_bytes(s.index.entries[c.tag]));
+      }
+      run.Run(each.length + decode_room, [&, plan_ptr = &each](char* span) -> Status {
         const ReadRequestPlan& plan = *plan_ptr;
-        StagingPool::Lease span = staging.Acquire(plan.length);
-        Status read = s.ReadFile(plan.file_id, plan.offset, plan.length, span.data());
+        Status read = s.ReadFile(plan.file_id, plan.offset, plan.length, span);
         std::vector<std::pair<const IndexEntry*, Status>> results;
         for (const ChunkRead& c : plan.chunks) {
           const IndexEntry& e = s.index.entries[c.tag];
           Status status = read;
           if (status.ok()) {
-            const uint32_t crc = Crc32c(span.data() + (e.offset - plan.offset), e.length);
+            const uint32_t crc = Crc32c(span + (e.offset - plan.offset), e.length);
             if (crc != e.crc32c) {
               status = DataLossError(StrCat("CRC-32C mismatch in ", s.ChunkWhat(e), ": stored ",
                                             Hex32(e.crc32c), ", computed ", Hex32(crc)));
@@ -687,12 +693,9 @@ Result<std::vector<BadChunk>> CheckpointReader::Verify(
           }
           const ArrayMetadata& a = s.tree.arrays[e.array_id];
           if (status.ok() && a.codec != Codec::kNone) {
-            const uint64_t raw =
-                a.grid.ChunkBox(static_cast<int64_t>(e.chunk)).num_elements() * ItemSize(a.dtype);
-            StagingBuffer out(raw);
-            status = DecodeChunk(a.codec,
-                                 std::string_view(span.data() + (e.offset - plan.offset), e.length),
-                                 out.data(), raw, s.ChunkWhat(e));
+            status =
+                DecodeChunk(a.codec, std::string_view(span + (e.offset - plan.offset), e.length),
+                            span + plan.length, raw_bytes(e), s.ChunkWhat(e));
           }
           if (!status.ok()) results.emplace_back(&e, status);
         }
@@ -703,7 +706,7 @@ Result<std::vector<BadChunk>> CheckpointReader::Verify(
         return OkStatus();
       });
     }
-    TS_RETURN_IF_ERROR(group.Wait());
+    TS_RETURN_IF_ERROR(run.Wait());
   }
   for (const auto& [name, file] : s.commit.files) {
     if (Result<std::string> read = ReadFile(name); !read.ok()) {

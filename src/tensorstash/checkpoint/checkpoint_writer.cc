@@ -48,11 +48,8 @@
 #include "tensorstash/format/chunk_codec.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/format/index_format.h"
-#include "tensorstash/util/byte_limiter.h"
 #include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/random_id.h"
-#include "tensorstash/util/staging_buffer.h"
-#include "tensorstash/util/staging_pool.h"
 #include "tensorstash/util/thread_pool.h"
 
 namespace tensorstash {
