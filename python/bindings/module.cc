@@ -6,17 +6,21 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdio>
+#include <iostream>
 #include <string>
 #include <vector>
 
 #include "bindings.h"
 #include "errors.h"
+#include "run.h"
 #include "tensorstash/array/dtype.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/checkpoint/host_restore.h"
 #include "tensorstash/kvstore/registry.h"
 #include "tensorstash/util/staging_buffer.h"
+#include "tensorstash/version.h"
 
 namespace nb = nanobind;
 
@@ -37,6 +41,22 @@ size_t ItemSizeOf(const std::string& dtype) { return ItemSize(ValueOrThrow(Parse
 // page can cost many times that of small pages (on a VM whose host has reclaimed that memory,
 // 348-730 ms against 33 ms for 256 MiB, nearly all in clearing it), which made restores into
 // NumPy's memory take anywhere from 63 to 215 ms for the same 256 MiB on a 2-core VM.
+// The tensorstash command (cli/run.h), run in this process: `args` as argv, the program name
+// first. The GIL is released: the commands do IO and print progress from other threads.
+int CliMain(std::vector<std::string> args) {
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  int code;
+  {
+    nb::gil_scoped_release release;
+    code = cli::Run(static_cast<int>(args.size()), argv.data());
+    std::cout.flush();
+    std::fflush(stdout);
+  }
+  return code;
+}
+
 nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> HostBuffer(size_t nbytes) {
   auto* owned = new StagingBuffer(nbytes);  // MemoryError when memory runs out
   nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<StagingBuffer*>(p); });
@@ -66,6 +86,9 @@ nb::dict Defaults() {
 NB_MODULE(_ext, m) {
   namespace py = tensorstash::python;
   m.doc() = "Native core of tensorstash: checkpoint writer, reader and manager.";
+  m.attr("__version__") = tensorstash::kVersion;
+  m.def("cli_main", &py::CliMain, nb::arg("args"),
+        "Runs the tensorstash command with `args` (the program name first); its exit code.");
   m.def("dtype_names", &py::DTypeNames,
         "The element type names a checkpoint can store, as NumPy and ml_dtypes spell them.");
   m.def("defaults", &py::Defaults,

@@ -32,7 +32,7 @@ from ._restore import ArrayMetadata, metadata, restore
 from ._save import save
 from .manager import CheckpointManager, RestoreStats, SaveStats
 
-__version__ = "0.1.0"
+__version__ = _ext.__version__
 __all__ = ["save", "restore", "metadata", "ArrayMetadata", "CheckpointManager", "SaveStats",
            "RestoreStats", "store_schemes", "__version__"]
 

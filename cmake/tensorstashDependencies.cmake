@@ -1,0 +1,20 @@
+# The libraries tensorstash links, found the same way by the build (CMakeLists.txt) and by an
+# installed tensorstashConfig.cmake, so that a consumer of the static library links what it was
+# built against. All come from Debian's -dev packages (scripts/setup.sh).
+find_package(Threads REQUIRED)
+find_package(absl REQUIRED)
+find_package(nlohmann_json 3.10 REQUIRED)
+find_package(ZLIB REQUIRED)
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(ZSTD REQUIRED IMPORTED_TARGET libzstd)
+# zarr codecs (src/tensorstash/format/zarr/): blosc and gzip/zlib.
+pkg_check_modules(BLOSC REQUIRED IMPORTED_TARGET blosc)
+# ISA-L (CRC-32C) has no CMake or pkg-config files in Debian: an imported target of our own.
+if(NOT TARGET tensorstash_deps::isal)
+  find_path(TENSORSTASH_ISAL_INCLUDE_DIR isa-l/crc.h REQUIRED)
+  find_library(TENSORSTASH_ISAL_LIBRARY NAMES isal REQUIRED)
+  add_library(tensorstash_deps::isal UNKNOWN IMPORTED)
+  set_target_properties(tensorstash_deps::isal PROPERTIES
+    IMPORTED_LOCATION "${TENSORSTASH_ISAL_LIBRARY}"
+    INTERFACE_INCLUDE_DIRECTORIES "${TENSORSTASH_ISAL_INCLUDE_DIR}")
+endif()
