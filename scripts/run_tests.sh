@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every test: the GoogleTest suite, the CLI test and the cross-checks against NumPy/ml_dtypes
-# under ctest, then the Python/JAX tests under pytest, short fuzz runs, and in CI (CI=true or
-# TS_SANITIZERS=1) the sanitizer builds. All run even if one fails.
+# Every test: the GoogleTest suite, the CLI test, the installed C++ package and the cross-checks
+# against NumPy/ml_dtypes under ctest, then the Python/JAX tests under pytest, short fuzz runs,
+# the portable wheel in a fresh environment, and in CI (CI=true or TS_SANITIZERS=1) the
+# sanitizer builds. All run even if one fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh build || exit 1
@@ -14,6 +15,10 @@ pytest_status=$?
 # ASan+UBSan and TSan in CI (CI=true) or when asked (TS_SANITIZERS=1): docs/reliability.md.
 scripts/run_fuzz.sh
 fuzz_status=$?
+# The portable wheel, installed into a fresh environment that sees neither the build tree nor
+# the system's copies of the libraries it bundles (tests/packaging/wheel_test.sh).
+tests/packaging/wheel_test.sh
+wheel_status=$?
 sanitizer_status=0
 if [ "${CI:-}" = "true" ] || [ "${TS_SANITIZERS:-0}" = "1" ]; then
   scripts/run_sanitizers.sh
@@ -25,5 +30,6 @@ for failed in build*/Testing/Temporary/LastTestsFailed.log; do
   [ -s "$failed" ] && echo "run_tests: failed in ${failed%%/*}: $(cut -d: -f2 "$failed" | tr '\n' ' ')"
 done
 echo "run_tests: ctest $(word $ctest_status); pytest $(word $pytest_status);" \
-  "fuzz $(word $fuzz_status); sanitizers $(word $sanitizer_status)"
-exit $((ctest_status != 0 || pytest_status != 0 || fuzz_status != 0 || sanitizer_status != 0))
+  "fuzz $(word $fuzz_status); wheel $(word $wheel_status); sanitizers $(word $sanitizer_status)"
+exit $((ctest_status != 0 || pytest_status != 0 || fuzz_status != 0 || wheel_status != 0 ||
+  sanitizer_status != 0))
