@@ -44,7 +44,7 @@ TEST(ExecutorTest, TasksHoldNoMoreThanTheCapAtOnce) {
     Executor run(&pool, /*cap_bytes=*/100);
     for (int i = 0; i < 24; ++i) {
       const uint64_t bytes = 30;
-      auto task = [&, bytes](char* buffer) {
+      auto task = [&, bytes, i](char* buffer) {
         held.Enter(bytes);
         std::memset(buffer, i, bytes);  // the whole buffer is ours (ASan checks)
         std::this_thread::sleep_for(std::chrono::milliseconds(2));
