@@ -515,11 +515,6 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
     TS_ASSIGN_OR_RETURN(task.location, files.Allocate(task.plan.raw_bytes, task.plan.lane));
     task.preallocated = true;
   }
-  // Run the lanes side by side (`tasks` are in the order of the plan's writes).
-  std::vector<const ChunkTask*> order;
-  order.reserve(tasks.size());
-  for (size_t i : lane_order) order.push_back(&tasks[i]);
-
   ThreadPool pool(options.io_threads);
   std::mutex mutex;
   std::vector<IndexEntry> entries;
@@ -533,9 +528,12 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
     auto copied = [&](const ChunkTask* task) {
       return options.copy_sources && !task->shard->stable;
     };
-    size_t copies_left = static_cast<size_t>(std::count_if(order.begin(), order.end(), copied));
+    size_t copies_left = 0;
+    for (const ChunkTask& task : tasks) copies_left += copied(&task) ? 1 : 0;
     if (options.copy_sources && copies_left == 0) ReleaseSources();
-    for (const ChunkTask* task : order) {
+    // The lanes side by side (`tasks` are in the order of the plan's writes).
+    for (size_t i : lane_order) {
+      const ChunkTask* task = &tasks[i];
       if (run.failed()) break;
       const ArrayEntry& a = arrays[task->plan.array_id];
       const uint64_t raw_size = task->plan.chunk_box.num_elements() * ItemSize(a.spec.dtype);

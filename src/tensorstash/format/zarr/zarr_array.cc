@@ -123,15 +123,9 @@ Status ZarrArray::Read(const Box& box, DType dest_dtype, void* dest, ThreadPool*
                                        " but the array has rank ", metadata_.rank()));
   }
   TS_RETURN_IF_ERROR(ValidateBox(box, ItemSize(dest_dtype), what));
-  if (!CanConvert(metadata_.dtype, dest_dtype)) {
-    return InvalidArgumentError(StrCat(what, ": cannot convert stored ", DTypeName(metadata_.dtype),
-                                       " to ", DTypeName(dest_dtype)));
-  }
+  if (!CanConvert(metadata_.dtype, dest_dtype)) return CannotConvert(dest_dtype, what);
   if (box.empty()) return OkStatus();
-  if (dest == nullptr) return InvalidArgumentError(StrCat(what, ": no destination"));
-  std::string dest_fill(ItemSize(dest_dtype), '\0');
-  TS_RETURN_IF_ERROR(ConvertElements(metadata_.dtype, metadata_.fill_value.data(), dest_dtype,
-                                     dest_fill.data(), 1, StrCat(what, ": fill_value")));
+  TS_ASSIGN_OR_RETURN(const std::string dest_fill, DestFill(dest_dtype, dest, what));
   const Box shape_box = Box::FromShape(metadata_.shape);
   if (!shape_box.Contains(box)) {
     // Zeros where the box reaches past the shape, as CheckpointReader does.
@@ -165,15 +159,23 @@ Status ZarrArray::ReadChunkRegion(const std::vector<int64_t>& grid, const Box& r
                                        " is not inside chunk ", chunk_box.ToString(),
                                        ", the shape and the box ", box.ToString()));
   }
-  if (!CanConvert(metadata_.dtype, dest_dtype)) {
-    return InvalidArgumentError(StrCat(what, ": cannot convert stored ", DTypeName(metadata_.dtype),
-                                       " to ", DTypeName(dest_dtype)));
-  }
+  if (!CanConvert(metadata_.dtype, dest_dtype)) return CannotConvert(dest_dtype, what);
+  TS_ASSIGN_OR_RETURN(const std::string dest_fill, DestFill(dest_dtype, dest, what));
+  return ReadChunk(grid, region, box, dest_dtype, dest, dest_fill, staging);
+}
+
+Status ZarrArray::CannotConvert(DType dest_dtype, const std::string& what) const {
+  return InvalidArgumentError(StrCat(what, ": cannot convert stored ", DTypeName(metadata_.dtype),
+                                     " to ", DTypeName(dest_dtype)));
+}
+
+Result<std::string> ZarrArray::DestFill(DType dest_dtype, const void* dest,
+                                        const std::string& what) const {
   if (dest == nullptr) return InvalidArgumentError(StrCat(what, ": no destination"));
   std::string dest_fill(ItemSize(dest_dtype), '\0');
   TS_RETURN_IF_ERROR(ConvertElements(metadata_.dtype, metadata_.fill_value.data(), dest_dtype,
                                      dest_fill.data(), 1, StrCat(what, ": fill_value")));
-  return ReadChunk(grid, region, box, dest_dtype, dest, dest_fill, staging);
+  return dest_fill;
 }
 
 Status ZarrArray::ReadChunkInPlace(const std::string& key, const Box& chunk_box, const Box& region,

@@ -84,6 +84,11 @@ class ZarrArray {
   Status ReadChunk(const std::vector<int64_t>& grid, const Box& region, const Box& box,
                    DType dest_dtype, void* dest, const std::string& dest_fill,
                    StagingPool* staging) const;
+  // Read and ReadChunkRegion's common checks: InvalidArgument naming `what` for a dtype the
+  // stored one cannot be converted to; the fill value in `dest_dtype` (InvalidArgument for a
+  // null `dest`).
+  Status CannotConvert(DType dest_dtype, const std::string& what) const;
+  Result<std::string> DestFill(DType dest_dtype, const void* dest, const std::string& what) const;
   // DataLoss when a chunk (shard) of `chunk_box` stores more bytes than any encoding could make.
   Status CheckStoredSize(uint64_t size, const Box& chunk_box, const std::string& what) const;
   // What a missing chunk (NotFound `status`) means: fill `region`, or DataLoss (see
