@@ -9,6 +9,10 @@ find_package(PkgConfig REQUIRED)
 pkg_check_modules(ZSTD REQUIRED IMPORTED_TARGET libzstd)
 # zarr codecs (src/tensorstash/format/zarr/): blosc and gzip/zlib.
 pkg_check_modules(BLOSC REQUIRED IMPORTED_TARGET blosc)
+# The peer transport of the node-local tier (src/tensorstash/kvstore/http/): libcurl is the
+# client, libmicrohttpd the server of a process's committed local steps.
+pkg_check_modules(CURL REQUIRED IMPORTED_TARGET libcurl)
+pkg_check_modules(MICROHTTPD REQUIRED IMPORTED_TARGET libmicrohttpd)
 # ISA-L (CRC-32C) has no CMake or pkg-config files in Debian: an imported target of our own.
 if(NOT TARGET tensorstash_deps::isal)
   find_path(TENSORSTASH_ISAL_INCLUDE_DIR isa-l/crc.h REQUIRED)

@@ -27,6 +27,8 @@ PyObject* ExceptionTypeFor(absl::StatusCode code) {
       return PyExc_NotImplementedError;
     case absl::StatusCode::kDeadlineExceeded:
       return PyExc_TimeoutError;
+    case absl::StatusCode::kUnavailable:  // a peer that does not answer
+      return PyExc_ConnectionError;
     default:
       return PyExc_RuntimeError;
   }

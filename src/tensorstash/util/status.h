@@ -48,6 +48,7 @@ TS_DEFINE_ERROR_(DeadlineExceededError, kDeadlineExceeded)
 TS_DEFINE_ERROR_(AbortedError, kAborted)
 TS_DEFINE_ERROR_(OutOfRangeError, kOutOfRange)
 TS_DEFINE_ERROR_(CancelledError, kCancelled)
+TS_DEFINE_ERROR_(UnavailableError, kUnavailable)
 #undef TS_DEFINE_ERROR_
 
 // ResourceExhausted for memory that could not be allocated (rather than storage that is full:

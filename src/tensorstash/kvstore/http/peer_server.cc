@@ -1,0 +1,232 @@
+#include "tensorstash/kvstore/http/peer_server.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <microhttpd.h>
+#include <netinet/in.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "tensorstash/util/str_util.h"
+
+namespace tensorstash {
+
+bool IsSafeRelativeKey(std::string_view key) {
+  if (key.empty() || key.front() == '/') return false;
+  if (key.find('\0') != std::string_view::npos || key.find('\\') != std::string_view::npos) {
+    return false;
+  }
+  size_t begin = 0;
+  while (true) {
+    const size_t end = std::min(key.find('/', begin), key.size());
+    const std::string_view part = key.substr(begin, end - begin);
+    if (part.empty() || part == "." || part == "..") return false;
+    if (end == key.size()) return true;
+    begin = end + 1;
+  }
+}
+
+namespace {
+
+constexpr char kObjectPath[] = "/v1/object/";
+constexpr char kListPath[] = "/v1/list";
+
+// Compares in time that depends on the lengths only, so that the secret cannot be guessed a
+// character at a time from the answers' timing.
+bool SameSecret(std::string_view given, std::string_view secret) {
+  if (given.size() != secret.size()) return false;
+  unsigned char differ = 0;
+  for (size_t i = 0; i < given.size(); ++i) differ |= given[i] ^ secret[i];
+  return differ == 0;
+}
+
+MHD_Result Answer(MHD_Connection* connection, unsigned int code, std::string_view body) {
+  MHD_Response* response = MHD_create_response_from_buffer(
+      body.size(), const_cast<char*>(body.data()), MHD_RESPMEM_MUST_COPY);
+  if (response == nullptr) return MHD_NO;
+  MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_TYPE, "text/plain");
+  const MHD_Result queued = MHD_queue_response(connection, code, response);
+  MHD_destroy_response(response);
+  return queued;
+}
+
+// Parses "bytes=a-b" or "bytes=a-" against a file of `size` bytes into [first, last]. Returns
+// 0 when there is no range header, 206 for a satisfiable range, 416 for one past the end, 400
+// for anything else (several ranges, suffix ranges).
+unsigned int ParseRange(const char* header, uint64_t size, uint64_t* first, uint64_t* last) {
+  if (header == nullptr) return 0;
+  std::string_view range(header);
+  if (!range.starts_with("bytes=")) return MHD_HTTP_BAD_REQUEST;
+  range.remove_prefix(6);
+  const size_t dash = range.find('-');
+  if (dash == std::string_view::npos || dash == 0) return MHD_HTTP_BAD_REQUEST;
+  const std::string_view a = range.substr(0, dash), b = range.substr(dash + 1);
+  if (std::from_chars(a.data(), a.data() + a.size(), *first).ptr != a.data() + a.size()) {
+    return MHD_HTTP_BAD_REQUEST;
+  }
+  if (b.empty()) {
+    *last = size == 0 ? 0 : size - 1;
+  } else if (std::from_chars(b.data(), b.data() + b.size(), *last).ptr != b.data() + b.size() ||
+             *last < *first) {
+    return MHD_HTTP_BAD_REQUEST;
+  }
+  if (*first >= size) return MHD_HTTP_RANGE_NOT_SATISFIABLE;
+  *last = std::min(*last, size - 1);
+  return MHD_HTTP_PARTIAL_CONTENT;
+}
+
+}  // namespace
+
+struct PeerServer::Impl {
+  std::string root;
+  PeerServerOptions options;
+  MHD_Daemon* daemon = nullptr;
+  int port = 0;
+
+  ~Impl() {
+    if (daemon != nullptr) MHD_stop_daemon(daemon);
+  }
+
+  bool MayServe(std::string_view key) const {
+    return IsSafeRelativeKey(key) && (!options.may_serve || options.may_serve(key));
+  }
+
+  MHD_Result ServeObject(MHD_Connection* connection, std::string_view key) const {
+    if (!IsSafeRelativeKey(key)) return Answer(connection, MHD_HTTP_BAD_REQUEST, "bad key\n");
+    if (!MayServe(key)) return Answer(connection, MHD_HTTP_NOT_FOUND, "not served\n");
+    const std::string path = StrCat(root, "/", key);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    struct stat info;
+    if (fd < 0 || ::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode)) {
+      if (fd >= 0) ::close(fd);
+      return Answer(connection, MHD_HTTP_NOT_FOUND, "no such object\n");
+    }
+    const uint64_t size = static_cast<uint64_t>(info.st_size);
+    uint64_t first = 0, last = size == 0 ? 0 : size - 1;
+    const unsigned int code =
+        ParseRange(MHD_lookup_connection_value(connection, MHD_HEADER_KIND, MHD_HTTP_HEADER_RANGE),
+                   size, &first, &last);
+    if (code != 0 && code != MHD_HTTP_PARTIAL_CONTENT) {
+      ::close(fd);
+      return Answer(connection, code, "bad range\n");
+    }
+    const uint64_t length = size == 0 ? 0 : last - first + 1;
+    // The response owns the descriptor from here on (closed when it is destroyed).
+    MHD_Response* response = MHD_create_response_from_fd_at_offset64(length, fd, first);
+    if (response == nullptr) {
+      ::close(fd);
+      return MHD_NO;
+    }
+    if (code == MHD_HTTP_PARTIAL_CONTENT) {
+      const std::string content_range = StrCat("bytes ", first, "-", last, "/", size);
+      MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_RANGE, content_range.c_str());
+    }
+    const MHD_Result queued =
+        MHD_queue_response(connection, code == 0 ? MHD_HTTP_OK : code, response);
+    MHD_destroy_response(response);
+    return queued;
+  }
+
+  MHD_Result ServeList(MHD_Connection* connection) const {
+    const char* given = MHD_lookup_connection_value(connection, MHD_GET_ARGUMENT_KIND, "prefix");
+    const std::string_view prefix = given == nullptr ? "" : given;
+    const size_t slash = prefix.rfind('/');
+    const std::string_view folder =
+        slash == std::string_view::npos ? std::string_view() : prefix.substr(0, slash);
+    if (!folder.empty() && !IsSafeRelativeKey(folder)) {
+      return Answer(connection, MHD_HTTP_BAD_REQUEST, "bad prefix\n");
+    }
+    std::vector<std::string> keys;
+    std::error_code error;
+    const std::filesystem::path start =
+        folder.empty() ? std::filesystem::path(root) : std::filesystem::path(root) / folder;
+    for (auto it = std::filesystem::recursive_directory_iterator(start, error);
+         !error && it != std::filesystem::recursive_directory_iterator(); it.increment(error)) {
+      if (!it->is_regular_file(error) || it->is_symlink(error)) continue;
+      std::string key = std::filesystem::relative(it->path(), root, error).generic_string();
+      if (!error && key.starts_with(prefix) && key.find('\n') == std::string::npos &&
+          MayServe(key)) {
+        keys.push_back(std::move(key));
+      }
+    }
+    std::sort(keys.begin(), keys.end());
+    std::string body;
+    for (const std::string& key : keys) body += key + "\n";
+    return Answer(connection, MHD_HTTP_OK, body);
+  }
+
+  static MHD_Result Handle(void* cls, MHD_Connection* connection, const char* url,
+                           const char* method, const char* /*version*/, const char* /*upload_data*/,
+                           size_t* upload_data_size, void** /*con_cls*/) {
+    const Impl& self = *static_cast<const Impl*>(cls);
+    const char* secret =
+        MHD_lookup_connection_value(connection, MHD_HEADER_KIND, kPeerSecretHeader);
+    if (secret == nullptr || !SameSecret(secret, self.options.secret)) {
+      return Answer(connection, MHD_HTTP_FORBIDDEN, "a request without the job's secret\n");
+    }
+    const std::string_view verb(method);
+    if ((verb != "GET" && verb != "HEAD") || *upload_data_size != 0) {
+      return Answer(connection, MHD_HTTP_METHOD_NOT_ALLOWED, "read-only\n");
+    }
+    // `url` arrives percent-decoded, so "%2e%2e" is checked as "..".
+    const std::string_view path(url);
+    if (path.starts_with(kObjectPath)) {
+      return self.ServeObject(connection, path.substr(std::strlen(kObjectPath)));
+    }
+    if (path == kListPath) return self.ServeList(connection);
+    return Answer(connection, MHD_HTTP_NOT_FOUND, "unknown request\n");
+  }
+};
+
+PeerServer::PeerServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+PeerServer::~PeerServer() = default;
+
+Result<std::unique_ptr<PeerServer>> PeerServer::Start(std::string root, PeerServerOptions options) {
+  if (options.secret.size() < 16) {
+    return InvalidArgumentError("the peer server's secret must be at least 16 characters");
+  }
+  struct stat info;
+  if (::stat(root.c_str(), &info) != 0 || !S_ISDIR(info.st_mode)) {
+    return NotFoundError(StrCat("the folder to serve to peers, '", root, "', does not exist"));
+  }
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(options.port));
+  if (options.port < 0 || options.port > 65535 ||
+      ::inet_pton(AF_INET, options.bind_address.c_str(), &address.sin_addr) != 1) {
+    return InvalidArgumentError(StrCat("the peer server's address '", options.bind_address, ":",
+                                       options.port, "' is not an IPv4 address and port"));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->root = std::move(root);
+  impl->options = std::move(options);
+  impl->daemon = MHD_start_daemon(
+      MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL_LINUX_ONLY, 0, nullptr, nullptr,
+      &Impl::Handle, impl.get(), MHD_OPTION_SOCK_ADDR, reinterpret_cast<sockaddr*>(&address),
+      MHD_OPTION_THREAD_POOL_SIZE, static_cast<unsigned int>(std::max(1, impl->options.threads)),
+      MHD_OPTION_CONNECTION_TIMEOUT, 120u, MHD_OPTION_END);
+  if (impl->daemon == nullptr) {
+    return UnavailableError(StrCat("cannot serve peers on ", impl->options.bind_address, ":",
+                                   impl->options.port, " (address in use or not of this host)"));
+  }
+  const MHD_DaemonInfo* bound = MHD_get_daemon_info(impl->daemon, MHD_DAEMON_INFO_BIND_PORT);
+  impl->port = bound != nullptr ? bound->port : impl->options.port;
+  return std::unique_ptr<PeerServer>(new PeerServer(std::move(impl)));
+}
+
+int PeerServer::port() const { return impl_->port; }
+
+std::string PeerServer::url() const {
+  return StrCat("http://", impl_->options.bind_address, ":", impl_->port);
+}
+
+}  // namespace tensorstash

@@ -1,0 +1,72 @@
+// PeerServer: serves the files under one folder, read-only, over HTTP, to the other processes of
+// a job (the node-local tier's peer transport; docs/multitier.md "Transport"). HttpKvStore
+// (http_kvstore.h) is its client.
+//
+//   PeerServer::Start("/dev/shm/run1", {.bind_address = "10.0.0.7", .secret = s}) -> server
+//   server->url()  -> "http://10.0.0.7:41234" (published to the peers through the coordinator)
+//
+// Requests (libmicrohttpd, a pool of threads):
+//   GET|HEAD /v1/object/<key>     the file <root>/<key>; a `Range: bytes=a-b` gives 206
+//   GET      /v1/list?prefix=<p>  the keys under the prefix, one per line, sorted
+// Every request must carry the header `X-Tensorstash-Secret: <secret>`; without it, or with
+// another value, the answer is 403 and nothing is read. Keys are checked before any file is
+// touched: an absolute key, an empty component, "." or ".." (also percent-encoded), a NUL or a
+// backslash is 400. `may_serve(key)` decides what is visible (e.g. only committed steps): a key
+// it refuses is 404, as is a missing file or a symbolic link. Files are sent with sendfile().
+//
+// Thread-safety: Start and the destructor on one thread; may_serve is called from the server's
+// threads at once and must be thread-safe.
+#ifndef TENSORSTASH_KVSTORE_HTTP_PEER_SERVER_H_
+#define TENSORSTASH_KVSTORE_HTTP_PEER_SERVER_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "tensorstash/util/status.h"
+
+namespace tensorstash {
+
+// The header that carries the job's secret, sent by HttpKvStore.
+inline constexpr char kPeerSecretHeader[] = "X-Tensorstash-Secret";
+
+struct PeerServerOptions {
+  // An IPv4 address of this host to listen on ("0.0.0.0": every interface).
+  std::string bind_address = "127.0.0.1";
+  int port = 0;  // 0: a free port, chosen by the kernel (see port())
+  // Required; at least 16 characters.
+  std::string secret;
+  // Null: every file under the root.
+  std::function<bool(std::string_view key)> may_serve;
+  int threads = 4;
+};
+
+class PeerServer {
+ public:
+  // Starts serving `root` (a folder that must exist). InvalidArgument for a bad address or a
+  // short secret, NotFound for a missing root, Unavailable when the address cannot be bound.
+  static Result<std::unique_ptr<PeerServer>> Start(std::string root, PeerServerOptions options);
+  // Stops: closes the socket and waits for the requests in flight.
+  ~PeerServer();
+  PeerServer(const PeerServer&) = delete;
+  PeerServer& operator=(const PeerServer&) = delete;
+
+  int port() const;
+  // "http://<bind address>:<port>".
+  std::string url() const;
+
+ private:
+  struct Impl;
+  explicit PeerServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Whether `key` is a relative path that stays inside the folder it names a file of: not empty,
+// no leading '/', no empty, "." or ".." component, no NUL or backslash. Used by the server (and
+// by the client, which refuses such keys before sending them).
+bool IsSafeRelativeKey(std::string_view key);
+
+}  // namespace tensorstash
+
+#endif  // TENSORSTASH_KVSTORE_HTTP_PEER_SERVER_H_
