@@ -304,7 +304,8 @@ Status CheckpointReader::Impl::Load() {
     stored_bytes[e.array_id] += e.length;
   }
   for (size_t i = 0; i < n; ++i) {
-    if (counts[i] != tree.arrays[i].grid.NumStoredChunks()) {
+    const int64_t expected = tree.arrays[i].grid.NumStoredChunks();
+    if (counts[i] > expected || (counts[i] < expected && !options.open_holding)) {
       return DataLossError(StrCat("chunk index '", index_key, "' holds ", counts[i],
                                   " chunks of array '", tree.arrays[i].path, "', which has ",
                                   tree.arrays[i].grid.NumStoredChunks()));

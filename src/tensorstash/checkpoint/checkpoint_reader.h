@@ -44,6 +44,9 @@ struct ReaderOptions {
   // Open even when data files are missing or truncated; reads of their chunks then fail. For
   // `verify`, which reports every damaged chunk instead of stopping at the first file.
   bool open_damaged = false;
+  // Open a holding (WriterOptions::holding): an index with fewer chunks than the arrays have.
+  // Reads of the chunks it lacks are DataLoss ("not in the index"). TieredStepSource sets it.
+  bool open_holding = false;
   // Chunks that must be cut into pieces (another layout, a cast) are read from a mapping of the
   // data file rather than from a staging copy when every chunk of the read is uncompressed and
   // page-aligned: each byte is then copied once, from the page cache into its destination.

@@ -206,6 +206,9 @@ Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(KvStore* kv, 
   if (options.target_chunk_bytes <= 0 || options.target_data_file_bytes <= 0) {
     return InvalidArgumentError("target_chunk_bytes and target_data_file_bytes must be > 0");
   }
+  if (options.holding && coordinator != nullptr && coordinator->process_count() > 1) {
+    return InvalidArgumentError("a holding (node-local step) is written by one process alone");
+  }
   auto impl = std::make_unique<Impl>();
   impl->kv = kv;
   impl->dir = std::move(dir);
@@ -486,6 +489,22 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
       for (const ShardData& shard : a.shards) {
         to_write[id].shards.push_back({shard.box, shard.replica_id, shard.num_replicas});
       }
+      if (options.holding) {
+        // A holding keeps every box this process has, whichever replicas of the job's it is:
+        // the shards of one box here are numbered as its only replicas.
+        std::vector<ShardPlacement>& placed = to_write[id].shards;
+        for (size_t i = 0; i < placed.size(); ++i) {
+          int count = 0, rank = 0;
+          for (size_t j = 0; j < placed.size(); ++j) {
+            if (placed[j].box == placed[i].box) {
+              rank += j < i ? 1 : 0;
+              ++count;
+            }
+          }
+          placed[i].replica_id = rank;
+          placed[i].num_replicas = count;
+        }
+      }
     }
     TS_ASSIGN_OR_RETURN(std::vector<ChunkWrite> writes,
                         PlanChunkWrites(to_write, options.split_replicated_writes));
@@ -663,7 +682,7 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local,
   for (const IndexEntry& e : merged.entries) ++counts[e.array_id];
   for (size_t i = 0; i < arrays.size(); ++i) {
     const int64_t expected = arrays[i].grid.NumStoredChunks();
-    if (counts[i] < expected) {
+    if (counts[i] < expected && !options.holding) {
       return InvalidArgumentError(
           StrCat("array '", arrays[i].spec.path, "': only ", counts[i], " of ", expected,
                  " chunks were written; the shards given by all processes do not cover the array"));

@@ -53,6 +53,11 @@ struct WriterOptions {
   bool overwrite = false;
   // How long to wait for the other processes at each step of the protocol.
   std::chrono::milliseconds coordination_timeout = std::chrono::minutes(30);
+  // A holding (the node-local tier, docs/multitier.md): the step stores only the chunks of the
+  // shards given, every one of them whatever its replica_id, and need not cover the arrays. A
+  // reader of such a step finds the other chunks missing (DataLoss naming the chunk);
+  // TieredStepSource reads them from other holders. Single process only.
+  bool holding = false;
   // Copy every chunk into a staging buffer (under max_inflight_bytes) before writing it, even
   // a contiguous one, so that the shard buffers are free as soon as the last chunk is copied
   // rather than when the last write ends (async saves). Above the cap the copy proceeds in

@@ -1,0 +1,389 @@
+#include "tensorstash/checkpoint/tiered_source.h"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <utility>
+
+#include "tensorstash/array/box.h"
+#include "tensorstash/array/dtype.h"
+#include "tensorstash/engine/read_plan.h"
+#include "tensorstash/util/str_util.h"
+
+namespace tensorstash {
+
+std::string_view TierName(Tier tier) {
+  switch (tier) {
+    case Tier::kLocal:
+      return "local";
+    case Tier::kPeer:
+      return "peer";
+    case Tier::kPersistent:
+      return "persistent";
+  }
+  return "unknown";
+}
+
+namespace {
+
+bool SameGrid(const ChunkGrid& a, const ChunkGrid& b) {
+  return a.shape == b.shape && a.cell_shape == b.cell_shape && a.chunk_shape == b.chunk_shape;
+}
+
+struct OpenHolder {
+  Tier tier;
+  std::string name;
+  std::unique_ptr<KvStore> kv;  // declared before `source`, which reads through it
+  std::unique_ptr<StepSource> source;
+  // Per array of the reference tree: the chunks this holder stores, sorted; empty for an array
+  // it cut into other chunks than the reference.
+  std::vector<std::vector<int64_t>> chunks;
+
+  bool Has(uint32_t array_id, int64_t chunk) const {
+    const std::vector<int64_t>& held = chunks[array_id];
+    return std::binary_search(held.begin(), held.end(), chunk);
+  }
+};
+
+// A piece of a request that is read on its own, through a buffer.
+struct PendingPiece {
+  size_t request;
+  Box region;
+  uint32_t array_id;
+  int64_t chunk;
+  size_t next_candidate = 0;  // index into the chunk's candidate holders
+  std::vector<std::string> errors;
+};
+
+}  // namespace
+
+struct TieredStepSource::Impl {
+  std::vector<OpenHolder> holders;  // [0] is the reference
+  std::vector<std::string> open_errors;
+  TierStats stats;
+  mutable std::mutex mu;  // guards stats
+
+  StepSource& primary() const { return *holders.front().source; }
+
+  void Account(Tier tier, uint64_t bytes, double seconds) {
+    std::lock_guard<std::mutex> lock(mu);
+    stats.bytes[static_cast<int>(tier)] += bytes;
+    stats.seconds[static_cast<int>(tier)] += seconds;
+  }
+  void Fail(const OpenHolder& holder, const Status& status) {
+    std::lock_guard<std::mutex> lock(mu);
+    stats.failures.push_back(StrCat(holder.name, ": ", status.message()));
+    if (holder.tier == Tier::kLocal) stats.local_failed = true;
+  }
+
+  // Reads `requests` from holder `h`, timed and accounted.
+  Status ReadFrom(size_t h, const std::vector<ReadRequest>& requests, ReadStats* read_stats) {
+    uint64_t bytes = 0;
+    for (const ReadRequest& r : requests) {
+      bytes += static_cast<uint64_t>(r.box.num_elements()) * ItemSize(r.dtype);
+    }
+    const auto started = std::chrono::steady_clock::now();
+    ReadStats here;
+    Status status = holders[h].source->ReadMany(requests, &here, nullptr);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    if (read_stats != nullptr) {
+      read_stats->bytes_read += here.bytes_read;
+      read_stats->requests += here.requests;
+      read_stats->direct_chunks += here.direct_chunks;
+      read_stats->staged_chunks += here.staged_chunks;
+      read_stats->peak_staging_bytes =
+          std::max(read_stats->peak_staging_bytes, here.peak_staging_bytes);
+    }
+    Account(holders[h].tier, status.ok() ? bytes : 0, seconds);
+    return status;
+  }
+
+  Status ReadPieces(std::vector<PendingPiece> pieces, const std::vector<ReadRequest>& requests,
+                    const std::vector<std::vector<size_t>>& candidates_of_chunk,
+                    const std::map<std::pair<uint32_t, int64_t>, size_t>& chunk_slot,
+                    ReadStats* read_stats);
+};
+
+TieredStepSource::TieredStepSource(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+TieredStepSource::~TieredStepSource() = default;
+
+Result<std::unique_ptr<TieredStepSource>> TieredStepSource::Open(std::vector<StepHolder> holders,
+                                                                 ReaderOptions options) {
+  auto impl = std::make_unique<Impl>();
+  options.open_holding = true;
+  for (StepHolder& h : holders) {
+    OpenHolder open{h.tier,
+                    h.name.empty() ? StrCat(h.kv->Describe(), " ", h.dir) : h.name,
+                    std::move(h.kv),
+                    nullptr,
+                    {}};
+    open.name = StrCat(TierName(h.tier), " copy (", open.name, ")");
+    Result<std::unique_ptr<StepSource>> source = OpenStepSource(open.kv.get(), h.dir, options);
+    if (!source.ok()) {
+      impl->open_errors.push_back(StrCat(open.name, ": ", source.status().message()));
+      continue;
+    }
+    open.source = *std::move(source);
+    CheckpointReader* reader = open.source->native();
+    if (reader == nullptr) {
+      impl->open_errors.push_back(StrCat(open.name, ": not a tensorstash step"));
+      continue;
+    }
+    const std::vector<ArrayMetadata>& arrays = reader->arrays();
+    if (!impl->holders.empty()) {
+      const std::vector<ArrayMetadata>& reference = impl->primary().arrays();
+      bool same = arrays.size() == reference.size();
+      for (size_t i = 0; same && i < arrays.size(); ++i) {
+        same = arrays[i].path == reference[i].path && arrays[i].dtype == reference[i].dtype &&
+               arrays[i].shape() == reference[i].shape();
+      }
+      if (!same) {
+        impl->open_errors.push_back(
+            StrCat(open.name, ": holds other arrays than ", impl->holders.front().name));
+        continue;
+      }
+    }
+    const std::vector<ArrayMetadata>& reference =
+        impl->holders.empty() ? arrays : impl->primary().arrays();
+    open.chunks.resize(arrays.size());
+    for (const IndexEntry& e : reader->index().entries) {
+      if (SameGrid(arrays[e.array_id].grid, reference[e.array_id].grid)) {
+        open.chunks[e.array_id].push_back(static_cast<int64_t>(e.chunk));
+      }
+    }
+    for (std::vector<int64_t>& held : open.chunks) std::sort(held.begin(), held.end());
+    impl->holders.push_back(std::move(open));
+  }
+  if (impl->holders.empty()) {
+    return NotFoundError(
+        StrCat("no holder of the step could be opened: ", StrJoin(impl->open_errors, "; ")));
+  }
+  return std::unique_ptr<TieredStepSource>(new TieredStepSource(std::move(impl)));
+}
+
+const std::string& TieredStepSource::dir() const { return impl_->primary().dir(); }
+const TreeNode& TieredStepSource::tree() const { return impl_->primary().tree(); }
+const std::vector<ArrayMetadata>& TieredStepSource::arrays() const {
+  return impl_->primary().arrays();
+}
+uint64_t TieredStepSource::StoredBytes(size_t id) const { return impl_->primary().StoredBytes(id); }
+int64_t TieredStepSource::NumChunks(size_t id) const {
+  return impl_->primary().arrays()[id].grid.NumStoredChunks();
+}
+std::string TieredStepSource::CodecDescription(size_t id) const {
+  return impl_->primary().CodecDescription(id);
+}
+int64_t TieredStepSource::created_unix_ms() const { return impl_->primary().created_unix_ms(); }
+int TieredStepSource::process_count() const { return impl_->primary().process_count(); }
+const std::vector<std::string>& TieredStepSource::open_errors() const { return impl_->open_errors; }
+const TierStats& TieredStepSource::tier_stats() const { return impl_->stats; }
+void TieredStepSource::ResetTierStats() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->stats = TierStats();
+}
+std::vector<std::pair<Tier, std::string>> TieredStepSource::holders() const {
+  std::vector<std::pair<Tier, std::string>> out;
+  for (const OpenHolder& h : impl_->holders) out.emplace_back(h.tier, h.name);
+  return out;
+}
+
+Status TieredStepSource::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats,
+                                  const std::function<void(uint64_t, uint64_t)>& progress) {
+  Impl& s = *impl_;
+  const std::vector<ArrayMetadata>& arrays = s.primary().arrays();
+  // Plan the chunks every request needs, on the reference grids.
+  std::vector<BoxRead> box_reads;
+  box_reads.reserve(requests.size());
+  std::map<std::string_view, uint32_t> id_of;
+  for (uint32_t i = 0; i < arrays.size(); ++i) id_of.emplace(arrays[i].path, i);
+  for (const ReadRequest& r : requests) {
+    auto it = id_of.find(r.path);
+    if (it == id_of.end()) {
+      return NotFoundError(StrCat("no array '", r.path, "' in step ", dir()));
+    }
+    if (r.box.rank() != arrays[it->second].grid.rank()) {
+      return InvalidArgumentError(StrCat("array '", r.path, "' has rank ",
+                                         arrays[it->second].grid.rank(), ", the box ",
+                                         r.box.rank()));
+    }
+    box_reads.push_back({it->second, &arrays[it->second].grid, r.box});
+  }
+  const std::vector<NeededChunk> needed = PlanChunkPieces(box_reads);
+  // Each chunk's holders, cheapest first.
+  std::vector<std::vector<size_t>> candidates(needed.size());
+  std::map<std::pair<uint32_t, int64_t>, size_t> slot;
+  for (size_t i = 0; i < needed.size(); ++i) {
+    slot.emplace(std::make_pair(needed[i].array_id, needed[i].chunk), i);
+    for (size_t h = 0; h < s.holders.size(); ++h) {
+      if (s.holders[h].Has(needed[i].array_id, needed[i].chunk)) candidates[i].push_back(h);
+    }
+    if (candidates[i].empty()) {
+      const ArrayMetadata& a = arrays[needed[i].array_id];
+      return DataLossError(StrCat("chunk ", a.grid.ChunkName(needed[i].chunk), " of array '",
+                                  a.path, "' of step ", dir(), " is held by none of the ",
+                                  s.holders.size(), " holders"));
+    }
+  }
+  // The chunks of each request (indices into `needed`).
+  std::vector<std::vector<size_t>> chunks_of(requests.size());
+  for (size_t i = 0; i < needed.size(); ++i) {
+    for (const ChunkPiece& p : needed[i].pieces) chunks_of[p.read].push_back(i);
+  }
+  // A request goes whole to one holder when that holder is the cheapest for every one of its
+  // chunks (e.g. this process's local copy of its own shards).
+  std::vector<std::vector<size_t>> whole(s.holders.size());
+  std::vector<size_t> split;
+  for (size_t r = 0; r < requests.size(); ++r) {
+    size_t chosen = chunks_of[r].empty() ? 0 : candidates[chunks_of[r].front()].front();
+    for (size_t c : chunks_of[r]) {
+      if (candidates[c].front() != chosen) chosen = s.holders.size();
+    }
+    if (chosen < s.holders.size()) {
+      whole[chosen].push_back(r);
+    } else {
+      split.push_back(r);
+    }
+  }
+  uint64_t total = 0, done = 0;
+  for (const ReadRequest& r : requests) {
+    total += static_cast<uint64_t>(r.box.num_elements()) * ItemSize(r.dtype);
+  }
+  auto advance = [&](const std::vector<size_t>& group) {
+    for (size_t r : group) {
+      done += static_cast<uint64_t>(requests[r].box.num_elements()) * ItemSize(requests[r].dtype);
+    }
+    if (progress) progress(done, total);
+  };
+  for (size_t h = 0; h < s.holders.size(); ++h) {
+    if (whole[h].empty()) continue;
+    std::vector<ReadRequest> group;
+    for (size_t r : whole[h]) group.push_back(requests[r]);
+    Status status = s.ReadFrom(h, group, stats);
+    if (status.ok()) {
+      advance(whole[h]);
+      continue;
+    }
+    // Which chunk failed is not known: the group is read again piece by piece, and the pieces
+    // this holder cannot give go to the next.
+    s.Fail(s.holders[h], status);
+    split.insert(split.end(), whole[h].begin(), whole[h].end());
+  }
+  // Zeros where a request reaches past the array (no chunk covers it); pieces fill the rest.
+  std::vector<PendingPiece> pieces;
+  for (size_t r : split) {
+    const ReadRequest& req = requests[r];
+    const Box shape_box = Box::FromShape(arrays[id_of.at(req.path)].shape());
+    if (!shape_box.Contains(req.box)) {
+      std::memset(req.dest, 0, static_cast<size_t>(req.box.num_elements()) * ItemSize(req.dtype));
+    }
+    for (size_t c : chunks_of[r]) {
+      for (const ChunkPiece& p : needed[c].pieces) {
+        if (p.read == r)
+          pieces.push_back({r, p.region, needed[c].array_id, needed[c].chunk, 0, {}});
+      }
+    }
+  }
+  TS_RETURN_IF_ERROR(s.ReadPieces(std::move(pieces), requests, candidates, slot, stats));
+  advance(split);
+  return OkStatus();
+}
+
+Status TieredStepSource::Impl::ReadPieces(
+    std::vector<PendingPiece> pieces, const std::vector<ReadRequest>& requests,
+    const std::vector<std::vector<size_t>>& candidates_of_chunk,
+    const std::map<std::pair<uint32_t, int64_t>, size_t>& chunk_slot, ReadStats* read_stats) {
+  const std::vector<ArrayMetadata>& arrays = primary().arrays();
+  // Rounds: every pending piece asks its next candidate; the pieces of one holder are read
+  // together (in parallel, by that holder's reader), each into a buffer of its own.
+  while (!pieces.empty()) {
+    std::map<size_t, std::vector<size_t>> by_holder;  // holder -> indices into `pieces`
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      PendingPiece& p = pieces[i];
+      const std::vector<size_t>& candidates =
+          candidates_of_chunk[chunk_slot.at({p.array_id, p.chunk})];
+      if (p.next_candidate >= candidates.size()) {
+        const ArrayMetadata& a = arrays[p.array_id];
+        return DataLossError(StrCat("no holder gave an intact copy of chunk ",
+                                    a.grid.ChunkName(p.chunk), " of array '", a.path, "' of step ",
+                                    primary().dir(), ": ", StrJoin(p.errors, "; ")));
+      }
+      by_holder[candidates[p.next_candidate]].push_back(i);
+    }
+    std::vector<PendingPiece> retry;
+    for (const auto& [h, members] : by_holder) {
+      std::vector<std::string> buffers(members.size());
+      std::vector<ReadRequest> reads(members.size());
+      for (size_t k = 0; k < members.size(); ++k) {
+        const PendingPiece& p = pieces[members[k]];
+        const ReadRequest& req = requests[p.request];
+        buffers[k].resize(static_cast<size_t>(p.region.num_elements()) * ItemSize(req.dtype));
+        reads[k] = {req.path, p.region, req.dtype, buffers[k].data()};
+      }
+      std::vector<Status> outcome(members.size());
+      Status together = ReadFrom(h, reads, read_stats);
+      if (together.ok()) {
+        std::fill(outcome.begin(), outcome.end(), OkStatus());
+      } else if (members.size() == 1) {
+        outcome[0] = together;
+      } else {
+        for (size_t k = 0; k < members.size(); ++k)
+          outcome[k] = ReadFrom(h, {reads[k]}, read_stats);
+      }
+      for (size_t k = 0; k < members.size(); ++k) {
+        PendingPiece& p = pieces[members[k]];
+        const ReadRequest& req = requests[p.request];
+        if (!outcome[k].ok()) {
+          Fail(holders[h], outcome[k]);
+          p.errors.push_back(StrCat(holders[h].name, ": ", outcome[k].message()));
+          ++p.next_candidate;
+          retry.push_back(std::move(p));
+          continue;
+        }
+        TS_RETURN_IF_ERROR(CopyBox(p.region, req.dtype, buffers[k].data(), p.region, req.dtype,
+                                   req.dest, req.box, StrCat("array '", req.path, "'")));
+      }
+    }
+    pieces = std::move(retry);
+  }
+  return OkStatus();
+}
+
+Result<std::string> TieredStepSource::ReadFile(std::string_view name) const {
+  std::vector<std::string> errors;
+  for (const OpenHolder& h : impl_->holders) {
+    Result<std::string> file = h.source->ReadFile(name);
+    if (file.ok()) return file;
+    errors.push_back(StrCat(h.name, ": ", file.status().message()));
+    if (!absl::IsNotFound(file.status())) impl_->Fail(h, file.status());
+  }
+  return NotFoundError(
+      StrCat("no holder of step ", dir(), " has '", name, "' intact: ", StrJoin(errors, "; ")));
+}
+
+Result<std::vector<BadChunk>> TieredStepSource::Verify(
+    const std::function<void(uint64_t, uint64_t)>& progress) {
+  std::vector<BadChunk> bad;
+  for (OpenHolder& h : impl_->holders) {
+    TS_ASSIGN_OR_RETURN(std::vector<BadChunk> found, h.source->Verify(progress));
+    for (BadChunk& b : found) {
+      b.file = StrCat(h.name, ": ", b.file);
+      bad.push_back(std::move(b));
+    }
+  }
+  return bad;
+}
+
+uint64_t TieredStepSource::VerifyTotalBytes() const {
+  uint64_t total = 0;
+  for (const OpenHolder& h : impl_->holders) total += h.source->VerifyTotalBytes();
+  return total;
+}
+
+size_t TieredStepSource::VerifyTotalItems() const {
+  size_t total = 0;
+  for (const OpenHolder& h : impl_->holders) total += h.source->VerifyTotalItems();
+  return total;
+}
+
+}  // namespace tensorstash
