@@ -12,6 +12,7 @@ void DefineReader(nanobind::module_& m);       // reader.cc
 void DefineManager(nanobind::module_& m);      // manager.cc
 void DefineOrbaxWriter(nanobind::module_& m);  // orbax_writer.cc
 void DefineJson(nanobind::module_& m);         // json.cc
+void DefinePeerServer(nanobind::module_& m);   // peer_server.cc
 
 }  // namespace tensorstash::python
 

@@ -217,7 +217,7 @@ void InitManager(Manager* self, const std::string& root, int64_t max_to_keep, in
                  const std::string& best_mode, int64_t max_staging_bytes, bool handle_sigterm,
                  nb::object coordinator, nb::object on_commit, int64_t target_chunk_bytes,
                  int64_t target_data_file_bytes, int64_t max_inflight_bytes, int io_threads,
-                 bool sync, bool overwrite, double coordination_timeout_s) {
+                 bool sync, bool overwrite, double coordination_timeout_s, bool holding) {
   ThrowIfError(CheckNotNegative("max_to_keep", max_to_keep));
   ThrowIfError(CheckNotNegative("keep_period", keep_period));
   ThrowIfError(CheckNotNegative("save_interval_steps", save_interval_steps));
@@ -228,6 +228,7 @@ void InitManager(Manager* self, const std::string& root, int64_t max_to_keep, in
   WriterOptions writer_options =
       WriterOptionsFromPython(target_chunk_bytes, target_data_file_bytes, max_inflight_bytes,
                               io_threads, sync, overwrite, coordination_timeout_s);
+  writer_options.holding = holding;
   if (!on_commit.is_none() && !PyCallable_Check(on_commit.ptr())) {
     throw nb::type_error("on_commit must be callable or None");
   }
@@ -280,10 +281,11 @@ void DefineManager(nb::module_& m) {
            nb::arg("target_data_file_bytes") = WriterOptions{}.target_data_file_bytes,
            nb::arg("max_inflight_bytes") = int64_t(WriterOptions{}.max_inflight_bytes),
            nb::arg("io_threads") = 0, nb::arg("sync") = true, nb::arg("overwrite") = false,
-           nb::arg("coordination_timeout_s") = 1800.0,
+           nb::arg("coordination_timeout_s") = 1800.0, nb::arg("holding") = false,
            "Creates `root` if needed, takes its lock and removes the leftovers of crashed saves. "
            "ValueError when another manager holds the lock or for bad options. on_commit(stats: "
-           "dict) is called after each commit, on the committing thread, with the GIL.")
+           "dict) is called after each commit, on the committing thread, with the GIL. holding: "
+           "steps hold this process's shards only, every replica (the node-local tier).")
       .def_static(
           "step_dir", [](int64_t step) { return ValueOrThrow(CheckpointManager::StepDir(step)); },
           nb::arg("step"),

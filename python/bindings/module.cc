@@ -120,4 +120,5 @@ NB_MODULE(_ext, m) {
   py::DefineManager(m);
   py::DefineOrbaxWriter(m);
   py::DefineJson(m);
+  py::DefinePeerServer(m);
 }

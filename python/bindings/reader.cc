@@ -33,7 +33,9 @@
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/host_restore.h"
 #include "tensorstash/checkpoint/step_source.h"
+#include "tensorstash/checkpoint/tiered_source.h"
 #include "tensorstash/format/tree.h"
+#include "tensorstash/kvstore/http/http_kvstore.h"
 #include "tensorstash/kvstore/registry.h"
 
 namespace nb = nanobind;
@@ -159,6 +161,48 @@ class Reader {
   int process_count() const { return Step()->source->process_count(); }
   std::string format() const { return std::string(StepFormatName(Step()->source->format())); }
   std::string dir() const { return Step()->source->dir(); }
+
+  // The multi-tier source behind a reader opened by Reader.tiered, else null.
+  TieredStepSource* Tiered() const { return dynamic_cast<TieredStepSource*>(Step()->source.get()); }
+
+  nb::object TierStats() const {
+    const TieredStepSource* tiered = Tiered();
+    if (tiered == nullptr) return nb::none();
+    const tensorstash::TierStats& stats = tiered->tier_stats();
+    nb::dict bytes, seconds;
+    for (int t = 0; t < kNumTiers; ++t) {
+      const std::string name(TierName(static_cast<Tier>(t)));
+      bytes[name.c_str()] = stats.bytes[t];
+      seconds[name.c_str()] = stats.seconds[t];
+    }
+    nb::dict result;
+    result["bytes"] = bytes;
+    result["seconds"] = seconds;
+    result["failures"] = stats.failures;
+    result["local_failed"] = stats.local_failed;
+    nb::list holders, open_errors;
+    for (const auto& [tier, name] : tiered->holders()) {
+      holders.append(nb::make_tuple(std::string(TierName(tier)), name));
+    }
+    for (const std::string& e : tiered->open_errors()) open_errors.append(e);
+    result["holders"] = holders;
+    result["open_errors"] = open_errors;
+    return result;
+  }
+
+  nb::dict HeldChunks(size_t holder) const {
+    const TieredStepSource* tiered = Tiered();
+    if (tiered == nullptr) ThrowIfError(FailedPreconditionError("not a multi-tier reader"));
+    if (holder >= tiered->holders().size()) {
+      ThrowIfError(InvalidArgumentError(StrCat("no holder ", holder)));
+    }
+    nb::dict result;
+    const std::vector<std::vector<int64_t>>& held = tiered->held_chunks(holder);
+    for (size_t i = 0; i < held.size(); ++i) {
+      result[tiered->arrays()[i].path.c_str()] = held[i];
+    }
+    return result;
+  }
 
   nb::dict ReadMany(const std::vector<RequestTuple>& requests, nb::object progress) {
     const std::shared_ptr<OpenStep> step = Step();
@@ -357,6 +401,53 @@ void InitReader(Reader* self, const std::string& root, const std::string& step,
   new (self) Reader(std::move(open));
 }
 
+// (tier, location, dir, secret): tier "local" (location: a folder), "peer" (an http:// URL
+// served by a PeerServer, with the job's secret) or "persistent" (any store URL or path).
+using HolderTuple = std::tuple<std::string, std::string, std::string, std::string>;
+
+Reader OpenTieredReader(const std::vector<HolderTuple>& holders, bool verify_checksums,
+                        int64_t max_inflight_bytes, int io_threads, double stall_timeout_s) {
+  ReaderOptions options;
+  options.verify_checksums = verify_checksums;
+  options.max_inflight_bytes = static_cast<uint64_t>(std::max<int64_t>(1, max_inflight_bytes));
+  options.io_threads = io_threads;
+  auto open = std::make_shared<OpenStep>();
+  Status status = [&] {
+    nb::gil_scoped_release release;
+    std::vector<StepHolder> steps;
+    for (const auto& [tier_name, location, dir, secret] : holders) {
+      StepHolder holder;
+      holder.dir = dir;
+      Result<std::unique_ptr<KvStore>> kv = InvalidArgumentError(
+          StrCat("unknown tier '", tier_name, "' (local, peer or persistent)"));
+      if (tier_name == "local") {
+        holder.tier = Tier::kLocal;
+        kv = OpenKvStore(location, {.create = false});
+      } else if (tier_name == "peer") {
+        holder.tier = Tier::kPeer;
+        HttpKvStoreOptions http;
+        http.stall_timeout = std::chrono::milliseconds(static_cast<int64_t>(stall_timeout_s * 1e3));
+        Result<std::unique_ptr<HttpKvStore>> peer = HttpKvStore::Open(location, secret, http);
+        kv = peer.ok() ? Result<std::unique_ptr<KvStore>>(*std::move(peer))
+                       : Result<std::unique_ptr<KvStore>>(peer.status());
+      } else if (tier_name == "persistent") {
+        holder.tier = Tier::kPersistent;
+        kv = OpenKvStore(location, {.create = false});
+      }
+      if (!kv.ok()) return kv.status();
+      holder.kv = *std::move(kv);
+      steps.push_back(std::move(holder));
+    }
+    Result<std::unique_ptr<TieredStepSource>> source =
+        TieredStepSource::Open(std::move(steps), options);
+    if (!source.ok()) return source.status();
+    open->source = *std::move(source);
+    return OkStatus();
+  }();
+  ThrowIfError(status);
+  return Reader(std::move(open));
+}
+
 }  // namespace
 
 void DefineReader(nb::module_& m) {
@@ -368,6 +459,22 @@ void DefineReader(nb::module_& m) {
            nb::arg("verify_checksums") = true,
            nb::arg("max_inflight_bytes") = int64_t(ReaderOptions{}.max_inflight_bytes),
            nb::arg("io_threads") = 0, nb::arg("map_spans") = true)
+      .def_static("tiered", &OpenTieredReader, nb::arg("holders"), nb::kw_only(),
+                  nb::arg("verify_checksums") = true,
+                  nb::arg("max_inflight_bytes") = int64_t(ReaderOptions{}.max_inflight_bytes),
+                  nb::arg("io_threads") = 0, nb::arg("stall_timeout_s") = 10.0,
+                  "A reader of one step held by several holders, cheapest first: [(tier, "
+                  "location, dir, secret)] with tier \"local\" (a folder), \"peer\" (a "
+                  "PeerServer's URL and the job's secret) or \"persistent\" (a store URL or "
+                  "path). Each chunk is read from the first holder with an intact copy "
+                  "(checkpoint/tiered_source.h). Holders that do not open are left out "
+                  "(tier_stats()[\"open_errors\"]); FileNotFoundError when none opens.")
+      .def("tier_stats", &Reader::TierStats,
+           "For a tiered reader: {bytes: {tier: n}, seconds: {tier: s}, failures: [text], "
+           "local_failed: bool, holders: [(tier, name)], open_errors: [text]} since it "
+           "opened; None for other readers.")
+      .def("held_chunks", &Reader::HeldChunks, nb::arg("holder") = 0,
+           "For a tiered reader: {array path: [chunk numbers]} that holder `holder` stores.")
       .def("close", &Reader::Close,
            "Closes the step's files now (arrays from map_many stay valid). Later calls raise "
            "ValueError; closing again does nothing.")

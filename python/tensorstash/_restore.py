@@ -287,14 +287,17 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
 
 def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_checksums: bool,
              max_inflight_bytes: int, io_threads: int, progress: Any,
-             mmap: bool = True) -> tuple[Any, int]:
-    """restore(), returning (the restored tree, the stored bytes read or mapped)."""
+             mmap: bool = True, reader: Any = None) -> tuple[Any, int]:
+    """restore(), returning (the restored tree, the stored bytes read or mapped). `reader`: an
+    open reader of the step to use instead of opening `path` (the caller closes it)."""
     ckpt = os.fspath(path)
     desc = f"restoring {_paths.split(ckpt)[1]}"
     _progress.check(progress)
     # Closed on return, error or not: an open file would keep a deleted step's space.
-    with contextlib.closing(_open(path, verify_checksums, max_inflight_bytes, io_threads,
-                                  mmap)) as reader:
+    owned = reader is None
+    if owned:
+        reader = _open(path, verify_checksums, max_inflight_bytes, io_threads, mmap)
+    with contextlib.closing(reader) if owned else contextlib.nullcontext(reader):
         infos = {a["path"]: a for a in reader.arrays()}
         node = _tree.loads(reader.tree_json())
         plan = _Plan(ckpt, infos, truncate)

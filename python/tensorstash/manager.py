@@ -25,7 +25,7 @@ import time
 import weakref
 from typing import Any, Callable
 
-from . import _ext, _options, _paths, _tree
+from . import _ext, _multitier, _options, _paths, _tree
 from ._progress import format_bytes as _format_bytes
 from ._restore import _restore, restore as _restore_signature
 from ._save import arrays_to_save as _arrays_to_save, default_coordinator as _default_coordinator
@@ -58,11 +58,19 @@ class SaveStats:
 
 @dataclasses.dataclass(frozen=True)
 class RestoreStats:
-    """What one restore by this process took: `bytes` read from storage in `seconds`."""
+    """What one restore by this process took: `bytes` read from storage in `seconds`.
+
+    bytes_from / seconds_from: the bytes of the restored boxes each tier gave ("local": this
+    node's RAM tier, "peer": other processes' RAM tiers, "persistent": the root) and the time
+    spent reading from it. `failures`: the holders that failed to give a chunk (corrupt,
+    missing, unreachable), each with its error; the chunk came from the next holder."""
 
     step: int
     bytes: int
     seconds: float
+    bytes_from: dict[str, int] = dataclasses.field(default_factory=dict)
+    seconds_from: dict[str, float] = dataclasses.field(default_factory=dict)
+    failures: tuple[str, ...] = ()
 
     @property
     def gbps(self) -> float:
@@ -114,6 +122,21 @@ class CheckpointManager:
     restore; both are also logged at INFO to `logger` (default: logging.getLogger("tensorstash")).
     An exception raised by a callback is logged, not raised.
 
+    The node-local tier (docs/multitier.md): with `local_dir` (a folder on a tmpfs such as
+    /dev/shm, the same path on every node), every `local_save_interval_steps` steps each
+    process also saves all of its shards (every replica) with its per_process value and the
+    metadata into `local_dir`, keeping `local_max_to_keep` steps there (a save that would not
+    fit in the folder's free space is skipped with a warning). latest_step() and restore() then
+    become collective: every process calls them, in the same order; latest_step() is the newest
+    step that the persistent tier or the processes' local tiers together can restore, and
+    restore() reads each chunk from the cheapest holder with an intact copy (this node, another
+    process's node over HTTP, persistent storage), heals this node's copy afterwards, and
+    reports the bytes per tier in last_restore_stats.bytes_from. With several processes each
+    serves its local tier on `local_server_address` (default: this host's address towards the
+    JAX coordinator; port `local_server_port`, 0: any) to requests carrying a secret handed out
+    through the coordinator. Each collective wait is bounded by `coordination_timeout`
+    seconds; a process that does not arrive is named in a TimeoutError.
+
     Raises ValueError when another manager holds the root's lock (until it is closed or its
     process ends) or for bad options. A context manager: close() on exit.
     """
@@ -129,11 +152,16 @@ class CheckpointManager:
                  io_threads: int = 0, sync: bool = True, coordinator: Any = None,
                  on_save: Callable[[SaveStats], Any] | None = None,
                  on_restore: Callable[[RestoreStats], Any] | None = None,
-                 logger: logging.Logger | None = None):
+                 logger: logging.Logger | None = None, local_dir: str | os.PathLike | None = None,
+                 local_save_interval_steps: int = 1, local_max_to_keep: int = 1,
+                 local_server_address: str | None = None, local_server_port: int = 0,
+                 coordination_timeout: float = 300.0):
         _options.check_codec(codec)
         for name, value in (("max_to_keep", max_to_keep), ("keep_period", keep_period),
                             ("save_interval_steps", save_interval_steps),
-                            ("max_staging_bytes", max_staging_bytes)):
+                            ("max_staging_bytes", max_staging_bytes),
+                            ("local_save_interval_steps", local_save_interval_steps),
+                            ("local_max_to_keep", local_max_to_keep)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, not {value!r}")
         if best_metric is not None and max_to_keep is None:
@@ -169,9 +197,28 @@ class CheckpointManager:
             handle_sigterm=handle_sigterm, coordinator=self._coordinator, on_commit=on_commit,
             target_chunk_bytes=chunk_bytes, target_data_file_bytes=data_file_bytes,
             max_inflight_bytes=max_inflight_bytes, io_threads=io_threads, sync=sync)
+        self._local: _multitier.LocalTier | None = None
+        if local_dir is not None:
+            if not coordination_timeout > 0:
+                raise ValueError(f"coordination_timeout must be > 0, not {coordination_timeout!r}")
+            try:
+                self._local = _multitier.LocalTier(
+                    local_dir, coordinator=self._coordinator,
+                    save_interval_steps=local_save_interval_steps,
+                    max_to_keep=local_max_to_keep, address=local_server_address,
+                    port=local_server_port, timeout_s=coordination_timeout,
+                    engine_options=dict(max_staging_bytes=max_staging_bytes or 0,
+                                        target_chunk_bytes=chunk_bytes,
+                                        target_data_file_bytes=data_file_bytes,
+                                        max_inflight_bytes=max_inflight_bytes,
+                                        io_threads=io_threads),
+                    logger=self.logger)
+            except BaseException:
+                self._ext.close()
+                raise
         # Closed at interpreter exit at the latest (waiting for a save in flight), while the
         # background thread can still take the GIL.
-        self._finalizer = weakref.finalize(self, _close_quietly, self._ext)
+        self._finalizer = weakref.finalize(self, _close_quietly, self._ext, self._local)
         for step, why in self.damaged_steps().items():
             self.logger.warning("tensorstash: step %d in %s is damaged and not listed (the latest "
                                 "step is the newest one that opens): %s", step, self.root, why)
@@ -194,7 +241,9 @@ class CheckpointManager:
         started = time.perf_counter()
         self._check_open()
         step = int(step)
-        if not force and not self.should_save(step):
+        persistent_due = force or self._ext.should_save(step)
+        local_due = self._local is not None and (force or self._local.should_save(step))
+        if not persistent_due and not local_due:
             return False
         arrays, tree_json = _arrays_to_save(state, self._coordinator)
         try:
@@ -207,6 +256,13 @@ class CheckpointManager:
             name = str(name)
             _tree.check_text(name, f"the metric name {name!r}")
             metrics_dict[name] = float(value)
+        if local_due:
+            # The local tier first: its copy to host memory is the stall a local save costs.
+            self._local.save(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
+                             process_state=process_state, metrics=metrics_dict, codec=self.codec,
+                             zstd_level=self.zstd_level, async_save=self.async_save)
+        if not persistent_due:
+            return True
         self._pre_engine_s[step] = time.perf_counter() - started
         try:
             self._ext.save(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
@@ -237,8 +293,11 @@ class CheckpointManager:
                                   engine.get("step"))
 
     def should_save(self, step: int) -> bool:
-        """Whether `step` is due under save_interval_steps."""
-        return self._ext.should_save(int(step))
+        """Whether `step` is due under save_interval_steps (or, with a local tier,
+        local_save_interval_steps)."""
+        step = int(step)
+        return self._ext.should_save(step) or (
+            self._local is not None and self._local.should_save(step))
 
     def reached_preemption(self, step: int) -> bool:
         """True once a SIGTERM arrived (handle_sigterm): save `step` and stop. With several
@@ -249,6 +308,8 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Waits for the save in flight; raises its error, if it failed (once)."""
         self._check_open()
+        if self._local is not None:
+            self._local.wait_until_finished()
         self._ext.wait_until_finished()
 
     def close(self) -> None:
@@ -259,7 +320,11 @@ class CheckpointManager:
             return
         self._closed = True
         self._finalizer.detach()
-        self._ext.close()
+        try:
+            if self._local is not None:
+                self._local.close()
+        finally:
+            self._ext.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -274,12 +339,24 @@ class CheckpointManager:
     # --- steps ------------------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
-        """Complete steps, ascending (a save in flight is listed once committed)."""
+        """Complete steps of the persistent tier, ascending (a save in flight is listed once
+        committed)."""
         return list(self._ext.all_steps())
 
+    def local_steps(self) -> list[int]:
+        """Steps this node's local tier holds a committed part of (any process's), ascending;
+        empty without local_dir. Not collective."""
+        return self._local.local_steps() if self._local is not None else []
+
     def latest_step(self) -> int | None:
-        """The newest complete step, or None when there is none."""
-        return self._ext.latest_step()
+        """The newest complete step, or None when there is none. With local_dir: the newest
+        step that the persistent tier or the local tiers of all processes together can restore
+        (collective: every process calls it)."""
+        if self._local is None:
+            return self._ext.latest_step()
+        holdings, persistent = self._local.gather(self.all_steps())
+        steps = _multitier.restorable_steps(holdings, persistent)
+        return steps[-1] if steps else None
 
     def damaged_steps(self) -> dict[int, str]:
         """Steps that have a COMMIT but do not open (a damaged COMMIT, tree.json or index), found
@@ -307,24 +384,84 @@ class CheckpointManager:
         # tensorstash.restore's arguments, with its defaults (TypeError for unknown ones).
         args = inspect.signature(_restore_signature).bind(self.step_path(step), target, **kwargs)
         args.apply_defaults()
+        if self._local is not None:
+            return self._restore_tiered(step, target, args, started)
         tree, nbytes = _restore(*args.args, **args.kwargs)
-        stats = RestoreStats(step=step, bytes=nbytes, seconds=time.perf_counter() - started)
+        stats = RestoreStats(step=step, bytes=nbytes, seconds=time.perf_counter() - started,
+                             bytes_from={"local": 0, "peer": 0, "persistent": nbytes},
+                             seconds_from={"local": 0.0, "peer": 0.0,
+                                           "persistent": time.perf_counter() - started})
+        self._restored(stats)
+        return tree
+
+    def _restore_tiered(self, step: int, target: Any, args: Any, started: float) -> Any:
+        """restore() with a local tier (collective): each chunk from the cheapest intact holder,
+        then this node's copy healed, then a barrier so that no process drops a step (its next
+        local save) while another still reads it."""
+        local = self._local
+        holdings, persistent = local.gather(self.all_steps())
+        if step not in _multitier.restorable_steps(holdings, persistent):
+            local.collective.barrier("restored")
+            raise FileNotFoundError(f"step {step} cannot be restored from {self.root} or the "
+                                    "local tiers: no tier holds all of it")
+        holders = local.holders(step, holdings, persistent, self.root)
+        kwargs = dict(args.arguments)
+        kwargs.pop("path"), kwargs.pop("target")
+        try:
+            reader = _ext.Reader.tiered(holders, verify_checksums=kwargs["verify_checksums"],
+                                        max_inflight_bytes=kwargs["max_inflight_bytes"],
+                                        io_threads=kwargs["io_threads"],
+                                        stall_timeout_s=min(30.0, local.collective.timeout_s))
+            with contextlib.closing(reader):
+                extras = local.read_extras(reader, step, holdings, persistent, self.root)
+                tree, _ = _restore(self.step_path(step), target, reader=reader, **kwargs)
+                tier = reader.tier_stats()
+            for problem in tier["open_errors"] + tier["failures"]:
+                self.logger.warning("tensorstash: restoring step %d: %s", step, problem)
+            local.extras[step] = extras
+            healed = (tier["local_failed"] or tier["bytes"]["peer"] or
+                      tier["bytes"]["persistent"])
+            if healed:
+                self._write_back(step, tree, extras)
+        finally:
+            local.collective.barrier("restored")
+        stats = RestoreStats(step=step, bytes=sum(tier["bytes"].values()),
+                             seconds=time.perf_counter() - started,
+                             bytes_from=dict(tier["bytes"]), seconds_from=dict(tier["seconds"]),
+                             failures=tuple(tier["failures"]))
+        self._restored(stats)
+        return tree
+
+    def _write_back(self, step: int, tree: Any, extras: Any) -> None:
+        """Saves this process's restored shards as its local holding of `step`, so that the
+        next lost node finds every chunk held again."""
+        arrays, tree_json = _arrays_to_save(tree, self._coordinator)
+        metadata_json = extras.metadata.decode("utf-8") if extras.metadata is not None else ""
+        self._local.save(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
+                         process_state=extras.per_process, metrics={}, codec=self.codec,
+                         zstd_level=self.zstd_level, async_save=False)
+
+    def _restored(self, stats: RestoreStats) -> None:
+        step = stats.step
         self.last_restore_stats = stats
-        self.logger.info("restored step %d: %s in %.2f s (%.2f GB/s)", step,
-                         _format_bytes(stats.bytes), stats.seconds, stats.gbps)
+        self.logger.info("restored step %d: %s in %.2f s (%.2f GB/s)%s", step,
+                         _format_bytes(stats.bytes), stats.seconds, stats.gbps,
+                         "".join(f", {t} {_format_bytes(n)}" for t, n in stats.bytes_from.items()
+                                 if n and len(stats.bytes_from) > 1))
         if self.on_restore is not None:
             try:
                 self.on_restore(stats)
             except Exception:  # noqa: BLE001
                 self.logger.exception("tensorstash: the on_restore callback of step %d failed",
                                       step)
-        return tree
 
     def metadata(self, step: int | None = None) -> Any:
         """The `metadata` saved with `step` (None: the latest), or None when it had none.
         FileNotFoundError when there is no such complete step, OSError when the file is
         damaged."""
-        data = self._read_file(step, _ext.METADATA_FILE)
+        extras = self._restored_extras(step)
+        data = extras.metadata if extras is not None else self._read_file(step,
+                                                                          _ext.METADATA_FILE)
         return None if data is None else json.loads(data.decode("utf-8"))
 
     def metrics(self, step: int | None = None) -> dict[str, float] | None:
@@ -337,8 +474,22 @@ class CheckpointManager:
         `step` (None: the latest): bytes as bytes, anything else as its JSON round trip; None
         when it saved none."""
         index = self._process_index if process_index is None else int(process_index)
-        data = self._read_file(step, _ext.process_state_file_name(index))
+        extras = self._restored_extras(step) if index == self._process_index else None
+        if extras is not None:
+            data = extras.per_process
+        else:
+            data = self._read_file(step, _ext.process_state_file_name(index))
         return None if data is None else _decode_per_process(data)
+
+    def _restored_extras(self, step: int | None) -> Any:
+        """What the last multi-tier restore of `step` read besides the arrays, or None."""
+        if self._local is None:
+            return None
+        if step is None:
+            if not self._local.extras:
+                return None
+            step = max(self._local.extras)
+        return self._local.extras.get(int(step))
 
     def _step_or_latest(self, step: int | None) -> int:
         if step is not None:
@@ -362,9 +513,11 @@ class CheckpointManager:
         return f"CheckpointManager({self.root!r}, {state})"
 
 
-def _close_quietly(manager: _ext.Manager) -> None:
+def _close_quietly(manager: _ext.Manager, local: Any = None) -> None:
     """Closes a manager that was not closed; its error (a failed background save) is logged."""
     try:
+        if local is not None:
+            local.close()
         manager.close()
     except Exception:  # noqa: BLE001 - nobody is left to raise it to
         logging.getLogger("tensorstash").exception("tensorstash: closing an unclosed manager")

@@ -182,6 +182,10 @@ void TieredStepSource::ResetTierStats() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->stats = TierStats();
 }
+const std::vector<std::vector<int64_t>>& TieredStepSource::held_chunks(size_t holder) const {
+  return impl_->holders.at(holder).chunks;
+}
+
 std::vector<std::pair<Tier, std::string>> TieredStepSource::holders() const {
   std::vector<std::pair<Tier, std::string>> out;
   for (const OpenHolder& h : impl_->holders) out.emplace_back(h.tier, h.name);

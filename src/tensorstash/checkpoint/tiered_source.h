@@ -97,6 +97,9 @@ class TieredStepSource final : public StepSource {
   void ResetTierStats();
   // The holders in use, cheapest first: (tier, name).
   std::vector<std::pair<Tier, std::string>> holders() const;
+  // The chunks holder `holder` (of holders()) stores, per array (arrays() order), ascending;
+  // empty for an array it cut into other chunks than the first holder.
+  const std::vector<std::vector<int64_t>>& held_chunks(size_t holder) const;
 
  private:
   struct Impl;

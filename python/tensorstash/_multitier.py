@@ -1,0 +1,426 @@
+"""The node-local tier of CheckpointManager (docs/multitier.md): frequent saves into each node's
+RAM, which step can be restored from which holders, and the collective steps that decide it.
+
+Each process saves its own shards (every replica it has) as a *holding*: a step folder
+`<local_dir>/p<index>-of-<count>/<step>` written by the engine with WriterOptions::holding, its
+per-process value as process/0 and the step's metadata beside the arrays, all committed
+together. The folder names the process that saved it, so that after a restart in another
+order `per_process` still finds the value of the process with this process's index.
+
+At restore time every process publishes what its node holds (through the coordinator's
+key-value store) and every process computes the same answer from the same holdings
+(restorable_steps): a step can be restored when the persistent tier has it, or when every
+chunk of every array and every process's folder is held by some process. Each process then
+reads its boxes chunk by chunk from the cheapest holder (Reader.tiered: its own node, then the
+peers' servers, then persistent storage), every chunk's CRC checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+from typing import Any, Iterable
+
+from . import _ext
+
+# A holding's folder: the process that saved it and the job's process count then.
+_FOLDER = re.compile(r"^p(\d+)-of-(\d+)$")
+
+
+def holding_folder(process_index: int, process_count: int) -> str:
+    return f"p{process_index}-of-{process_count}"
+
+
+def parse_holding_folder(name: str) -> tuple[int, int] | None:
+    """(process index, process count) of a holding folder's name, or None."""
+    m = _FOLDER.match(name)
+    if m is None:
+        return None
+    index, count = int(m.group(1)), int(m.group(2))
+    return (index, count) if 0 <= index < count else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Holding:
+    """One committed local step on one node, as its process publishes it."""
+
+    holder: int                    # the process (now) whose node holds it
+    folder: str                    # "p<saved by>-of-<count>"
+    step: int
+    digest: str                    # of the arrays' paths, dtypes, shapes and chunk grids
+    num_chunks: dict[str, int]     # array path -> chunks the array has
+    chunks: dict[str, list[int]]   # array path -> chunks this holding stores
+
+    @property
+    def saved_by(self) -> tuple[int, int]:
+        return parse_holding_folder(self.folder)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(doc: dict) -> Holding:
+        return Holding(holder=int(doc["holder"]), folder=str(doc["folder"]),
+                       step=int(doc["step"]), digest=str(doc["digest"]),
+                       num_chunks={k: int(v) for k, v in doc["num_chunks"].items()},
+                       chunks={k: [int(c) for c in v] for k, v in doc["chunks"].items()})
+
+
+def restorable_from_holdings(holdings: Iterable[Holding]) -> set[int]:
+    """The steps that the holdings alone can restore: for some digest (one saved state), the
+    holdings of that step together store every chunk of every array and hold the folder of
+    every process of the job that saved it. A whole slice (one holding with everything) is
+    not needed; any mix of holders will do."""
+    by_state: dict[tuple[int, str], list[Holding]] = {}
+    for h in holdings:
+        if h.saved_by is not None:
+            by_state.setdefault((h.step, h.digest), []).append(h)
+    steps = set()
+    for (step, _digest), group in by_state.items():
+        count = group[0].saved_by[1]
+        if any(h.saved_by[1] != count for h in group):
+            continue  # folders of jobs of different sizes: not one save
+        if {h.saved_by[0] for h in group} != set(range(count)):
+            continue  # some process's per-process value is held by nobody
+        arrays = group[0].num_chunks
+        complete = True
+        for path, n in arrays.items():
+            held: set[int] = set()
+            for h in group:
+                held.update(h.chunks.get(path, ()))
+            if len(held.intersection(range(n))) != n:
+                complete = False
+                break
+        if complete:
+            steps.add(step)
+    return steps
+
+
+def restorable_steps(holdings: Iterable[Holding], persistent_steps: Iterable[int]) -> list[int]:
+    """Every step that can be restored whole, from any tiers, ascending."""
+    return sorted(set(persistent_steps) | restorable_from_holdings(holdings))
+
+
+def describe_local_holdings(local_dir: str, holder: int) -> list[Holding]:
+    """The committed holdings on this node (every process folder under local_dir), each opened
+    to list its chunks. Folders that do not open (a crash left them half-written) are skipped:
+    they are no holders."""
+    out = []
+    try:
+        folders = sorted(os.listdir(local_dir))
+    except FileNotFoundError:
+        return out
+    for folder in folders:
+        if parse_holding_folder(folder) is None:
+            continue
+        try:
+            names = sorted(os.listdir(os.path.join(local_dir, folder)))
+        except OSError:
+            continue
+        for name in names:
+            if not (len(name) == 10 and name.isdigit()):
+                continue
+            if not os.path.exists(os.path.join(local_dir, folder, name, "COMMIT")):
+                continue
+            try:
+                reader = _ext.Reader.tiered([("local", local_dir, f"{folder}/{name}", "")])
+            except (OSError, ValueError):
+                continue
+            try:
+                arrays = reader.arrays()
+                chunks = reader.held_chunks(0)
+            finally:
+                reader.close()
+            out.append(Holding(holder=holder, folder=folder, step=int(name),
+                               digest=_digest(arrays),
+                               num_chunks={a["path"]: int(a["num_chunks"]) for a in arrays},
+                               chunks={p: list(c) for p, c in chunks.items()}))
+    return out
+
+
+def _digest(arrays: list[dict]) -> str:
+    doc = [(a["path"], a["dtype"], list(a["shape"]), list(a["cell_shape"]),
+            list(a["chunk_shape"])) for a in arrays]
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:16]
+
+
+class Collective:
+    """The control plane of the local tier: values exchanged through the coordinator's
+    key-value store, each wait bounded by `timeout_s`. Every process makes the same calls in
+    the same order (the keys carry a sequence number). Without a coordinator (one process)
+    each exchange returns this process's value alone."""
+
+    def __init__(self, coordinator: Any, timeout_s: float):
+        self.coordinator = coordinator
+        self.timeout_s = float(timeout_s)
+        self.index = coordinator.process_index() if coordinator is not None else 0
+        self.count = coordinator.process_count() if coordinator is not None else 1
+        self._sequence = 0
+
+    def _key(self, name: str) -> str:
+        return f"local-tier/{self._sequence}/{name}"
+
+    def all_gather(self, name: str, value: str) -> list[str]:
+        """Every process's `value`, by process index. TimeoutError naming the processes that
+        did not publish theirs within the timeout."""
+        self._sequence += 1
+        if self.coordinator is None:
+            return [value]
+        self.coordinator.key_value_set(self._key(f"{name}/{self.index}"), value)
+        out: list[str | None] = [None] * self.count
+        out[self.index] = value
+        missing = []
+        for p in range(self.count):
+            if p == self.index:
+                continue
+            # The deadline is shared: after the first missing process, others are only polled.
+            wait_ms = int(self.timeout_s * 1000) if not missing else 1
+            try:
+                out[p] = self.coordinator.key_value_get(self._key(f"{name}/{p}"), wait_ms)
+            except Exception:  # noqa: BLE001 - the runtime's timeout error types differ
+                missing.append(p)
+        if missing:
+            names = ", ".join(str(p) for p in missing)
+            raise TimeoutError(
+                f"tensorstash: process{'es' if len(missing) > 1 else ''} {names} of "
+                f"{self.count} did not arrive at '{name}' within {self.timeout_s:g} s "
+                "(coordination_timeout): a process that was not restarted, or that is stuck")
+        return out  # type: ignore[return-value]
+
+    def broadcast(self, name: str, value: str | None) -> str:
+        """Process 0's `value`, in every process."""
+        self._sequence += 1
+        if self.coordinator is None:
+            return value or ""
+        key = self._key(name)
+        if self.index == 0:
+            self.coordinator.key_value_set(key, value or "")
+            return value or ""
+        try:
+            return self.coordinator.key_value_get(key, int(self.timeout_s * 1000))
+        except Exception:  # noqa: BLE001
+            raise TimeoutError(f"tensorstash: process 0 did not publish '{name}' within "
+                               f"{self.timeout_s:g} s (coordination_timeout)") from None
+
+    def barrier(self, name: str) -> None:
+        """all_gather of nothing: returns once every process arrived."""
+        self.all_gather(name, "")
+
+
+def default_server_address() -> str:
+    """The address of this host that the job's coordinator sees: the source address of a route
+    to the JAX coordinator (no packet is sent); 127.0.0.1 when there is none."""
+    try:
+        from jax._src import distributed
+
+        address = distributed.global_state.coordinator_address
+    except Exception:  # noqa: BLE001 - JAX absent or not initialised
+        address = None
+    if not address:
+        return "127.0.0.1"
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _unlocked(folder: str) -> bool:
+    """Whether no live manager holds the folder's lock (its process is gone)."""
+    path = os.path.join(folder, "LOCK")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@dataclasses.dataclass
+class RestoredExtras:
+    """What a multi-tier restore read besides the arrays, kept for per_process and metadata."""
+
+    per_process: bytes | None
+    metadata: bytes | None
+
+
+class LocalTier:
+    """This process's part of the node-local tier: its holding manager (an engine Manager over
+    `<local_dir>/p<index>-of-<count>` that writes holdings), its peer server, and the collective
+    steps of latest_step and restore."""
+
+    def __init__(self, local_dir: str, *, coordinator: Any, save_interval_steps: int,
+                 max_to_keep: int, address: str | None, port: int, timeout_s: float,
+                 engine_options: dict, logger: Any):
+        self.dir = os.path.abspath(os.fspath(local_dir))
+        os.makedirs(self.dir, exist_ok=True)
+        self.logger = logger
+        self.collective = Collective(coordinator, timeout_s)
+        self.index, self.count = self.collective.index, self.collective.count
+        self.folder = holding_folder(self.index, self.count)
+        # Holdings are rewritten in place by a write-back (overwrite), never synced: the tier
+        # is RAM, and a node that loses power loses it whatever was synced.
+        self.manager = _ext.Manager(os.path.join(self.dir, self.folder), max_to_keep=max_to_keep,
+                                    save_interval_steps=save_interval_steps, holding=True,
+                                    overwrite=True, sync=False, **engine_options)
+        self.server = None
+        self.secret = ""
+        if self.count > 1:
+            self.secret = self.collective.broadcast(
+                "secret", secrets.token_hex(32) if self.index == 0 else None)
+            self.server = _ext.PeerServer(self.dir, address=address or default_server_address(),
+                                          port=port, secret=self.secret)
+        self.urls = self.collective.all_gather("server",
+                                               self.server.url if self.server else "")
+        self.extras: dict[int, RestoredExtras] = {}
+
+    # --- saving -----------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        return self.manager.should_save(step)
+
+    def save(self, step: int, arrays: list, *, tree_json: str, metadata_json: str,
+             process_state: bytes | None, metrics: dict, codec: str, zstd_level: int,
+             async_save: bool) -> bool:
+        """Saves this process's holding of `step`, unless the tier lacks the room (a warning
+        then, and False). Removes the holdings of earlier runs' processes on this node first."""
+        self._drop_stale_folders(step)
+        needed = _holding_bytes(arrays)
+        free = shutil.disk_usage(self.dir).free
+        # What the writer needs, plus room for the step it replaces until retention drops it.
+        if free < needed + (64 << 20):
+            self.logger.warning(
+                "tensorstash: local save of step %d skipped: %s needs %d bytes, %d are free "
+                "(a save would fill the node's memory)", step, self.dir, needed, free)
+            return False
+        self.manager.save(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
+                          process_state=process_state, metrics=metrics, codec=codec,
+                          zstd_level=zstd_level, async_save=async_save)
+        return True
+
+    def _drop_stale_folders(self, step: int) -> None:
+        """Holdings in other process folders on this node whose process is gone (an earlier run,
+        or a process now elsewhere) are kept for restores until this process saves a newer
+        step; then their older steps go, so that the tier stays bounded."""
+        for name in os.listdir(self.dir):
+            folder = os.path.join(self.dir, name)
+            if name == self.folder or parse_holding_folder(name) is None:
+                continue
+            if not _unlocked(folder):
+                continue
+            for entry in os.listdir(folder):
+                keep = len(entry) == 10 and entry.isdigit() and int(entry) >= step
+                if entry != "LOCK" and not keep:
+                    shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+
+    def wait_until_finished(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        try:
+            self.manager.close()
+        finally:
+            if self.server is not None:
+                self.server.close()
+
+    # --- which steps exist --------------------------------------------------------------------
+
+    def local_steps(self) -> list[int]:
+        """Steps this node holds (any process folder), ascending. Not collective."""
+        return sorted({h.step for h in describe_local_holdings(self.dir, self.index)})
+
+    def gather(self, persistent_steps: list[int]) -> tuple[list[Holding], list[int]]:
+        """Collective: every process's holdings, and process 0's persistent steps."""
+        mine = describe_local_holdings(self.dir, self.index)
+        docs = self.collective.all_gather("holdings", json.dumps([h.to_json() for h in mine]))
+        holdings = [Holding.from_json(d) for doc in docs for d in json.loads(doc)]
+        persistent = json.loads(self.collective.broadcast(
+            "persistent", json.dumps(persistent_steps) if self.index == 0 else None))
+        return holdings, [int(s) for s in persistent]
+
+    # --- restoring ----------------------------------------------------------------------------
+
+    def holders(self, step: int, holdings: list[Holding], persistent: list[int],
+                persistent_root: str) -> list[tuple[str, str, str, str]]:
+        """The holders of `step` for Reader.tiered, cheapest first: this node's holdings, the
+        peers' (starting after this process, so that requests spread), persistent storage."""
+        step_dir = _ext.Manager.step_dir(step)
+        of_step = [h for h in holdings if h.step == step]
+        out = [("local", self.dir, f"{h.folder}/{step_dir}", "")
+               for h in of_step if h.holder == self.index]
+        for offset in range(1, self.count):
+            p = (self.index + offset) % self.count
+            out += [("peer", self.urls[p], f"{h.folder}/{step_dir}", self.secret)
+                    for h in of_step if h.holder == p]
+        if step in persistent:
+            out.append(("persistent", persistent_root, step_dir, ""))
+        return out
+
+    def own_value_holder(self, step: int, holdings: list[Holding], persistent: list[int],
+                         persistent_root: str) -> tuple[tuple[str, str, str, str], str] | None:
+        """The holder of the per-process value that the process with this index saved with
+        `step`, and the file name in it: a holding of folder p<index>-of-*, on this node or a
+        peer's, else the persistent step."""
+        step_dir = _ext.Manager.step_dir(step)
+        mine = [h for h in holdings if h.step == step and h.saved_by[0] == self.index]
+        mine.sort(key=lambda h: h.holder != self.index)  # this node's first
+        for h in mine:
+            if h.holder == self.index:
+                return ("local", self.dir, f"{h.folder}/{step_dir}", ""), \
+                    _ext.process_state_file_name(0)
+            return ("peer", self.urls[h.holder], f"{h.folder}/{step_dir}", self.secret), \
+                _ext.process_state_file_name(0)
+        if step in persistent:
+            return ("persistent", persistent_root, step_dir, ""), \
+                _ext.process_state_file_name(self.index)
+        return None
+
+    def read_extras(self, reader: Any, step: int, holdings: list[Holding],
+                    persistent: list[int], persistent_root: str) -> RestoredExtras:
+        """This process's per-process value and the step's metadata, CRC-checked."""
+        metadata = _read_optional(reader, _ext.METADATA_FILE)
+        value = None
+        found = self.own_value_holder(step, holdings, persistent, persistent_root)
+        if found is not None:
+            holder, name = found
+            single = _ext.Reader.tiered([holder])
+            try:
+                value = _read_optional(single, name)
+            finally:
+                single.close()
+        return RestoredExtras(per_process=value, metadata=metadata)
+
+
+def _read_optional(reader: Any, name: str) -> bytes | None:
+    try:
+        return reader.read_file(name)
+    except FileNotFoundError:
+        return None
+
+
+def _holding_bytes(arrays: list) -> int:
+    """The bytes of the distinct boxes among a save's shards (what a holding stores)."""
+    seen = set()
+    total = 0
+    for path, _dtype, _shape, shards, _stable in arrays:
+        for origin, extent, data, _replica, _n in shards:
+            key = (path, tuple(origin), tuple(extent))
+            if key not in seen:
+                seen.add(key)
+                total += data.nbytes
+    return total
