@@ -17,6 +17,7 @@ peers' servers, then persistent storage), every chunk's CRC checked.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import fcntl
 import hashlib
@@ -26,12 +27,56 @@ import re
 import secrets
 import shutil
 import socket
+import struct
 from typing import Any, Iterable
 
 from . import _ext
 
 # A holding's folder: the process that saved it and the job's process count then.
 _FOLDER = re.compile(r"^p(\d+)-of-(\d+)$")
+
+# How many other processes' per-process values each holding carries besides its own (the next
+# ones in process order), so that a value outlives the node of the process that saved it.
+VALUE_REPLICAS = 3
+
+
+def value_ring(index: int, count: int) -> list[int]:
+    """The processes whose per-process values the holding of process `index` carries."""
+    return [(index + d) % count for d in range(min(count, VALUE_REPLICAS + 1))]
+
+
+_VALUES_MAGIC = b"tensorstash per-process values 1\n"
+
+
+def pack_values(values: dict[int, bytes | None]) -> bytes:
+    """The per-process values a holding carries, as one file: the magic line, then per value
+    its process index (u32), a presence flag (u8) and its length (u64), then its bytes."""
+    out = [_VALUES_MAGIC, struct.pack("<I", len(values))]
+    for index, value in sorted(values.items()):
+        out.append(struct.pack("<IBQ", index, value is not None, len(value or b"")))
+        out.append(value or b"")
+    return b"".join(out)
+
+
+def unpack_values(data: bytes, where: str) -> dict[int, bytes | None]:
+    """The inverse of pack_values; OSError naming `where` for anything else (the CRC of the
+    file was checked, so this is a bug or a foreign file, not damage)."""
+    try:
+        if not data.startswith(_VALUES_MAGIC):
+            raise ValueError("no magic")
+        pos = len(_VALUES_MAGIC)
+        (n,), pos = struct.unpack_from("<I", data, pos), pos + 4
+        values: dict[int, bytes | None] = {}
+        for _ in range(n):
+            index, present, length = struct.unpack_from("<IBQ", data, pos)
+            pos += struct.calcsize("<IBQ")
+            if pos + length > len(data):
+                raise ValueError("truncated")
+            values[index] = data[pos:pos + length] if present else None
+            pos += length
+        return values
+    except (ValueError, struct.error) as e:
+        raise OSError(f"the per-process values of {where} are malformed: {e}") from None
 
 
 def holding_folder(process_index: int, process_count: int) -> str:
@@ -62,6 +107,12 @@ class Holding:
     def saved_by(self) -> tuple[int, int]:
         return parse_holding_folder(self.folder)
 
+    @property
+    def values(self) -> list[int]:
+        """The processes whose per-process values this holding carries."""
+        index, count = self.saved_by
+        return value_ring(index, count)
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -75,9 +126,9 @@ class Holding:
 
 def restorable_from_holdings(holdings: Iterable[Holding]) -> set[int]:
     """The steps that the holdings alone can restore: for some digest (one saved state), the
-    holdings of that step together store every chunk of every array and hold the folder of
-    every process of the job that saved it. A whole slice (one holding with everything) is
-    not needed; any mix of holders will do."""
+    holdings of that step together store every chunk of every array and carry the per-process
+    value of every process of the job that saved it. A whole slice (one holding with
+    everything) is not needed; any mix of holders will do."""
     by_state: dict[tuple[int, str], list[Holding]] = {}
     for h in holdings:
         if h.saved_by is not None:
@@ -87,7 +138,7 @@ def restorable_from_holdings(holdings: Iterable[Holding]) -> set[int]:
         count = group[0].saved_by[1]
         if any(h.saved_by[1] != count for h in group):
             continue  # folders of jobs of different sizes: not one save
-        if {h.saved_by[0] for h in group} != set(range(count)):
+        if set().union(*(h.values for h in group)) != set(range(count)):
             continue  # some process's per-process value is held by nobody
         arrays = group[0].num_chunks
         complete = True
@@ -209,6 +260,28 @@ class Collective:
             raise TimeoutError(f"tensorstash: process 0 did not publish '{name}' within "
                                f"{self.timeout_s:g} s (coordination_timeout)") from None
 
+    def exchange_ring(self, name: str, value: bytes | None) -> dict[int, bytes | None]:
+        """Publishes this process's per-process value and returns those of value_ring(index):
+        its own and the next processes'. TimeoutError naming a process that did not publish."""
+        self._sequence += 1
+        ring = value_ring(self.index, self.count)
+        if self.coordinator is None:
+            return {self.index: value}
+        encode = "-" if value is None else "+" + base64.b64encode(value).decode("ascii")
+        self.coordinator.key_value_set(self._key(f"{name}/{self.index}"), encode)
+        out: dict[int, bytes | None] = {self.index: value}
+        for p in ring[1:]:
+            try:
+                text = self.coordinator.key_value_get(self._key(f"{name}/{p}"),
+                                                      int(self.timeout_s * 1000))
+            except Exception:  # noqa: BLE001
+                raise TimeoutError(
+                    f"tensorstash: process {p} of {self.count} did not publish its per-process "
+                    f"value for '{name}' within {self.timeout_s:g} s (coordination_timeout)"
+                ) from None
+            out[p] = None if text == "-" else base64.b64decode(text[1:])
+        return out
+
     def barrier(self, name: str) -> None:
         """all_gather of nothing: returns once every process arrived."""
         self.all_gather(name, "")
@@ -257,6 +330,7 @@ class RestoredExtras:
 
     per_process: bytes | None
     metadata: bytes | None
+    ring_values: dict[int, bytes | None] = dataclasses.field(default_factory=dict)
 
 
 class LocalTier:
@@ -297,8 +371,18 @@ class LocalTier:
     def save(self, step: int, arrays: list, *, tree_json: str, metadata_json: str,
              process_state: bytes | None, metrics: dict, codec: str, zstd_level: int,
              async_save: bool) -> bool:
-        """Saves this process's holding of `step`, unless the tier lacks the room (a warning
-        then, and False). Removes the holdings of earlier runs' processes on this node first."""
+        """Saves this process's holding of `step`, with the per-process values of value_ring
+        (exchanged through the coordinator: every process calls this for the same steps),
+        unless the tier lacks the room (a warning then, and False). Removes the holdings of
+        earlier runs' processes on this node first."""
+        values = self.collective.exchange_ring(f"values-{step}", process_state)
+        return self.save_holding(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
+                                 values=values, metrics=metrics, codec=codec,
+                                 zstd_level=zstd_level, async_save=async_save)
+
+    def save_holding(self, step: int, arrays: list, *, tree_json: str, metadata_json: str,
+                     values: dict[int, bytes | None], metrics: dict, codec: str,
+                     zstd_level: int, async_save: bool) -> bool:
         self._drop_stale_folders(step)
         needed = _holding_bytes(arrays)
         free = shutil.disk_usage(self.dir).free
@@ -309,7 +393,7 @@ class LocalTier:
                 "(a save would fill the node's memory)", step, self.dir, needed, free)
             return False
         self.manager.save(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
-                          process_state=process_state, metrics=metrics, codec=codec,
+                          process_state=pack_values(values), metrics=metrics, codec=codec,
                           zstd_level=zstd_level, async_save=async_save)
         return True
 
@@ -371,39 +455,46 @@ class LocalTier:
             out.append(("persistent", persistent_root, step_dir, ""))
         return out
 
-    def own_value_holder(self, step: int, holdings: list[Holding], persistent: list[int],
-                         persistent_root: str) -> tuple[tuple[str, str, str, str], str] | None:
-        """The holder of the per-process value that the process with this index saved with
-        `step`, and the file name in it: a holding of folder p<index>-of-*, on this node or a
-        peer's, else the persistent step."""
-        step_dir = _ext.Manager.step_dir(step)
-        mine = [h for h in holdings if h.step == step and h.saved_by[0] == self.index]
-        mine.sort(key=lambda h: h.holder != self.index)  # this node's first
-        for h in mine:
-            if h.holder == self.index:
-                return ("local", self.dir, f"{h.folder}/{step_dir}", ""), \
-                    _ext.process_state_file_name(0)
-            return ("peer", self.urls[h.holder], f"{h.folder}/{step_dir}", self.secret), \
-                _ext.process_state_file_name(0)
-        if step in persistent:
-            return ("persistent", persistent_root, step_dir, ""), \
-                _ext.process_state_file_name(self.index)
-        return None
-
     def read_extras(self, reader: Any, step: int, holdings: list[Holding],
                     persistent: list[int], persistent_root: str) -> RestoredExtras:
-        """This process's per-process value and the step's metadata, CRC-checked."""
+        """The step's metadata, and the per-process values of value_ring(this index) (its own
+        first), CRC-checked: from the holdings that carry them (this node's first), else this
+        process's value from the persistent step."""
         metadata = _read_optional(reader, _ext.METADATA_FILE)
-        value = None
-        found = self.own_value_holder(step, holdings, persistent, persistent_root)
-        if found is not None:
-            holder, name = found
-            single = _ext.Reader.tiered([holder])
+        step_dir = _ext.Manager.step_dir(step)
+        wanted = set(value_ring(self.index, self.count))
+        values: dict[int, bytes | None] = {}
+        candidates = [h for h in holdings if h.step == step and wanted & set(h.values)]
+        candidates.sort(key=lambda h: h.holder != self.index)  # this node's first
+        for h in candidates:
+            if wanted <= values.keys():
+                break
+            if h.holder == self.index:
+                holder = ("local", self.dir, f"{h.folder}/{step_dir}", "")
+            else:
+                holder = ("peer", self.urls[h.holder], f"{h.folder}/{step_dir}", self.secret)
             try:
-                value = _read_optional(single, name)
+                single = _ext.Reader.tiered([holder])
+                try:
+                    data = single.read_file(_ext.process_state_file_name(0))
+                finally:
+                    single.close()
+            except (OSError, ValueError, ConnectionError) as e:
+                self.logger.warning("tensorstash: per-process values of step %d from %s: %s",
+                                    step, holder[1], e)
+                continue
+            for index, value in unpack_values(data, f"{holder[1]}/{holder[2]}").items():
+                if index in wanted:
+                    values.setdefault(index, value)
+        if self.index not in values and step in persistent:
+            persistent_reader = _ext.Reader(persistent_root, step_dir)
+            try:
+                values[self.index] = _read_optional(
+                    persistent_reader, _ext.process_state_file_name(self.index))
             finally:
-                single.close()
-        return RestoredExtras(per_process=value, metadata=metadata)
+                persistent_reader.close()
+        return RestoredExtras(per_process=values.get(self.index), metadata=metadata,
+                              ring_values=values)
 
 
 def _read_optional(reader: Any, name: str) -> bytes | None:

@@ -437,9 +437,9 @@ class CheckpointManager:
         next lost node finds every chunk held again."""
         arrays, tree_json = _arrays_to_save(tree, self._coordinator)
         metadata_json = extras.metadata.decode("utf-8") if extras.metadata is not None else ""
-        self._local.save(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
-                         process_state=extras.per_process, metrics={}, codec=self.codec,
-                         zstd_level=self.zstd_level, async_save=False)
+        self._local.save_holding(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
+                                 values=extras.ring_values, metrics={}, codec=self.codec,
+                                 zstd_level=self.zstd_level, async_save=False)
 
     def _restored(self, stats: RestoreStats) -> None:
         step = stats.step
