@@ -5,7 +5,9 @@
 #     uninterrupted run's (examples/train_demo/demo.py); then `tensorstash ls` and `verify` on
 #     its checkpoints;
 #  2. the C++ example: a sharded save restored onto four layouts (examples/sharded_save_restore.cc),
-#     then `tensorstash inspect` and `verify` on it.
+#     then `tensorstash inspect` and `verify` on it;
+#  3. the multi-tier demo: 4 processes on simulated nodes, a slice killed with SIGKILL, resumed
+#     in reverse process order from the peers' RAM tiers (examples/multitier/demo.py).
 # Extra arguments go to the training demo (e.g. --quick); TENSORSTASH_DEMO_DIR moves the output
 # (default demo_checkpoints/), CPP_DEMO_ARGS replaces the C++ example's (--size-mib 128 --runs 1).
 # Exits non-zero when either demo fails.
@@ -41,6 +43,9 @@ echo "== tensorstash inspect $OUT/sharded/$STEP"
 echo
 echo "== tensorstash verify $OUT/sharded/$STEP"
 ./build/tensorstash verify "$OUT/sharded/$STEP" || status=1
+echo
+echo "== 3. Multi-tier: a slice lost, resumed from the peers' RAM (examples/multitier/demo.py)"
+.venv/bin/python examples/multitier/demo.py --out "$OUT/multitier" || status=1
 echo
 if [ "$status" -eq 0 ]; then echo "demo: PASS (files in $OUT)"; else echo "demo: FAIL"; fi
 exit "$status"

@@ -1,6 +1,6 @@
 """The node-local tier of CheckpointManager (docs/multitier.md): the rule that decides which
 steps can be restored (on fabricated holdings), and jobs of 4 JAX processes on simulated nodes
-(tests/multitier/cluster.py: each process in its own mount namespace, its node's RAM tier
+(examples/multitier/cluster.py: each process in its own mount namespace, its node's RAM tier
 bind-mounted at the same path, so a peer's copy is reachable only through the peer's server),
 checked against an uninterrupted run of the same job."""
 
@@ -21,7 +21,7 @@ import tensorstash
 from tensorstash import _ext, _multitier
 from tensorstash._multitier import Holding
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "multitier"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "multitier"))
 from cluster import Cluster  # noqa: E402
 
 # --- the rule, on fabricated holdings ---------------------------------------------------------

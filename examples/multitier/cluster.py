@@ -1,4 +1,4 @@
-"""Simulated nodes for multi-tier jobs on one machine (tests and `make demo`).
+"""Simulated nodes for multi-tier jobs on one machine (`make demo` and tests/python/test_multitier.py).
 
 Each process of a job runs in its own mount namespace (`unshare -m`, as root) where its node's
 folder is bind-mounted at the job's local_dir, the same path for every process: a process sees
