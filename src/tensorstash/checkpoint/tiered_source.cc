@@ -61,7 +61,15 @@ struct TieredStepSource::Impl {
   std::vector<OpenHolder> holders;  // [0] is the reference
   std::vector<std::string> open_errors;
   TierStats stats;
-  mutable std::mutex mu;  // guards stats
+  // Holders that stopped answering (Unavailable): skipped from then on, so that a dead peer
+  // costs one stall timeout, not one per chunk.
+  std::vector<bool> gone;
+  mutable std::mutex mu;  // guards stats and gone
+
+  bool Gone(size_t h) const {
+    std::lock_guard<std::mutex> lock(mu);
+    return gone[h];
+  }
 
   StepSource& primary() const { return *holders.front().source; }
 
@@ -72,6 +80,7 @@ struct TieredStepSource::Impl {
   }
   void Fail(const OpenHolder& holder, const Status& status) {
     std::lock_guard<std::mutex> lock(mu);
+    if (absl::IsUnavailable(status)) gone[static_cast<size_t>(&holder - holders.data())] = true;
     stats.failures.push_back(StrCat(holder.name, ": ", status.message()));
     if (holder.tier == Tier::kLocal) stats.local_failed = true;
   }
@@ -155,6 +164,7 @@ Result<std::unique_ptr<TieredStepSource>> TieredStepSource::Open(std::vector<Ste
     for (std::vector<int64_t>& held : open.chunks) std::sort(held.begin(), held.end());
     impl->holders.push_back(std::move(open));
   }
+  impl->gone.assign(impl->holders.size(), false);
   if (impl->holders.empty()) {
     return NotFoundError(
         StrCat("no holder of the step could be opened: ", StrJoin(impl->open_errors, "; ")));
@@ -220,7 +230,9 @@ Status TieredStepSource::ReadMany(const std::vector<ReadRequest>& requests, Read
   for (size_t i = 0; i < needed.size(); ++i) {
     slot.emplace(std::make_pair(needed[i].array_id, needed[i].chunk), i);
     for (size_t h = 0; h < s.holders.size(); ++h) {
-      if (s.holders[h].Has(needed[i].array_id, needed[i].chunk)) candidates[i].push_back(h);
+      if (!s.Gone(h) && s.holders[h].Has(needed[i].array_id, needed[i].chunk)) {
+        candidates[i].push_back(h);
+      }
     }
     if (candidates[i].empty()) {
       const ArrayMetadata& a = arrays[needed[i].array_id];
@@ -306,6 +318,11 @@ Status TieredStepSource::Impl::ReadPieces(
       PendingPiece& p = pieces[i];
       const std::vector<size_t>& candidates =
           candidates_of_chunk[chunk_slot.at({p.array_id, p.chunk})];
+      while (p.next_candidate < candidates.size() && Gone(candidates[p.next_candidate])) {
+        p.errors.push_back(
+            StrCat(holders[candidates[p.next_candidate]].name, ": stopped answering"));
+        ++p.next_candidate;
+      }
       if (p.next_candidate >= candidates.size()) {
         const ArrayMetadata& a = arrays[p.array_id];
         return DataLossError(StrCat("no holder gave an intact copy of chunk ",
@@ -328,8 +345,9 @@ Status TieredStepSource::Impl::ReadPieces(
       Status together = ReadFrom(h, reads, read_stats);
       if (together.ok()) {
         std::fill(outcome.begin(), outcome.end(), OkStatus());
-      } else if (members.size() == 1) {
-        outcome[0] = together;
+      } else if (members.size() == 1 || absl::IsUnavailable(together)) {
+        // One piece, or a holder that stopped answering: no piece is read from it again.
+        std::fill(outcome.begin(), outcome.end(), together);
       } else {
         for (size_t k = 0; k < members.size(); ++k)
           outcome[k] = ReadFrom(h, {reads[k]}, read_stats);

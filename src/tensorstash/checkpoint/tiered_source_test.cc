@@ -3,7 +3,14 @@
 // "persistent" step, all of one array of 8 x 6 floats in rows of 2; and a peer over HTTP.
 #include "tensorstash/checkpoint/tiered_source.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
 
 #include <filesystem>
 #include <memory>
@@ -15,6 +22,7 @@
 #include "tensorstash/checkpoint/checkpoint_test_util.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/kvstore/file/file_kvstore.h"
+#include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/http/http_kvstore.h"
 #include "tensorstash/kvstore/http/peer_server.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
@@ -182,6 +190,120 @@ TEST(TieredStepSourceTest, APeerOverHttpIsAHolderLikeAnyOther) {
   EXPECT_EQ(source->tier_stats().bytes[1], 4u * 6 * 4);
   server.reset();
   std::filesystem::remove_all(root);
+}
+
+// A peer that accepts one connection at a time and, for every request, either sends the
+// headers and a few bytes of a larger body and hangs up (dies mid-transfer) or never answers.
+class BrokenPeer {
+ public:
+  enum class Mode { kHangUpMidBody, kSilent };
+  explicit BrokenPeer(Mode mode) : mode_(mode) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::bind(listener_, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+    EXPECT_EQ(::listen(listener_, 8), 0);
+    socklen_t length = sizeof(address);
+    ::getsockname(listener_, reinterpret_cast<sockaddr*>(&address), &length);
+    port_ = ntohs(address.sin_port);
+    thread_ = std::thread([this] { Serve(); });
+  }
+  ~BrokenPeer() {
+    stop_ = true;
+    ::shutdown(listener_, SHUT_RDWR);
+    ::close(listener_);
+    thread_.join();
+  }
+  std::string url() const { return "http://127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  void Serve() {
+    while (!stop_) {
+      const int connection = ::accept(listener_, nullptr, nullptr);
+      if (connection < 0) return;
+      char request[4096];
+      if (::recv(connection, request, sizeof(request), 0) > 0 && mode_ == Mode::kHangUpMidBody) {
+        const std::string head =
+            "HTTP/1.1 206 Partial Content\r\nContent-Length: 100000\r\n"
+            "Content-Range: bytes 0-99999/100000\r\n\r\n0123456789";
+        ::send(connection, head.data(), head.size(), MSG_NOSIGNAL);
+      } else if (mode_ == Mode::kSilent) {
+        for (int i = 0; i < 50 && !stop_; ++i)
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      ::close(connection);
+    }
+  }
+  Mode mode_;
+  int listener_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// A holding whose metadata reads fine but whose data files are read from `broken`: a peer that
+// answered while the step was opened and then died or stalled.
+class DataFromBrokenPeer final : public ForwardingKvStore {
+ public:
+  DataFromBrokenPeer(std::unique_ptr<KvStore> good, std::unique_ptr<KvStore> broken)
+      : ForwardingKvStore(good.get()), good_(std::move(good)), broken_(std::move(broken)) {}
+  Status ReadRange(std::string_view key, uint64_t offset, size_t size, void* dest) override {
+    if (key.find("/data/") != std::string_view::npos) {
+      return broken_->ReadRange(key, offset, size, dest);
+    }
+    return good_->ReadRange(key, offset, size, dest);
+  }
+  Result<std::unique_ptr<ReadableFile>> OpenForRead(std::string_view key) override {
+    if (key.find("/data/") == std::string_view::npos) return good_->OpenForRead(key);
+    TS_ASSIGN_OR_RETURN(uint64_t size, good_->Size(key));
+    return std::unique_ptr<ReadableFile>(new File(this, std::string(key), size));
+  }
+
+ private:
+  class File final : public ReadableFile {
+   public:
+    File(DataFromBrokenPeer* store, std::string key, uint64_t size)
+        : store_(store), key_(std::move(key)), size_(size) {}
+    uint64_t size() const override { return size_; }
+    Status ReadAt(uint64_t offset, size_t size, void* dest) const override {
+      return store_->ReadRange(key_, offset, size, dest);
+    }
+
+   private:
+    DataFromBrokenPeer* store_;
+    std::string key_;
+    uint64_t size_;
+  };
+  std::unique_ptr<KvStore> good_;
+  std::unique_ptr<KvStore> broken_;
+};
+
+TEST(TieredStepSourceTest, APeerThatDiesOrStallsMidTransferIsLeftForTheNextHolder) {
+  for (BrokenPeer::Mode mode : {BrokenPeer::Mode::kHangUpMidBody, BrokenPeer::Mode::kSilent}) {
+    SCOPED_TRACE(mode == BrokenPeer::Mode::kSilent ? "silent" : "hangs up");
+    BrokenPeer broken(mode);
+    HttpKvStoreOptions options;
+    options.stall_timeout = std::chrono::seconds(1);
+    std::vector<StepHolder> holders;
+    holders.push_back(
+        {Tier::kPeer,
+         std::make_unique<DataFromBrokenPeer>(
+             WriteStep({0, 2, 4, 6}, true),
+             HttpKvStore::Open(broken.url(), "a-secret-of-sixteen-or-more", options).value()),
+         kStep, "peer"});
+    holders.push_back({Tier::kPersistent, WriteStep({0, 2, 4, 6}, false), kStep, "persistent"});
+    std::unique_ptr<TieredStepSource> source = TieredStepSource::Open(std::move(holders)).value();
+    const auto started = std::chrono::steady_clock::now();
+    EXPECT_EQ(ReadBox(*source, Box::FromShape(kShape)),
+              test::MakeArrayData(DType::kFloat32, kShape, kSeed));
+    // Within a few stall timeouts (the whole read, then each piece, may wait for one).
+    EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(15));
+    const TierStats& stats = source->tier_stats();
+    ASSERT_THAT(stats.failures, Not(IsEmpty()));
+    EXPECT_THAT(stats.failures.front(), HasSubstr(broken.url()));
+    EXPECT_EQ(stats.bytes[2], 8u * 6 * 4);
+  }
 }
 
 }  // namespace
