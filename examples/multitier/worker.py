@@ -2,10 +2,10 @@
 
     python worker.py --pid I --nproc 4 --port P --persistent DIR --local-dir DIR --out DIR
                      --last-step N [--local-interval 2] [--persistent-interval 10]
-                     [--hold-at-end] [--kill-at POINT] [--reference]
+                     [--hold-at-end] [--kill-before-local-save] [--kill-during-local-save]
 
-A small model (two dense layers and a 2 MiB table) on a mesh of 2 data-parallel slices x 4 model shards (8 CPU
-devices, 2 per process: processes 0-1 are slice 0, 2-3 slice 1) trains with SGD on batches drawn
+A small model (two dense layers and a 2 MiB table) on a mesh of 2 data-parallel slices x 4
+model shards (8 CPU devices, 2 per process: processes 0-1 are slice 0, 2-3 slice 1) trains with SGD on batches drawn
 from a data iterator whose position is per-process state. The job resumes from the manager's
 latest step (its params and each process's iterator state), trains until --last-step, saving on
 the manager's intervals, and writes out/process-<I>.json: the step it resumed from, the restore
@@ -14,9 +14,9 @@ params and on the iterator position, so losses equal to an uninterrupted run's m
 restored right.
 
 --hold-at-end: after the last step, print "READY" and wait to be killed (a node that is lost).
---kill-during-local-save: SIGKILL this process while the local save of the last step is in
-flight (its background write under way). --flip-local-byte: damage this node's newest local
-data file before resuming.
+--kill-before-local-save / --kill-during-local-save: SIGKILL this process right before the local
+save of the last step, or while it is in flight (its background write under way).
+--flip-local-byte: damage this node's newest local data file before resuming.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ def parse_args():
     ap.add_argument("--local-max-to-keep", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--hold-at-end", action="store_true")
+    ap.add_argument("--kill-before-local-save", action="store_true",
+                    help="SIGKILL this process right before the local save of the last step")
     ap.add_argument("--kill-during-local-save", action="store_true",
                     help="SIGKILL this process while the local save of the last step is in flight")
     ap.add_argument("--stall", action="store_true",
@@ -149,6 +151,8 @@ def run(args) -> dict:
         params, loss = train_step(params, x, y)
         iterator = {"process": args.pid, "position": iterator["position"] + 1}
         result["losses"][step] = float(loss)
+        if args.kill_before_local_save and step == args.last_step:
+            os.kill(os.getpid(), signal.SIGKILL)
         if args.kill_during_local_save and step == args.last_step:
             # The save's background write is under way when the signal lands.
             mgr.save(step, params, per_process=iterator, force=True)

@@ -275,13 +275,13 @@ def test_a_flipped_local_byte_is_fetched_from_a_peer_and_healed(tmp_path, refere
     assert results[0]["restore"]["bytes_from"]["local"] > 0
 
 
-@pytest.mark.parametrize("point", ["during", "after"])
+@pytest.mark.parametrize("point", ["before", "during", "after"])
 def test_a_kill_during_a_local_save_restores_one_step_with_its_own_iterators(
         tmp_path, reference_losses, point):
     cluster = first_run(tmp_path)
     args = ["--last-step", "16", *STEPS]
-    if point == "during":
-        job = cluster.start([0, 1, 2, 3], [*args, "--kill-during-local-save"])
+    if point in ("before", "during"):
+        job = cluster.start([0, 1, 2, 3], [*args, f"--kill-{point}-local-save"])
         job.wait(expect_ok=False)
     else:
         job = cluster.start([0, 1, 2, 3], [*args, "--hold-at-end"])
