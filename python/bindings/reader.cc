@@ -251,9 +251,9 @@ class Reader {
       maps.push_back({path, Box(origin, shape), ValueOrThrow(ParseDType(dtype_name)), nullptr});
     }
     std::vector<Result<MappedBox>> mapped;
-    if (CheckpointReader* native = step->source->native(); native != nullptr) {
+    {
       nb::gil_scoped_release release;
-      mapped = native->MapMany(maps);
+      mapped = step->source->MapMany(maps);
     }
     nb::list result;
     for (size_t i = 0; i < requests.size(); ++i) {

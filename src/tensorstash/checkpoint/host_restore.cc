@@ -112,8 +112,7 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
   out_stats.boxes = boxes.size();
 
   // Map what can be mapped, all at once (the maps run in parallel).
-  CheckpointReader* native = source.native();
-  if (options.map && native != nullptr) {
+  if (options.map) {
     std::vector<ReadRequest> maps;
     std::vector<size_t> mapped_box;
     for (size_t b = 0; b < boxes.size(); ++b) {
@@ -123,7 +122,7 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
       maps.push_back({r.path, r.box, r.dtype, nullptr});
       mapped_box.push_back(b);
     }
-    std::vector<Result<MappedBox>> mapped = native->MapMany(maps);
+    std::vector<Result<MappedBox>> mapped = source.MapMany(maps);
     for (size_t m = 0; m < mapped.size(); ++m) {
       if (mapped[m].ok()) {
         boxes[mapped_box[m]].buffer = std::make_shared<MappedBuffer>(*std::move(mapped[m]));

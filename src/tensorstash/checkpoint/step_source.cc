@@ -53,6 +53,9 @@ class NativeStepSource final : public StepSource {
     return reader_->index().entries.size() + reader_->commit_record().files.size();
   }
   CheckpointReader* native() override { return reader_.get(); }
+  std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests) override {
+    return reader_->MapMany(requests);
+  }
 
  private:
   std::unique_ptr<CheckpointReader> reader_;
@@ -127,6 +130,16 @@ Result<DetectedStep> DetectStepFormat(KvStore* kv, const std::string& dir) {
   }
   TS_ASSIGN_OR_RETURN(step, DetectStepFormat(kv, StrCat(dir, "/", item)));
   return step;
+}
+
+std::vector<Result<MappedBox>> StepSource::MapMany(const std::vector<ReadRequest>& requests) {
+  std::vector<Result<MappedBox>> out;
+  out.reserve(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    out.emplace_back(
+        UnimplementedError(StrCat(StepFormatName(format()), " steps are read, not mapped")));
+  }
+  return out;
 }
 
 Result<std::unique_ptr<StepSource>> OpenStepSource(KvStore* kv, const std::string& dir,

@@ -76,6 +76,9 @@ class StepSource {
   // data. Errors name the array path (and, for stored data, the chunk key).
   virtual Status ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats,
                           const std::function<void(uint64_t, uint64_t)>& progress) = 0;
+  // As CheckpointReader::MapMany, where the source can map (native steps, and a tiered step's
+  // local holdings); the default answers Unimplemented for every request (read them instead).
+  virtual std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests);
   // A whole file committed with a native step; NotFound for foreign formats.
   virtual Result<std::string> ReadFile(std::string_view name) const = 0;
   // Reads and decodes every stored chunk; returns the bad ones (empty when all are good).

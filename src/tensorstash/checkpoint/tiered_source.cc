@@ -202,18 +202,30 @@ std::vector<std::pair<Tier, std::string>> TieredStepSource::holders() const {
   return out;
 }
 
-Status TieredStepSource::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats,
-                                  const std::function<void(uint64_t, uint64_t)>& progress) {
-  Impl& s = *impl_;
+// Where each request of a read goes: the chunks it needs and their holders, cheapest first.
+struct TieredStepSource::Routing {
+  std::map<std::string_view, uint32_t> id_of;
+  std::vector<NeededChunk> needed;
+  std::vector<std::vector<size_t>> candidates;          // per needed chunk: holders
+  std::map<std::pair<uint32_t, int64_t>, size_t> slot;  // (array, chunk) -> needed index
+  std::vector<std::vector<size_t>> chunks_of;           // per request: needed indices
+  // A request goes whole to one holder when that holder is the cheapest for every one of its
+  // chunks (e.g. this process's local copy of its own shards); the others are split.
+  std::vector<std::vector<size_t>> whole;  // per holder: requests
+  std::vector<size_t> split;
+};
+
+Result<TieredStepSource::Routing> TieredStepSource::Route(
+    const std::vector<ReadRequest>& requests) const {
+  const Impl& s = *impl_;
   const std::vector<ArrayMetadata>& arrays = s.primary().arrays();
-  // Plan the chunks every request needs, on the reference grids.
+  Routing route;
   std::vector<BoxRead> box_reads;
   box_reads.reserve(requests.size());
-  std::map<std::string_view, uint32_t> id_of;
-  for (uint32_t i = 0; i < arrays.size(); ++i) id_of.emplace(arrays[i].path, i);
+  for (uint32_t i = 0; i < arrays.size(); ++i) route.id_of.emplace(arrays[i].path, i);
   for (const ReadRequest& r : requests) {
-    auto it = id_of.find(r.path);
-    if (it == id_of.end()) {
+    auto it = route.id_of.find(r.path);
+    if (it == route.id_of.end()) {
       return NotFoundError(StrCat("no array '", r.path, "' in step ", dir()));
     }
     if (r.box.rank() != arrays[it->second].grid.rank()) {
@@ -223,44 +235,88 @@ Status TieredStepSource::ReadMany(const std::vector<ReadRequest>& requests, Read
     }
     box_reads.push_back({it->second, &arrays[it->second].grid, r.box});
   }
-  const std::vector<NeededChunk> needed = PlanChunkPieces(box_reads);
-  // Each chunk's holders, cheapest first.
-  std::vector<std::vector<size_t>> candidates(needed.size());
-  std::map<std::pair<uint32_t, int64_t>, size_t> slot;
+  route.needed = PlanChunkPieces(box_reads);
+  const std::vector<NeededChunk>& needed = route.needed;
+  route.candidates.resize(needed.size());
   for (size_t i = 0; i < needed.size(); ++i) {
-    slot.emplace(std::make_pair(needed[i].array_id, needed[i].chunk), i);
+    route.slot.emplace(std::make_pair(needed[i].array_id, needed[i].chunk), i);
     for (size_t h = 0; h < s.holders.size(); ++h) {
       if (!s.Gone(h) && s.holders[h].Has(needed[i].array_id, needed[i].chunk)) {
-        candidates[i].push_back(h);
+        route.candidates[i].push_back(h);
       }
     }
-    if (candidates[i].empty()) {
+    if (route.candidates[i].empty()) {
       const ArrayMetadata& a = arrays[needed[i].array_id];
       return DataLossError(StrCat("chunk ", a.grid.ChunkName(needed[i].chunk), " of array '",
                                   a.path, "' of step ", dir(), " is held by none of the ",
                                   s.holders.size(), " holders"));
     }
   }
-  // The chunks of each request (indices into `needed`).
-  std::vector<std::vector<size_t>> chunks_of(requests.size());
+  route.chunks_of.resize(requests.size());
   for (size_t i = 0; i < needed.size(); ++i) {
-    for (const ChunkPiece& p : needed[i].pieces) chunks_of[p.read].push_back(i);
+    for (const ChunkPiece& p : needed[i].pieces) route.chunks_of[p.read].push_back(i);
   }
-  // A request goes whole to one holder when that holder is the cheapest for every one of its
-  // chunks (e.g. this process's local copy of its own shards).
-  std::vector<std::vector<size_t>> whole(s.holders.size());
-  std::vector<size_t> split;
+  route.whole.resize(s.holders.size());
   for (size_t r = 0; r < requests.size(); ++r) {
-    size_t chosen = chunks_of[r].empty() ? 0 : candidates[chunks_of[r].front()].front();
-    for (size_t c : chunks_of[r]) {
-      if (candidates[c].front() != chosen) chosen = s.holders.size();
+    const std::vector<size_t>& chunks = route.chunks_of[r];
+    size_t chosen = chunks.empty() ? 0 : route.candidates[chunks.front()].front();
+    for (size_t c : chunks) {
+      if (route.candidates[c].front() != chosen) chosen = s.holders.size();
     }
     if (chosen < s.holders.size()) {
-      whole[chosen].push_back(r);
+      route.whole[chosen].push_back(r);
     } else {
-      split.push_back(r);
+      route.split.push_back(r);
     }
   }
+  return route;
+}
+
+std::vector<Result<MappedBox>> TieredStepSource::MapMany(const std::vector<ReadRequest>& requests) {
+  Impl& s = *impl_;
+  std::vector<Result<MappedBox>> out;
+  out.reserve(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    out.emplace_back(UnimplementedError("read it: the tiered source maps local holdings only"));
+  }
+  Result<Routing> route = Route(requests);
+  if (!route.ok()) return out;  // the read reports the error
+  // Requests that this node's RAM tier serves whole are mapped from its files, as a native step
+  // maps its own: no copy, and the page is the holding's.
+  for (size_t h = 0; h < s.holders.size(); ++h) {
+    if (s.holders[h].tier != Tier::kLocal || route->whole[h].empty()) continue;
+    std::vector<ReadRequest> group;
+    uint64_t bytes = 0;
+    for (size_t r : route->whole[h]) group.push_back(requests[r]);
+    const auto started = std::chrono::steady_clock::now();
+    std::vector<Result<MappedBox>> mapped = s.holders[h].source->MapMany(group);
+    for (size_t k = 0; k < mapped.size(); ++k) {
+      if (mapped[k].ok()) {
+        bytes += mapped[k]->size();
+        out[route->whole[h][k]] = std::move(mapped[k]);
+      } else if (!absl::IsUnimplemented(mapped[k].status())) {
+        // A damaged local copy: the read goes to the next holder.
+        s.Fail(s.holders[h], mapped[k].status());
+      }
+    }
+    s.Account(Tier::kLocal, bytes,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+  }
+  return out;
+}
+
+Status TieredStepSource::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats,
+                                  const std::function<void(uint64_t, uint64_t)>& progress) {
+  Impl& s = *impl_;
+  const std::vector<ArrayMetadata>& arrays = s.primary().arrays();
+  TS_ASSIGN_OR_RETURN(Routing route, Route(requests));
+  const std::vector<NeededChunk>& needed = route.needed;
+  const auto& candidates = route.candidates;
+  const auto& slot = route.slot;
+  const auto& chunks_of = route.chunks_of;
+  const auto& id_of = route.id_of;
+  auto& whole = route.whole;
+  auto& split = route.split;
   uint64_t total = 0, done = 0;
   for (const ReadRequest& r : requests) {
     total += static_cast<uint64_t>(r.box.num_elements()) * ItemSize(r.dtype);

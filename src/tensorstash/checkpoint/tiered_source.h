@@ -82,6 +82,10 @@ class TieredStepSource final : public StepSource {
   int process_count() const override;
   Status ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats,
                   const std::function<void(uint64_t, uint64_t)>& progress) override;
+  // Maps the requests that a local holder (this node's RAM tier) serves whole, from its files
+  // (CheckpointReader::MapMany); Unimplemented for the others, and for a local copy that
+  // fails its checks (recorded in tier_stats(): the read then goes to the next holder).
+  std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests) override;
   // From the first holder whose step has the file intact.
   Result<std::string> ReadFile(std::string_view name) const override;
   // Verifies every holder; the bad chunks of all of them (the chunk names say which holder).
@@ -103,7 +107,9 @@ class TieredStepSource final : public StepSource {
 
  private:
   struct Impl;
+  struct Routing;
   explicit TieredStepSource(std::unique_ptr<Impl> impl);
+  Result<Routing> Route(const std::vector<ReadRequest>& requests) const;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <thread>
 
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -304,6 +305,48 @@ TEST(TieredStepSourceTest, APeerThatDiesOrStallsMidTransferIsLeftForTheNextHolde
     EXPECT_THAT(stats.failures.front(), HasSubstr(broken.url()));
     EXPECT_EQ(stats.bytes[2], 8u * 6 * 4);
   }
+}
+
+TEST(TieredStepSourceTest, LocalHoldingsAreMappedOthersAreRead) {
+  // Mapping needs files: the local holding in a folder, with chunks of at least 1 MiB.
+  const std::string root = ::testing::TempDir() + "tiered_map_" + std::to_string(::getpid());
+  std::filesystem::remove_all(root);
+  const std::vector<int64_t> shape = {1024, 1024};  // 4 MiB, two chunks of rows
+  const auto data = test::MakeArrayData(DType::kFloat32, shape, kSeed);
+  auto write = [&](KvStore* kv, std::vector<int64_t> firsts, bool holding) {
+    std::vector<ShardData> shards;
+    for (int64_t first : firsts) {
+      ShardData shard;
+      shard.box = Box({first, 0}, {512, 1024});
+      shard.data = data.data() + first * 1024 * 4;
+      shards.push_back(shard);
+    }
+    WriterOptions options;
+    options.holding = holding;
+    options.sync = false;
+    std::unique_ptr<CheckpointWriter> writer = CheckpointWriter::Create(kv, kStep, options).value();
+    TS_EXPECT_OK(writer->AddArray({"w", DType::kFloat32, shape}, shards));
+    TS_EXPECT_OK(writer->Commit());
+  };
+  std::vector<StepHolder> holders;
+  {
+    std::unique_ptr<FileKvStore> local = FileKvStore::Open(root).value();
+    write(local.get(), {0}, true);
+    holders.push_back({Tier::kLocal, std::move(local), kStep, "local"});
+  }
+  auto persistent = std::make_unique<MemoryKvStore>();
+  write(persistent.get(), {0, 512}, false);
+  holders.push_back({Tier::kPersistent, std::move(persistent), kStep, "persistent"});
+  std::unique_ptr<TieredStepSource> source = TieredStepSource::Open(std::move(holders)).value();
+  const Box top({0, 0}, {512, 1024}), bottom({512, 0}, {512, 1024});
+  std::vector<Result<MappedBox>> mapped = source->MapMany(
+      {{"w", top, DType::kFloat32, nullptr}, {"w", bottom, DType::kFloat32, nullptr}});
+  ASSERT_EQ(mapped.size(), 2u);
+  TS_ASSERT_OK(mapped[0].status());
+  EXPECT_EQ(std::memcmp(mapped[0]->data(), data.data(), mapped[0]->size()), 0);
+  EXPECT_TRUE(absl::IsUnimplemented(mapped[1].status())) << mapped[1].status();
+  EXPECT_EQ(source->tier_stats().bytes[0], 512u * 1024 * 4);
+  std::filesystem::remove_all(root);
 }
 
 }  // namespace
