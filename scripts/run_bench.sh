@@ -39,4 +39,7 @@ if [ "$(cat "$VENV/.tensorstash-wheel" 2>/dev/null)" != "$sum" ] || ! "$VENV/bin
   echo "$sum" > "$VENV/.tensorstash-wheel"
 fi
 
-exec "$VENV/bin/python" bench/run.py "$@"
+"$VENV/bin/python" bench/run.py "$@"
+# The node-local tier's recovery benchmark (bench/README.md, "recovery"), into bench/results;
+# its options through RECOVERY_ARGS, e.g. RECOVERY_ARGS="--size-mib 256 --runs 7".
+"$VENV/bin/python" bench/recovery.py --out bench/results ${RECOVERY_ARGS:-}
