@@ -1,7 +1,8 @@
 """What a user of the installed wheel does, run by tests/packaging/wheel_test.sh in a fresh
 environment that sees neither the build tree nor the system's copies of the bundled libraries:
 a save on 8 devices split by rows, a restore onto a split by columns, then the `tensorstash`
-command's verify and --version. Exit code 0 when every value and answer is right."""
+command's verify and --version, and a step read back from a peer server over HTTP (the bundled
+libmicrohttpd and libcurl). Exit code 0 when every value and answer is right."""
 
 import os
 import subprocess
@@ -41,4 +42,16 @@ verify = subprocess.run([command, "verify", os.path.join(folder, "run", "7")],
 assert verify.returncode == 0, verify.stdout + verify.stderr
 version = subprocess.run([command, "--version"], capture_output=True, text=True, check=True)
 assert version.stdout.strip() == f"tensorstash {tensorstash.__version__}", version.stdout
-print(f"wheel_user: save on 8x1, restore onto 1x8, verify: ok ({version.stdout.strip()})")
+
+# The node-local tier's transport: the step served read-only over HTTP and read back.
+secret = "wheel-test-secret-0123456789"
+server = tensorstash._ext.PeerServer(folder, secret=secret)
+reader = tensorstash._ext.Reader.tiered([("peer", server.url, "run/7", secret)])
+out = np.empty((64, 32), np.float32)
+reader.read_many([("params/w", (0, 0), (64, 32), "float32", out.view(np.uint8).reshape(-1))])
+np.testing.assert_array_equal(out, values)
+assert reader.tier_stats()["bytes"]["peer"] == values.nbytes
+reader.close()
+server.close()
+print(f"wheel_user: save on 8x1, restore onto 1x8, verify, read from a peer: ok "
+      f"({version.stdout.strip()})")
