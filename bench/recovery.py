@@ -89,6 +89,9 @@ import tensorstash  # noqa: E402
 from tensorstash import _ext, _options  # noqa: E402
 from tensorstash._restore import _restore  # noqa: E402
 
+from run import _read  # noqa: E402  (bench/ is the script's folder, first on sys.path)
+from scenarios import drop_page_cache  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 NUM_ARRAYS = 8
@@ -145,17 +148,6 @@ def warm(folder: str) -> None:
                 pass
 
 
-def drop_page_cache() -> bool:
-    """sync, then drop the page cache; False where the machine does not permit it."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
-
-
 def read_into(path: str, buf: np.ndarray) -> None:
     mv = memoryview(buf)
     off = 0
@@ -188,14 +180,6 @@ def fmt_s(s: float | None) -> str:
 
 def fmt_bytes(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 def filesystem(path: str) -> str:

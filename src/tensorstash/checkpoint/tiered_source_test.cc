@@ -40,18 +40,22 @@ const std::vector<int64_t> kShape = {8, 6};
 constexpr uint64_t kSeed = 17;
 constexpr char kStep[] = "0000000005";
 
-Box Rows(int64_t first, int64_t count) { return Box({first, 0}, {count, kShape[1]}); }
+Box Rows(int64_t first, int64_t count, const std::vector<int64_t>& shape = kShape) {
+  return Box({first, 0}, {count, shape[1]});
+}
 
-// Writes a step holding the row blocks starting at `firsts` (2 rows each) into `kv`.
-void WriteStepInto(KvStore* kv, const std::vector<int64_t>& firsts, bool holding) {
+// Writes a step of array "w" of `shape` holding the blocks of `rows` rows starting at `firsts`
+// into `kv`.
+void WriteStepInto(KvStore* kv, const std::vector<int64_t>& firsts, bool holding,
+                   const std::vector<int64_t>& shape = kShape, int64_t rows = 2) {
   std::vector<std::vector<char>> data;
   std::vector<ShardData> shards;
   for (int64_t first : firsts) {
-    data.push_back(test::MakeBoxData(DType::kFloat32, kShape, kSeed, Rows(first, 2)));
+    data.push_back(test::MakeBoxData(DType::kFloat32, shape, kSeed, Rows(first, rows, shape)));
   }
   for (size_t i = 0; i < firsts.size(); ++i) {
     ShardData shard;
-    shard.box = Rows(firsts[i], 2);
+    shard.box = Rows(firsts[i], rows, shape);
     shard.data = data[i].data();
     shards.push_back(shard);
   }
@@ -59,7 +63,7 @@ void WriteStepInto(KvStore* kv, const std::vector<int64_t>& firsts, bool holding
   options.holding = holding;
   options.sync = false;
   std::unique_ptr<CheckpointWriter> writer = CheckpointWriter::Create(kv, kStep, options).value();
-  TS_EXPECT_OK(writer->AddArray({"w", DType::kFloat32, kShape}, shards));
+  TS_EXPECT_OK(writer->AddArray({"w", DType::kFloat32, shape}, shards));
   TS_EXPECT_OK(writer->Commit());
 }
 
@@ -313,29 +317,14 @@ TEST(TieredStepSourceTest, LocalHoldingsAreMappedOthersAreRead) {
   std::filesystem::remove_all(root);
   const std::vector<int64_t> shape = {1024, 1024};  // 4 MiB, two chunks of rows
   const auto data = test::MakeArrayData(DType::kFloat32, shape, kSeed);
-  auto write = [&](KvStore* kv, std::vector<int64_t> firsts, bool holding) {
-    std::vector<ShardData> shards;
-    for (int64_t first : firsts) {
-      ShardData shard;
-      shard.box = Box({first, 0}, {512, 1024});
-      shard.data = data.data() + first * 1024 * 4;
-      shards.push_back(shard);
-    }
-    WriterOptions options;
-    options.holding = holding;
-    options.sync = false;
-    std::unique_ptr<CheckpointWriter> writer = CheckpointWriter::Create(kv, kStep, options).value();
-    TS_EXPECT_OK(writer->AddArray({"w", DType::kFloat32, shape}, shards));
-    TS_EXPECT_OK(writer->Commit());
-  };
   std::vector<StepHolder> holders;
   {
     std::unique_ptr<FileKvStore> local = FileKvStore::Open(root).value();
-    write(local.get(), {0}, true);
+    WriteStepInto(local.get(), {0}, true, shape, 512);
     holders.push_back({Tier::kLocal, std::move(local), kStep, "local"});
   }
   auto persistent = std::make_unique<MemoryKvStore>();
-  write(persistent.get(), {0, 512}, false);
+  WriteStepInto(persistent.get(), {0, 512}, false, shape, 512);
   holders.push_back({Tier::kPersistent, std::move(persistent), kStep, "persistent"});
   std::unique_ptr<TieredStepSource> source = TieredStepSource::Open(std::move(holders)).value();
   const Box top({0, 0}, {512, 1024}), bottom({512, 0}, {512, 1024});
