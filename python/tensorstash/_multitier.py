@@ -28,6 +28,7 @@ import secrets
 import shutil
 import socket
 import struct
+import time
 from typing import Any, Iterable
 
 from . import _ext
@@ -45,37 +46,52 @@ def value_ring(index: int, count: int) -> list[int]:
     return [(index + d) % count for d in range(min(count, VALUE_REPLICAS + 1))]
 
 
-_VALUES_MAGIC = b"tensorstash per-process values 1\n"
+_VALUES_MAGIC = b"tensorstash per-process values 2\n"
 
 
-def pack_values(values: dict[int, bytes | None]) -> bytes:
-    """The per-process values a holding carries, as one file: the magic line, then per value
-    its process index (u32), a presence flag (u8) and its length (u64), then its bytes."""
-    out = [_VALUES_MAGIC, struct.pack("<I", len(values))]
+def new_save_id() -> str:
+    """An id for one local save of the job (drawn by process 0): its time first, so that of two
+    saves of one step number (a step saved again after a rollback) the later sorts last."""
+    return f"{time.time_ns():020d}-{secrets.token_hex(6)}"
+
+
+def pack_values(save_id: str, values: dict[int, bytes | None]) -> bytes:
+    """What a holding's process/0 holds: the magic line, the save's id (u32 length, then its
+    bytes), the count of values (u32), then per value its process index (u32), a presence
+    flag (u8) and its length (u64), then its bytes."""
+    sid = save_id.encode("ascii")
+    out = [_VALUES_MAGIC, struct.pack("<I", len(sid)), sid, struct.pack("<I", len(values))]
     for index, value in sorted(values.items()):
         out.append(struct.pack("<IBQ", index, value is not None, len(value or b"")))
         out.append(value or b"")
     return b"".join(out)
 
 
-def unpack_values(data: bytes, where: str) -> dict[int, bytes | None]:
-    """The inverse of pack_values; OSError naming `where` for anything else (the CRC of the
-    file was checked, so this is a bug or a foreign file, not damage)."""
+def unpack_values(data: bytes, where: str) -> tuple[str, dict[int, bytes | None]]:
+    """The inverse of pack_values: (save id, values); OSError naming `where` for anything else
+    (the file's CRC was checked, so this is a foreign or older file, not damage)."""
     try:
         if not data.startswith(_VALUES_MAGIC):
             raise ValueError("no magic")
         pos = len(_VALUES_MAGIC)
-        (n,), pos = struct.unpack_from("<I", data, pos), pos + 4
+        (length,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        if pos + length > len(data):
+            raise ValueError("truncated")
+        save_id = data[pos:pos + length].decode("ascii")
+        pos += length
+        (n,) = struct.unpack_from("<I", data, pos)
+        pos += 4
         values: dict[int, bytes | None] = {}
         for _ in range(n):
-            index, present, length = struct.unpack_from("<IBQ", data, pos)
+            index, present, size = struct.unpack_from("<IBQ", data, pos)
             pos += struct.calcsize("<IBQ")
-            if pos + length > len(data):
+            if pos + size > len(data):
                 raise ValueError("truncated")
-            values[index] = data[pos:pos + length] if present else None
-            pos += length
-        return values
-    except (ValueError, struct.error) as e:
+            values[index] = data[pos:pos + size] if present else None
+            pos += size
+        return save_id, values
+    except (ValueError, UnicodeDecodeError, struct.error) as e:
         raise OSError(f"the per-process values of {where} are malformed: {e}") from None
 
 
@@ -102,16 +118,17 @@ class Holding:
     digest: str                    # of the arrays' paths, dtypes, shapes and chunk grids
     num_chunks: dict[str, int]     # array path -> chunks the array has
     chunks: dict[str, list[int]]   # array path -> chunks this holding stores
+    save_id: str = ""              # which save of the step (new_save_id)
+    values: list[int] = dataclasses.field(default_factory=list)  # per-process values carried
 
     @property
     def saved_by(self) -> tuple[int, int]:
         return parse_holding_folder(self.folder)
 
     @property
-    def values(self) -> list[int]:
-        """The processes whose per-process values this holding carries."""
-        index, count = self.saved_by
-        return value_ring(index, count)
+    def save(self) -> tuple[int, str, str, int]:
+        """What identifies one save: holdings of one step from different saves never mix."""
+        return (self.step, self.save_id, self.digest, self.saved_by[1])
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -121,28 +138,27 @@ class Holding:
         return Holding(holder=int(doc["holder"]), folder=str(doc["folder"]),
                        step=int(doc["step"]), digest=str(doc["digest"]),
                        num_chunks={k: int(v) for k, v in doc["num_chunks"].items()},
-                       chunks={k: [int(c) for c in v] for k, v in doc["chunks"].items()})
+                       chunks={k: [int(c) for c in v] for k, v in doc["chunks"].items()},
+                       save_id=str(doc["save_id"]), values=[int(v) for v in doc["values"]])
 
 
-def restorable_from_holdings(holdings: Iterable[Holding]) -> set[int]:
-    """The steps that the holdings alone can restore: for some digest (one saved state), the
-    holdings of that step together store every chunk of every array and carry the per-process
-    value of every process of the job that saved it. A whole slice (one holding with
-    everything) is not needed; any mix of holders will do."""
-    by_state: dict[tuple[int, str], list[Holding]] = {}
+def restorable_saves(holdings: Iterable[Holding]) -> dict[int, tuple]:
+    """For each step that the holdings alone can restore, the save (Holding.save) to restore:
+    its holdings together store every chunk of every array and carry the per-process value of
+    every process of the job that saved it. A whole slice (one holding with everything) is not
+    needed; any mix of holders will do. Holdings of different saves of a step (different ids,
+    arrays or job sizes) never mix; of two complete saves of a step the later one wins."""
+    by_save: dict[tuple, list[Holding]] = {}
     for h in holdings:
         if h.saved_by is not None:
-            by_state.setdefault((h.step, h.digest), []).append(h)
-    steps = set()
-    for (step, _digest), group in by_state.items():
-        count = group[0].saved_by[1]
-        if any(h.saved_by[1] != count for h in group):
-            continue  # folders of jobs of different sizes: not one save
-        if set().union(*(h.values for h in group)) != set(range(count)):
+            by_save.setdefault(h.save, []).append(h)
+    chosen: dict[int, tuple] = {}
+    for save, group in sorted(by_save.items()):
+        step, _id, _digest, count = save
+        if set().union(*(h.values for h in group)) < set(range(count)):
             continue  # some process's per-process value is held by nobody
-        arrays = group[0].num_chunks
         complete = True
-        for path, n in arrays.items():
+        for path, n in group[0].num_chunks.items():
             held: set[int] = set()
             for h in group:
                 held.update(h.chunks.get(path, ()))
@@ -150,8 +166,13 @@ def restorable_from_holdings(holdings: Iterable[Holding]) -> set[int]:
                 complete = False
                 break
         if complete:
-            steps.add(step)
-    return steps
+            chosen[step] = save  # sorted: a later save of the step replaces an earlier one
+    return chosen
+
+
+def restorable_from_holdings(holdings: Iterable[Holding]) -> set[int]:
+    """The steps that the holdings alone can restore (restorable_saves)."""
+    return set(restorable_saves(holdings))
 
 
 def restorable_steps(holdings: Iterable[Holding], persistent_steps: Iterable[int]) -> list[int]:
@@ -187,18 +208,23 @@ def describe_local_holdings(local_dir: str, holder: int) -> list[Holding]:
             try:
                 arrays = reader.arrays()
                 chunks = reader.held_chunks(0)
+                save_id, values = unpack_values(
+                    reader.read_file(_ext.process_state_file_name(0)), f"{folder}/{name}")
+            except (OSError, ValueError):
+                continue  # damaged or foreign: no holder
             finally:
                 reader.close()
             out.append(Holding(holder=holder, folder=folder, step=int(name),
                                digest=_digest(arrays),
                                num_chunks={a["path"]: int(a["num_chunks"]) for a in arrays},
-                               chunks={p: list(c) for p, c in chunks.items()}))
+                               chunks={p: list(c) for p, c in chunks.items()},
+                               save_id=save_id, values=sorted(values)))
     return out
 
 
 def _digest(arrays: list[dict]) -> str:
-    doc = [(a["path"], a["dtype"], list(a["shape"]), list(a["cell_shape"]),
-            list(a["chunk_shape"])) for a in arrays]
+    doc = sorted((a["path"], a["dtype"], list(a["shape"]), list(a["cell_shape"]),
+                  list(a["chunk_shape"])) for a in arrays)
     return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:16]
 
 
@@ -331,6 +357,7 @@ class RestoredExtras:
     per_process: bytes | None
     metadata: bytes | None
     ring_values: dict[int, bytes | None] = dataclasses.field(default_factory=dict)
+    save_id: str = ""
 
 
 class LocalTier:
@@ -342,26 +369,35 @@ class LocalTier:
                  max_to_keep: int, address: str | None, port: int, timeout_s: float,
                  engine_options: dict, logger: Any):
         self.dir = os.path.abspath(os.fspath(local_dir))
-        os.makedirs(self.dir, exist_ok=True)
+        _make_private_folder(self.dir)
         self.logger = logger
         self.collective = Collective(coordinator, timeout_s)
         self.index, self.count = self.collective.index, self.collective.count
         self.folder = holding_folder(self.index, self.count)
         # Holdings are rewritten in place by a write-back (overwrite), never synced: the tier
         # is RAM, and a node that loses power loses it whatever was synced.
-        self.manager = _ext.Manager(os.path.join(self.dir, self.folder), max_to_keep=max_to_keep,
-                                    save_interval_steps=save_interval_steps, holding=True,
-                                    overwrite=True, sync=False, **engine_options)
+        self._manager_args = dict(max_to_keep=max_to_keep,
+                                  save_interval_steps=save_interval_steps, holding=True,
+                                  overwrite=True, sync=False, **engine_options)
+        self.manager = self._open_manager()
         self.server = None
-        self.secret = ""
-        if self.count > 1:
-            self.secret = self.collective.broadcast(
-                "secret", secrets.token_hex(32) if self.index == 0 else None)
-            self.server = _ext.PeerServer(self.dir, address=address or default_server_address(),
-                                          port=port, secret=self.secret)
-        self.urls = self.collective.all_gather("server",
-                                               self.server.url if self.server else "")
+        try:
+            self.secret = ""
+            if self.count > 1:
+                self.secret = self.collective.broadcast(
+                    "secret", secrets.token_hex(32) if self.index == 0 else None)
+                self.server = _ext.PeerServer(self.dir,
+                                              address=address or default_server_address(),
+                                              port=port, secret=self.secret)
+            self.urls = self.collective.all_gather("server",
+                                                   self.server.url if self.server else "")
+        except BaseException:
+            self.close()
+            raise
         self.extras: dict[int, RestoredExtras] = {}
+
+    def _open_manager(self) -> Any:
+        return _ext.Manager(os.path.join(self.dir, self.folder), **self._manager_args)
 
     # --- saving -----------------------------------------------------------------------------
 
@@ -372,18 +408,21 @@ class LocalTier:
              process_state: bytes | None, metrics: dict, codec: str, zstd_level: int,
              async_save: bool) -> bool:
         """Saves this process's holding of `step`, with the per-process values of value_ring
-        (exchanged through the coordinator: every process calls this for the same steps),
-        unless the tier lacks the room (a warning then, and False). Removes the holdings of
-        earlier runs' processes on this node first."""
+        and the save's id (exchanged through the coordinator: every process calls this for the
+        same steps), unless the tier lacks the room (a warning then, and False)."""
+        save_id = self.collective.broadcast(f"save-{step}",
+                                            new_save_id() if self.index == 0 else None)
         values = self.collective.exchange_ring(f"values-{step}", process_state)
         return self.save_holding(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
-                                 values=values, metrics=metrics, codec=codec,
+                                 save_id=save_id, values=values, metrics=metrics, codec=codec,
                                  zstd_level=zstd_level, async_save=async_save)
 
     def save_holding(self, step: int, arrays: list, *, tree_json: str, metadata_json: str,
-                     values: dict[int, bytes | None], metrics: dict, codec: str,
+                     save_id: str, values: dict[int, bytes | None], metrics: dict, codec: str,
                      zstd_level: int, async_save: bool) -> bool:
-        self._drop_stale_folders(step)
+        # The previous local save first (it may still be writing): the free space counts it.
+        self.manager.wait_until_finished()
+        self._drop_stale_folders()
         needed = _holding_bytes(arrays)
         free = shutil.disk_usage(self.dir).free
         # What the writer needs, plus room for the step it replaces until retention drops it.
@@ -393,14 +432,20 @@ class LocalTier:
                 "(a save would fill the node's memory)", step, self.dir, needed, free)
             return False
         self.manager.save(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
-                          process_state=pack_values(values), metrics=metrics, codec=codec,
-                          zstd_level=zstd_level, async_save=async_save)
+                          process_state=pack_values(save_id, values), metrics=metrics,
+                          codec=codec, zstd_level=zstd_level, async_save=async_save)
         return True
 
-    def _drop_stale_folders(self, step: int) -> None:
+    def _own_committed_steps(self) -> list[int]:
+        return _committed_steps(os.path.join(self.dir, self.folder))
+
+    def _drop_stale_folders(self) -> None:
         """Holdings in other process folders on this node whose process is gone (an earlier run,
-        or a process now elsewhere) are kept for restores until this process saves a newer
-        step; then their older steps go, so that the tier stays bounded."""
+        or a process now elsewhere) are kept for restores until this process has committed a
+        newer step of its own; then their older steps go, so that the tier stays bounded."""
+        own = self._own_committed_steps()
+        if not own:
+            return
         for name in os.listdir(self.dir):
             folder = os.path.join(self.dir, name)
             if name == self.folder or parse_holding_folder(name) is None:
@@ -408,9 +453,27 @@ class LocalTier:
             if not _unlocked(folder):
                 continue
             for entry in os.listdir(folder):
-                keep = len(entry) == 10 and entry.isdigit() and int(entry) >= step
+                keep = len(entry) == 10 and entry.isdigit() and int(entry) >= own[-1]
                 if entry != "LOCK" and not keep:
                     shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+
+    def forget_after_restore(self, step: int, save: tuple | None) -> None:
+        """After restoring `step` (of local save `save`, or from persistent storage): the
+        holdings on this node of later steps, and of other saves of this step, belong to a
+        run that was abandoned; they are removed, so that they neither mix into a later restore
+        nor keep retention from dropping the steps of this run. The holding manager is reopened
+        to see the folder as it now is."""
+        stale = [h for h in describe_local_holdings(self.dir, self.index)
+                 if h.step > step or (h.step == step and save is not None and h.save != save)]
+        if not stale:
+            return
+        self.manager.close()
+        try:
+            for h in stale:
+                shutil.rmtree(os.path.join(self.dir, h.folder, _ext.Manager.step_dir(h.step)),
+                              ignore_errors=True)
+        finally:
+            self.manager = self._open_manager()
 
     def wait_until_finished(self) -> None:
         self.manager.wait_until_finished()
@@ -419,7 +482,7 @@ class LocalTier:
         try:
             self.manager.close()
         finally:
-            if self.server is not None:
+            if getattr(self, "server", None) is not None:
                 self.server.close()
 
     # --- which steps exist --------------------------------------------------------------------
@@ -439,33 +502,37 @@ class LocalTier:
 
     # --- restoring ----------------------------------------------------------------------------
 
-    def holders(self, step: int, holdings: list[Holding], persistent: list[int],
-                persistent_root: str) -> list[tuple[str, str, str, str]]:
-        """The holders of `step` for Reader.tiered, cheapest first: this node's holdings, the
-        peers' (starting after this process, so that requests spread), persistent storage."""
+    def holders(self, step: int, save: tuple | None, holdings: list[Holding],
+                persistent: list[int], persistent_root: str) -> list[tuple[str, str, str, str]]:
+        """The holders of `step` for Reader.tiered, cheapest first: this node's holdings of the
+        chosen save, the peers' (starting after this process, so that requests spread), then
+        persistent storage."""
         step_dir = _ext.Manager.step_dir(step)
-        of_step = [h for h in holdings if h.step == step]
+        of_save = [h for h in holdings if save is not None and h.save == save]
         out = [("local", self.dir, f"{h.folder}/{step_dir}", "")
-               for h in of_step if h.holder == self.index]
+               for h in of_save if h.holder == self.index]
         for offset in range(1, self.count):
             p = (self.index + offset) % self.count
             out += [("peer", self.urls[p], f"{h.folder}/{step_dir}", self.secret)
-                    for h in of_step if h.holder == p]
+                    for h in of_save if h.holder == p]
         if step in persistent:
             out.append(("persistent", persistent_root, step_dir, ""))
         return out
 
-    def read_extras(self, reader: Any, step: int, holdings: list[Holding],
+    def read_extras(self, reader: Any, step: int, save: tuple | None, holdings: list[Holding],
                     persistent: list[int], persistent_root: str) -> RestoredExtras:
         """The step's metadata, and the per-process values of value_ring(this index) (its own
-        first), CRC-checked: from the holdings that carry them (this node's first), else this
-        process's value from the persistent step."""
+        first), CRC-checked: from the holdings of the chosen save that carry them (this node's
+        first), else this process's value from the persistent step. OSError when this
+        process's value is held but none of its holders gives it."""
         metadata = _read_optional(reader, _ext.METADATA_FILE)
         step_dir = _ext.Manager.step_dir(step)
         wanted = set(value_ring(self.index, self.count))
         values: dict[int, bytes | None] = {}
-        candidates = [h for h in holdings if h.step == step and wanted & set(h.values)]
-        candidates.sort(key=lambda h: h.holder != self.index)  # this node's first
+        errors = []
+        candidates = [h for h in holdings if save is not None and h.save == save
+                      and wanted & set(h.values)]
+        candidates.sort(key=lambda h: (self.index not in h.values, h.holder != self.index))
         for h in candidates:
             if wanted <= values.keys():
                 break
@@ -479,11 +546,11 @@ class LocalTier:
                     data = single.read_file(_ext.process_state_file_name(0))
                 finally:
                     single.close()
+                _, found = unpack_values(data, f"{holder[1]}/{holder[2]}")
             except (OSError, ValueError, ConnectionError) as e:
-                self.logger.warning("tensorstash: per-process values of step %d from %s: %s",
-                                    step, holder[1], e)
+                errors.append(f"{holder[1]}/{holder[2]}: {e}")
                 continue
-            for index, value in unpack_values(data, f"{holder[1]}/{holder[2]}").items():
+            for index, value in found.items():
                 if index in wanted:
                     values.setdefault(index, value)
         if self.index not in values and step in persistent:
@@ -493,8 +560,35 @@ class LocalTier:
                     persistent_reader, _ext.process_state_file_name(self.index))
             finally:
                 persistent_reader.close()
+        if self.index not in values and save is not None:
+            raise OSError(f"tensorstash: the per-process value of process {self.index} saved "
+                          f"with step {step} could not be read from any holder: "
+                          + "; ".join(errors or ["none carries it"]))
         return RestoredExtras(per_process=values.get(self.index), metadata=metadata,
-                              ring_values=values)
+                              ring_values=values, save_id=save[1] if save else "")
+
+
+def _committed_steps(folder: str) -> list[int]:
+    """The committed step folders in `folder`, ascending."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(int(n) for n in names if len(n) == 10 and n.isdigit()
+                  and os.path.exists(os.path.join(folder, n, "COMMIT")))
+
+
+def _make_private_folder(path: str) -> None:
+    """Creates `path` (mode 0700) if missing, and refuses one that another user owns or can
+    write: its holdings are published to the job's processes and restored from, so nobody
+    else may plant steps there."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.stat(path)
+    if info.st_uid != os.geteuid():
+        raise PermissionError(f"local_dir {path} belongs to user {info.st_uid}, not to this "
+                              f"process's user {os.geteuid()}")
+    if info.st_mode & 0o022:
+        os.chmod(path, info.st_mode & ~0o077)
 
 
 def _read_optional(reader: Any, name: str) -> bytes | None:

@@ -198,6 +198,7 @@ class CheckpointManager:
             target_chunk_bytes=chunk_bytes, target_data_file_bytes=data_file_bytes,
             max_inflight_bytes=max_inflight_bytes, io_threads=io_threads, sync=sync)
         self._local: _multitier.LocalTier | None = None
+        self._last_latest: int | None = None  # what latest_step() last found, with local_dir
         if local_dir is not None:
             if not coordination_timeout > 0:
                 raise ValueError(f"coordination_timeout must be > 0, not {coordination_timeout!r}")
@@ -356,7 +357,8 @@ class CheckpointManager:
             return self._ext.latest_step()
         holdings, persistent = self._local.gather(self.all_steps())
         steps = _multitier.restorable_steps(holdings, persistent)
-        return steps[-1] if steps else None
+        self._last_latest = steps[-1] if steps else None
+        return self._last_latest
 
     def damaged_steps(self) -> dict[int, str]:
         """Steps that have a COMMIT but do not open (a damaged COMMIT, tree.json or index), found
@@ -379,7 +381,7 @@ class CheckpointManager:
         step_path(step), target, **kwargs) does, and reports RestoreStats (on_restore, log).
         Raises FileNotFoundError naming the root when there is no complete step (or no such
         step), and the errors of tensorstash.restore."""
-        step = self._step_or_latest(step)
+        step = self._step_or_latest(step, collective=True)
         started = time.perf_counter()
         # tensorstash.restore's arguments, with its defaults (TypeError for unknown ones).
         args = inspect.signature(_restore_signature).bind(self.step_path(step), target, **kwargs)
@@ -395,16 +397,19 @@ class CheckpointManager:
         return tree
 
     def _restore_tiered(self, step: int, target: Any, args: Any, started: float) -> Any:
-        """restore() with a local tier (collective): each chunk from the cheapest intact holder,
-        then this node's copy healed, then a barrier so that no process drops a step (its next
-        local save) while another still reads it."""
+        """restore() with a local tier (collective): each chunk from the cheapest intact holder
+        of the chosen save, then a barrier so that no process drops or rewrites a holding (its
+        write-back, its next local save) while another still reads it, then this node's copy
+        healed and the holdings of abandoned saves removed."""
         local = self._local
         holdings, persistent = local.gather(self.all_steps())
-        if step not in _multitier.restorable_steps(holdings, persistent):
+        saves = _multitier.restorable_saves(holdings)
+        if step not in persistent and step not in saves:
             local.collective.barrier("restored")
             raise FileNotFoundError(f"step {step} cannot be restored from {self.root} or the "
                                     "local tiers: no tier holds all of it")
-        holders = local.holders(step, holdings, persistent, self.root)
+        save = saves.get(step)
+        holders = local.holders(step, save, holdings, persistent, self.root)
         kwargs = dict(args.arguments)
         kwargs.pop("path"), kwargs.pop("target")
         try:
@@ -413,18 +418,18 @@ class CheckpointManager:
                                         io_threads=kwargs["io_threads"],
                                         stall_timeout_s=min(30.0, local.collective.timeout_s))
             with contextlib.closing(reader):
-                extras = local.read_extras(reader, step, holdings, persistent, self.root)
+                extras = local.read_extras(reader, step, save, holdings, persistent, self.root)
                 tree, _ = _restore(self.step_path(step), target, reader=reader, **kwargs)
                 tier = reader.tier_stats()
-            for problem in tier["open_errors"] + tier["failures"]:
-                self.logger.warning("tensorstash: restoring step %d: %s", step, problem)
-            local.extras[step] = extras
-            healed = (tier["local_failed"] or tier["bytes"]["peer"] or
-                      tier["bytes"]["persistent"])
-            if healed:
-                self._write_back(step, tree, extras)
+                stored = {a["path"]: a for a in reader.arrays()}
         finally:
             local.collective.barrier("restored")
+        for problem in tier["open_errors"] + tier["failures"]:
+            self.logger.warning("tensorstash: restoring step %d: %s", step, problem)
+        local.extras[step] = extras
+        local.forget_after_restore(step, save)
+        if tier["local_failed"] or tier["bytes"]["peer"] or tier["bytes"]["persistent"]:
+            self._write_back(step, tree, extras, stored)
         stats = RestoreStats(step=step, bytes=sum(tier["bytes"].values()),
                              seconds=time.perf_counter() - started,
                              bytes_from=dict(tier["bytes"]), seconds_from=dict(tier["seconds"]),
@@ -432,12 +437,22 @@ class CheckpointManager:
         self._restored(stats)
         return tree
 
-    def _write_back(self, step: int, tree: Any, extras: Any) -> None:
+    def _write_back(self, step: int, tree: Any, extras: Any, stored: dict) -> None:
         """Saves this process's restored shards as its local holding of `step`, so that the
-        next lost node finds every chunk held again."""
+        next lost node finds every chunk held again: only when the restore gave the arrays as
+        stored (every array, its dtype and shape: no casts, no partial restore), with the
+        restored save's id so that the holding joins the other holdings of that save."""
         arrays, tree_json = _arrays_to_save(tree, self._coordinator)
+        as_stored = {a[0] for a in arrays} == set(stored) and all(
+            stored[path]["dtype"] == dtype and tuple(stored[path]["shape"]) == tuple(shape)
+            for path, dtype, shape, _shards, _stable in arrays)
+        if not as_stored:
+            self.logger.info("tensorstash: step %d restored into other dtypes, shapes or a part "
+                             "of the arrays: this node's copy is not rewritten", step)
+            return
         metadata_json = extras.metadata.decode("utf-8") if extras.metadata is not None else ""
         self._local.save_holding(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
+                                 save_id=extras.save_id or f"persistent-{step}",
                                  values=extras.ring_values, metrics={}, codec=self.codec,
                                  zstd_level=self.zstd_level, async_save=False)
 
@@ -485,16 +500,20 @@ class CheckpointManager:
         """What the last multi-tier restore of `step` read besides the arrays, or None."""
         if self._local is None:
             return None
-        if step is None:
-            if not self._local.extras:
-                return None
-            step = max(self._local.extras)
-        return self._local.extras.get(int(step))
+        return self._local.extras.get(self._step_or_latest(step))
 
-    def _step_or_latest(self, step: int | None) -> int:
+    def _step_or_latest(self, step: int | None, collective: bool = False) -> int:
+        """`step`, or the latest step. With a local tier the latest is collective
+        (latest_step()) only for `collective` callers (restore, which every process calls);
+        the others (metadata, per_process, ...) take the one the last latest_step() found, else
+        the persistent tier's."""
         if step is not None:
             return int(step)
-        latest = self.latest_step()
+        if self._local is not None and not collective:
+            latest = self._last_latest if self._last_latest is not None else \
+                self._ext.latest_step()
+        else:
+            latest = self.latest_step()
         if latest is None:
             raise FileNotFoundError(f"no complete checkpoint step in {self.root}")
         return latest

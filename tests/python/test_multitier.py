@@ -6,6 +6,7 @@ checked against an uninterrupted run of the same job."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -28,9 +29,10 @@ from cluster import Cluster  # noqa: E402
 
 
 def holding(holder: int, saved_by: int, step: int, chunks: dict[str, list[int]],
-            count: int = 4, digest: str = "d") -> Holding:
+            count: int = 4, digest: str = "d", save_id: str = "s1") -> Holding:
     return Holding(holder=holder, folder=f"p{saved_by}-of-{count}", step=step, digest=digest,
-                   num_chunks={"w": 4, "b": 1}, chunks=chunks)
+                   num_chunks={"w": 4, "b": 1}, chunks=chunks, save_id=save_id,
+                   values=_multitier.value_ring(saved_by, count))
 
 
 # Two slices of two processes: each process holds half of "w" (chunks) and all of "b".
@@ -72,6 +74,24 @@ def test_holdings_of_different_saves_do_not_mix():
     assert _multitier.restorable_steps(hold, []) == []
 
 
+def test_two_saves_of_one_step_never_mix_and_the_later_wins():
+    first = [holding(0, 0, 9, {"w": [0, 1], "b": [0]}, save_id="001"),
+             holding(1, 1, 9, {"w": [2, 3], "b": [0]}, save_id="002")]
+    assert _multitier.restorable_saves(first) == {}  # halves of two different saves
+    whole = [holding(p, p, 9, {"w": [0, 1, 2, 3], "b": [0]}, save_id=sid)
+             for p, sid in ((0, "001"), (1, "001"), (2, "001"), (3, "001"),
+                            (0, "002"), (1, "002"), (2, "002"), (3, "002"))]
+    assert _multitier.restorable_saves(whole)[9][1] == "002"
+
+
+def test_a_value_a_holding_does_not_carry_is_not_counted():
+    hold = job_holdings(8, [0, 1, 2, 3])
+    hold = [dataclasses.replace(h, values=[h.saved_by[0]]) for h in hold[:3]] + hold[3:]
+    assert _multitier.restorable_steps(hold, []) == [8]  # process 3 carries 3, 0, 1, 2
+    hold = [dataclasses.replace(h, values=[h.saved_by[0]]) for h in job_holdings(8, [0, 1, 2])]
+    assert _multitier.restorable_steps(hold, []) == []
+
+
 def test_the_newest_restorable_step_across_tiers():
     hold = job_holdings(12, [0, 1]) + job_holdings(14, [0, 2])
     assert _multitier.restorable_steps(hold, [10]) == [10, 12]
@@ -79,11 +99,14 @@ def test_the_newest_restorable_step_across_tiers():
 
 def test_per_process_values_pack_round_trip():
     values = {0: b"abc", 1: None, 3: b""}
-    assert _multitier.unpack_values(_multitier.pack_values(values), "x") == values
+    save_id = _multitier.new_save_id()
+    assert _multitier.unpack_values(_multitier.pack_values(save_id, values), "x") == \
+        (save_id, values)
+    assert _multitier.new_save_id() > save_id  # later saves sort last
     with pytest.raises(OSError, match="malformed"):
         _multitier.unpack_values(b"junk", "x")
     with pytest.raises(OSError, match="malformed"):
-        _multitier.unpack_values(_multitier.pack_values({0: b"abcdef"})[:-2], "x")
+        _multitier.unpack_values(_multitier.pack_values("s", {0: b"abcdef"})[:-2], "x")
 
 
 def test_holding_folder_names():

@@ -140,25 +140,30 @@ Result<std::unique_ptr<TieredStepSource>> TieredStepSource::Open(std::vector<Ste
       continue;
     }
     const std::vector<ArrayMetadata>& arrays = reader->arrays();
-    if (!impl->holders.empty()) {
-      const std::vector<ArrayMetadata>& reference = impl->primary().arrays();
-      bool same = arrays.size() == reference.size();
-      for (size_t i = 0; same && i < arrays.size(); ++i) {
-        same = arrays[i].path == reference[i].path && arrays[i].dtype == reference[i].dtype &&
-               arrays[i].shape() == reference[i].shape();
-      }
-      if (!same) {
-        impl->open_errors.push_back(
-            StrCat(open.name, ": holds other arrays than ", impl->holders.front().name));
-        continue;
-      }
-    }
     const std::vector<ArrayMetadata>& reference =
         impl->holders.empty() ? arrays : impl->primary().arrays();
-    open.chunks.resize(arrays.size());
+    // The holder's array of each reference array, matched by path (holders may list the
+    // arrays in another order: a write-back saves the tree in the restore target's order).
+    std::map<std::string_view, size_t> own_id;
+    for (size_t i = 0; i < arrays.size(); ++i) own_id.emplace(arrays[i].path, i);
+    std::vector<size_t> reference_id_of(arrays.size(), 0);
+    bool same = arrays.size() == reference.size();
+    for (size_t r = 0; same && r < reference.size(); ++r) {
+      auto it = own_id.find(reference[r].path);
+      same = it != own_id.end() && arrays[it->second].dtype == reference[r].dtype &&
+             arrays[it->second].shape() == reference[r].shape();
+      if (same) reference_id_of[it->second] = r;
+    }
+    if (!same) {
+      impl->open_errors.push_back(
+          StrCat(open.name, ": holds other arrays than ", impl->holders.front().name));
+      continue;
+    }
+    open.chunks.resize(reference.size());
     for (const IndexEntry& e : reader->index().entries) {
-      if (SameGrid(arrays[e.array_id].grid, reference[e.array_id].grid)) {
-        open.chunks[e.array_id].push_back(static_cast<int64_t>(e.chunk));
+      const size_t r = reference_id_of[e.array_id];
+      if (SameGrid(arrays[e.array_id].grid, reference[r].grid)) {
+        open.chunks[r].push_back(static_cast<int64_t>(e.chunk));
       }
     }
     for (std::vector<int64_t>& held : open.chunks) std::sort(held.begin(), held.end());

@@ -79,6 +79,7 @@ class PeerServerTest : public ::testing::Test {
     std::ofstream(root_ + "/served/step2/data") << "in progress";
     std::ofstream(root_ + "/outside") << "private";
     std::filesystem::create_symlink(root_ + "/outside", root_ + "/served/step1/link");
+    std::filesystem::create_directory_symlink(root_, root_ + "/served/step1/dirlink");
     server_ = PeerServer::Start(
                   root_ + "/served",
                   {.bind_address = "127.0.0.1",

@@ -1,10 +1,13 @@
 #include "tensorstash/kvstore/http/peer_server.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <fcntl.h>
+#include <linux/openat2.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -70,13 +73,14 @@ unsigned int ParseRange(const char* header, uint64_t size, uint64_t* first, uint
   const size_t dash = range.find('-');
   if (dash == std::string_view::npos || dash == 0) return MHD_HTTP_BAD_REQUEST;
   const std::string_view a = range.substr(0, dash), b = range.substr(dash + 1);
-  if (std::from_chars(a.data(), a.data() + a.size(), *first).ptr != a.data() + a.size()) {
-    return MHD_HTTP_BAD_REQUEST;
-  }
+  auto parse = [](std::string_view text, uint64_t* out) {
+    const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), *out);
+    return error == std::errc() && end == text.data() + text.size();
+  };
+  if (!parse(a, first)) return MHD_HTTP_BAD_REQUEST;
   if (b.empty()) {
     *last = size == 0 ? 0 : size - 1;
-  } else if (std::from_chars(b.data(), b.data() + b.size(), *last).ptr != b.data() + b.size() ||
-             *last < *first) {
+  } else if (!parse(b, last) || *last < *first) {
     return MHD_HTTP_BAD_REQUEST;
   }
   if (*first >= size) return MHD_HTTP_RANGE_NOT_SATISFIABLE;
@@ -84,16 +88,28 @@ unsigned int ParseRange(const char* header, uint64_t size, uint64_t* first, uint
   return MHD_HTTP_PARTIAL_CONTENT;
 }
 
+// Opens `key` for reading inside the folder `root_fd`, following no symbolic link on the way
+// (openat2 with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), so that no link in any folder of the
+// path leads out of it. -1 with errno set on failure.
+int OpenBeneath(int root_fd, const std::string& key) {
+  open_how how{};
+  how.flags = O_RDONLY | O_CLOEXEC;
+  how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+  return static_cast<int>(::syscall(SYS_openat2, root_fd, key.c_str(), &how, sizeof(how)));
+}
+
 }  // namespace
 
 struct PeerServer::Impl {
   std::string root;
+  int root_fd = -1;
   PeerServerOptions options;
   MHD_Daemon* daemon = nullptr;
   int port = 0;
 
   ~Impl() {
     if (daemon != nullptr) MHD_stop_daemon(daemon);
+    if (root_fd >= 0) ::close(root_fd);
   }
 
   bool MayServe(std::string_view key) const {
@@ -103,8 +119,7 @@ struct PeerServer::Impl {
   MHD_Result ServeObject(MHD_Connection* connection, std::string_view key) const {
     if (!IsSafeRelativeKey(key)) return Answer(connection, MHD_HTTP_BAD_REQUEST, "bad key\n");
     if (!MayServe(key)) return Answer(connection, MHD_HTTP_NOT_FOUND, "not served\n");
-    const std::string path = StrCat(root, "/", key);
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    const int fd = OpenBeneath(root_fd, std::string(key));
     struct stat info;
     if (fd < 0 || ::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode)) {
       if (fd >= 0) ::close(fd);
@@ -207,6 +222,16 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(std::string root, PeerServ
                                        options.port, "' is not an IPv4 address and port"));
   }
   auto impl = std::make_unique<Impl>();
+  impl->root_fd = ::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (impl->root_fd < 0) {
+    return ErrnoToStatus(errno, "opening the folder to serve", root);
+  }
+  // openat2 (Linux 5.6) is what keeps a symbolic link from leading a request out of the folder.
+  if (const int probe = OpenBeneath(impl->root_fd, "."); probe >= 0) {
+    ::close(probe);
+  } else if (errno == ENOSYS) {
+    return UnimplementedError("serving peers needs openat2 (Linux 5.6 or later)");
+  }
   impl->root = std::move(root);
   impl->options = std::move(options);
   impl->daemon = MHD_start_daemon(
