@@ -386,9 +386,14 @@ class LocalTier:
             if self.count > 1:
                 self.secret = self.collective.broadcast(
                     "secret", secrets.token_hex(32) if self.index == 0 else None)
-                self.server = _ext.PeerServer(self.dir,
-                                              address=address or default_server_address(),
-                                              port=port, secret=self.secret)
+                bind = address or default_server_address()
+                if address is None and bind.startswith("127."):
+                    self.logger.warning(
+                        "tensorstash: the local tier's server listens on %s: processes on "
+                        "other hosts cannot reach it (no route to a JAX coordinator was found); "
+                        "pass local_server_address", bind)
+                self.server = _ext.PeerServer(self.dir, address=bind, port=port,
+                                              secret=self.secret)
             self.urls = self.collective.all_gather("server",
                                                    self.server.url if self.server else "")
         except BaseException:
