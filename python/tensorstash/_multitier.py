@@ -313,15 +313,26 @@ class Collective:
         self.all_gather(name, "")
 
 
-def default_server_address() -> str:
-    """The address of this host that the job's coordinator sees: the source address of a route
-    to the JAX coordinator (no packet is sent); 127.0.0.1 when there is none."""
+def _coordinator_address() -> str | None:
     try:
         from jax._src import distributed
 
-        address = distributed.global_state.coordinator_address
+        return distributed.global_state.coordinator_address
     except Exception:  # noqa: BLE001 - JAX absent or not initialised
-        address = None
+        return None
+
+
+def _coordinator_is_local() -> bool:
+    """Whether the JAX coordinator is on this host's loopback (a job on one host)."""
+    address = _coordinator_address() or ""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def default_server_address() -> str:
+    """The address of this host that the job's coordinator sees: the source address of a route
+    to the JAX coordinator (no packet is sent); 127.0.0.1 when there is none."""
+    address = _coordinator_address()
     if not address:
         return "127.0.0.1"
     host = address.rsplit(":", 1)[0].strip("[]")
@@ -387,7 +398,7 @@ class LocalTier:
                 self.secret = self.collective.broadcast(
                     "secret", secrets.token_hex(32) if self.index == 0 else None)
                 bind = address or default_server_address()
-                if address is None and bind.startswith("127."):
+                if address is None and bind.startswith("127.") and not _coordinator_is_local():
                     self.logger.warning(
                         "tensorstash: the local tier's server listens on %s: processes on "
                         "other hosts cannot reach it (no route to a JAX coordinator was found); "
