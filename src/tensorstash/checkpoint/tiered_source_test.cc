@@ -338,5 +338,40 @@ TEST(TieredStepSourceTest, LocalHoldingsAreMappedOthersAreRead) {
   std::filesystem::remove_all(root);
 }
 
+TEST(TieredStepSourceTest, HoldersMayListTheArraysInAnotherOrder) {
+  // Two arrays, "a" and "b", of the same rows; the holdings add them in opposite orders.
+  auto write = [](const std::vector<std::string>& order, int64_t first) {
+    auto kv = std::make_unique<MemoryKvStore>();
+    std::vector<std::vector<char>> data;
+    WriterOptions options;
+    options.holding = true;
+    options.sync = false;
+    std::unique_ptr<CheckpointWriter> writer =
+        CheckpointWriter::Create(kv.get(), kStep, options).value();
+    for (const std::string& path : order) {
+      data.push_back(
+          test::MakeBoxData(DType::kFloat32, kShape, path == "a" ? 1 : 2, Rows(first, 4)));
+      ShardData shard;
+      shard.box = Rows(first, 4);
+      shard.data = data.back().data();
+      TS_EXPECT_OK(writer->AddArray({path, DType::kFloat32, kShape}, {shard}));
+    }
+    TS_EXPECT_OK(writer->Commit());
+    return kv;
+  };
+  std::vector<StepHolder> holders;
+  holders.push_back({Tier::kLocal, write({"a", "b"}, 0), kStep, "local"});
+  holders.push_back({Tier::kPeer, write({"b", "a"}, 4), kStep, "peer"});
+  std::unique_ptr<TieredStepSource> source = TieredStepSource::Open(std::move(holders)).value();
+  EXPECT_THAT(source->open_errors(), IsEmpty());
+  for (const char* path : {"a", "b"}) {
+    std::vector<char> out(8 * 6 * 4);
+    TS_ASSERT_OK(source->ReadMany({{path, Box::FromShape(kShape), DType::kFloat32, out.data()}},
+                                  nullptr, nullptr));
+    EXPECT_EQ(out, test::MakeArrayData(DType::kFloat32, kShape, path[0] == 'a' ? 1 : 2)) << path;
+  }
+  EXPECT_EQ(source->tier_stats().bytes[1], 2u * 4 * 6 * 4);  // rows 4-7 of both, from the peer
+}
+
 }  // namespace
 }  // namespace tensorstash
