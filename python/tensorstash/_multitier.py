@@ -244,20 +244,13 @@ class Collective:
     def _key(self, name: str) -> str:
         return f"local-tier/{self._sequence}/{name}"
 
-    def all_gather(self, name: str, value: str) -> list[str]:
-        """Every process's `value`, by process index. TimeoutError naming the processes that
-        did not publish theirs within the timeout."""
-        self._sequence += 1
-        if self.coordinator is None:
-            return [value]
-        self.coordinator.key_value_set(self._key(f"{name}/{self.index}"), value)
-        out: list[str | None] = [None] * self.count
-        out[self.index] = value
+    def _collect(self, name: str, sources: list[int], what: str) -> dict[int, str]:
+        """The values processes `sources` published under `name` in this exchange; one shared
+        deadline: after the first missing process the others are only polled, and the
+        TimeoutError names every missing one."""
+        out: dict[int, str] = {}
         missing = []
-        for p in range(self.count):
-            if p == self.index:
-                continue
-            # The deadline is shared: after the first missing process, others are only polled.
+        for p in sources:
             wait_ms = int(self.timeout_s * 1000) if not missing else 1
             try:
                 out[p] = self.coordinator.key_value_get(self._key(f"{name}/{p}"), wait_ms)
@@ -267,44 +260,44 @@ class Collective:
             names = ", ".join(str(p) for p in missing)
             raise TimeoutError(
                 f"tensorstash: process{'es' if len(missing) > 1 else ''} {names} of "
-                f"{self.count} did not arrive at '{name}' within {self.timeout_s:g} s "
+                f"{self.count} did not arrive at '{name}' ({what}) within {self.timeout_s:g} s "
                 "(coordination_timeout): a process that was not restarted, or that is stuck")
-        return out  # type: ignore[return-value]
+        return out
+
+    def _publish(self, name: str, value: str) -> None:
+        self.coordinator.key_value_set(self._key(f"{name}/{self.index}"), value)
+
+    def all_gather(self, name: str, value: str) -> list[str]:
+        """Every process's `value`, by process index. TimeoutError naming the processes that
+        did not publish theirs within the timeout."""
+        self._sequence += 1
+        if self.coordinator is None:
+            return [value]
+        self._publish(name, value)
+        others = self._collect(name, [p for p in range(self.count) if p != self.index],
+                               "every process")
+        return [value if p == self.index else others[p] for p in range(self.count)]
 
     def broadcast(self, name: str, value: str | None) -> str:
         """Process 0's `value`, in every process."""
         self._sequence += 1
-        if self.coordinator is None:
+        if self.coordinator is None or self.index == 0:
+            if self.coordinator is not None:
+                self._publish(name, value or "")
             return value or ""
-        key = self._key(name)
-        if self.index == 0:
-            self.coordinator.key_value_set(key, value or "")
-            return value or ""
-        try:
-            return self.coordinator.key_value_get(key, int(self.timeout_s * 1000))
-        except Exception:  # noqa: BLE001
-            raise TimeoutError(f"tensorstash: process 0 did not publish '{name}' within "
-                               f"{self.timeout_s:g} s (coordination_timeout)") from None
+        return self._collect(name, [0], "process 0's value")[0]
 
     def exchange_ring(self, name: str, value: bytes | None) -> dict[int, bytes | None]:
         """Publishes this process's per-process value and returns those of value_ring(index):
         its own and the next processes'. TimeoutError naming a process that did not publish."""
         self._sequence += 1
-        ring = value_ring(self.index, self.count)
         if self.coordinator is None:
             return {self.index: value}
-        encode = "-" if value is None else "+" + base64.b64encode(value).decode("ascii")
-        self.coordinator.key_value_set(self._key(f"{name}/{self.index}"), encode)
+        self._publish(name, "-" if value is None else
+                      "+" + base64.b64encode(value).decode("ascii"))
+        texts = self._collect(name, value_ring(self.index, self.count)[1:], "per-process values")
         out: dict[int, bytes | None] = {self.index: value}
-        for p in ring[1:]:
-            try:
-                text = self.coordinator.key_value_get(self._key(f"{name}/{p}"),
-                                                      int(self.timeout_s * 1000))
-            except Exception:  # noqa: BLE001
-                raise TimeoutError(
-                    f"tensorstash: process {p} of {self.count} did not publish its per-process "
-                    f"value for '{name}' within {self.timeout_s:g} s (coordination_timeout)"
-                ) from None
+        for p, text in texts.items():
             out[p] = None if text == "-" else base64.b64decode(text[1:])
         return out
 

@@ -48,6 +48,8 @@ struct ChunkGrid {
                                 const std::function<void(int64_t, const Box&)>& fn) const;
   // "[1, 0]"-style grid coordinates of a chunk, for messages.
   std::string ChunkName(int64_t linear_index) const;
+
+  bool operator==(const ChunkGrid&) const = default;
 };
 
 // Checks ranks, extents (cell >= 1, 1 <= chunk <= cell), and that the chunk count and the bytes

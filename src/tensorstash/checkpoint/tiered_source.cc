@@ -26,10 +26,6 @@ std::string_view TierName(Tier tier) {
 
 namespace {
 
-bool SameGrid(const ChunkGrid& a, const ChunkGrid& b) {
-  return a.shape == b.shape && a.cell_shape == b.cell_shape && a.chunk_shape == b.chunk_shape;
-}
-
 struct OpenHolder {
   Tier tier;
   std::string name;
@@ -162,7 +158,7 @@ Result<std::unique_ptr<TieredStepSource>> TieredStepSource::Open(std::vector<Ste
     open.chunks.resize(reference.size());
     for (const IndexEntry& e : reader->index().entries) {
       const size_t r = reference_id_of[e.array_id];
-      if (SameGrid(arrays[e.array_id].grid, reference[r].grid)) {
+      if (arrays[e.array_id].grid == reference[r].grid) {
         open.chunks[r].push_back(static_cast<int64_t>(e.chunk));
       }
     }

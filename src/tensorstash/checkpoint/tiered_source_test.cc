@@ -262,24 +262,10 @@ class DataFromBrokenPeer final : public ForwardingKvStore {
   Result<std::unique_ptr<ReadableFile>> OpenForRead(std::string_view key) override {
     if (key.find("/data/") == std::string_view::npos) return good_->OpenForRead(key);
     TS_ASSIGN_OR_RETURN(uint64_t size, good_->Size(key));
-    return std::unique_ptr<ReadableFile>(new File(this, std::string(key), size));
+    return RangeReadableFile(this, std::string(key), size);
   }
 
  private:
-  class File final : public ReadableFile {
-   public:
-    File(DataFromBrokenPeer* store, std::string key, uint64_t size)
-        : store_(store), key_(std::move(key)), size_(size) {}
-    uint64_t size() const override { return size_; }
-    Status ReadAt(uint64_t offset, size_t size, void* dest) const override {
-      return store_->ReadRange(key_, offset, size, dest);
-    }
-
-   private:
-    DataFromBrokenPeer* store_;
-    std::string key_;
-    uint64_t size_;
-  };
   std::unique_ptr<KvStore> good_;
   std::unique_ptr<KvStore> broken_;
 };

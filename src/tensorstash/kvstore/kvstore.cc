@@ -1,8 +1,10 @@
 #include "tensorstash/kvstore/kvstore.h"
 
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "absl/strings/cord.h"
 #include "tensorstash/kvstore/folder_view.h"
@@ -77,6 +79,33 @@ Status ValidatePrefix(std::string_view prefix) {
 
 Status ReadableFile::MapAt(uint64_t /*offset*/, size_t /*size*/, void* /*address*/) const {
   return UnimplementedError("this store's files cannot be mapped");
+}
+
+namespace {
+
+class StoreRangeFile final : public ReadableFile {
+ public:
+  StoreRangeFile(KvStore* store, std::string key, uint64_t size)
+      : store_(store), key_(std::move(key)), size_(size) {}
+  uint64_t size() const override { return size_; }
+  Status ReadAt(uint64_t offset, size_t size, void* dest) const override {
+    if (offset > size_ || size > size_ - offset) {
+      return DataLossError(StrCat("'", key_, "' is truncated: ", size, " bytes at offset ", offset,
+                                  " reach past its end at ", size_));
+    }
+    return store_->ReadRange(key_, offset, size, dest);
+  }
+
+ private:
+  KvStore* store_;
+  std::string key_;
+  uint64_t size_;
+};
+
+}  // namespace
+
+std::unique_ptr<ReadableFile> RangeReadableFile(KvStore* store, std::string key, uint64_t size) {
+  return std::make_unique<StoreRangeFile>(store, std::move(key), size);
 }
 
 Result<std::unique_ptr<KvLock>> KvStore::TryLock(std::string_view key) {

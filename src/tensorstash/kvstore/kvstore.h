@@ -196,6 +196,11 @@ class KvStore {
   virtual Result<std::unique_ptr<KvLock>> TryLock(std::string_view key);
 };
 
+// A file of `size` bytes whose reads are `store`->ReadRange(key, ...), after a bounds check (a
+// range past `size` is DataLoss naming the key): for stores without files of their own (a
+// peer over HTTP). `store` must outlive the file.
+std::unique_ptr<ReadableFile> RangeReadableFile(KvStore* store, std::string key, uint64_t size);
+
 }  // namespace tensorstash
 
 #endif  // TENSORSTASH_KVSTORE_KVSTORE_H_

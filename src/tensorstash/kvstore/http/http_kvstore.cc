@@ -47,16 +47,23 @@ size_t WriteBody(char* data, size_t, size_t n, void* user) {
   return n;
 }
 
+// `text` percent-encoded (curl_easy_escape ignores its handle since curl 7.82).
+std::string Escape(std::string_view text) {
+  if (text.empty()) return "";  // a length of 0 would make curl take strlen()
+  char* escaped = curl_easy_escape(nullptr, text.data(), static_cast<int>(text.size()));
+  std::string out = escaped != nullptr ? escaped : "";
+  curl_free(escaped);
+  return out;
+}
+
 // A key as a URL path: each component percent-encoded, joined by '/'.
-std::string EscapePath(CURL* curl, std::string_view key) {
+std::string EscapePath(std::string_view key) {
   std::string path;
   size_t begin = 0;
   while (begin <= key.size()) {
     const size_t end = std::min(key.find('/', begin), key.size());
-    char* part = curl_easy_escape(curl, key.data() + begin, static_cast<int>(end - begin));
-    if (!path.empty() || begin > 0) path += '/';
-    path += part;
-    curl_free(part);
+    if (begin > 0) path += '/';
+    path += Escape(key.substr(begin, end - begin));
     begin = end + 1;
   }
   return path;
@@ -172,36 +179,9 @@ struct HttpKvStore::Impl {
     if (!IsSafeRelativeKey(key)) {
       return InvalidArgumentError(StrCat("'", key, "' is not a key a peer serves"));
     }
-    CURL* curl = Take();
-    if (curl == nullptr) return InternalError("curl_easy_init failed");
-    std::string target = "/v1/object/" + EscapePath(curl, key);
-    Give(curl);
-    return target;
+    return "/v1/object/" + EscapePath(key);
   }
 };
-
-namespace {
-
-class HttpFile final : public ReadableFile {
- public:
-  HttpFile(HttpKvStore* store, std::string key, uint64_t size)
-      : store_(store), key_(std::move(key)), size_(size) {}
-  uint64_t size() const override { return size_; }
-  Status ReadAt(uint64_t offset, size_t size, void* dest) const override {
-    if (offset > size_ || size > size_ - offset) {
-      return DataLossError(StrCat("'", key_, "' is truncated: ", size, " bytes at offset ", offset,
-                                  " reach past its end at ", size_));
-    }
-    return store_->ReadRange(key_, offset, size, dest);
-  }
-
- private:
-  HttpKvStore* store_;
-  std::string key_;
-  uint64_t size_;
-};
-
-}  // namespace
 
 HttpKvStore::HttpKvStore(std::unique_ptr<Impl> impl)
     : ReadOnlyKvStore("a peer's store"), impl_(std::move(impl)) {}
@@ -257,7 +237,7 @@ Result<uint64_t> HttpKvStore::Size(std::string_view key) {
 
 Result<std::unique_ptr<ReadableFile>> HttpKvStore::OpenForRead(std::string_view key) {
   TS_ASSIGN_OR_RETURN(uint64_t size, Size(key));
-  return std::unique_ptr<ReadableFile>(new HttpFile(this, std::string(key), size));
+  return RangeReadableFile(this, std::string(key), size);
 }
 
 Result<std::vector<std::string>> HttpKvStore::List(std::string_view prefix) {
@@ -266,12 +246,7 @@ Result<std::vector<std::string>> HttpKvStore::List(std::string_view prefix) {
                                   !IsSafeRelativeKey(prefix.substr(0, slash)))) {
     return InvalidArgumentError(StrCat("'", prefix, "' is not a prefix a peer lists"));
   }
-  CURL* curl = impl_->Take();
-  if (curl == nullptr) return InternalError("curl_easy_init failed");
-  char* escaped = curl_easy_escape(curl, prefix.data(), static_cast<int>(prefix.size()));
-  const std::string target = StrCat("/v1/list?prefix=", escaped);
-  curl_free(escaped);
-  impl_->Give(curl);
+  const std::string target = StrCat("/v1/list?prefix=", Escape(prefix));
   std::string text;
   Sink sink{.text = &text};
   TS_RETURN_IF_ERROR(impl_->Perform(prefix, target, false, 0, 0, sink));

@@ -112,9 +112,8 @@ struct PeerServer::Impl {
     if (root_fd >= 0) ::close(root_fd);
   }
 
-  bool MayServe(std::string_view key) const {
-    return IsSafeRelativeKey(key) && (!options.may_serve || options.may_serve(key));
-  }
+  // For keys that passed IsSafeRelativeKey.
+  bool MayServe(std::string_view key) const { return !options.may_serve || options.may_serve(key); }
 
   MHD_Result ServeObject(MHD_Connection* connection, std::string_view key) const {
     if (!IsSafeRelativeKey(key)) return Answer(connection, MHD_HTTP_BAD_REQUEST, "bad key\n");
@@ -169,7 +168,7 @@ struct PeerServer::Impl {
       if (!it->is_regular_file(error) || it->is_symlink(error)) continue;
       std::string key = std::filesystem::relative(it->path(), root, error).generic_string();
       if (!error && key.starts_with(prefix) && key.find('\n') == std::string::npos &&
-          MayServe(key)) {
+          IsSafeRelativeKey(key) && MayServe(key)) {
         keys.push_back(std::move(key));
       }
     }
