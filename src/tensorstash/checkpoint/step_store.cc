@@ -10,11 +10,7 @@
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
-namespace {
-
-constexpr char kLockKey[] = "LOCK";
-
-}  // namespace
+namespace {}  // namespace
 
 Result<std::string> StepStore::StepDir(int64_t step) {
   if (step < 0) return InvalidArgumentError(StrCat("step ", step, " is negative"));

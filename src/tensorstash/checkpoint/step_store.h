@@ -29,6 +29,8 @@ class CheckpointReader;
 class StepStore {
  public:
   static constexpr int kStepDigits = 10;
+  // The lock at the root, held by the manager using it.
+  static constexpr char kLockKey[] = "LOCK";
 
   // `kv` must outlive the step store.
   explicit StepStore(KvStore* kv) : kv_(kv) {}
