@@ -5,6 +5,11 @@
 
 #include <nanobind/nanobind.h>
 
+#include <memory>
+
+#include "tensorstash/checkpoint/step_source.h"
+#include "tensorstash/kvstore/kvstore.h"
+
 namespace tensorstash::python {
 
 void DefineWriter(nanobind::module_& m);       // writer.cc
@@ -13,6 +18,11 @@ void DefineManager(nanobind::module_& m);      // manager.cc
 void DefineOrbaxWriter(nanobind::module_& m);  // orbax_writer.cc
 void DefineJson(nanobind::module_& m);         // json.cc
 void DefinePeerServer(nanobind::module_& m);   // peer_server.cc
+void DefineLocalTier(nanobind::module_& m);    // local_tier.cc
+
+// A tensorstash._ext.Reader over `source`, which reads from `kv` (may be null; kept alive with
+// the source). Needs the GIL. (reader.cc)
+nanobind::object ReaderFromSource(std::unique_ptr<KvStore> kv, std::unique_ptr<StepSource> source);
 
 }  // namespace tensorstash::python
 

@@ -44,22 +44,6 @@ namespace nb = nanobind;
 namespace tensorstash::python {
 namespace {
 
-// (path, dtype name, shape, shards, stable) of one array of a save; `stable`: nothing else can
-// change the shards' buffers (host copies of a jax.Array's device buffers, see the package's
-// _arrays_to_save), so an async save writes them without a copy (ShardData::stable).
-using ArrayTuple =
-    std::tuple<std::string, std::string, std::vector<int64_t>, std::vector<ShardTuple>, bool>;
-
-// References to the buffers of stable shards, held until the save that reads them ends. That
-// may be on the manager's background thread, which holds no GIL: dropping them takes it.
-struct StableBuffers {
-  std::vector<ReadOnlyBytes> buffers;
-  ~StableBuffers() {
-    nb::gil_scoped_acquire gil;
-    buffers.clear();
-  }
-};
-
 nb::dict StatsDict(const SaveStats& stats) {
   nb::dict result;
   result["step"] = stats.step;
@@ -120,23 +104,11 @@ class Manager {
                   const std::map<std::string, double>& metrics, const std::string& codec,
                   int zstd_level, bool async_save) {
     CheckpointManager& manager = Get();
-    SaveRequest request;
     // References to the shard buffers, so that they outlive the copy (or the whole sync save)
     // even if another thread drops the caller's list while the GIL is released.
     std::vector<ReadOnlyBytes> buffers;
-    auto stable_buffers = std::make_shared<StableBuffers>();
-    for (const auto& [path, dtype, shape, shards, stable] : arrays) {
-      request.arrays.push_back(ArrayToSaveFromPython(
-          path, dtype, shape, shards, codec, zstd_level, /*target_chunk_bytes=*/0,
-          stable ? &stable_buffers->buffers : &buffers, stable));
-    }
-    request.keep_alive = std::move(stable_buffers);
-    if (tree_json.has_value()) request.tree = ValueOrThrow(TreeNodeFromJson(*tree_json));
-    request.metadata_json = metadata_json;
-    if (process_state.has_value()) {
-      request.process_state = std::string(process_state->c_str(), process_state->size());
-    }
-    request.metrics = metrics;
+    SaveRequest request = SaveRequestFromPython(arrays, tree_json, metadata_json, process_state,
+                                                metrics, codec, zstd_level, &buffers);
     SaveStats stats;
     Status status;
     {
@@ -217,7 +189,7 @@ void InitManager(Manager* self, const std::string& root, int64_t max_to_keep, in
                  const std::string& best_mode, int64_t max_staging_bytes, bool handle_sigterm,
                  nb::object coordinator, nb::object on_commit, int64_t target_chunk_bytes,
                  int64_t target_data_file_bytes, int64_t max_inflight_bytes, int io_threads,
-                 bool sync, bool overwrite, double coordination_timeout_s, bool holding) {
+                 bool sync, bool overwrite, double coordination_timeout_s) {
   ThrowIfError(CheckNotNegative("max_to_keep", max_to_keep));
   ThrowIfError(CheckNotNegative("keep_period", keep_period));
   ThrowIfError(CheckNotNegative("save_interval_steps", save_interval_steps));
@@ -228,7 +200,6 @@ void InitManager(Manager* self, const std::string& root, int64_t max_to_keep, in
   WriterOptions writer_options =
       WriterOptionsFromPython(target_chunk_bytes, target_data_file_bytes, max_inflight_bytes,
                               io_threads, sync, overwrite, coordination_timeout_s);
-  writer_options.holding = holding;
   if (!on_commit.is_none() && !PyCallable_Check(on_commit.ptr())) {
     throw nb::type_error("on_commit must be callable or None");
   }
@@ -281,11 +252,10 @@ void DefineManager(nb::module_& m) {
            nb::arg("target_data_file_bytes") = WriterOptions{}.target_data_file_bytes,
            nb::arg("max_inflight_bytes") = int64_t(WriterOptions{}.max_inflight_bytes),
            nb::arg("io_threads") = 0, nb::arg("sync") = true, nb::arg("overwrite") = false,
-           nb::arg("coordination_timeout_s") = 1800.0, nb::arg("holding") = false,
+           nb::arg("coordination_timeout_s") = 1800.0,
            "Creates `root` if needed, takes its lock and removes the leftovers of crashed saves. "
            "ValueError when another manager holds the lock or for bad options. on_commit(stats: "
-           "dict) is called after each commit, on the committing thread, with the GIL. holding: "
-           "steps hold this process's shards only, every replica (the node-local tier).")
+           "dict) is called after each commit, on the committing thread, with the GIL.")
       .def_static(
           "step_dir", [](int64_t step) { return ValueOrThrow(CheckpointManager::StepDir(step)); },
           nb::arg("step"),

@@ -121,4 +121,5 @@ NB_MODULE(_ext, m) {
   py::DefineOrbaxWriter(m);
   py::DefineJson(m);
   py::DefinePeerServer(m);
+  py::DefineLocalTier(m);
 }

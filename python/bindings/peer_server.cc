@@ -5,15 +5,13 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <string_view>
 
 #include "bindings.h"
 #include "errors.h"
-#include "tensorstash/checkpoint/layout.h"
-#include "tensorstash/format/commit_record.h"
+#include "tensorstash/checkpoint/holdings.h"
 #include "tensorstash/kvstore/http/peer_server.h"
 
 namespace nb = nanobind;
@@ -30,17 +28,7 @@ class PyPeerServer {
     options.port = port;
     options.secret = secret;
     options.threads = threads;
-    options.may_serve = [root](std::string_view key) {
-      const size_t first = key.find('/');
-      if (first == std::string_view::npos) return false;
-      const size_t second = key.find('/', first + 1);
-      if (second == std::string_view::npos) return false;
-      const std::string_view step = key.substr(first + 1, second - first - 1);
-      if (IsTemporaryStepName(step)) return false;
-      std::error_code error;
-      return std::filesystem::exists(
-          std::filesystem::path(root) / key.substr(0, second) / kCommitFileName, error);
-    };
+    options.may_serve = CommittedHoldingKeys(root);
     Result<std::unique_ptr<PeerServer>> server = [&] {
       nb::gil_scoped_release release;
       return PeerServer::Start(root, std::move(options));

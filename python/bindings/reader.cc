@@ -450,6 +450,13 @@ Reader OpenTieredReader(const std::vector<HolderTuple>& holders, bool verify_che
 
 }  // namespace
 
+nb::object ReaderFromSource(std::unique_ptr<KvStore> kv, std::unique_ptr<StepSource> source) {
+  auto open = std::make_shared<OpenStep>();
+  open->kv = std::move(kv);
+  open->source = std::move(source);
+  return nb::cast(Reader(std::move(open)));
+}
+
 void DefineReader(nb::module_& m) {
   nb::class_<Reader>(m, "Reader",
                      "Reads any box of any array of one committed step of `root`: a tensorstash "

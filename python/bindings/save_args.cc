@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "errors.h"
+#include "tensorstash/format/tree.h"
 #include "tensorstash/kvstore/registry.h"
 
 namespace nb = nanobind;
@@ -77,6 +78,44 @@ SaveTarget OpenSaveTarget(const std::string& root, nb::object coordinator) {
     return OpenKvStore(root, {.create = true});
   }());
   return target;
+}
+
+namespace {
+
+// References to the buffers of stable shards, held until the save that reads them ends. That
+// may be on the manager's background thread, which holds no GIL: dropping them takes it.
+struct StableBuffers {
+  std::vector<ReadOnlyBytes> buffers;
+  ~StableBuffers() {
+    nb::gil_scoped_acquire gil;
+    buffers.clear();
+  }
+};
+
+}  // namespace
+
+SaveRequest SaveRequestFromPython(const std::vector<ArrayTuple>& arrays,
+                                  const std::optional<std::string>& tree_json,
+                                  const std::string& metadata_json,
+                                  const std::optional<nb::bytes>& process_state,
+                                  const std::map<std::string, double>& metrics,
+                                  const std::string& codec, int zstd_level,
+                                  std::vector<ReadOnlyBytes>* buffers) {
+  SaveRequest request;
+  auto stable_buffers = std::make_shared<StableBuffers>();
+  for (const auto& [path, dtype, shape, shards, stable] : arrays) {
+    request.arrays.push_back(ArrayToSaveFromPython(
+        path, dtype, shape, shards, codec, zstd_level,
+        /*target_chunk_bytes=*/0, stable ? &stable_buffers->buffers : buffers, stable));
+  }
+  request.keep_alive = std::move(stable_buffers);
+  if (tree_json.has_value()) request.tree = ValueOrThrow(TreeNodeFromJson(*tree_json));
+  request.metadata_json = metadata_json;
+  if (process_state.has_value()) {
+    request.process_state = std::string(process_state->c_str(), process_state->size());
+  }
+  request.metrics = metrics;
+  return request;
 }
 
 }  // namespace tensorstash::python

@@ -10,7 +10,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -45,6 +47,25 @@ ArrayToSave ArrayToSaveFromPython(const std::string& path, const std::string& dt
                                   const std::vector<ShardTuple>& shards, const std::string& codec,
                                   int zstd_level, int64_t target_chunk_bytes,
                                   std::vector<ReadOnlyBytes>* buffers, bool stable = false);
+
+// (path, dtype name, shape, shards, stable) of one array of a save; `stable`: nothing else can
+// change the shards' buffers (host copies of a jax.Array's device buffers, see the package's
+// _arrays_to_save), so an async save writes them without a copy (ShardData::stable).
+using ArrayTuple =
+    std::tuple<std::string, std::string, std::vector<int64_t>, std::vector<ShardTuple>, bool>;
+
+// The request of a manager's save (Manager.save, LocalTier.save): the arrays
+// (ArrayToSaveFromPython), the tree, metadata, per-process value and metrics. The buffers of
+// shards that are not stable are appended to `buffers` (keep them until the copy is done); those
+// of stable shards are owned by request.keep_alive, which drops them with the GIL. Raises as
+// ArrayToSaveFromPython, and ValueError for a bad tree.
+SaveRequest SaveRequestFromPython(const std::vector<ArrayTuple>& arrays,
+                                  const std::optional<std::string>& tree_json,
+                                  const std::string& metadata_json,
+                                  const std::optional<nanobind::bytes>& process_state,
+                                  const std::map<std::string, double>& metrics,
+                                  const std::string& codec, int zstd_level,
+                                  std::vector<ReadOnlyBytes>* buffers);
 
 // The options both the Writer and the Manager take, the others left at their defaults. Raises
 // ValueError when max_inflight_bytes is not positive or for a bad coordination_timeout_s

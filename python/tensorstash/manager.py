@@ -197,13 +197,15 @@ class CheckpointManager:
             handle_sigterm=handle_sigterm, coordinator=self._coordinator, on_commit=on_commit,
             target_chunk_bytes=chunk_bytes, target_data_file_bytes=data_file_bytes,
             max_inflight_bytes=max_inflight_bytes, io_threads=io_threads, sync=sync)
-        self._local: _multitier.LocalTier | None = None
+        self._local: _ext.LocalTier | None = None
+        # What the last multi-tier restore of a step read besides the arrays, by step.
+        self._restored_from_tiers: dict[int, _ext.TieredRestore] = {}
         self._last_latest: int | None = None  # what latest_step() last found, with local_dir
         if local_dir is not None:
             if not coordination_timeout > 0:
                 raise ValueError(f"coordination_timeout must be > 0, not {coordination_timeout!r}")
             try:
-                self._local = _multitier.LocalTier(
+                self._local = _multitier.open_local_tier(
                     local_dir, coordinator=self._coordinator,
                     save_interval_steps=local_save_interval_steps,
                     max_to_keep=local_max_to_keep, address=local_server_address,
@@ -260,7 +262,7 @@ class CheckpointManager:
         if local_due:
             # The local tier first: its copy to host memory is the stall a local save costs.
             self._local.save(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
-                             process_state=process_state, metrics=metrics_dict, codec=self.codec,
+                             process_state=process_state, codec=self.codec,
                              zstd_level=self.zstd_level, async_save=self.async_save)
         if not persistent_due:
             return True
@@ -355,9 +357,7 @@ class CheckpointManager:
         (collective: every process calls it)."""
         if self._local is None:
             return self._ext.latest_step()
-        holdings, persistent = self._local.gather(self.all_steps())
-        steps = _multitier.restorable_steps(holdings, persistent)
-        self._last_latest = steps[-1] if steps else None
+        self._last_latest = self._local.gather(self.all_steps()).latest_step()
         return self._last_latest
 
     def damaged_steps(self) -> dict[int, str]:
@@ -402,34 +402,30 @@ class CheckpointManager:
         write-back, its next local save) while another still reads it, then this node's copy
         healed and the holdings of abandoned saves removed."""
         local = self._local
-        holdings, persistent = local.gather(self.all_steps())
-        saves = _multitier.restorable_saves(holdings)
-        if step not in persistent and step not in saves:
-            local.collective.barrier("restored")
-            raise FileNotFoundError(f"step {step} cannot be restored from {self.root} or the "
-                                    "local tiers: no tier holds all of it")
-        save = saves.get(step)
-        holders = local.holders(step, save, holdings, persistent, self.root)
+        job = local.gather(self.all_steps())
         kwargs = dict(args.arguments)
         kwargs.pop("path"), kwargs.pop("target")
+        restore = None
         try:
-            reader = _ext.Reader.tiered(holders, verify_checksums=kwargs["verify_checksums"],
-                                        max_inflight_bytes=kwargs["max_inflight_bytes"],
-                                        io_threads=kwargs["io_threads"],
-                                        stall_timeout_s=min(30.0, local.collective.timeout_s))
-            with contextlib.closing(reader):
-                extras = local.read_extras(reader, step, save, holdings, persistent, self.root)
+            opened = local.open_step(step, job, self.root,
+                                     verify_checksums=kwargs["verify_checksums"],
+                                     max_inflight_bytes=kwargs["max_inflight_bytes"],
+                                     io_threads=kwargs["io_threads"])
+            with contextlib.closing(opened.reader) as reader:
                 tree, _ = _restore(self.step_path(step), target, reader=reader, **kwargs)
                 tier = reader.tier_stats()
                 stored = {a["path"]: a for a in reader.arrays()}
+            restore = opened
         finally:
-            local.collective.barrier("restored")
+            if restore is None:  # failed: only the barrier, nothing of this node is dropped
+                local.finish_restore(None)
+        # Every process has read: this node's abandoned holdings go, and its copy is healed.
+        local.finish_restore(restore)
         for problem in tier["open_errors"] + tier["failures"]:
             self.logger.warning("tensorstash: restoring step %d: %s", step, problem)
-        local.extras[step] = extras
-        local.forget_after_restore(step, save)
+        self._restored_from_tiers[step] = restore
         if tier["local_failed"] or tier["bytes"]["peer"] or tier["bytes"]["persistent"]:
-            self._write_back(step, tree, extras, stored)
+            self._write_back(step, tree, restore, stored)
         stats = RestoreStats(step=step, bytes=sum(tier["bytes"].values()),
                              seconds=time.perf_counter() - started,
                              bytes_from=dict(tier["bytes"]), seconds_from=dict(tier["seconds"]),
@@ -452,9 +448,8 @@ class CheckpointManager:
             return
         metadata_json = extras.metadata.decode("utf-8") if extras.metadata is not None else ""
         self._local.save_holding(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
-                                 save_id=extras.save_id or f"persistent-{step}",
-                                 values=extras.ring_values, metrics={}, codec=self.codec,
-                                 zstd_level=self.zstd_level, async_save=False)
+                                 save_id=extras.save_id, values=extras.ring_values,
+                                 codec=self.codec, zstd_level=self.zstd_level, async_save=False)
 
     def _restored(self, stats: RestoreStats) -> None:
         step = stats.step
@@ -500,7 +495,7 @@ class CheckpointManager:
         """What the last multi-tier restore of `step` read besides the arrays, or None."""
         if self._local is None:
             return None
-        return self._local.extras.get(self._step_or_latest(step))
+        return self._restored_from_tiers.get(self._step_or_latest(step))
 
     def _step_or_latest(self, step: int | None, collective: bool = False) -> int:
         """`step`, or the latest step. With a local tier the latest is collective

@@ -6,7 +6,7 @@ checked against an uninterrupted run of the same job."""
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 
 import tensorstash
-from tensorstash import _ext, _multitier
-from tensorstash._multitier import Holding
+from tensorstash import _ext
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "multitier"))
 from cluster import Cluster  # noqa: E402
@@ -29,90 +28,86 @@ from cluster import Cluster  # noqa: E402
 
 
 def holding(holder: int, saved_by: int, step: int, chunks: dict[str, list[int]],
-            count: int = 4, digest: str = "d", save_id: str = "s1") -> Holding:
-    return Holding(holder=holder, folder=f"p{saved_by}-of-{count}", step=step, digest=digest,
-                   num_chunks={"w": 4, "b": 1}, chunks=chunks, save_id=save_id,
-                   values=_multitier.value_ring(saved_by, count))
+            count: int = 4, digest: str = "d", save_id: str = "s1") -> dict:
+    """One holding as processes publish it (checkpoint/holdings.h, HoldingsToJson)."""
+    return dict(holder=holder, folder=f"p{saved_by}-of-{count}", step=step, digest=digest,
+                num_chunks={"w": 4, "b": 1}, chunks=chunks, save_id=save_id,
+                values=_ext.value_ring(saved_by, count))
 
 
 # Two slices of two processes: each process holds half of "w" (chunks) and all of "b".
-def job_holdings(step: int, alive: list[int]) -> list[Holding]:
+def job_holdings(step: int, alive: list[int]) -> list[dict]:
     half = {0: [0, 1], 1: [2, 3], 2: [0, 1], 3: [2, 3]}
     return [holding(p, p, step, {"w": half[p], "b": [0]}) for p in alive]
 
 
+def restorable_saves(holdings: list[dict]) -> dict[int, str]:
+    return _ext.restorable_saves(json.dumps(holdings))
+
+
+def restorable_steps(holdings: list[dict], persistent: list[int]) -> list[int]:
+    return sorted(set(restorable_saves(holdings)) | set(persistent))
+
+
 def test_every_holder_alive_restores():
-    assert _multitier.restorable_steps(job_holdings(8, [0, 1, 2, 3]), []) == [8]
+    assert restorable_steps(job_holdings(8, [0, 1, 2, 3]), []) == [8]
 
 
 def test_one_whole_slice_restores():
-    assert _multitier.restorable_steps(job_holdings(8, [2, 3]), []) == [8]
+    assert restorable_steps(job_holdings(8, [2, 3]), []) == [8]
 
 
 def test_no_whole_slice_but_every_chunk_held_restores():
-    assert _multitier.restorable_steps(job_holdings(8, [0, 3]), []) == [8]
+    assert restorable_steps(job_holdings(8, [0, 3]), []) == [8]
 
 
 def test_a_chunk_held_by_nobody_does_not_restore():
-    assert _multitier.restorable_steps(job_holdings(8, [0, 2]), []) == []
-    assert _multitier.restorable_steps(job_holdings(8, [0, 2]), [5]) == [5]
+    assert restorable_steps(job_holdings(8, [0, 2]), []) == []
+    assert restorable_steps(job_holdings(8, [0, 2]), [5]) == [5]
 
 
 def test_per_process_values_must_all_be_held():
     # 8 processes: each holding carries its own value and the next three; processes 1 and 5
     # hold every chunk between them but not the values of 0 and 4... of 0: only 5..(5+3)%8=0.
     hold = [holding(p, p, 3, {"w": [0, 1, 2, 3], "b": [0]}, count=8) for p in (1, 5)]
-    assert _multitier.value_ring(5, 8) == [5, 6, 7, 0]
-    assert _multitier.restorable_steps(hold, []) == [3]
+    assert _ext.value_ring(5, 8) == [5, 6, 7, 0]
+    assert restorable_steps(hold, []) == [3]
     hold = [holding(p, p, 3, {"w": [0, 1, 2, 3], "b": [0]}, count=8) for p in (1, 2)]
-    assert _multitier.restorable_steps(hold, []) == []  # nobody carries 0, 6, 7
+    assert restorable_steps(hold, []) == []  # nobody carries 0, 6, 7
 
 
 def test_holdings_of_different_saves_do_not_mix():
     hold = [holding(0, 0, 4, {"w": [0, 1], "b": [0]}, digest="x"),
             holding(1, 1, 4, {"w": [2, 3], "b": [0]}, digest="y")]
-    assert _multitier.restorable_steps(hold, []) == []
+    assert restorable_steps(hold, []) == []
 
 
 def test_two_saves_of_one_step_never_mix_and_the_later_wins():
     first = [holding(0, 0, 9, {"w": [0, 1], "b": [0]}, save_id="001"),
              holding(1, 1, 9, {"w": [2, 3], "b": [0]}, save_id="002")]
-    assert _multitier.restorable_saves(first) == {}  # halves of two different saves
+    assert restorable_saves(first) == {}  # halves of two different saves
     whole = [holding(p, p, 9, {"w": [0, 1, 2, 3], "b": [0]}, save_id=sid)
              for p, sid in ((0, "001"), (1, "001"), (2, "001"), (3, "001"),
                             (0, "002"), (1, "002"), (2, "002"), (3, "002"))]
-    assert _multitier.restorable_saves(whole)[9][1] == "002"
+    assert restorable_saves(whole)[9] == "002"
 
 
 def test_a_value_a_holding_does_not_carry_is_not_counted():
     hold = job_holdings(8, [0, 1, 2, 3])
-    hold = [dataclasses.replace(h, values=[h.saved_by[0]]) for h in hold[:3]] + hold[3:]
-    assert _multitier.restorable_steps(hold, []) == [8]  # process 3 carries 3, 0, 1, 2
-    hold = [dataclasses.replace(h, values=[h.saved_by[0]]) for h in job_holdings(8, [0, 1, 2])]
-    assert _multitier.restorable_steps(hold, []) == []
+    hold = [dict(h, values=[int(h["folder"][1])]) for h in hold[:3]] + hold[3:]
+    assert restorable_steps(hold, []) == [8]  # process 3 carries 3, 0, 1, 2
+    hold = [dict(h, values=[int(h["folder"][1])]) for h in job_holdings(8, [0, 1, 2])]
+    assert restorable_steps(hold, []) == []
 
 
 def test_the_newest_restorable_step_across_tiers():
     hold = job_holdings(12, [0, 1]) + job_holdings(14, [0, 2])
-    assert _multitier.restorable_steps(hold, [10]) == [10, 12]
+    assert restorable_steps(hold, [10]) == [10, 12]
 
 
-def test_per_process_values_pack_round_trip():
-    values = {0: b"abc", 1: None, 3: b""}
-    save_id = _multitier.new_save_id()
-    assert _multitier.unpack_values(_multitier.pack_values(save_id, values), "x") == \
-        (save_id, values)
-    assert _multitier.new_save_id() > save_id  # later saves sort last
-    with pytest.raises(OSError, match="malformed"):
-        _multitier.unpack_values(b"junk", "x")
-    with pytest.raises(OSError, match="malformed"):
-        _multitier.unpack_values(_multitier.pack_values("s", {0: b"abcdef"})[:-2], "x")
-
-
-def test_holding_folder_names():
-    assert _multitier.parse_holding_folder("p3-of-4") == (3, 4)
-    for bad in ("p4-of-4", "p-1-of-4", "x3-of-4", "p3-of-4/..", "LOCK"):
-        assert _multitier.parse_holding_folder(bad) is None
+def test_holdings_that_are_not_valid_are_refused():
+    with pytest.raises(ValueError, match="holdings"):
+        _ext.restorable_saves('[{"holder": 1}]')
 
 
 # --- one process ------------------------------------------------------------------------------

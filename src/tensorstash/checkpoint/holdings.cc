@@ -253,4 +253,16 @@ std::vector<Holding> DescribeHoldings(const std::string& local_dir, int holder) 
   return out;
 }
 
+std::function<bool(std::string_view key)> CommittedHoldingKeys(std::string local_dir) {
+  return [root = std::move(local_dir)](std::string_view key) {
+    const size_t first = key.find('/');
+    const size_t second = first == std::string_view::npos ? first : key.find('/', first + 1);
+    if (second == std::string_view::npos) return false;
+    if (!StepStore::ParseStepName(key.substr(first + 1, second - first - 1))) return false;
+    std::error_code error;
+    return std::filesystem::exists(
+        std::filesystem::path(root) / key.substr(0, second) / kCommitFileName, error);
+  };
+}
+
 }  // namespace tensorstash

@@ -13,6 +13,7 @@
 
 #include <compare>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -95,6 +96,10 @@ std::vector<int64_t> RestorableSteps(const std::vector<Holding>& holdings,
 // half-written, a foreign or damaged file) are skipped: they hold nothing. Never fails; a
 // missing `local_dir` holds nothing.
 std::vector<Holding> DescribeHoldings(const std::string& local_dir, int holder);
+
+// What a peer server of the local tier may serve (PeerServerOptions::may_serve): keys inside a
+// committed holding under `local_dir`, "<folder>/<step>/...", whose step folder has its COMMIT.
+std::function<bool(std::string_view key)> CommittedHoldingKeys(std::string local_dir);
 
 }  // namespace tensorstash
 

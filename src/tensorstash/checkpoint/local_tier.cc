@@ -304,15 +304,7 @@ Result<std::unique_ptr<LocalTier>> LocalTier::Open(LocalTierOptions options) {
     server.bind_address = t.options.server_address;
     server.port = t.options.server_port;
     server.secret = t.secret;
-    // Only keys inside a committed holding: "<folder>/<step>/..." with that step's COMMIT.
-    server.may_serve = [root = t.options.dir](std::string_view key) {
-      const size_t first = key.find('/');
-      const size_t second = first == std::string_view::npos ? first : key.find('/', first + 1);
-      if (second == std::string_view::npos) return false;
-      if (!StepStore::ParseStepName(key.substr(first + 1, second - first - 1))) return false;
-      std::error_code error;
-      return fs::exists(fs::path(root) / key.substr(0, second) / kCommitFileName, error);
-    };
+    server.may_serve = CommittedHoldingKeys(t.options.dir);
     Result<std::unique_ptr<PeerServer>> started =
         PeerServer::Start(t.options.dir, std::move(server));
     if (!started.ok()) return started.status();
@@ -545,9 +537,12 @@ Result<TieredRestore> LocalTier::OpenStep(int64_t step, const JobHoldings& job, 
   return restore;
 }
 
-Status LocalTier::FinishRestore(int64_t step, const std::optional<SaveKey>& save) {
+Status LocalTier::FinishRestore(const TieredRestore* restore) {
   Impl& t = *impl_;
   if (Status s = t.collective.Barrier("restored"); !s.ok()) return s;
+  if (restore == nullptr) return OkStatus();
+  const int64_t step = restore->step;
+  const std::optional<SaveKey>& save = restore->save;
   std::vector<Holding> stale;
   for (Holding& h : DescribeHoldings(t.options.dir, process_index())) {
     if (h.step > step || (h.step == step && save && h.save() != save))

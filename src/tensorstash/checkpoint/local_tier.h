@@ -8,7 +8,7 @@
 //   tier->Gather(persistent_steps) -> job                        // collective
 //   job.LatestStep() -> 1200
 //   tier->OpenStep(1200, job, persistent_kv) -> restore          // restore.source: read it
-//   tier->FinishRestore(restore)                                 // collective
+//   tier->FinishRestore(&restore)                                // collective
 //
 // Each save writes a *holding* (holdings.h) with a CheckpointManager of its own over
 // "<dir>/p<index>-of-<count>" (WriterOptions::holding; overwrite, so that a write-back may
@@ -140,9 +140,10 @@ class LocalTier {
   Result<TieredRestore> OpenStep(int64_t step, const JobHoldings& job, KvStore* persistent,
                                  ReaderOptions options = {});
   // Collective: waits until every process has read (so that no holding changes while another
-  // reads it), then removes this node's holdings of later steps and of other saves of `step`
-  // (an abandoned run). `save`: TieredRestore::save (nullopt after a persistent restore).
-  Status FinishRestore(int64_t step, const std::optional<SaveKey>& save);
+  // reads it). After a successful restore (`restore` not null) then removes this node's holdings
+  // of later steps and of other saves of the step: they belong to a run now abandoned. After a
+  // failed one (null) nothing is removed.
+  Status FinishRestore(const TieredRestore* restore);
 
   // Waits for a save in flight, then stops the server and releases the folder. Returns the
   // save's error.

@@ -55,9 +55,13 @@ Result<TieredRestore> MultiTierManager::OpenRestore(int64_t step) {
   return local_->OpenStep(step, *job_, persistent_kv_);
 }
 
-Status MultiTierManager::FinishRestore(const TieredRestore& restore, SaveRequest* write_back) {
-  TS_RETURN_IF_ERROR(local_->FinishRestore(restore.step, restore.save));
-  if (restore.source == nullptr || write_back == nullptr) return OkStatus();
+Status MultiTierManager::FinishRestore(const TieredRestore* restore_or_null,
+                                       SaveRequest* write_back) {
+  TS_RETURN_IF_ERROR(local_->FinishRestore(restore_or_null));
+  if (restore_or_null == nullptr || restore_or_null->source == nullptr || write_back == nullptr) {
+    return OkStatus();
+  }
+  const TieredRestore& restore = *restore_or_null;
   const TierStats& stats = restore.source->tier_stats();
   if (!stats.local_failed && stats.bytes[static_cast<int>(Tier::kPeer)] == 0 &&
       stats.bytes[static_cast<int>(Tier::kPersistent)] == 0) {

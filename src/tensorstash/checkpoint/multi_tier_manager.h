@@ -11,7 +11,7 @@
 //     auto restore = mgr->OpenRestore(**step);                        // collective
 //     RestoreToHost(*restore->source, requests, ...);                 // host_restore.h
 //     restore->extras.per_process                                     // this process's value
-//     mgr->FinishRestore(*restore, &restored_shards)                  // collective
+//     mgr->FinishRestore(&*restore, &restored_shards)                 // collective
 //   }
 //   for (...) mgr->Save(step, request);                              // collective when due
 //
@@ -59,11 +59,11 @@ class MultiTierManager {
   // Collective: opens `step` over its holders (LocalTier::OpenStep). Call FinishRestore after
   // reading, whether this succeeded or not.
   Result<TieredRestore> OpenRestore(int64_t step);
-  // Collective: waits for every process to have read, drops abandoned holdings, and, when
-  // anything came from elsewhere than this node (or a local chunk was damaged), saves
-  // `write_back` (this process's restored shards, as stored; null: none) as its holding of the
-  // step again, so that the next lost node is covered too.
-  Status FinishRestore(const TieredRestore& restore, SaveRequest* write_back);
+  // Collective: waits for every process to have read. After a successful restore (`restore` not
+  // null) drops abandoned holdings and, when anything came from elsewhere than this node (or a
+  // local chunk was damaged), saves `write_back` (this process's restored shards, as stored;
+  // null: none) as its holding of the step again, so that the next lost node is covered too.
+  Status FinishRestore(const TieredRestore* restore, SaveRequest* write_back);
 
   CheckpointManager& persistent();
   LocalTier& local();

@@ -238,7 +238,7 @@ TEST_F(MultiTierManagerTest, ALostSliceIsRestoredFromPeersInAnyProcessOrder) {
     EXPECT_THAT(stats.failures, IsEmpty());
     std::vector<char> data;
     SaveRequest write_back = Request(p, 3, &data);
-    TS_EXPECT_OK((*mgr)->FinishRestore(*restore, &write_back));
+    TS_EXPECT_OK((*mgr)->FinishRestore(&*restore, &write_back));
     TS_EXPECT_OK((*mgr)->Close());
     // Every node holds this process's part of step 3 again (the wiped ones included).
     EXPECT_THAT((*mgr)->local().LocalSteps(), ElementsAre(3));
@@ -293,12 +293,12 @@ TEST_F(MultiTierManagerTest, ASingleProcessSkipsTheServerAndRestoresItsOwnCopy) 
   TS_ASSERT_OK(restore.status());
   EXPECT_EQ(restore->save, std::nullopt);
   EXPECT_EQ(restore->extras.per_process, "iterator of process 0 at step 100");
-  TS_EXPECT_OK((*mgr)->FinishRestore(*restore, nullptr));
+  TS_EXPECT_OK((*mgr)->FinishRestore(&*restore, nullptr));
   EXPECT_THAT((*mgr)->local().LocalSteps(), IsEmpty());
   // Nothing can be restored of a step no tier holds.
   Result<TieredRestore> missing = (*mgr)->OpenRestore(7);
   EXPECT_TRUE(absl::IsNotFound(missing.status())) << missing.status();
-  TS_EXPECT_OK((*mgr)->local().FinishRestore(7, std::nullopt));
+  TS_EXPECT_OK((*mgr)->FinishRestore(nullptr, nullptr));
   TS_EXPECT_OK((*mgr)->Close());
 }
 
