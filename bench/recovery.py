@@ -23,6 +23,9 @@ restores (the time until every array is in host memory; "x raw" = time / raw RAM
                 _restore(target=None) through it (open, read, CRC checks, close)
   peer          from a peer only: a PeerServer on 127.0.0.1 serving the local tier's folder,
                 read over loopback HTTP by Reader.tiered([("peer", url, ..., secret)])
+  raw-http      the transport's own speed, the peer's baseline: the holding's data files
+                fetched from the same server by one curl process (one connection, to
+                /dev/null, no CRC), if the curl program is installed
   persistent    from the persistent tier only, page cache warm (its files read once before
                 each run, untimed) and cold (sync + echo 3 > /proc/sys/vm/drop_caches first,
                 where permitted; the cold runs come after all warm ones: after a drop, mapped
@@ -321,6 +324,11 @@ class Bench:
         self.add("local", "restore", "tensorstash, local tier only", self.restore_local, n)
         self.add("peer", "restore", "tensorstash, peer only (HTTP over 127.0.0.1)",
                  self.restore_peer, n)
+        if shutil.which("curl"):
+            self.add("raw-http", "restore", "raw HTTP transfer of the same files (curl, "
+                     "127.0.0.1, to /dev/null)", self.raw_http, self.dat_bytes)
+        else:
+            log("no curl program: the raw-http baseline is left out")
         self.add("persistent-warm", "restore", "tensorstash, persistent tier only (warm cache)",
                  self.restore_persistent_warm, n)
         cold = self.add("persistent-cold", "restore",
@@ -546,6 +554,15 @@ class Bench:
         dt = time.perf_counter() - t0
         del bufs
         return dt
+
+    def raw_http(self, verify: bool) -> float:
+        command = ["curl", "--silent", "--fail", "--header", f"X-Tensorstash-Secret: {self.secret}"]
+        for path in self.dat_files:
+            key = os.path.relpath(path, self.local)
+            command += ["--output", "/dev/null", f"{self.server.url}/v1/object/{key}"]
+        t0 = time.perf_counter()
+        subprocess.run(command, check=True)
+        return time.perf_counter() - t0
 
     def _timed_ts(self, holders: list, what: str, verify: bool, target=None):
         t0 = time.perf_counter()
@@ -916,6 +933,7 @@ def summarize(bench: Bench, meta: dict) -> dict:
                 "ratio": s / f if s and f else None}
 
     ratios = {
+        "ts_peer_over_raw_http": ratio("peer", "raw-http"),
         "orbax_persistent_warm_over_ts_local": ratio("orbax-persistent-warm", "local"),
         "orbax_persistent_warm_over_ts_peer": ratio("orbax-persistent-warm", "peer"),
         "orbax_persistent_cold_over_ts_local": ratio("orbax-persistent-cold", "local"),
@@ -978,6 +996,11 @@ def write_markdown(res: dict, path: str) -> None:
             f"{g['x_raw']:.2f}x, {'met' if g['met'] else 'NOT met'}"
         goals.append(f"{name} within {g['goal_x_raw']}x of the raw read: {got}")
     out += ["", "Goals (issue 15): " + "; ".join(goals) + "."]
+    peer_http = res["ratios"].get("ts_peer_over_raw_http", {}).get("ratio")
+    if peer_http is not None:
+        out += ["", f"The peer restore takes {peer_http:.2f}x the raw HTTP transfer of the same "
+                "bytes over the same server and connection (curl to /dev/null): the rest of the "
+                "gap to a RAM read is the transport's."]
     if res["manager_bytes_from"]:
         tiers = res["manager_bytes_from"][0]
         out += ["", "CheckpointManager.restore read " + ", ".join(

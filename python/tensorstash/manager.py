@@ -109,7 +109,8 @@ class CheckpointManager:
     `save_interval_steps` steps. `handle_sigterm` makes a SIGTERM set reached_preemption()
     instead of killing the process (until close()). `max_staging_bytes` caps the host memory of
     an async save's copies (None: a quarter of physical memory; above the cap save() blocks
-    longer). `codec`, `zstd_level`, `chunk_bytes`, `data_file_bytes`, `max_inflight_bytes`,
+    longer); that memory is kept for the next save until close(), so that a save's copy goes
+    into memory already mapped. `codec`, `zstd_level`, `chunk_bytes`, `data_file_bytes`, `max_inflight_bytes`,
     `io_threads` and `sync` are as for tensorstash.save.
 
     In a job of several processes every process opens a manager on the same root with the same

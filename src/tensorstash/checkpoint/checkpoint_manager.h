@@ -72,7 +72,9 @@ struct ManagerOptions {
   BestMode best_mode = BestMode::kMin;
   // Cap on the host memory that SaveAsync holds for its copies of the shards; 0: a quarter of
   // physical memory. Above the cap the copy proceeds in waves (SaveAsync returns once the last
-  // wave is copied, so it blocks longer, but memory stays bounded).
+  // wave is copied, so it blocks longer, but memory stays bounded). The copies' buffers are kept
+  // for the next SaveAsync (up to the cap, until Close): copying into memory already mapped
+  // is what makes a save block no longer than a memcpy of the shards.
   uint64_t max_staging_bytes = 0;
   // Installs a SIGTERM handler while the manager is open, so that a preempted job is not
   // killed at once but sees ReachedPreemption() turn true, saves, and exits. The previous

@@ -540,7 +540,7 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   entries.reserve(tasks.size());
   {
     // engine/executor.h: the chunks in lane order, their staging under max_inflight_bytes.
-    Executor run(&pool, options.max_inflight_bytes);
+    Executor run(&pool, options.max_inflight_bytes, /*max_pending=*/0, options.staging_pool);
     // With copy_sources, the caller's buffers are free once the last copy is made: an async
     // save returns to training then, without waiting for the writes of stable shards (written
     // from where they are) to be admitted under the cap.
@@ -570,7 +570,10 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
         run.RunPrepared(
             raw_size + encoded, [&, task](char* staged) { return GatherChunk(*task, staged); },
             write);
-        if (--copies_left == 0) ReleaseSources();
+        if (--copies_left == 0) {
+          ReleaseSources();  // the caller goes on; now the writes of the copies start
+          run.Flush();
+        }
       } else if (contiguous) {
         // Straight from the caller's buffer to the file.
         const char* raw =

@@ -36,6 +36,8 @@
 
 namespace tensorstash {
 
+class StagingPool;
+
 struct WriterOptions {
   // Shards larger than this are cut into several chunks of at most this size.
   int64_t target_chunk_bytes = int64_t{8} << 20;
@@ -63,6 +65,10 @@ struct WriterOptions {
   // rather than when the last write ends (async saves). Above the cap the copy proceeds in
   // waves: it waits for earlier chunks' writes to free staging.
   bool copy_sources = false;
+  // Where staging buffers come from (null: a pool of this save's own). A manager hands every
+  // async save the same pool, so that the buffers of one save are reused by the next instead of
+  // mapped afresh: their page faults and zeroing were most of an async save's stall.
+  StagingPool* staging_pool = nullptr;
 };
 
 struct ArraySpec {

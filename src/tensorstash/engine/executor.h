@@ -14,7 +14,11 @@
 //                                 task gets elsewhere (a mapping, an encoder's output).
 //   RunPrepared(bytes, prep, task) prep(buffer) on the calling thread, then task(buffer) on the
 //                                 pool: an async save copies every chunk out of the caller's
-//                                 arrays in waves under the cap, while the pool writes.
+//                                 arrays under the cap. The tasks of prepared buffers start
+//                                 only when the cap is reached (then the copying goes on in
+//                                 waves, as the pool frees staging), at Flush(), at the next
+//                                 Run or RunHolding, or at Wait(): the copying, which the
+//                                 caller waits for, gets the cores to itself while it can.
 // After a failure (a task's or Fail's) tasks not yet started are skipped and Run* return at
 // once; Wait() returns the first error.
 //
@@ -25,6 +29,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "tensorstash/util/byte_limiter.h"
 #include "tensorstash/util/staging_pool.h"
@@ -40,7 +45,10 @@ class Executor {
  public:
   // `cap_bytes`: the most bytes tasks hold at once (0 counts as 1). With `max_pending` > 0, at
   // most that many tasks are queued or running at once (a plan of millions of tiny tasks).
-  Executor(ThreadPool* pool, uint64_t cap_bytes, int max_pending = 0);
+  // `staging`: the pool staging buffers come from (null: one of the executor's own, under
+  // `cap_bytes`); it must outlive the executor.
+  Executor(ThreadPool* pool, uint64_t cap_bytes, int max_pending = 0,
+           StagingPool* staging = nullptr);
   // Waits for the tasks started.
   ~Executor();
   Executor(const Executor&) = delete;
@@ -51,23 +59,31 @@ class Executor {
   void RunPrepared(uint64_t bytes, const std::function<Status(char* buffer)>& prepare,
                    std::function<Status(char* buffer)> task);
 
+  // Starts the tasks of RunPrepared that wait for their turn.
+  void Flush();
+
   // Records an error as if a task had returned it: the calling thread's own failure.
   void Fail(Status status) { group_.Fail(std::move(status)); }
   bool failed() { return group_.failed(); }
   // Waits for every task started; the first error, or OK.
-  Status Wait() { return group_.Wait(); }
+  Status Wait() {
+    Flush();
+    return group_.Wait();
+  }
 
   // The most bytes held at once so far, and the most of them in staging buffers.
   uint64_t peak_bytes() const { return limiter_.peak(); }
-  uint64_t peak_staging_bytes() const { return staging_.peak(); }
+  uint64_t peak_staging_bytes() const { return staging_->peak(); }
 
  private:
   void Start(uint64_t bytes, bool with_buffer, const std::function<Status(char* buffer)>& prepare,
              std::function<Status(char* buffer)> task);
 
   ByteLimiter limiter_;
-  StagingPool staging_;  // leases stay within limiter_'s reservations, so never wait here
-  TaskGroup group_;      // last: destroyed (waiting for the tasks) before the above
+  StagingPool own_staging_;
+  StagingPool* staging_;  // leases stay within limiter_'s reservations, so never wait here
+  std::vector<std::function<Status()>> deferred_;  // prepared tasks not yet started
+  TaskGroup group_;  // last: destroyed (waiting for the tasks) before the above
 };
 
 }  // namespace tensorstash

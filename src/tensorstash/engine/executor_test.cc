@@ -1,4 +1,5 @@
 #include "tensorstash/engine/executor.h"
+#include "tensorstash/util/staging_pool.h"
 
 #include <algorithm>
 #include <atomic>
@@ -126,6 +127,55 @@ TEST(ExecutorTest, PreparedTasksArePreparedOnTheCallingThreadInOrder) {
   EXPECT_EQ(prepared, (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
   EXPECT_EQ(checked.load(), 10);
   EXPECT_LE(run.peak_bytes(), 16u);
+}
+
+TEST(ExecutorTest, PreparedTasksWaitUntilTheCapIsReachedOrFlush) {
+  ThreadPool pool(2);
+  Executor run(&pool, /*cap_bytes=*/32);
+  std::atomic<int> started{0};
+  auto prepared = [&](int n) {
+    for (int i = 0; i < n; ++i) {
+      run.RunPrepared(
+          8, [](char*) { return OkStatus(); },
+          [&](char*) {
+            ++started;
+            return OkStatus();
+          });
+    }
+  };
+  // 4 x 8 bytes fit under the cap: copied, none written yet.
+  prepared(4);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(started.load(), 0);
+  // A fifth does not fit: the waiting ones start, and it is admitted once one of them has
+  // freed its staging.
+  prepared(1);
+  EXPECT_GE(started.load(), 1);
+  run.Flush();
+  TS_ASSERT_OK(run.Wait());
+  EXPECT_EQ(started.load(), 5);
+  EXPECT_LE(run.peak_bytes(), 32u);
+}
+
+TEST(ExecutorTest, ASharedStagingPoolKeepsItsBuffersForTheNextExecutor) {
+  ThreadPool pool(2);
+  StagingPool staging(1 << 20);
+  for (int round = 0; round < 2; ++round) {
+    Executor run(&pool, 1 << 20, /*max_pending=*/0, &staging);
+    for (int i = 0; i < 4; ++i) {
+      run.RunPrepared(
+          64 << 10,
+          [](char* buffer) {
+            std::memset(buffer, 1, 64 << 10);
+            return OkStatus();
+          },
+          [](char*) { return OkStatus(); });
+    }
+    TS_ASSERT_OK(run.Wait());
+    // Every buffer came back to the pool and stays mapped for the next save; the second round
+    // maps nothing new.
+    EXPECT_EQ(staging.held_bytes(), 4u * (64 << 10)) << round;
+  }
 }
 
 TEST(ExecutorTest, TheFirstFailureStopsWhatHasNotStarted) {

@@ -11,6 +11,14 @@ void ByteLimiter::Acquire(uint64_t bytes) {
   peak_ = std::max(peak_, held_);
 }
 
+bool ByteLimiter::TryAcquire(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (held_ != 0 && held_ + bytes > cap_) return false;
+  held_ += bytes;
+  peak_ = std::max(peak_, held_);
+  return true;
+}
+
 void ByteLimiter::Release(uint64_t bytes) {
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -17,6 +17,8 @@ class ByteLimiter {
   explicit ByteLimiter(uint64_t cap_bytes) : cap_(cap_bytes == 0 ? 1 : cap_bytes) {}
 
   void Acquire(uint64_t bytes);
+  // Acquire if it would not wait; false (nothing held) if it would.
+  bool TryAcquire(uint64_t bytes);
   void Release(uint64_t bytes);
 
   uint64_t cap() const { return cap_; }
@@ -37,6 +39,9 @@ class ByteReservation {
   ByteReservation(ByteLimiter* limiter, uint64_t bytes) : limiter_(limiter), bytes_(bytes) {
     if (bytes_ > 0) limiter_->Acquire(bytes_);
   }
+  // Takes over `bytes` the caller already acquired.
+  struct Adopt {};
+  ByteReservation(ByteLimiter* limiter, uint64_t bytes, Adopt) : limiter_(limiter), bytes_(bytes) {}
   ~ByteReservation() {
     if (bytes_ > 0) limiter_->Release(bytes_);
   }
