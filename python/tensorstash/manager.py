@@ -262,9 +262,16 @@ class CheckpointManager:
             metrics_dict[name] = float(value)
         if local_due:
             # The local tier first: its copy to host memory is the stall a local save costs.
-            self._local.save(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
-                             process_state=process_state, codec=self.codec,
-                             zstd_level=self.zstd_level, async_save=self.async_save)
+            try:
+                self._local.save(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
+                                 process_state=process_state, codec=self.codec,
+                                 zstd_level=self.zstd_level, async_save=self.async_save)
+            except Exception as e:  # noqa: BLE001 - see below
+                if not persistent_due:
+                    raise
+                # The persistent save is collective: this process takes part whatever became
+                # of its local one (the others wait for it there).
+                self.logger.warning("tensorstash: local save of step %d failed: %s", step, e)
         if not persistent_due:
             return True
         self._pre_engine_s[step] = time.perf_counter() - started

@@ -34,11 +34,15 @@ using json = nlohmann::json;
 // number. Without a coordinator each exchange returns this process's value alone.
 class Collective {
  public:
+  // Every process must construct its Collectives in the same order: each takes the next
+  // operation id of the coordinator, so that a tier opened again on the same coordinator uses
+  // keys of its own.
   Collective(Coordinator* coordinator, std::chrono::milliseconds timeout)
       : coordinator_(coordinator),
         timeout_(timeout),
         index_(coordinator ? coordinator->process_index() : 0),
-        count_(coordinator ? coordinator->process_count() : 1) {}
+        count_(coordinator ? coordinator->process_count() : 1),
+        instance_(coordinator ? coordinator->NextOperationId() : 0) {}
 
   int index() const { return index_; }
   int count() const { return count_; }
@@ -100,7 +104,7 @@ class Collective {
 
  private:
   std::string Key(std::string_view name, int process) const {
-    return StrCat("local-tier/", sequence_, "/", name, "/", process);
+    return StrCat("local-tier/", instance_, "/", sequence_, "/", name, "/", process);
   }
 
   Status Publish(std::string_view name, std::string_view value) {
@@ -135,6 +139,7 @@ class Collective {
   std::chrono::milliseconds timeout_;
   int index_;
   int count_;
+  uint64_t instance_;
   uint64_t sequence_ = 0;
 };
 
@@ -322,7 +327,9 @@ const std::string& LocalTier::dir() const { return impl_->options.dir; }
 std::string LocalTier::url() const { return impl_->server ? impl_->server->url() : ""; }
 
 bool LocalTier::ShouldSave(int64_t step) const {
-  return impl_->manager != nullptr && impl_->manager->ShouldSave(step);
+  // From the options alone: every process must decide alike (a save is collective), whatever
+  // state its holding manager is in.
+  return step % impl_->options.save_interval_steps == 0;
 }
 
 Result<bool> LocalTier::Save(int64_t step, SaveRequest request, bool async) {
@@ -543,21 +550,31 @@ Status LocalTier::FinishRestore(const TieredRestore* restore) {
   if (restore == nullptr) return OkStatus();
   const int64_t step = restore->step;
   const std::optional<SaveKey>& save = restore->save;
+  // Holdings in the folders of other processes that are alive (on this node) are theirs to
+  // remove: their managers cache their step lists.
   std::vector<Holding> stale;
+  bool own_stale = false;
   for (Holding& h : DescribeHoldings(t.options.dir, process_index())) {
-    if (h.step > step || (h.step == step && save && h.save() != save))
-      stale.push_back(std::move(h));
+    if (!(h.step > step || (h.step == step && save && h.save() != save))) continue;
+    if (h.folder != t.folder && !Unlocked(fs::path(t.options.dir) / h.folder)) continue;
+    own_stale = own_stale || h.folder == t.folder;
+    stale.push_back(std::move(h));
   }
   if (stale.empty()) return OkStatus();
-  // The manager caches its step list: closed while the folders go, then opened again.
-  if (Status s = t.manager->Close(); !s.ok()) return s;
-  t.manager.reset();
+  // The manager caches its step list: closed while the folders go, then opened again, whatever
+  // the close returned (the error of an earlier local save, which no longer matters).
+  Status closed = OkStatus();
+  if (own_stale && t.manager != nullptr) {
+    closed = t.manager->Close();
+    t.manager.reset();
+  }
   std::error_code error;
   for (const Holding& h : stale) {
     Result<std::string> step_dir = StepStore::StepDir(h.step);
     if (step_dir.ok()) fs::remove_all(fs::path(t.options.dir) / h.folder / *step_dir, error);
   }
-  return t.OpenManager();
+  if (!closed.ok()) t.Warn(StrCat("an earlier local save failed: ", closed.message()));
+  return t.manager != nullptr ? OkStatus() : t.OpenManager();
 }
 
 Status LocalTier::Close() {

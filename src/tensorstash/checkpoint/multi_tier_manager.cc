@@ -1,26 +1,40 @@
 #include "tensorstash/checkpoint/multi_tier_manager.h"
 
+#include <cstdio>
 #include <utility>
+
+#include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
 
 MultiTierManager::MultiTierManager(std::unique_ptr<CheckpointManager> persistent,
-                                   std::unique_ptr<LocalTier> local, KvStore* persistent_kv)
-    : persistent_(std::move(persistent)), local_(std::move(local)), persistent_kv_(persistent_kv) {}
+                                   std::unique_ptr<LocalTier> local, KvStore* persistent_kv,
+                                   std::function<void(const std::string&)> warn)
+    : persistent_(std::move(persistent)),
+      local_(std::move(local)),
+      persistent_kv_(persistent_kv),
+      warn_(std::move(warn)) {}
 
 MultiTierManager::~MultiTierManager() { (void)Close(); }
 
 Result<std::unique_ptr<MultiTierManager>> MultiTierManager::Open(KvStore* persistent,
                                                                  MultiTierOptions options) {
-  if (options.local.coordinator == nullptr)
+  if (options.local.coordinator == nullptr) {
     options.local.coordinator = options.persistent.coordinator;
+  }
+  if (!options.local.warn) {
+    options.local.warn = [](const std::string& text) {
+      std::fprintf(stderr, "tensorstash: %s\n", text.c_str());
+    };
+  }
+  std::function<void(const std::string&)> warn = options.local.warn;
   Result<std::unique_ptr<CheckpointManager>> manager =
       CheckpointManager::Open(persistent, std::move(options.persistent));
   if (!manager.ok()) return manager.status();
   Result<std::unique_ptr<LocalTier>> local = LocalTier::Open(std::move(options.local));
   if (!local.ok()) return local.status();
   return std::unique_ptr<MultiTierManager>(
-      new MultiTierManager(*std::move(manager), *std::move(local), persistent));
+      new MultiTierManager(*std::move(manager), *std::move(local), persistent, std::move(warn)));
 }
 
 bool MultiTierManager::ShouldSave(int64_t step) const {
@@ -33,7 +47,12 @@ Result<bool> MultiTierManager::Save(int64_t step, SaveRequest request, bool asyn
   if (local_due) {
     // A copy: the request's arrays point at the caller's buffers, which both tiers read.
     Result<bool> saved = local_->Save(step, persistent_due ? request : std::move(request), async);
-    if (!saved.ok()) return saved.status();
+    if (!saved.ok() && !persistent_due) return saved.status();
+    // The persistent save is collective: this process takes part whatever became of its local
+    // one (the others are waiting for it); the local failure is a warning then.
+    if (!saved.ok()) {
+      warn_(StrCat("local save of step ", step, " failed: ", saved.status().message()));
+    }
   }
   if (!persistent_due) return local_due;
   TS_RETURN_IF_ERROR(async ? persistent_->SaveAsync(step, std::move(request))

@@ -23,8 +23,10 @@
 #define TENSORSTASH_CHECKPOINT_MULTI_TIER_MANAGER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "tensorstash/checkpoint/checkpoint_manager.h"
 #include "tensorstash/checkpoint/local_tier.h"
@@ -51,7 +53,9 @@ class MultiTierManager {
   bool ShouldSave(int64_t step) const;
   // Saves `step` on each tier it is due on (`force`: on both): the local tier first (its copy to
   // host memory is the stall a local save costs), then the persistent one. Returns whether
-  // anything was saved. The errors of LocalTier::Save and CheckpointManager::Save/SaveAsync.
+  // anything was saved. The errors of CheckpointManager::Save/SaveAsync; those of
+  // LocalTier::Save when only the local tier was due (else they are warnings: the persistent
+  // save, which is collective, goes on).
   Result<bool> Save(int64_t step, SaveRequest request, bool async = false, bool force = false);
 
   // Collective: the newest step the persistent tier or the local tiers together restore.
@@ -73,11 +77,12 @@ class MultiTierManager {
 
  private:
   MultiTierManager(std::unique_ptr<CheckpointManager> persistent, std::unique_ptr<LocalTier> local,
-                   KvStore* persistent_kv);
+                   KvStore* persistent_kv, std::function<void(const std::string&)> warn);
   std::unique_ptr<CheckpointManager> persistent_;
   std::unique_ptr<LocalTier> local_;
   KvStore* persistent_kv_;
-  std::optional<JobHoldings> job_;  // what the last LatestStep/OpenRestore gathered
+  std::function<void(const std::string&)> warn_;  // local.warn
+  std::optional<JobHoldings> job_;                // what the last LatestStep/OpenRestore gathered
 };
 
 }  // namespace tensorstash

@@ -270,6 +270,21 @@ TEST_F(MultiTierManagerTest, AProcessThatDoesNotComeBackIsNamedWithinTheDeadline
   });
 }
 
+TEST_F(MultiTierManagerTest, ATierOpensAgainOnTheSameCoordinator) {
+  // Each opening uses keys of its own in the coordinator's store (set-once keys).
+  RunJob(kProcesses, [&](int p, Coordinator& c) {
+    for (int round = 0; round < 2; ++round) {
+      LocalTierOptions options = Options(p, &c).local;
+      options.coordinator = &c;
+      Result<std::unique_ptr<LocalTier>> tier = LocalTier::Open(options);
+      ASSERT_TRUE(tier.ok()) << tier.status() << " (round " << round << ")";
+      Result<JobHoldings> job = (*tier)->Gather({});
+      TS_EXPECT_OK(job.status());
+      TS_EXPECT_OK((*tier)->Close());
+    }
+  });
+}
+
 TEST_F(MultiTierManagerTest, ASingleProcessSkipsTheServerAndRestoresItsOwnCopy) {
   Result<std::unique_ptr<KvStore>> kv = OpenKvStore(PersistentDir(), {.create = true});
   TS_ASSERT_OK(kv.status());

@@ -1,6 +1,7 @@
 #include "tensorstash/engine/executor.h"
 
 #include <memory>
+#include <optional>
 #include <utility>
 
 namespace tensorstash {
@@ -37,8 +38,18 @@ void Executor::Start(uint64_t bytes, bool with_buffer,
   }
   // Waiting for the bytes may have taken until a task failed: then nothing more starts.
   if (group_.failed()) return;
-  auto lease = std::make_shared<StagingPool::Lease>(
-      with_buffer && bytes > 0 ? staging_->Acquire(bytes) : StagingPool::Lease());
+  StagingPool::Lease leased;
+  if (with_buffer && bytes > 0) {
+    std::optional<StagingPool::Lease> now = staging_->TryAcquire(bytes);
+    if (!now.has_value()) {
+      // The pool's buffers are held by waiting tasks (buffers may be larger than asked for, so
+      // the cap of bytes can have room while the pool has none): they start, and free them.
+      Flush();
+      now = staging_->Acquire(bytes);
+    }
+    leased = std::move(*now);
+  }
+  auto lease = std::make_shared<StagingPool::Lease>(std::move(leased));
   if (prepare) {
     if (Status prepared = prepare(lease->data()); !prepared.ok()) {
       group_.Fail(std::move(prepared));

@@ -178,6 +178,39 @@ TEST(ExecutorTest, ASharedStagingPoolKeepsItsBuffersForTheNextExecutor) {
   }
 }
 
+TEST(ExecutorTest, PreparedTasksNeverWaitForBuffersThatWaitingTasksHold) {
+  // The shared pool keeps two 16-byte buffers from an earlier save; this save asks for 8 bytes
+  // at a time. Each lease is a 16-byte buffer, so the pool is full after two leases while the
+  // cap of bytes (8 each) still has room: the third copy must start the waiting tasks rather
+  // than wait for buffers only they can return.
+  ThreadPool pool(2);
+  StagingPool staging(32);
+  {
+    Executor earlier(&pool, 32, /*max_pending=*/0, &staging);
+    for (int i = 0; i < 2; ++i) {
+      earlier.RunPrepared(
+          16, [](char*) { return OkStatus(); }, [](char*) { return OkStatus(); });
+    }
+    TS_ASSERT_OK(earlier.Wait());
+  }
+  Executor run(&pool, 32, /*max_pending=*/0, &staging);
+  std::atomic<int> written{0};
+  for (int i = 0; i < 6; ++i) {
+    run.RunPrepared(
+        8,
+        [](char* buffer) {
+          std::memset(buffer, 7, 8);
+          return OkStatus();
+        },
+        [&](char*) {
+          ++written;
+          return OkStatus();
+        });
+  }
+  TS_ASSERT_OK(run.Wait());
+  EXPECT_EQ(written.load(), 6);
+}
+
 TEST(ExecutorTest, TheFirstFailureStopsWhatHasNotStarted) {
   ThreadPool pool(1);
   Executor run(&pool, /*cap_bytes=*/1);

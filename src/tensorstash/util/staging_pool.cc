@@ -1,6 +1,7 @@
 #include "tensorstash/util/staging_pool.h"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 namespace tensorstash {
@@ -28,11 +29,22 @@ void StagingPool::Lease::Return() {
 }
 
 StagingPool::Lease StagingPool::Acquire(size_t size) {
+  std::optional<Lease> lease = Take(size, /*wait=*/true);
+  return std::move(*lease);
+}
+
+std::optional<StagingPool::Lease> StagingPool::TryAcquire(size_t size) {
+  return Take(size, /*wait=*/false);
+}
+
+std::optional<StagingPool::Lease> StagingPool::Take(size_t size, bool wait) {
   std::vector<StagingBuffer> unmap;  // freed after the lock is dropped
   StagingBuffer buffer;
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    cv_.wait(lock, [&] { return leased_ == 0 || leased_ + size <= cap_; });
+    auto fits = [&] { return leased_ == 0 || leased_ + size <= cap_; };
+    if (!wait && !fits()) return std::nullopt;
+    cv_.wait(lock, fits);
     // The smallest free buffer that fits, unless it would push the leased bytes past the cap.
     auto best = free_.end();
     for (auto it = free_.begin(); it != free_.end(); ++it) {

@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "tensorstash/util/staging_buffer.h"
@@ -57,6 +58,9 @@ class StagingPool {
 
   // Blocks until `size` bytes fit under the cap; aborts like operator new if memory runs out.
   Lease Acquire(size_t size);
+  // As Acquire, but nullopt at once where Acquire would wait (leases held by others must come
+  // back first: the buffers leased may be larger than the sizes asked for).
+  std::optional<Lease> TryAcquire(size_t size);
 
   uint64_t cap() const { return cap_; }
   // The most bytes leased at once so far (for tests and reports).
@@ -67,6 +71,7 @@ class StagingPool {
   uint64_t held_bytes() const;
 
  private:
+  std::optional<Lease> Take(size_t size, bool wait);
   void Return(StagingBuffer buffer);
 
   const uint64_t cap_;
