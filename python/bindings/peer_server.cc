@@ -1,7 +1,8 @@
 // tensorstash._ext.PeerServer: serves this process's committed node-local steps to the other
 // processes of the job (kvstore/http/peer_server.h), read-only, to requests that carry the
 // job's secret. Only keys inside a committed step are served: "<folder>/<step>/..." where
-// "<root>/<folder>/<step>/COMMIT" exists and <step> is no temporary folder.
+// "<root>/<folder>/<step>/COMMIT" exists and <step> is a step folder name (10 digits)
+// (holdings.h, CommittedHoldingKeys).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -54,9 +55,10 @@ class PyPeerServer {
 }  // namespace
 
 void DefinePeerServer(nb::module_& m) {
-  nb::class_<PyPeerServer>(m, "PeerServer",
-                           "Serves the committed steps under `root` (\"<folder>/<step>/...\") "
-                           "read-only over HTTP to requests carrying `secret`.")
+  nb::class_<PyPeerServer>(
+      m, "PeerServer",
+      "Serves the committed steps under `root` (\"<folder>/<step: 10 digits>/...\") "
+      "read-only over HTTP to requests carrying `secret`.")
       .def(nb::init<const std::string&, const std::string&, int, const std::string&, int>(),
            nb::arg("root"), nb::kw_only(), nb::arg("address") = "127.0.0.1", nb::arg("port") = 0,
            nb::arg("secret"), nb::arg("threads") = 4,

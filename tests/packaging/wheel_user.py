@@ -24,20 +24,22 @@ mesh = Mesh(np.array(jax.devices()).reshape(8, 1), ("x", "y"))
 values = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
 state = {"params": {"w": jax.device_put(values, NamedSharding(mesh, P("x", None)))},
          "step": 7}
-tensorstash.save(os.path.join(folder, "run", "7"), state)
+# A step folder as a manager names it: the peer server serves "<folder>/<10 digits>/..." only.
+STEP = "0000000007"
+tensorstash.save(os.path.join(folder, "run", STEP), state)
 
 other = Mesh(np.array(jax.devices()).reshape(1, 8), ("x", "y"))
 target = {"params": {"w": jax.ShapeDtypeStruct((64, 32), np.float32,
                                                sharding=NamedSharding(other, P(None, "y")))},
           "step": 0}
-restored = tensorstash.restore(os.path.join(folder, "run", "7"), target)
+restored = tensorstash.restore(os.path.join(folder, "run", STEP), target)
 w = restored["params"]["w"]
 assert w.sharding.is_equivalent_to(NamedSharding(other, P(None, "y")), 2), w.sharding
 np.testing.assert_array_equal(np.asarray(w), values)
 assert restored["step"] == 7
 
 command = os.path.join(os.path.dirname(sys.executable), "tensorstash")
-verify = subprocess.run([command, "verify", os.path.join(folder, "run", "7")],
+verify = subprocess.run([command, "verify", os.path.join(folder, "run", STEP)],
                         capture_output=True, text=True)
 assert verify.returncode == 0, verify.stdout + verify.stderr
 version = subprocess.run([command, "--version"], capture_output=True, text=True, check=True)
@@ -46,7 +48,7 @@ assert version.stdout.strip() == f"tensorstash {tensorstash.__version__}", versi
 # The node-local tier's transport: the step served read-only over HTTP and read back.
 secret = "wheel-test-secret-0123456789"
 server = tensorstash._ext.PeerServer(folder, secret=secret)
-reader = tensorstash._ext.Reader.tiered([("peer", server.url, "run/7", secret)])
+reader = tensorstash._ext.Reader.tiered([("peer", server.url, f"run/{STEP}", secret)])
 out = np.empty((64, 32), np.float32)
 reader.read_many([("params/w", (0, 0), (64, 32), "float32", out.view(np.uint8).reshape(-1))])
 np.testing.assert_array_equal(out, values)
