@@ -15,6 +15,8 @@ pkg_check_modules(CURL REQUIRED IMPORTED_TARGET libcurl)
 pkg_check_modules(MICROHTTPD REQUIRED IMPORTED_TARGET libmicrohttpd)
 # SHA-256 and HMAC of the S3 request signer (src/tensorstash/kvstore/s3/sigv4.h).
 find_package(OpenSSL REQUIRED COMPONENTS Crypto)
+# The XML answers of S3 (listings, multipart uploads, errors): src/tensorstash/kvstore/s3/.
+pkg_check_modules(EXPAT REQUIRED IMPORTED_TARGET expat)
 # ISA-L (CRC-32C) has no CMake or pkg-config files in Debian: an imported target of our own.
 if(NOT TARGET tensorstash_deps::isal)
   find_path(TENSORSTASH_ISAL_INCLUDE_DIR isa-l/crc.h REQUIRED)

@@ -1,0 +1,217 @@
+#include "tensorstash/kvstore/http/http_client.h"
+
+#include <curl/curl.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <mutex>
+
+#include "tensorstash/util/str_util.h"
+
+namespace tensorstash {
+namespace {
+
+void GlobalInitOnce() {
+  static std::once_flag once;
+  std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
+}
+
+// The state of one transfer, shared with curl's callbacks.
+struct Transfer {
+  const HttpRequest* request = nullptr;
+  HttpResponse* response = nullptr;
+  CURL* curl = nullptr;
+  size_t sent = 0;  // body bytes handed to curl
+  bool status_known = false;
+  bool success = false;  // a 2xx answer: its body goes to the request's destination
+};
+
+// Called for each header line of the answer (and the status line, and those of a 100 Continue).
+size_t OnHeader(char* data, size_t, size_t n, void* user) {
+  Transfer& t = *static_cast<Transfer*>(user);
+  std::string_view line(data, n);
+  if (line.starts_with("HTTP/")) {  // a new answer starts (after a 100, or a redirect)
+    t.response->headers.clear();
+    return n;
+  }
+  const size_t colon = line.find(':');
+  if (colon == std::string_view::npos) return n;
+  std::string name(line.substr(0, colon));
+  std::transform(name.begin(), name.end(), name.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  std::string_view value = line.substr(colon + 1);
+  while (!value.empty() && std::isspace(static_cast<unsigned char>(value.front()))) {
+    value.remove_prefix(1);
+  }
+  while (!value.empty() && std::isspace(static_cast<unsigned char>(value.back()))) {
+    value.remove_suffix(1);
+  }
+  t.response->headers[std::move(name)] = std::string(value);
+  return n;
+}
+
+size_t OnBody(char* data, size_t, size_t n, void* user) {
+  Transfer& t = *static_cast<Transfer*>(user);
+  HttpResponse& r = *t.response;
+  if (!t.status_known) {  // the status line has arrived before the first body byte
+    t.status_known = true;
+    curl_easy_getinfo(t.curl, CURLINFO_RESPONSE_CODE, &r.status);
+    t.success = r.status >= 200 && r.status < 300;
+  }
+  if (t.success && t.request->dest != nullptr) {
+    if (r.received + n > t.request->dest_size) {
+      r.overflow = true;
+      return 0;  // makes curl stop with CURLE_WRITE_ERROR
+    }
+    std::memcpy(t.request->dest + r.received, data, n);
+  } else if (r.body.size() < (t.success ? SIZE_MAX : size_t{1} << 20)) {
+    r.body.append(data, n);  // an error's explanation is kept up to 1 MiB
+  }
+  r.received += n;
+  return n;
+}
+
+size_t OnSend(char* buffer, size_t size, size_t n, void* user) {
+  Transfer& t = *static_cast<Transfer*>(user);
+  const std::string_view body = t.request->body;
+  const size_t count = std::min(size * n, body.size() - t.sent);
+  std::memcpy(buffer, body.data() + t.sent, count);
+  t.sent += count;
+  return count;
+}
+
+// Rewinds the body when curl must send it again (a redirect, a reused connection that closed).
+int OnSeek(void* user, curl_off_t offset, int origin) {
+  Transfer& t = *static_cast<Transfer*>(user);
+  if (origin != SEEK_SET || offset < 0 || static_cast<size_t>(offset) > t.request->body.size()) {
+    return CURL_SEEKFUNC_FAIL;
+  }
+  t.sent = static_cast<size_t>(offset);
+  return CURL_SEEKFUNC_OK;
+}
+
+}  // namespace
+
+std::string HttpResponse::Header(std::string_view name) const {
+  auto it = headers.find(std::string(name));
+  return it == headers.end() ? std::string() : it->second;
+}
+
+// Idle curl handles: each keeps its connections open for the next request.
+struct HttpClient::Pool {
+  std::mutex mu;
+  std::vector<CURL*> idle;
+
+  ~Pool() {
+    for (CURL* curl : idle) curl_easy_cleanup(curl);
+  }
+  CURL* Take() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!idle.empty()) {
+        CURL* curl = idle.back();
+        idle.pop_back();
+        curl_easy_reset(curl);  // keeps its connections
+        return curl;
+      }
+    }
+    return curl_easy_init();
+  }
+  void Give(CURL* curl) {
+    std::lock_guard<std::mutex> lock(mu);
+    idle.push_back(curl);
+  }
+};
+
+HttpClient::HttpClient(HttpClientOptions options)
+    : options_(options), pool_(std::make_unique<Pool>()) {
+  GlobalInitOnce();
+}
+
+HttpClient::~HttpClient() = default;
+
+Result<HttpResponse> HttpClient::Perform(const HttpRequest& request, std::string_view what) const {
+  const bool https = request.url.starts_with("https://");
+  if (!request.url.starts_with("http://") && !(https && options_.allow_https)) {
+    return InvalidArgumentError(StrCat(what, ": the URL '", request.url, "' is not ",
+                                       options_.allow_https ? "http:// or https://" : "http://"));
+  }
+  CURL* curl = pool_->Take();
+  if (curl == nullptr) return InternalError("curl_easy_init failed");
+  HttpResponse response;
+  Transfer transfer{.request = &request, .response = &response, .curl = curl};
+  curl_slist* headers = nullptr;
+  for (const auto& [name, value] : request.headers) {
+    headers = curl_slist_append(headers, StrCat(name, ": ", value).c_str());
+  }
+  headers = curl_slist_append(headers, "Expect:");  // no 100-continue round trip
+  char error[CURL_ERROR_SIZE] = "";
+  curl_easy_setopt(curl, CURLOPT_URL, request.url.c_str());
+  curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
+  curl_easy_setopt(curl, CURLOPT_ERRORBUFFER, error);
+  curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(curl, CURLOPT_PROTOCOLS_STR, options_.allow_https ? "http,https" : "http");
+  curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS,
+                   static_cast<long>(options_.connect_timeout.count()));
+  if (options_.total_timeout.count() > 0) {
+    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, static_cast<long>(options_.total_timeout.count()));
+  }
+  // A transfer slower than 1 byte/s for the stall timeout is a server that is gone.
+  curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
+  curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME,
+                   std::max(1L, static_cast<long>(options_.stall_timeout.count() / 1000)));
+  // A larger receive buffer than curl's 16 KiB: fewer reads and callbacks per chunk.
+  curl_easy_setopt(curl, CURLOPT_BUFFERSIZE, 512L * 1024);
+  curl_easy_setopt(curl, CURLOPT_HEADERFUNCTION, &OnHeader);
+  curl_easy_setopt(curl, CURLOPT_HEADERDATA, &transfer);
+  curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, &OnBody);
+  curl_easy_setopt(curl, CURLOPT_WRITEDATA, &transfer);
+  if (request.method == "HEAD") {
+    curl_easy_setopt(curl, CURLOPT_NOBODY, 1L);
+  } else if (request.method == "PUT" || request.method == "POST") {
+    curl_easy_setopt(curl, CURLOPT_UPLOAD, 1L);
+    curl_easy_setopt(curl, CURLOPT_READFUNCTION, &OnSend);
+    curl_easy_setopt(curl, CURLOPT_READDATA, &transfer);
+    curl_easy_setopt(curl, CURLOPT_SEEKFUNCTION, &OnSeek);
+    curl_easy_setopt(curl, CURLOPT_SEEKDATA, &transfer);
+    curl_easy_setopt(curl, CURLOPT_INFILESIZE_LARGE,
+                     static_cast<curl_off_t>(request.body.size()));
+    curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, request.method.c_str());
+  } else if (request.method != "GET") {
+    curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, request.method.c_str());
+  }
+  const CURLcode done = curl_easy_perform(curl);
+  curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &response.status);
+  curl_slist_free_all(headers);
+  curl_easy_setopt(curl, CURLOPT_ERRORBUFFER, nullptr);
+  if (done == CURLE_OK) {
+    pool_->Give(curl);
+  } else {
+    curl_easy_cleanup(curl);  // its connection may be broken
+  }
+  if (response.overflow) return response;  // the caller says what was too long
+  if (done != CURLE_OK) {
+    return UnavailableError(
+        StrCat(what, ": ", error[0] != '\0' ? error : curl_easy_strerror(done)));
+  }
+  return response;
+}
+
+std::string UrlEscape(std::string_view text) {
+  static constexpr char kHex[] = "0123456789ABCDEF";
+  std::string out;
+  out.reserve(text.size());
+  for (unsigned char c : text) {
+    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~') {
+      out += static_cast<char>(c);
+    } else {
+      out += '%';
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    }
+  }
+  return out;
+}
+
+}  // namespace tensorstash
