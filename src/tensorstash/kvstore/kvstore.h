@@ -93,6 +93,11 @@ struct KvStoreCapabilities {
   bool locks = false;              // TryLock
   bool mapping = false;            // ReadableFile::MapAt
   bool pinned_views = false;       // OpenFolderView pins the folder
+  // Object-store semantics (S3): a file written through OpenForWrite appears whole at Sync or
+  // Close, never before; there are no directories, so a key may be an object and a prefix of
+  // others at once; an open ReadableFile of an object replaced since fails (FailedPrecondition)
+  // instead of reading the old bytes.
+  bool object_store = false;
 };
 
 // An object's size and generation: an opaque string that changes whenever the object is

@@ -113,10 +113,11 @@ class KvStoreReadConformanceTest : public ::testing::TestWithParam<ReadableKvSto
                            })
 
 // The read suite against `backends` (a std::vector<ReadableKvStoreBackend>).
-#define TS_INSTANTIATE_KVSTORE_READ_CONFORMANCE(prefix, backends)                             \
-  INSTANTIATE_TEST_SUITE_P(prefix, KvStoreReadConformanceTest, ::testing::ValuesIn(backends), \
-                           [](const ::testing::TestParamInfo<ReadableKvStoreBackend>& info) { \
-                             return info.param.name;                                          \
-                           })
+#define TS_INSTANTIATE_KVSTORE_READ_CONFORMANCE(prefix, backends)              \
+  INSTANTIATE_TEST_SUITE_P(                                                    \
+      prefix, KvStoreReadConformanceTest, ::testing::ValuesIn(backends),       \
+      [](const ::testing::TestParamInfo<ReadableKvStoreBackend>& param_info) { \
+        return param_info.param.name;                                          \
+      })
 
 #endif  // TENSORSTASH_KVSTORE_KVSTORE_CONFORMANCE_H_

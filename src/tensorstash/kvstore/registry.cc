@@ -7,6 +7,7 @@
 
 #include "tensorstash/kvstore/file/file_kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
+#include "tensorstash/kvstore/s3/s3_kvstore.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
@@ -30,6 +31,7 @@ void EnsureBuiltins() {
   std::call_once(once, [] {
     (void)RegisterFileKvStore();
     (void)RegisterMemoryKvStore();
+    (void)RegisterS3KvStore();
   });
 }
 

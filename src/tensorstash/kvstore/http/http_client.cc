@@ -175,8 +175,7 @@ Result<HttpResponse> HttpClient::Perform(const HttpRequest& request, std::string
     curl_easy_setopt(curl, CURLOPT_READDATA, &transfer);
     curl_easy_setopt(curl, CURLOPT_SEEKFUNCTION, &OnSeek);
     curl_easy_setopt(curl, CURLOPT_SEEKDATA, &transfer);
-    curl_easy_setopt(curl, CURLOPT_INFILESIZE_LARGE,
-                     static_cast<curl_off_t>(request.body.size()));
+    curl_easy_setopt(curl, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(request.body.size()));
     curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, request.method.c_str());
   } else if (request.method != "GET") {
     curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, request.method.c_str());

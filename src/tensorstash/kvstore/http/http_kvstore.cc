@@ -78,9 +78,8 @@ struct HttpKvStore::Impl {
     }
     if (text != nullptr) *text = std::move(response.body);
     if (size > 0 && response.received != size) {
-      return DataLossError(StrCat("'", key, "' on peer ", url, " is truncated: ",
-                                  response.received, " of the ", size, " bytes at offset ",
-                                  offset, " arrived"));
+      return DataLossError(StrCat("'", key, "' on peer ", url, " is truncated: ", response.received,
+                                  " of the ", size, " bytes at offset ", offset, " arrived"));
     }
     return OkStatus();
   }

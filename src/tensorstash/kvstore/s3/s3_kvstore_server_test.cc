@@ -1,0 +1,315 @@
+// The S3 store against real servers (tests/s3/s3_servers.py): SeaweedFS (signatures checked) and
+// moto run the conformance suites and the tests below; rclone's "serve s3", which ignores
+// conditional headers and ranges, runs the S3DegradedServer tests. ctest starts each server
+// (fixtures in CMakeLists.txt) and names its server.env in TS_S3_ENV_FILE; without it every
+// test here fails (a missing server is an error, never a pass).
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tensorstash/kvstore/kvstore_conformance.h"
+#include "tensorstash/kvstore/s3/s3_kvstore.h"
+#include "tensorstash/util/random_id.h"
+#include "tensorstash/util/status_test_macros.h"
+#include "tensorstash/util/str_util.h"
+
+namespace tensorstash {
+namespace {
+
+// The server's settings, from the file that s3_servers.py wrote.
+std::map<std::string, std::string> ServerEnv() {
+  std::map<std::string, std::string> env;
+  const char* path = std::getenv("TS_S3_ENV_FILE");
+  if (path == nullptr) return env;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t eq = line.find('=');
+    if (eq != std::string::npos) env[line.substr(0, eq)] = line.substr(eq + 1);
+  }
+  return env;
+}
+
+// Options for a store on the test server under a fresh prefix.
+S3KvStoreOptions TestOptions(std::string prefix = "") {
+  std::map<std::string, std::string> env = ServerEnv();
+  S3KvStoreOptions options;
+  options.bucket = env["TS_S3_BUCKET"];
+  options.prefix = prefix.empty() ? StrCat("t-", RandomHexId(12)) : prefix;
+  options.settings.endpoint = env["TS_S3_ENDPOINT"];
+  options.settings.region = env.count("TS_S3_REGION") ? env["TS_S3_REGION"] : "us-east-1";
+  options.settings.path_style = true;
+  options.credentials = StaticCredentials({.access_key_id = env["AWS_ACCESS_KEY_ID"],
+                                           .secret_access_key = env["AWS_SECRET_ACCESS_KEY"],
+                                           .session_token = ""});
+  options.part_size = size_t{5} << 20;
+  options.initial_backoff = std::chrono::milliseconds(5);
+  return options;
+}
+
+std::unique_ptr<S3KvStore> OpenOrNull(S3KvStoreOptions options) {
+  Result<std::unique_ptr<S3KvStore>> store = S3KvStore::Open(std::move(options));
+  if (!store.ok()) {
+    ADD_FAILURE() << store.status();
+    return nullptr;
+  }
+  return std::move(*store);
+}
+
+class S3ServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_FALSE(ServerEnv().empty())
+        << "TS_S3_ENV_FILE does not name a server.env (run through ctest, which starts the server)";
+  }
+};
+
+// --- The whole KvStore interface, on a fresh prefix per test. ---
+TS_INSTANTIATE_KVSTORE_CONFORMANCE(
+    S3, std::vector<KvStoreBackend>({{"Server", [](const std::string&) -> std::unique_ptr<KvStore> {
+                                        S3KvStoreOptions options = TestOptions();
+                                        options.probe = true;
+                                        return OpenOrNull(std::move(options));
+                                      }}}));
+
+TS_INSTANTIATE_KVSTORE_READ_CONFORMANCE(
+    S3, std::vector<ReadableKvStoreBackend>(
+            {{"Server",
+              [](const std::string&,
+                 const std::map<std::string, std::string>& contents) -> std::unique_ptr<KvStore> {
+                std::unique_ptr<S3KvStore> store = OpenOrNull(TestOptions());
+                if (store == nullptr) return nullptr;
+                for (const auto& [key, value] : contents) {
+                  if (Status written = store->Write(key, value); !written.ok()) {
+                    ADD_FAILURE() << written;
+                    return nullptr;
+                  }
+                }
+                return store;
+              }}}));
+
+using S3StoreTest = S3ServerTest;
+
+TEST_F(S3StoreTest, KeysThatNeedEncodingRoundTrip) {
+  std::unique_ptr<S3KvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  const std::vector<std::string> keys = {"dir/a b.bin",   "dir/x+y",        "dir/p%2Fq",
+                                         "dir/k=v&w",     "dir/ключ/ü.txt", "dir/~t(1)*",
+                                         "dir/semi;colon"};
+  for (const std::string& key : keys) TS_ASSERT_OK(store->Write(key, "v:" + key));
+  for (const std::string& key : keys) {
+    Result<std::string> value = store->Read(key);
+    ASSERT_TRUE(value.ok()) << key << ": " << value.status();
+    EXPECT_EQ(*value, "v:" + key);
+  }
+  Result<std::vector<std::string>> listed = store->List("dir/");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  std::vector<std::string> expected = keys;
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(*listed, expected);
+  Result<ListedChildren> children = store->ListChildren("dir/");
+  ASSERT_TRUE(children.ok()) << children.status();
+  EXPECT_EQ(children->prefixes, std::vector<std::string>({"dir/ключ/"}));
+  EXPECT_EQ(children->keys.size(), keys.size() - 1);
+}
+
+TEST_F(S3StoreTest, ListingGoesPastOnePage) {
+  S3KvStoreOptions options = TestOptions();
+  options.list_page_size = 7;
+  std::unique_ptr<S3KvStore> store = OpenOrNull(std::move(options));
+  ASSERT_NE(store, nullptr);
+  std::vector<std::string> expected;
+  for (int i = 0; i < 23; ++i) {
+    expected.push_back(StrCat("many/", 100 + i));
+    TS_ASSERT_OK(store->Write(expected.back(), "x"));
+  }
+  for (int i = 0; i < 9; ++i) TS_ASSERT_OK(store->Write(StrCat("many/sub", i, "/k"), "x"));
+  Result<std::vector<std::string>> listed = store->List("many/");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_EQ(listed->size(), 32u);
+  Result<ListedChildren> children = store->ListChildren("many/");
+  ASSERT_TRUE(children.ok()) << children.status();
+  EXPECT_EQ(children->keys, expected);
+  EXPECT_EQ(children->prefixes.size(), 9u);
+}
+
+TEST_F(S3StoreTest, LargeFileGoesUpInPartsAndAppearsWhole) {
+  std::unique_ptr<S3KvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  const size_t size = (size_t{12} << 20) + 12345;  // two full 5 MiB parts and a short one
+  std::string bytes(size, '\0');
+  for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<char>((i * 131) >> 7);
+  Result<std::unique_ptr<WritableFile>> file = store->OpenForWrite("big/data");
+  ASSERT_TRUE(file.ok()) << file.status();
+  // Three threads, each writing every third 1 MiB block, the last first.
+  std::vector<std::thread> threads;
+  std::vector<Status> results(3);
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      const size_t block = size_t{1} << 20;
+      const size_t blocks = (size + block - 1) / block;
+      for (size_t b = blocks; b-- > 0;) {
+        if (b % 3 != static_cast<size_t>(t)) continue;
+        const size_t length = std::min(block, size - b * block);
+        Status status = (*file)->WriteAt(b * block, bytes.data() + b * block, length);
+        if (!status.ok()) results[t] = status;
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (const Status& status : results) TS_ASSERT_OK(status);
+  EXPECT_TRUE(absl::IsNotFound(store->Size("big/data").status()))
+      << "an object must not appear before its upload completes";
+  TS_ASSERT_OK((*file)->Sync());
+  TS_ASSERT_OK((*file)->Close());
+  Result<std::string> back = store->Read("big/data");
+  ASSERT_TRUE(back.ok()) << back.status();
+  ASSERT_EQ(back->size(), size);
+  EXPECT_TRUE(*back == bytes);
+  std::string middle(1000, '\0');
+  TS_ASSERT_OK(store->ReadRange("big/data", (size_t{5} << 20) - 500, 1000, middle.data()));
+  EXPECT_EQ(middle, bytes.substr((size_t{5} << 20) - 500, 1000));
+}
+
+TEST_F(S3StoreTest, ReadOfAReplacedObjectNamesIt) {
+  std::unique_ptr<S3KvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("step/data", "original bytes"));
+  Result<ObjectInfo> info = store->Stat("step/data");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_FALSE(info->generation.empty());
+  char buffer[8];
+  TS_ASSERT_OK(store->ReadRangeAtGeneration("step/data", info->generation, 0, 8, buffer));
+  Result<std::unique_ptr<ReadableFile>> file = store->OpenForRead("step/data");
+  ASSERT_TRUE(file.ok()) << file.status();
+  TS_ASSERT_OK(store->Write("step/data", "REPLACED bytes"));
+  const Status stale = store->ReadRangeAtGeneration("step/data", info->generation, 0, 8, buffer);
+  EXPECT_TRUE(absl::IsFailedPrecondition(stale)) << stale;
+  EXPECT_NE(stale.message().find("step/data"), std::string_view::npos) << stale;
+  const Status through_file = (*file)->ReadAt(0, 8, buffer);
+  EXPECT_TRUE(absl::IsFailedPrecondition(through_file)) << through_file;
+}
+
+TEST_F(S3StoreTest, ProbeFindsConditionalWritesAndRanges) {
+  S3KvStoreOptions options = TestOptions();
+  options.probe = true;
+  std::unique_ptr<S3KvStore> store = OpenOrNull(std::move(options));
+  ASSERT_NE(store, nullptr);
+  EXPECT_TRUE(store->Capabilities().conditional_write);
+  EXPECT_TRUE(store->Capabilities().generations);
+  Result<std::vector<std::string>> left = store->List("");
+  ASSERT_TRUE(left.ok()) << left.status();
+  EXPECT_TRUE(left->empty()) << "the probe left " << left->front();
+}
+
+TEST_F(S3StoreTest, AnExpiredLeaseIsTakenOver) {
+  S3KvStoreOptions options = TestOptions();
+  std::unique_ptr<S3KvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  // A holder that died an hour ago.
+  TS_ASSERT_OK(
+      store->Write("LOCK", R"({"holder":"dead","host":"gone","pid":1,"expires_unix_ms":1})"));
+  Result<std::unique_ptr<KvLock>> lock = store->TryLock("LOCK");
+  ASSERT_TRUE(lock.ok()) << lock.status();
+  Result<std::unique_ptr<KvLock>> second = store->TryLock("LOCK");
+  EXPECT_TRUE(absl::IsFailedPrecondition(second.status())) << second.status();
+  EXPECT_NE(second.status().message().find("locked by another manager"), std::string_view::npos);
+  lock->reset();
+  EXPECT_TRUE(absl::IsNotFound(store->Size("LOCK").status())) << "a released lease is deleted";
+}
+
+TEST_F(S3StoreTest, UploadsOfAKilledWriterAreListedAndAborted) {
+  S3KvStoreOptions options = TestOptions();
+  const std::string prefix = options.prefix;
+  // A child writes one whole part (which starts a multipart upload) and dies without closing.
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    Result<std::unique_ptr<S3KvStore>> store = S3KvStore::Open(options);
+    if (!store.ok()) _exit(2);
+    Result<std::unique_ptr<WritableFile>> file = (*store)->OpenForWrite("dying/data");
+    if (!file.ok()) _exit(3);
+    std::string part(size_t{5} << 20, 'x');
+    _exit((*file)->WriteAt(0, part.data(), part.size()).ok() ? 0 : 4);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(child, &wstatus, 0), child);
+  ASSERT_TRUE(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0) << wstatus;
+  std::unique_ptr<S3KvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  Result<std::vector<S3KvStore::PendingUpload>> pending = store->ListPendingUploads("");
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  ASSERT_EQ(pending->size(), 1u);
+  EXPECT_EQ((*pending)[0].key, "dying/data");
+  TS_ASSERT_OK(store->AbortUpload((*pending)[0]));
+  pending = store->ListPendingUploads("");
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_TRUE(pending->empty());
+  EXPECT_TRUE(absl::IsNotFound(store->Size("dying/data").status()));
+}
+
+// Only for servers that check signatures (ctest leaves it out for moto).
+TEST_F(S3StoreTest, AWrongSecretIsPermissionDenied) {
+  S3KvStoreOptions options = TestOptions();
+  std::map<std::string, std::string> env = ServerEnv();
+  options.credentials = StaticCredentials({.access_key_id = env["AWS_ACCESS_KEY_ID"],
+                                           .secret_access_key = "not-the-secret",
+                                           .session_token = ""});
+  std::unique_ptr<S3KvStore> store = OpenOrNull(std::move(options));
+  ASSERT_NE(store, nullptr);
+  const Status denied = store->Write("k", "v");
+  EXPECT_TRUE(absl::IsPermissionDenied(denied)) << denied;
+  EXPECT_NE(denied.message().find("credentials"), std::string_view::npos) << denied;
+  const Status read = store->Read("k").status();
+  EXPECT_TRUE(absl::IsPermissionDenied(read)) << read;
+}
+
+TEST_F(S3StoreTest, AMissingBucketIsNotFound) {
+  S3KvStoreOptions options = TestOptions();
+  options.bucket = "no-such-bucket-" + RandomHexId(8);
+  options.probe = true;
+  Result<std::unique_ptr<S3KvStore>> store = S3KvStore::Open(std::move(options));
+  ASSERT_FALSE(store.ok());
+  EXPECT_TRUE(absl::IsNotFound(store.status())) << store.status();
+  EXPECT_NE(store.status().message().find("does not exist"), std::string_view::npos);
+}
+
+// --- rclone's "serve s3": ignores If-None-Match and Range. ---
+using S3DegradedServerTest = S3ServerTest;
+
+TEST_F(S3DegradedServerTest, ProbeRefusesCreateOnlyWritesAndSaysWhy) {
+  S3KvStoreOptions options = TestOptions();
+  options.probe = true;
+  std::unique_ptr<S3KvStore> store = OpenOrNull(std::move(options));
+  ASSERT_NE(store, nullptr);
+  EXPECT_FALSE(store->Capabilities().conditional_write);
+  EXPECT_FALSE(store->Capabilities().generations);
+  const Status refused = store->WriteIfAbsent("COMMIT", "x");
+  EXPECT_TRUE(absl::IsFailedPrecondition(refused)) << refused;
+  EXPECT_NE(refused.message().find("If-None-Match"), std::string_view::npos) << refused;
+  EXPECT_TRUE(absl::IsNotFound(store->Size("COMMIT").status())) << "nothing was written";
+}
+
+TEST_F(S3DegradedServerTest, ARangeAnsweredWholeIsAnErrorNeverWrongBytes) {
+  std::unique_ptr<S3KvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("k", "0123456789"));
+  char buffer[3] = {};
+  const Status ranged = store->ReadRange("k", 4, 3, buffer);
+  if (ranged.ok()) {
+    EXPECT_EQ(std::string(buffer, 3), "456");  // a server that honours ranges after all
+  } else {
+    EXPECT_TRUE(absl::IsFailedPrecondition(ranged)) << ranged;
+  }
+}
+
+}  // namespace
+}  // namespace tensorstash
