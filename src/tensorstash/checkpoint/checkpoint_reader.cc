@@ -14,6 +14,7 @@
 #include "tensorstash/array/chunk_grid.h"
 #include "tensorstash/array/convert.h"
 #include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/checkpoint/object_store_commit.h"
 #include "tensorstash/engine/executor.h"
 #include "tensorstash/engine/read_plan.h"
 #include "tensorstash/format/chunk_codec.h"
@@ -195,7 +196,7 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, st
     if (impl->options.io_threads <= 0) impl->options.io_threads = DefaultIoThreads();
     // Everything is read through a view of the folder pinned now (where the store can pin):
     // COMMIT, tree.json, the index and the data files all come from one version of the step.
-    Result<std::unique_ptr<KvStore>> view = kv->OpenFolderView(dir);
+    Result<std::unique_ptr<KvStore>> view = OpenCommittedStep(kv, dir);
     Status loaded = view.status();
     if (view.ok()) {
       impl->folder_view = *std::move(view);
@@ -214,7 +215,10 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, st
     const bool may_be_replacement =
         absl::IsDataLoss(loaded) || absl::IsNotFound(loaded) || absl::IsFailedPrecondition(loaded);
     if (attempt + 1 >= kMaxAttempts || !may_be_replacement) return loaded;
-    Result<std::string> now = ReadCommitText(kv, StrCat(dir, "/", kCommitFileName));
+    Result<std::unique_ptr<KvStore>> again = OpenCommittedStep(kv, dir);
+    Result<std::string> now = again.ok()
+                                  ? ReadCommitText(again->get(), StrCat(dir, "/", kCommitFileName))
+                                  : again.status();
     if (!now.ok() || *now == impl->commit_text) return loaded;
     std::this_thread::sleep_for(std::chrono::milliseconds(1 << attempt));
   }

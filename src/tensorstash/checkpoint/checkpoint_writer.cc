@@ -39,6 +39,7 @@
 
 #include "tensorstash/array/chunk_grid.h"
 #include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/checkpoint/object_store_commit.h"
 #include "tensorstash/checkpoint/step_folder.h"
 #include "tensorstash/coordination/single_process_coordinator.h"
 #include "tensorstash/engine/data_file_set.h"
@@ -355,6 +356,27 @@ Result<std::string> CheckpointWriter::Impl::PrepareStepFolder() {
   // tensorstash did not write.
   TS_ASSIGN_OR_RETURN(FolderContent content, ClassifyStepFolder(kv, dir));
   nonce = RandomHexId();
+  if (UsesCommitRecords(*kv)) {
+    // An object store: the files go under a fresh attempt prefix, and nothing is deleted here
+    // (an attempt without a record may be another writer's, in progress; object_store_commit.h).
+    TS_ASSIGN_OR_RETURN(content, CheckSaveDestination(kv, dir, options.overwrite));
+    if (content == FolderContent::kOrbaxCheckpoint) {
+      return FailedPreconditionError(
+          StrCat("'", dir, "' in ", kv->Describe(),
+                 " holds an Orbax checkpoint, which an object store cannot replace in place; "
+                 "delete it first"));
+    }
+    return StrCat(dir, "/", kAttemptPrefix, nonce);
+  }
+  if (kv->Capabilities().object_store &&
+      ((options.overwrite && content == FolderContent::kTensorstashStep) ||
+       coordinator->process_count() > 1)) {
+    // Without create-only writes a step can only be written in place, by one writer.
+    return FailedPreconditionError(
+        StrCat(kv->Describe(), " does not honour create-only writes (If-None-Match), so ",
+               options.overwrite ? "overwriting a step" : "a save by several processes",
+               " cannot be made safe there and is refused"));
+  }
   if (kv->SupportsRename()) {
     // Leftovers of earlier saves of this step: "<dir>.tmp-<id>" (failed or crashed saves) and
     // "<dir>.old-<id>" (a replaced step whose removal was cut short). When <dir> has no COMMIT
@@ -734,6 +756,9 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local,
   for (const DataFileInfo& f : merged.files) item.data_bytes += f.size;
   item.num_arrays = arrays.size();
   record.files = std::move(committed_files);
+  if (UsesCommitRecords(*kv)) {  // an object store: a create-only record names the attempt
+    return CommitAttempt(kv, dir, work_dir, std::move(record), options.overwrite);
+  }
   const std::string commit_key = StrCat(work_dir, "/", kCommitFileName);
   TS_RETURN_IF_ERROR(kv->Write(commit_key, EncodeCommitRecord(record)));
   // Sync(key) also syncs the key's folder, work_dir: its entries (COMMIT, state/) are durable.

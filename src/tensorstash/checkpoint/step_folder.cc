@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/checkpoint/object_store_commit.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/format/orbax_names.h"
 #include "tensorstash/util/random_id.h"
@@ -44,6 +45,13 @@ bool IsTensorstashStepKey(std::string_view key) {
     key = key.substr(0, tmp);
   }
   if (key == kCommitFileName || key == kMetadataFileName || key == kMetricsFileName) return true;
+  // Steps on object stores: numbered commit records, and attempts holding a step's files.
+  if (ParseCommitRecordName(key)) return true;
+  if (const size_t slash = key.find('/');
+      slash != std::string_view::npos && IsAttemptName(key.substr(0, slash))) {
+    const std::string_view inside = key.substr(slash + 1);
+    return inside != kCommitFileName && IsTensorstashStepKey(inside);
+  }
   std::string_view rest = key;
   if (ConsumePrefix(&rest, kProcessStateFolder) && ConsumePrefix(&rest, "/"))
     return AllDigits(rest);

@@ -93,6 +93,26 @@ Result<CommitRecord> DecodeImpl(std::string_view text, std::string_view where) {
       record.files[name] = {size.get<uint64_t>(), static_cast<uint32_t>(crc.get<uint64_t>())};
     }
   }
+  if (doc.contains("attempt")) {
+    const json& attempt = doc["attempt"];
+    if (!attempt.is_string() || !ValidateKey(attempt.get<std::string>()).ok() ||
+        attempt.get<std::string>().find('/') != std::string::npos) {
+      return bad("\"attempt\" is not a folder name");
+    }
+    record.attempt = attempt.get<std::string>();
+    const json& objects = doc.at("objects");
+    if (!objects.is_object()) return bad("\"objects\" is not an object");
+    for (const auto& [name, object] : objects.items()) {
+      if (!ValidateKey(name).ok()) return bad(StrCat("invalid object name \"", name, "\""));
+      if (!object.is_object()) return bad(StrCat("object \"", name, "\" is not an object"));
+      const json& size = object.at("size");
+      const json& generation = object.at("generation");
+      if (!size.is_number_unsigned() || !generation.is_string()) {
+        return bad(StrCat("object \"", name, "\": \"size\" or \"generation\" is malformed"));
+      }
+      record.objects[name] = {size.get<uint64_t>(), generation.get<std::string>()};
+    }
+  }
   return record;
 }
 
@@ -101,7 +121,8 @@ Result<CommitRecord> DecodeImpl(std::string_view text, std::string_view where) {
 std::string EncodeCommitRecord(const CommitRecord& record) {
   json doc;
   doc["format"] = kCommitFormatName;
-  doc["version"] = {kCommitMajorVersion, record.files.empty() ? 0 : kCommitMinorVersion};
+  doc["version"] = {kCommitMajorVersion,
+                    !record.attempt.empty() ? 2 : (record.files.empty() ? 0 : 1)};
   doc["created_unix_ms"] = record.created_unix_ms;
   doc["process_count"] = record.process_count;
   json items = json::object();
@@ -117,6 +138,14 @@ std::string EncodeCommitRecord(const CommitRecord& record) {
       files[name] = {{"size", f.size}, {"crc32c", f.crc32c}};
     }
     doc["files"] = std::move(files);
+  }
+  if (!record.attempt.empty()) {
+    doc["attempt"] = record.attempt;
+    json objects = json::object();
+    for (const auto& [name, o] : record.objects) {
+      objects[name] = {{"size", o.size}, {"generation", o.generation}};
+    }
+    doc["objects"] = std::move(objects);
   }
   return doc.dump(1) + "\n";
 }

@@ -20,8 +20,9 @@
 namespace tensorstash {
 
 inline constexpr int kCommitMajorVersion = 1;
-// 1.1 adds "files"; a record without files is written as 1.0.
-inline constexpr int kCommitMinorVersion = 1;
+// 1.1 adds "files"; 1.2 adds "attempt" and "objects" (steps on object stores). A record is
+// written with the lowest minor version that holds what it says.
+inline constexpr int kCommitMinorVersion = 2;
 inline constexpr char kCommitFileName[] = "COMMIT";
 inline constexpr uint64_t kMaxCommitRecordBytes = 1 << 20;
 
@@ -42,11 +43,24 @@ struct CommitFile {
   bool operator==(const CommitFile&) const = default;
 };
 
+// An object of a step on an object store, as committed: its size and ETag (the store's
+// generation), so that a reader detects an object replaced after the commit.
+struct CommitObject {
+  uint64_t size = 0;
+  std::string generation;
+  bool operator==(const CommitObject&) const = default;
+};
+
 struct CommitRecord {
   int64_t created_unix_ms = 0;
   int process_count = 1;
   std::map<std::string, CommitItem> items;  // item name ("state") -> its checks
   std::map<std::string, CommitFile> files;  // path inside the step folder -> its checks
+  // Steps on object stores (docs/format.md, "Steps on object stores"): the folder inside the
+  // step that holds this commit's files ("attempt-<16 hex>"), and every object in it, by path
+  // relative to it. Empty for steps written in place or renamed into place.
+  std::string attempt;
+  std::map<std::string, CommitObject> objects;
   bool operator==(const CommitRecord&) const = default;
 };
 

@@ -177,7 +177,12 @@ struct S3KvStore::Impl {
       request.dest_size = call.dest_size;
       request.headers = call.headers;
       request.headers.emplace_back("host", host_header);
-      TS_ASSIGN_OR_RETURN(AwsCredentials credentials, options.credentials->Get());
+      Result<AwsCredentials> got = options.credentials->Get();
+      if (absl::IsNotFound(got.status())) {
+        // No credentials anywhere: a refusal, never "no such checkpoint".
+        return PermissionDeniedError(StrCat(what, ": ", got.status().message()));
+      }
+      TS_ASSIGN_OR_RETURN(AwsCredentials credentials, std::move(got));
       if (!credentials.access_key_id.empty()) {
         SigV4Request to_sign{.method = call.method,
                              .path = path,

@@ -10,11 +10,14 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tensorstash/checkpoint/checkpoint_reader.h"
+#include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/kvstore/kvstore_conformance.h"
 #include "tensorstash/kvstore/s3/s3_kvstore.h"
 #include "tensorstash/util/random_id.h"
@@ -280,6 +283,115 @@ TEST_F(S3StoreTest, AMissingBucketIsNotFound) {
   ASSERT_FALSE(store.ok());
   EXPECT_TRUE(absl::IsNotFound(store.status())) << store.status();
   EXPECT_NE(store.status().message().find("does not exist"), std::string_view::npos);
+}
+
+// --- Checkpoints on the store: commit without rename (checkpoint/object_store_commit.h). ---
+using S3CheckpointTest = S3ServerTest;
+
+// Saves step `dir` holding one int64 array of 1000 elements, all `value`.
+Status SaveFilled(KvStore* kv, const std::string& dir, int64_t value, bool overwrite) {
+  std::vector<int64_t> data(1000, value);
+  WriterOptions options;
+  options.overwrite = overwrite;
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
+                      CheckpointWriter::Create(kv, dir, options));
+  TS_RETURN_IF_ERROR(writer->AddArray({.path = "x", .dtype = DType::kInt64, .shape = {1000}},
+                                      {{.box = Box::FromShape({1000}), .data = data.data()}}));
+  return writer->Commit();
+}
+
+// The value of every element of the step's array (-1 when they differ).
+Result<int64_t> RestoreFilled(KvStore* kv, const std::string& dir) {
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(kv, dir));
+  std::vector<int64_t> data(1000, -7);
+  TS_RETURN_IF_ERROR(reader->Read(
+      {.path = "x", .box = Box::FromShape({1000}), .dtype = DType::kInt64, .dest = data.data()}));
+  for (int64_t v : data) {
+    if (v != data[0]) return int64_t{-1};
+  }
+  return data[0];
+}
+
+TEST_F(S3CheckpointTest, OfWritersCommittingOneStepAtOnceExactlyOneWins) {
+  S3KvStoreOptions options = TestOptions();
+  options.probe = true;
+  std::unique_ptr<S3KvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->Capabilities().conditional_write);
+  constexpr int kWriters = 8;
+  std::vector<Status> results(kWriters);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kWriters; ++i) {
+    threads.emplace_back(
+        [&, i] { results[i] = SaveFilled(store.get(), "0000000001", 100 + i, false); });
+  }
+  for (std::thread& thread : threads) thread.join();
+  int winner = -1;
+  for (int i = 0; i < kWriters; ++i) {
+    if (results[i].ok()) {
+      EXPECT_EQ(winner, -1) << "two writers committed the step";
+      winner = i;
+    } else {
+      EXPECT_TRUE(absl::IsAlreadyExists(results[i])) << results[i];
+    }
+  }
+  ASSERT_NE(winner, -1) << results[0];
+  Result<int64_t> restored = RestoreFilled(store.get(), "0000000001");
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(*restored, 100 + winner);
+}
+
+TEST_F(S3CheckpointTest, AnOverwriteIsANewRecordAndTheOldAttemptGoes) {
+  S3KvStoreOptions options = TestOptions();
+  options.probe = true;
+  std::unique_ptr<S3KvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(SaveFilled(store.get(), "0000000005", 1, false));
+  const Status again = SaveFilled(store.get(), "0000000005", 2, false);
+  EXPECT_TRUE(absl::IsAlreadyExists(again)) << again;
+  TS_ASSERT_OK(SaveFilled(store.get(), "0000000005", 3, true));
+  TS_ASSERT_OK(SaveFilled(store.get(), "0000000005", 4, true));
+  Result<int64_t> restored = RestoreFilled(store.get(), "0000000005");
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(*restored, 4);
+  Result<ListedChildren> children = store->ListChildren("0000000005/");
+  ASSERT_TRUE(children.ok()) << children.status();
+  // The step's mark, the newest record, and one attempt.
+  EXPECT_EQ(children->keys,
+            std::vector<std::string>({"0000000005/COMMIT", "0000000005/COMMIT.0000000003"}));
+  // One attempt holds objects (SeaweedFS may still list the emptied folders of the others).
+  Result<std::vector<std::string>> keys = store->List("0000000005/");
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  std::set<std::string> attempts;
+  for (const std::string& key : *keys) {
+    const size_t slash = key.find('/', 11);
+    if (slash != std::string::npos) attempts.insert(key.substr(11, slash - 11));
+  }
+  EXPECT_EQ(attempts.size(), 1u);
+}
+
+TEST_F(S3CheckpointTest, AnObjectReplacedAfterTheCommitIsNamedNeverRead) {
+  std::unique_ptr<S3KvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(SaveFilled(store.get(), "0000000009", 5, false));
+  Result<std::vector<std::string>> keys = store->List("0000000009/");
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  std::string data_key;
+  for (const std::string& key : *keys) {
+    if (key.ends_with(".dat")) data_key = key;
+  }
+  ASSERT_FALSE(data_key.empty());
+  Result<std::string> bytes = store->Read(data_key);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  // The same bytes, written again: a new ETag, so not the committed object any more.
+  TS_ASSERT_OK(store->Write(data_key, *bytes + ""));
+  std::string changed = *bytes;
+  changed[changed.size() / 2] ^= 1;
+  TS_ASSERT_OK(store->Write(data_key, changed));
+  Result<int64_t> restored = RestoreFilled(store.get(), "0000000009");
+  ASSERT_FALSE(restored.ok()) << "read " << *restored;
+  EXPECT_NE(restored.status().message().find(data_key), std::string_view::npos)
+      << restored.status();
 }
 
 // --- rclone's "serve s3": ignores If-None-Match and Range. ---

@@ -1,0 +1,66 @@
+// Steps on object stores: commit without rename (docs/format.md, "Steps on object stores").
+//
+// An object store cannot rename a folder into place, and an object overwritten in place can be
+// read half old, half new. So a save there never writes where a reader looks:
+//   <step>/attempt-<16 hex>/...   the files of one save attempt, under a fresh prefix, never
+//                                 overwritten (each process writes its own objects there);
+//   <step>/COMMIT                 the commit record, created with one create-only write
+//                                 (KvStore::WriteIfAbsent: of two writers exactly one wins);
+//                                 it names the attempt and the size and generation (ETag) of
+//                                 every object in it;
+//   <step>/COMMIT.<10 digits>     an overwrite: a new record numbered one past the highest.
+// The step exists while <step>/COMMIT does; its content is the attempt named by the highest
+// record. Readers read every object with its committed generation (ReadRangeAtGeneration), so
+// an object replaced after the commit is an error naming it, never other bytes.
+//
+// Used where KvStoreCapabilities::object_store and conditional_write hold (UsesCommitRecords).
+// Thread-safety: functions of their arguments; the store must be thread-safe as KvStore is.
+#ifndef TENSORSTASH_CHECKPOINT_OBJECT_STORE_COMMIT_H_
+#define TENSORSTASH_CHECKPOINT_OBJECT_STORE_COMMIT_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "tensorstash/format/commit_record.h"
+#include "tensorstash/kvstore/kvstore.h"
+#include "tensorstash/util/status.h"
+
+namespace tensorstash {
+
+inline constexpr char kAttemptPrefix[] = "attempt-";
+
+// Whether steps on `kv` commit with attempts and create-only records.
+bool UsesCommitRecords(const KvStore& kv);
+
+// The key of record `number` of step folder `dir`: 1 is "<dir>/COMMIT", n > 1 is
+// "<dir>/COMMIT.<n, 10 digits>".
+std::string CommitRecordKey(std::string_view dir, int64_t number);
+// The number of a record's name ("COMMIT" -> 1, "COMMIT.0000000003" -> 3); nullopt otherwise.
+std::optional<int64_t> ParseCommitRecordName(std::string_view name);
+// Whether `name` is "attempt-<16 hex>".
+bool IsAttemptName(std::string_view name);
+
+// The highest record number of step `dir` (0 when it has none); the store's error otherwise.
+Result<int64_t> LatestCommitRecord(KvStore* kv, std::string_view dir);
+
+// Commits the attempt in folder `work_dir` (= "<dir>/attempt-<id>") as step `dir`: `record`
+// gets the attempt and the size and generation of every object under `work_dir`, and is
+// created as the next record. Without `overwrite` only as the first: AlreadyExists when the
+// step exists, or when another writer committed it first. With `overwrite`, the record after
+// the highest (a writer that loses that race tries the next number). On success, the records
+// and attempts it supersedes are removed (best effort; "<dir>/COMMIT" stays, the step's mark).
+Status CommitAttempt(KvStore* kv, std::string_view dir, std::string_view work_dir,
+                     CommitRecord record, bool overwrite);
+
+// A read-only view of committed step `dir` on a store that UsesCommitRecords, keys as in the
+// store ("<dir>/state/index", ...), resolved in the attempt of the highest record and read at
+// their committed generations; "<dir>/COMMIT" reads as that record. NotFound without
+// "<dir>/COMMIT". For a step without attempts (written in place), the store's own folder view.
+Result<std::unique_ptr<KvStore>> OpenCommittedStep(KvStore* kv, std::string_view dir);
+
+}  // namespace tensorstash
+
+#endif  // TENSORSTASH_CHECKPOINT_OBJECT_STORE_COMMIT_H_
