@@ -11,6 +11,7 @@ void AddLsCommand(CLI::App& app, int* exit_code);
 void AddInspectCommand(CLI::App& app, int* exit_code);
 void AddVerifyCommand(CLI::App& app, int* exit_code);
 void AddConvertCommand(CLI::App& app, int* exit_code);
+void AddGcCommand(CLI::App& app, int* exit_code);
 
 }  // namespace tensorstash::cli
 

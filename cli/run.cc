@@ -19,6 +19,7 @@ int Run(int argc, char** argv) {
   AddInspectCommand(app, &exit_code);
   AddVerifyCommand(app, &exit_code);
   AddConvertCommand(app, &exit_code);
+  AddGcCommand(app, &exit_code);
   // The library does not throw; this is the last line of defence against an allocation that
   // fails (std::bad_alloc) or a library we call that throws: an error message and exit 2,
   // never an abort.

@@ -123,8 +123,9 @@ class CommittedStepView final : public ReadOnlyKvStore {
   const CommitRecord record_;
 };
 
-// The numbers of the records of step `dir`, ascending.
-Result<std::vector<int64_t>> RecordNumbers(KvStore* kv, std::string_view dir) {
+}  // namespace
+
+Result<std::vector<int64_t>> CommitRecordNumbers(KvStore* kv, std::string_view dir) {
   const std::string prefix = StrCat(dir, "/");
   TS_ASSIGN_OR_RETURN(ListedChildren children, kv->ListChildren(prefix));
   std::vector<int64_t> numbers;
@@ -137,8 +138,6 @@ Result<std::vector<int64_t>> RecordNumbers(KvStore* kv, std::string_view dir) {
   std::sort(numbers.begin(), numbers.end());
   return numbers;
 }
-
-}  // namespace
 
 bool UsesCommitRecords(const KvStore& kv) {
   const KvStoreCapabilities caps = kv.Capabilities();
@@ -169,7 +168,7 @@ bool IsAttemptName(std::string_view name) {
 }
 
 Result<int64_t> LatestCommitRecord(KvStore* kv, std::string_view dir) {
-  TS_ASSIGN_OR_RETURN(std::vector<int64_t> numbers, RecordNumbers(kv, dir));
+  TS_ASSIGN_OR_RETURN(std::vector<int64_t> numbers, CommitRecordNumbers(kv, dir));
   return numbers.empty() ? 0 : numbers.back();
 }
 
@@ -186,7 +185,7 @@ Status CommitAttempt(KvStore* kv, std::string_view dir, std::string_view work_di
   std::vector<int64_t> numbers;
   int64_t committed = 0;
   for (int race = 0; race < kMaxRecordRaces && committed == 0; ++race) {
-    TS_ASSIGN_OR_RETURN(numbers, RecordNumbers(kv, dir));
+    TS_ASSIGN_OR_RETURN(numbers, CommitRecordNumbers(kv, dir));
     const bool exists = !numbers.empty() && numbers.front() == 1;
     if (exists && !overwrite) {
       return AlreadyExistsError(StrCat("step '", dir, "' already exists in ", kv->Describe(),
@@ -228,7 +227,7 @@ Status CommitAttempt(KvStore* kv, std::string_view dir, std::string_view work_di
 
 Result<std::unique_ptr<KvStore>> OpenCommittedStep(KvStore* kv, std::string_view dir) {
   if (!UsesCommitRecords(*kv)) return kv->OpenFolderView(dir);
-  TS_ASSIGN_OR_RETURN(std::vector<int64_t> numbers, RecordNumbers(kv, dir));
+  TS_ASSIGN_OR_RETURN(std::vector<int64_t> numbers, CommitRecordNumbers(kv, dir));
   if (numbers.empty() || numbers.front() != 1) return kv->OpenFolderView(dir);  // no step
   const std::string key = CommitRecordKey(dir, numbers.back());
   Result<uint64_t> size = kv->Size(key);

@@ -23,6 +23,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/kvstore/kvstore.h"
@@ -43,6 +44,8 @@ std::optional<int64_t> ParseCommitRecordName(std::string_view name);
 // Whether `name` is "attempt-<16 hex>".
 bool IsAttemptName(std::string_view name);
 
+// The numbers of the records of step `dir`, ascending (empty when it has none).
+Result<std::vector<int64_t>> CommitRecordNumbers(KvStore* kv, std::string_view dir);
 // The highest record number of step `dir` (0 when it has none); the store's error otherwise.
 Result<int64_t> LatestCommitRecord(KvStore* kv, std::string_view dir);
 

@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/checkpoint/garbage.h"
 #include "tensorstash/kvstore/kvstore_conformance.h"
 #include "tensorstash/kvstore/s3/s3_kvstore.h"
 #include "tensorstash/util/random_id.h"
@@ -392,6 +393,62 @@ TEST_F(S3CheckpointTest, AnObjectReplacedAfterTheCommitIsNamedNeverRead) {
   ASSERT_FALSE(restored.ok()) << "read " << *restored;
   EXPECT_NE(restored.status().message().find(data_key), std::string_view::npos)
       << restored.status();
+}
+
+TEST_F(S3CheckpointTest, GcRemovesWhatKilledSavesLeftAndNoCommittedStep) {
+  S3KvStoreOptions options = TestOptions();
+  options.probe = true;
+  std::unique_ptr<S3KvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(SaveFilled(store.get(), "0000000001", 11, false));
+  TS_ASSERT_OK(SaveFilled(store.get(), "0000000002", 22, false));
+  // What killed saves leave: an attempt in a committed step (a killed overwrite), a step with
+  // an attempt and no record (a killed first save), and an unfinished multipart upload.
+  const std::string orphan = "0000000002/attempt-00000000000000aa/state/data/0-0.dat";
+  TS_ASSERT_OK(store->Write(orphan, std::string(100, 'z')));
+  TS_ASSERT_OK(store->Write("0000000003/attempt-00000000000000bb/state/index.part-1", "p"));
+  TS_ASSERT_OK(store->Write("notes/keep.txt", "the user's"));
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    Result<std::unique_ptr<S3KvStore>> again = S3KvStore::Open(options);
+    if (!again.ok()) _exit(2);
+    Result<std::unique_ptr<WritableFile>> file =
+        (*again)->OpenForWrite("0000000004/attempt-00000000000000cc/state/data/0-0.dat");
+    std::string part(size_t{5} << 20, 'x');
+    _exit(file.ok() && (*file)->WriteAt(0, part.data(), part.size()).ok() ? 0 : 3);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(child, &wstatus, 0), child);
+  ASSERT_TRUE(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0);
+  {  // A manager at work: gc refuses.
+    Result<std::unique_ptr<KvLock>> lock = store->TryLock("LOCK");
+    ASSERT_TRUE(lock.ok()) << lock.status();
+    Result<GarbageReport> refused = CollectGarbage(store.get());
+    EXPECT_TRUE(absl::IsFailedPrecondition(refused.status())) << refused.status();
+  }
+  Result<GarbageReport> dry =
+      CollectGarbage(store.get(), {.dry_run = true, .upload_min_age = std::chrono::seconds(0)});
+  ASSERT_TRUE(dry.ok()) << dry.status();
+  EXPECT_EQ(dry->removed.size(), 2u);
+  TS_ASSERT_OK(store->Size(orphan).status());  // a dry run removes nothing
+  Result<GarbageReport> report =
+      CollectGarbage(store.get(), {.dry_run = false, .upload_min_age = std::chrono::seconds(0)});
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->removed,
+            std::vector<std::string>({"0000000002/attempt-00000000000000aa/", "0000000003/"}));
+  EXPECT_EQ(report->aborted_uploads,
+            std::vector<std::string>({"0000000004/attempt-00000000000000cc/state/data/0-0.dat"}));
+  EXPECT_TRUE(absl::IsNotFound(store->Size(orphan).status()));
+  EXPECT_EQ(store->Read("notes/keep.txt").value_or(""), "the user's");
+  Result<int64_t> one = RestoreFilled(store.get(), "0000000001");
+  Result<int64_t> two = RestoreFilled(store.get(), "0000000002");
+  ASSERT_TRUE(one.ok() && two.ok()) << one.status() << two.status();
+  EXPECT_EQ(*one, 11);
+  EXPECT_EQ(*two, 22);
+  Result<std::vector<S3KvStore::PendingUpload>> pending = store->ListPendingUploads("");
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_TRUE(pending->empty());
 }
 
 // --- rclone's "serve s3": ignores If-None-Match and Range. ---
