@@ -2,6 +2,7 @@
 // modules build on it; users do not import it directly.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -19,6 +20,7 @@
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/checkpoint/host_restore.h"
 #include "tensorstash/kvstore/registry.h"
+#include "tensorstash/kvstore/s3/s3_kvstore.h"
 #include "tensorstash/util/staging_buffer.h"
 #include "tensorstash/version.h"
 
@@ -113,6 +115,35 @@ NB_MODULE(_ext, m) {
   m.def(
       "has_url_scheme", [](const std::string& text) { return tensorstash::HasUrlScheme(text); },
       nb::arg("text"), "Whether `text` starts with '<scheme>://'.");
+  m.def(
+      "configure_s3",
+      [](std::optional<std::string> endpoint, std::optional<std::string> region,
+         std::optional<bool> path_style, std::optional<std::string> profile,
+         std::optional<std::string> access_key_id, std::optional<std::string> secret_access_key,
+         std::optional<std::string> session_token, bool anonymous) {
+        tensorstash::S3Defaults defaults;
+        defaults.settings.endpoint = std::move(endpoint);
+        defaults.settings.region = std::move(region);
+        defaults.settings.path_style = path_style;
+        defaults.settings.profile = std::move(profile);
+        if (anonymous) {
+          defaults.credentials = tensorstash::AnonymousCredentials();
+        } else if (access_key_id || secret_access_key) {
+          if (!access_key_id || !secret_access_key) {
+            throw nb::value_error(
+                "configure_s3: give both access_key_id and secret_access_key, or neither");
+          }
+          defaults.credentials = tensorstash::StaticCredentials(
+              {*access_key_id, *secret_access_key, session_token.value_or("")});
+        }
+        py::ThrowIfError(tensorstash::SetS3Defaults(std::move(defaults)));
+      },
+      nb::arg("endpoint") = nb::none(), nb::arg("region") = nb::none(),
+      nb::arg("path_style") = nb::none(), nb::arg("profile") = nb::none(),
+      nb::arg("access_key_id") = nb::none(), nb::arg("secret_access_key") = nb::none(),
+      nb::arg("session_token") = nb::none(), nb::arg("anonymous") = false,
+      "Process-wide settings for s3:// URLs (kvstore/s3/s3_kvstore.h, SetS3Defaults); None "
+      "keeps the environment's. ValueError for settings that do not resolve.");
   m.def("store_schemes", &tensorstash::RegisteredKvStoreSchemes,
         "The URL schemes stores can be opened with (plain paths are local folders).");
   py::DefineWriter(m);

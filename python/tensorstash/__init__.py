@@ -34,9 +34,27 @@ from .manager import CheckpointManager, RestoreStats, SaveStats
 
 __version__ = _ext.__version__
 __all__ = ["save", "restore", "metadata", "ArrayMetadata", "CheckpointManager", "SaveStats",
-           "RestoreStats", "store_schemes", "__version__"]
+           "RestoreStats", "store_schemes", "configure_s3", "__version__"]
 
 
 def store_schemes() -> list[str]:
     """The URL schemes a path may start with ("file", "memory", ...); plain paths are folders."""
     return list(_ext.store_schemes())
+
+
+def configure_s3(*, endpoint: str | None = None, region: str | None = None,
+                 path_style: bool | None = None, profile: str | None = None,
+                 access_key_id: str | None = None, secret_access_key: str | None = None,
+                 session_token: str | None = None, anonymous: bool = False) -> None:
+    """Explicit settings for every ``s3://`` path opened from now on in this process.
+
+    Each argument given wins over the environment (``AWS_ENDPOINT_URL``, ``AWS_REGION``,
+    ``AWS_PROFILE``) and the AWS config files; ``None`` keeps what they say. ``endpoint`` is
+    ``"http(s)://host[:port]"``; ``path_style`` chooses ``host/bucket/key`` over
+    ``bucket.host/key`` (custom endpoints default to path style). Keys given here replace the
+    credential chain (environment, shared files, web identity, container, instance metadata);
+    ``anonymous=True`` sends unsigned requests. Each call replaces the previous one; a call
+    without arguments goes back to the environment. ValueError for settings that do not resolve.
+    """
+    _ext.configure_s3(endpoint, region, path_style, profile, access_key_id, secret_access_key,
+                      session_token, anonymous)

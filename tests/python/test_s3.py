@@ -506,3 +506,65 @@ def test_eight_writers_racing_for_one_step_one_wins(s3):
     assert_same_tree(got, race_tree(winners[0]))
     r = run_cli(s3, "verify", url)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# --- explicit settings: tensorstash.configure_s3 ---------------------------------------------------
+
+def test_configure_s3_gives_the_endpoint_and_keys_without_any_environment(s3, monkeypatch):
+    for var in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var)
+    tree = small_tree(3)
+    try:
+        tensorstash.configure_s3(endpoint=s3.server.endpoint, region=s3.server.region,
+                                 access_key_id=s3.server.access_key,
+                                 secret_access_key=s3.server.secret_key)
+        tensorstash.save(s3.step(), tree)
+        assert_same_tree(tensorstash.restore(s3.step()), tree)
+        with pytest.raises(ValueError, match="endpoint"):
+            tensorstash.configure_s3(endpoint="ftp://127.0.0.1:1")
+        # A refused call changes nothing.
+        assert_same_tree(tensorstash.restore(s3.step()), tree)
+        with pytest.raises(ValueError, match="both"):
+            tensorstash.configure_s3(access_key_id="only-half")
+    finally:
+        tensorstash.configure_s3()
+    # Back to the environment, which has no credentials now.
+    with pytest.raises(PermissionError, match="no AWS credentials"):
+        tensorstash.restore(s3.step())
+
+
+# --- gc after killed saves ------------------------------------------------------------------------
+
+def test_gc_after_killed_saves_removes_their_leftovers_and_keeps_every_step(s3):
+    tree = small_tree(4)
+    tensorstash.save(s3.step("0000000001"), tree)
+    script = textwrap.dedent(f"""
+        import numpy as np, tensorstash, time
+        big = {{"x": np.ones((2048, 4096), np.float32)}}
+        print("ready", flush=True)
+        while True:
+            tensorstash.save({s3.step("0000000001")!r}, big, overwrite=True)
+    """)
+    killed = 0
+    for delay in (0.3, 0.6, 0.9):
+        proc = subprocess.Popen([sys.executable, "-c", script], env=s3.env(),
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed += 1
+    before = tensorstash.restore(s3.step("0000000001"))
+    result = run_cli(s3, "gc", "--upload-min-age", "0", s3.url)
+    assert result.returncode == 0, result.stderr
+    assert "gc removed" in result.stdout, result.stdout
+    # Three saves killed mid-way leave something (an attempt, an unfinished upload) to remove.
+    assert any(line.startswith(("removed ", "aborted "))
+               for line in result.stdout.splitlines()), result.stdout
+    # One attempt is left in the step, the one its newest record names; no upload is pending.
+    attempts = {k.split("/")[2] for k in s3.keys(f"{s3.prefix}/0000000001/") if k.count("/") > 2}
+    assert len(attempts) == 1, attempts
+    uploads = s3.client().list_multipart_uploads(Bucket=s3.bucket, Prefix=s3.prefix + "/")
+    assert uploads.get("Uploads", []) == []
+    assert_same_tree(tensorstash.restore(s3.step("0000000001")), before)
+    assert run_cli(s3, "verify", s3.step("0000000001")).returncode == 0

@@ -941,6 +941,26 @@ Status S3KvStore::AbortUpload(const PendingUpload& upload) {
   return impl_->ErrorFor(response, what, upload.key);
 }
 
+namespace {
+
+std::mutex& DefaultsMutex() {
+  static std::mutex mu;
+  return mu;
+}
+S3Defaults& Defaults() {  // guarded by DefaultsMutex()
+  static S3Defaults defaults;
+  return defaults;
+}
+
+}  // namespace
+
+Status SetS3Defaults(S3Defaults defaults) {
+  TS_RETURN_IF_ERROR(ResolveS3Settings(defaults.settings, ProcessEnv()).status());
+  std::lock_guard<std::mutex> lock(DefaultsMutex());
+  Defaults() = std::move(defaults);
+  return OkStatus();
+}
+
 Status RegisterS3KvStore() {
   return RegisterKvStoreScheme(
       "s3",
@@ -949,7 +969,13 @@ Status RegisterS3KvStore() {
         S3KvStoreOptions options;
         options.bucket = std::string(rest.substr(0, slash));
         options.prefix = slash == std::string_view::npos ? "" : std::string(rest.substr(slash + 1));
-        TS_ASSIGN_OR_RETURN(options.settings, ResolveS3Settings({}, ProcessEnv()));
+        S3Defaults defaults;
+        {
+          std::lock_guard<std::mutex> lock(DefaultsMutex());
+          defaults = Defaults();
+        }
+        options.credentials = defaults.credentials;
+        TS_ASSIGN_OR_RETURN(options.settings, ResolveS3Settings(defaults.settings, ProcessEnv()));
         options.probe = open.create;
         TS_ASSIGN_OR_RETURN(std::unique_ptr<S3KvStore> store, S3KvStore::Open(std::move(options)));
         return std::unique_ptr<KvStore>(std::move(store));

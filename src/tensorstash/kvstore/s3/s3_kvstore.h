@@ -130,10 +130,20 @@ class S3KvStore final : public KvStore {
   std::shared_ptr<Impl> impl_;
 };
 
-// Registers "s3://bucket/prefix" with the store registry: settings from the environment
-// (ResolveS3Settings), credentials from the standard chain; a store opened with
-// OpenStoreOptions::create probes the server.
+// Registers "s3://bucket/prefix" with the store registry: settings from SetS3Defaults over the
+// environment (ResolveS3Settings), credentials from SetS3Defaults or the standard chain; a
+// store opened with OpenStoreOptions::create probes the server.
 Status RegisterS3KvStore();
+
+// Process-wide explicit settings for "s3://" URLs opened through the registry from now on
+// (tensorstash.configure_s3 in Python): each set field wins over the environment and the AWS
+// config files; `credentials`, when not null, replaces the standard chain. InvalidArgument for
+// settings that do not resolve (a malformed endpoint), and nothing changes then.
+struct S3Defaults {
+  S3SettingsOverrides settings;
+  std::shared_ptr<AwsCredentialProvider> credentials;
+};
+Status SetS3Defaults(S3Defaults defaults);
 
 }  // namespace tensorstash
 
