@@ -263,7 +263,7 @@ struct LocalTier::Impl {
   // now elsewhere) serve restores until this process has committed a newer step of its own;
   // then their older steps go, so that the tier stays bounded.
   void DropStaleFolders() {
-    const std::vector<int64_t> own = CommittedSteps(fs::path(options.dir) / folder);
+    const std::vector<int64_t> own = manager->AllSteps();  // the holding manager's list
     if (own.empty()) return;
     std::error_code error;
     for (const fs::directory_entry& entry : fs::directory_iterator(options.dir, error)) {
@@ -280,6 +280,8 @@ struct LocalTier::Impl {
 };
 
 LocalTier::LocalTier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+void LocalTier::Warn(const std::string& text) const { impl_->Warn(text); }
 
 LocalTier::~LocalTier() { (void)Close(); }
 

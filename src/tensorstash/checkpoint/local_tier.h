@@ -113,6 +113,8 @@ class LocalTier {
   std::string url() const;
 
   bool ShouldSave(int64_t step) const;
+  // Reports `text` through LocalTierOptions::warn, or on stderr without one.
+  void Warn(const std::string& text) const;
 
   // Collective: process 0 draws the save's id, the processes exchange their per-process values
   // (`request.process_state`) along ValueRing, then SaveHolding. Returns false when the save was

@@ -8,12 +8,8 @@
 namespace tensorstash {
 
 MultiTierManager::MultiTierManager(std::unique_ptr<CheckpointManager> persistent,
-                                   std::unique_ptr<LocalTier> local, KvStore* persistent_kv,
-                                   std::function<void(const std::string&)> warn)
-    : persistent_(std::move(persistent)),
-      local_(std::move(local)),
-      persistent_kv_(persistent_kv),
-      warn_(std::move(warn)) {}
+                                   std::unique_ptr<LocalTier> local, KvStore* persistent_kv)
+    : persistent_(std::move(persistent)), local_(std::move(local)), persistent_kv_(persistent_kv) {}
 
 MultiTierManager::~MultiTierManager() { (void)Close(); }
 
@@ -22,19 +18,13 @@ Result<std::unique_ptr<MultiTierManager>> MultiTierManager::Open(KvStore* persis
   if (options.local.coordinator == nullptr) {
     options.local.coordinator = options.persistent.coordinator;
   }
-  if (!options.local.warn) {
-    options.local.warn = [](const std::string& text) {
-      std::fprintf(stderr, "tensorstash: %s\n", text.c_str());
-    };
-  }
-  std::function<void(const std::string&)> warn = options.local.warn;
   Result<std::unique_ptr<CheckpointManager>> manager =
       CheckpointManager::Open(persistent, std::move(options.persistent));
   if (!manager.ok()) return manager.status();
   Result<std::unique_ptr<LocalTier>> local = LocalTier::Open(std::move(options.local));
   if (!local.ok()) return local.status();
   return std::unique_ptr<MultiTierManager>(
-      new MultiTierManager(*std::move(manager), *std::move(local), persistent, std::move(warn)));
+      new MultiTierManager(*std::move(manager), *std::move(local), persistent));
 }
 
 bool MultiTierManager::ShouldSave(int64_t step) const {
@@ -51,7 +41,7 @@ Result<bool> MultiTierManager::Save(int64_t step, SaveRequest request, bool asyn
     // The persistent save is collective: this process takes part whatever became of its local
     // one (the others are waiting for it); the local failure is a warning then.
     if (!saved.ok()) {
-      warn_(StrCat("local save of step ", step, " failed: ", saved.status().message()));
+      local_->Warn(StrCat("local save of step ", step, " failed: ", saved.status().message()));
     }
   }
   if (!persistent_due) return local_due;

@@ -77,11 +77,10 @@ class MultiTierManager {
 
  private:
   MultiTierManager(std::unique_ptr<CheckpointManager> persistent, std::unique_ptr<LocalTier> local,
-                   KvStore* persistent_kv, std::function<void(const std::string&)> warn);
+                   KvStore* persistent_kv);
   std::unique_ptr<CheckpointManager> persistent_;
   std::unique_ptr<LocalTier> local_;
   KvStore* persistent_kv_;
-  std::function<void(const std::string&)> warn_;  // local.warn
   std::optional<JobHoldings> job_;                // what the last LatestStep/OpenRestore gathered
 };
 
