@@ -237,6 +237,17 @@ Status CheckpointReader::Impl::Load() {
     if (keys.empty()) {
       return NotFoundError(StrCat("no checkpoint step '", dir, "' in ", kv->Describe()));
     }
+    // On an object store, save attempts that never committed (object_store_commit.h) are not a
+    // step, as a renaming store's temporary folders are not.
+    const bool only_attempts = std::all_of(keys.begin(), keys.end(), [&](const std::string& key) {
+      const std::string_view relative = std::string_view(key).substr(dir.size() + 1);
+      return IsAttemptName(relative.substr(0, relative.find('/')));
+    });
+    if (only_attempts) {
+      return NotFoundError(StrCat("no checkpoint step '", dir, "' in ", kv->Describe(),
+                                  " (only unfinished save attempts, which `tensorstash gc` "
+                                  "removes)"));
+    }
     return FailedPreconditionError(
         StrCat("step '", dir,
                "' has no COMMIT record: it is incomplete (a save that is still running "

@@ -81,7 +81,7 @@ class MultiTierManager {
   std::unique_ptr<CheckpointManager> persistent_;
   std::unique_ptr<LocalTier> local_;
   KvStore* persistent_kv_;
-  std::optional<JobHoldings> job_;                // what the last LatestStep/OpenRestore gathered
+  std::optional<JobHoldings> job_;  // what the last LatestStep/OpenRestore gathered
 };
 
 }  // namespace tensorstash

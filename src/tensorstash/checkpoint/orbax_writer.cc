@@ -257,6 +257,9 @@ struct OrbaxWriter::Impl {
 
   Status CommitImpl(OrbaxWriteStats* stats,
                     const std::function<void(uint64_t, uint64_t)>& progress);
+  // Object stores: the checkpoint written at `dir` itself, then Orbax's commit marker.
+  Status WriteInPlace(const std::vector<Leaf>& leaves, OrbaxWriteStats* stats,
+                      const std::function<void(uint64_t, uint64_t)>& progress);
   Status WriteInto(const std::string& tmp, const std::vector<Leaf>& leaves, OrbaxWriteStats* stats,
                    const std::function<void(uint64_t, uint64_t)>& progress);
   Status WriteFile(const std::string& key, const std::string& contents) {
@@ -445,6 +448,8 @@ Status OrbaxWriter::Impl::CommitImpl(OrbaxWriteStats* stats,
   }
 
   // 2. The destination, and the temporary folder.
+  if (!kv->SupportsRename() && kv->Capabilities().object_store)
+    return WriteInPlace(leaves, stats, progress);
   if (!kv->SupportsRename()) {
     return UnimplementedError(StrCat(kv->Describe(),
                                      " cannot rename folders, which the Orbax "
@@ -466,6 +471,30 @@ Status OrbaxWriter::Impl::CommitImpl(OrbaxWriteStats* stats,
   }
   if (!status.ok()) (void)kv->DeletePrefix(tmp + "/");
   return status;
+}
+
+Status OrbaxWriter::Impl::WriteInPlace(const std::vector<Leaf>& leaves, OrbaxWriteStats* stats,
+                                       const std::function<void(uint64_t, uint64_t)>& progress) {
+  // Orbax's own way on object stores (as on GCS): the checkpoint is written where it will be
+  // read, _CHECKPOINT_METADATA last, then the marker commit_success.txt. Nothing can be replaced
+  // in place without a moment with neither version, so an existing checkpoint is never touched.
+  TS_ASSIGN_OR_RETURN(FolderContent content, ClassifyStepFolder(kv, dir));
+  if (options.overwrite &&
+      (content == FolderContent::kOrbaxCheckpoint || content == FolderContent::kTensorstashStep)) {
+    return FailedPreconditionError(
+        StrCat("'", dir, "' in ", kv->Describe(),
+               " holds a checkpoint, and an Orbax checkpoint cannot replace it in place on an "
+               "object store; delete it first, or save in the native format (which can)"));
+  }
+  TS_ASSIGN_OR_RETURN(content, CheckSaveDestination(kv, dir, /*overwrite=*/false));
+  if (content == FolderContent::kTensorstashLeftover)
+    TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
+  TS_RETURN_IF_ERROR(WriteInto(dir, leaves, stats, progress));
+  Status marked =
+      kv->Write(StrCat(dir, "/", kOrbaxCommitSuccessFileName),
+                StrCat("Checkpoint commit was successful to ", kv->Describe(), "/", dir));
+  if (!marked.ok()) (void)kv->DeletePrefix(dir + "/");
+  return marked;
 }
 
 Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Leaf>& leaves,

@@ -11,6 +11,8 @@ inline constexpr char kOrbaxMetadataFileName[] = "_METADATA";
 inline constexpr char kOrbaxCheckpointMetadataFileName[] = "_CHECKPOINT_METADATA";
 // The OCDBT database's manifest, at the top of an item saved with use_ocdbt=True.
 inline constexpr char kOcdbtManifestFileName[] = "manifest.ocdbt";
+// Written last by Orbax where folders cannot be renamed (GCS; tensorstash: object stores).
+inline constexpr char kOrbaxCommitSuccessFileName[] = "commit_success.txt";
 // Orbax writes into "<dir>.orbax-checkpoint-tmp-<id>" and renames it into place.
 inline constexpr char kOrbaxTmpMarker[] = ".orbax-checkpoint-tmp";
 

@@ -1,0 +1,595 @@
+"""tensorstash on S3 with JAX: multi-process jax.distributed saves and restores onto other meshes
+(a step and a CheckpointManager), restores onto NamedShardings, and Orbax checkpoints on S3
+(written by tensorstash with format="orbax", and written by orbax-checkpoint to a local folder
+then uploaded object by object) read as from files. Against a local SeaweedFS
+(tests/s3/s3_servers.py); everything talks to 127.0.0.1 only.
+
+    cd /work/main && .venv/bin/python -m pytest tests/python/test_s3_jax.py -q -x -p no:cacheprovider
+
+This file is also the worker of its multi-process jobs: `python test_s3_jax.py --phase ...` runs
+one process of a jax.distributed job (see _worker_main at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import traceback
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import tensorstash
+from tshelpers import assert_jax_array, assert_same_array, assert_same_tree, global_array, pattern
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "tests", "s3"))
+
+import s3_servers  # noqa: E402
+
+CLI = os.environ.get("TENSORSTASH_CLI", os.path.join(REPO, "build", "tensorstash"))
+JOB_TIMEOUT_S = 120  # for a whole multi-process job; a hang fails the test instead of blocking
+
+
+# --- data and layouts shared by the tests and the workers ----------------------------------------
+
+ARRAYS = {  # name: (shape, dtype) of the step's sharded arrays
+    "w": ((16, 24), np.float32),
+    "emb": ((40, 8), ml_dtypes.bfloat16),
+    "r": ((6, 5), np.int32),
+    "odd": ((12, 6), np.uint8),
+    "s": ((), np.float32),
+}
+HOST = pattern((7, 3), np.int16, seed=99)  # a NumPy leaf next to the jax.Arrays
+MGR_ARRAYS = {"w": ((16, 24), np.float32), "b": ((24,), np.float32), "e": ((40, 8), np.int32)}
+MGR_STEPS = (1, 2, 3)
+
+
+def step_values() -> dict:
+    return {k: pattern(shape, dt, seed=i) for i, (k, (shape, dt)) in enumerate(ARRAYS.items())}
+
+
+def mgr_values(step: int) -> dict:
+    return {k: pattern(shape, dt, seed=step * 10 + i)
+            for i, (k, (shape, dt)) in enumerate(MGR_ARRAYS.items())}
+
+
+def layout(name: str, devices) -> tuple[dict, dict]:
+    """(shardings of ARRAYS, shardings of MGR_ARRAYS) for a layout over 8 devices."""
+    devices = list(devices)
+    if name == "A":  # saving: 2 x 4 over the devices in order
+        m = Mesh(np.array(devices).reshape(2, 4), ("x", "y"))
+        specs = {"w": P("x", "y"), "emb": P(("x", "y")), "r": P(), "odd": P("y", "x"), "s": P()}
+        mspecs = {"w": P("x", "y"), "b": P("y"), "e": P(("x", "y"))}
+    elif name == "B":  # restoring: 4 x 2 over the devices reversed, other axes, replication
+        m = Mesh(np.array(devices[::-1]).reshape(4, 2), ("x", "y"))
+        specs = {"w": P("y", "x"), "emb": P(None, "x"), "r": P("y"), "odd": P("y", None), "s": P()}
+        mspecs = {"w": P("y", "x"), "b": P(), "e": P(None, "x")}
+    elif name == "C":  # restoring: one axis of 8, interleaved devices
+        m = Mesh(np.array(devices[1::2] + devices[::2]), ("x",))
+        specs = {"w": P(None, "x"), "emb": P("x"), "r": P(), "odd": P(None, None), "s": P()}
+        mspecs = {"w": P("x", None), "b": P("x"), "e": P(None, "x")}
+    else:
+        raise ValueError(name)
+    return ({k: NamedSharding(m, s) for k, s in specs.items()},
+            {k: NamedSharding(m, s) for k, s in mspecs.items()})
+
+
+def check_sharded(got, want: np.ndarray, sharding, what: str) -> None:
+    """A jax.Array with `sharding`; every addressable shard holds its block of `want` bit for
+    bit (tshelpers.assert_jax_array)."""
+    assert_jax_array(got, want, sharding, what)
+
+
+# --- fixtures -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One SeaweedFS server (signatures checked) for the module."""
+    srv = s3_servers.start("seaweedfs", str(tmp_path_factory.mktemp("seaweedfs")))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+    assert not srv.alive()
+
+
+def aws_vars(server, scratch: str) -> dict[str, str]:
+    """The AWS settings that point the engine at `server` (and at nothing else)."""
+    return {
+        "AWS_ENDPOINT_URL": server.endpoint,
+        "AWS_REGION": server.region,
+        "AWS_ACCESS_KEY_ID": server.access_key,
+        "AWS_SECRET_ACCESS_KEY": server.secret_key,
+        "AWS_SHARED_CREDENTIALS_FILE": os.path.join(scratch, "no-such-aws-credentials"),
+        "AWS_CONFIG_FILE": os.path.join(scratch, "no-such-aws-config"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+
+
+def child_env(server, scratch: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("AWS_") and k not in ("XLA_FLAGS", "JAX_ENABLE_X64", "PYTHONPATH")}
+    env.update(aws_vars(server, scratch))
+    env.update(extra)
+    return env
+
+
+def unique_prefix(name: str) -> str:
+    return f"{re.sub(r'[^a-z0-9-]+', '-', name.lower()).strip('-')[:50]}-{secrets.token_hex(4)}"
+
+
+@pytest.fixture
+def s3(server, monkeypatch, tmp_path, request):
+    """The AWS environment of `server` set in this process; returns (url, prefix) of a fresh
+    prefix for the test."""
+    for var in list(os.environ):
+        if var.startswith("AWS_"):
+            monkeypatch.delenv(var)
+    for k, v in aws_vars(server, str(tmp_path)).items():
+        monkeypatch.setenv(k, v)
+    prefix = unique_prefix(request.node.name)
+    return f"s3://{server.bucket}/{prefix}", prefix
+
+
+def list_keys(server, prefix: str) -> list[str]:
+    c = server.client()
+    out, token = [], None
+    while True:
+        kw = {"Bucket": server.bucket, "Prefix": prefix}
+        if token:
+            kw["ContinuationToken"] = token
+        r = c.list_objects_v2(**kw)
+        out += [o["Key"] for o in r.get("Contents", [])]
+        if not r.get("IsTruncated"):
+            return sorted(out)
+        token = r["NextContinuationToken"]
+
+
+def run_cli(*args, env=None, timeout: float = 120) -> subprocess.CompletedProcess:
+    if not os.access(CLI, os.X_OK):
+        pytest.fail(f"{CLI} is missing (build the CLI or set TENSORSTASH_CLI)")
+    return subprocess.run([CLI, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+# --- multi-process jobs ---------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(phase: str, step: str, root: str, nproc: int, layout_name: str, cwd: str,
+            env: dict) -> str:
+    """Runs `nproc` workers (this file) in a jax.distributed job with 8 CPU devices in all;
+    fails (after killing them all) when any exits non-zero or the job outlives JOB_TIMEOUT_S.
+    Retried once on another port when the coordinator's port was taken meanwhile."""
+    failure, text = _run_job_once(phase, step, root, nproc, layout_name, cwd, env)
+    if failure and "already in use" in text.lower():
+        failure, text = _run_job_once(phase, step, root, nproc, layout_name, cwd, env)
+    if failure:
+        pytest.fail(f"{phase} by {nproc} process(es) failed: {failure}\n{text}", pytrace=False)
+    return text
+
+
+def _run_job_once(phase, step, root, nproc, layout_name, cwd, env) -> tuple[str, str]:
+    port = free_port()
+    env = dict(env, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // nproc}")
+    procs, logs = [], []
+    try:
+        for pid in range(nproc):
+            log = open(os.path.join(cwd, f"{phase}-{nproc}-{pid}-{port}.log"), "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--phase", phase, "--step", step,
+                 "--root", root, "--nproc", str(nproc), "--pid", str(pid), "--port", str(port),
+                 "--layout", layout_name],
+                cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        failed = None
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                failed = f"timed out after {JOB_TIMEOUT_S}s"
+                break
+            if any(p.returncode not in (None, 0) for p in procs):
+                try:  # one failed: give the others a little time to report
+                    for p in procs:
+                        p.wait(timeout=max(0.0, min(20.0, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    pass
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    output = []
+    for pid, (p, log) in enumerate(zip(procs, logs)):
+        log.seek(0)
+        output.append(f"--- process {pid}/{nproc} ({phase}, layout {layout_name}), exit "
+                      f"{p.returncode}\n" + log.read())
+        log.close()
+    text = "\n".join(output)
+    if failed or any(p.returncode != 0 for p in procs):
+        return failed or "non-zero exit", text
+    return "", text
+
+
+@pytest.fixture(scope="module")
+def mp_saved(server, tmp_path_factory):
+    """A step and a CheckpointManager (steps 1..3, max_to_keep=2) saved on S3 by a job of 2
+    processes x 4 CPU devices (layout A)."""
+    work = tmp_path_factory.mktemp("mp-save")
+    prefix = unique_prefix("mp")
+    url = f"s3://{server.bucket}/{prefix}"
+    saved = {"prefix": prefix, "url": url, "step": f"{url}/0000000001", "root": f"{url}/mgr"}
+    run_job("save", saved["step"], saved["root"], 2, "A", str(work),
+            child_env(server, str(work)))
+    return saved
+
+
+# --- 1. several processes save one step and a manager together ------------------------------------
+
+def test_two_processes_each_upload_their_shards_and_one_commit(server, mp_saved):
+    prefix = mp_saved["prefix"]
+    keys = list_keys(server, f"{prefix}/0000000001/")
+    assert keys, "the step has no objects in the bucket"
+    rel = [k[len(prefix) + len("/0000000001/"):] for k in keys]
+    assert "COMMIT" in rel, rel
+    body = server.client().get_object(Bucket=server.bucket, Key=f"{prefix}/0000000001/COMMIT")
+    commit = json.loads(body["Body"].read())
+    assert commit["process_count"] == 2, commit
+    # The files of one save attempt (docs/format.md, "Steps on object stores"), named by COMMIT.
+    attempts = {r.split("/")[0] for r in rel if r != "COMMIT"}
+    assert len(attempts) == 1 and re.fullmatch(r"attempt-[0-9a-f]{16}", next(iter(attempts))), rel
+    attempt = attempts.pop()
+    assert attempt in json.dumps(commit), commit
+    data = [r.split("/")[-1] for r in rel if r.startswith(f"{attempt}/state/data/")]
+    writers = {int(name.split("-")[0]) for name in data}
+    assert writers == {0, 1}, rel  # every process uploaded its own shards
+    # Nothing but the two roots under the prefix, no temporaries or index parts left.
+    tops = {k[len(prefix) + 1:].split("/")[0] for k in list_keys(server, prefix + "/")}
+    assert tops == {"0000000001", "mgr"}, tops
+    assert not [r for r in rel if "part" in r.split("/")[-1] or "tmp" in r], rel
+
+    # The manager kept the newest two steps and deleted step 1's objects.
+    assert list_keys(server, f"{prefix}/mgr/0000000001") == [], "step 1 is still in the bucket"
+    for step in (2, 3):
+        mkeys = list_keys(server, f"{prefix}/mgr/{step:010d}/")
+        assert f"{prefix}/mgr/{step:010d}/COMMIT" in mkeys, mkeys
+        mwriters = {int(k.split("/")[-1].split("-")[0]) for k in mkeys if "/state/data/" in k}
+        assert mwriters == {0, 1}, mkeys
+
+
+def test_four_processes_restore_onto_another_mesh(server, mp_saved, tmp_path):
+    # A new job of another size (4 x 2 devices) restores the step and the manager's latest step
+    # onto layout B and checks every addressable shard.
+    run_job("restore", mp_saved["step"], mp_saved["root"], 4, "B", str(tmp_path),
+            child_env(server, str(tmp_path)))
+
+
+def test_same_two_processes_restore_onto_another_mesh(server, mp_saved, tmp_path):
+    run_job("restore", mp_saved["step"], mp_saved["root"], 2, "C", str(tmp_path),
+            child_env(server, str(tmp_path)))
+
+
+# --- 3. restore onto a NamedSharding in this process (1 process, 8 devices) -----------------------
+
+def test_restore_s3_step_onto_named_shardings_in_one_process(s3, mp_saved):
+    values = step_values()
+    for name in ("B", "C"):
+        shardings, mshardings = layout(name, jax.devices())
+        target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
+                             for k, v in values.items()},
+                  "host": np.zeros(HOST.shape, HOST.dtype), "step": 0, "name": ""}
+        got = tensorstash.restore(mp_saved["step"], target=target)
+        for k, v in values.items():
+            check_sharded(got["params"][k], v, shardings[k], f"layout {name}: {k}")
+        assert_same_array(got["host"], HOST, "host")
+        assert got["step"] == 7 and got["name"] == "saved by 2 processes", got
+
+        with tensorstash.CheckpointManager(mp_saved["root"], max_to_keep=2) as mgr:
+            assert mgr.all_steps() == [2, 3]
+            assert mgr.latest_step() == 3
+            want = mgr_values(3)
+            mtarget = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                                          sharding=mshardings[k])
+                                  for k, v in want.items()}, "step": 0}
+            mgot = mgr.restore(3, target=mtarget)
+            assert mgot["step"] == 3
+            for k, v in want.items():
+                check_sharded(mgot["params"][k], v, mshardings[k], f"manager layout {name}: {k}")
+            assert mgr.metadata(3) == {"step": 3, "nproc": 2}
+
+    plain = tensorstash.restore(mp_saved["step"])  # NumPy, as saved
+    for k, v in values.items():
+        assert_same_array(plain["params"][k], v, f"plain {k}")
+    meta = tensorstash.metadata(mp_saved["step"])
+    for k, v in values.items():
+        m = meta["params"][k]
+        assert m.shape == v.shape and m.dtype == v.dtype, (k, m)
+
+
+# --- 2. Orbax checkpoints on S3: helpers --------------------------------------------------------
+
+def assert_restored_numpy(got, want, where=""):
+    """restore() of an Orbax checkpoint without a target: dicts stay dicts, tuples come back as
+    lists, arrays bit for bit, Python scalars as values."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(got) == sorted(want), f"{where}: {got!r}"
+        for k in want:
+            assert_restored_numpy(got[k], want[k], f"{where}/{k}")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, list) and len(got) == len(want), f"{where}: {got!r}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_restored_numpy(g, w, f"{where}/{i}")
+    elif isinstance(want, (bool, int, float, str)):
+        assert type(got) is type(want) and got == want, f"{where}: {got!r} != {want!r}"
+    else:
+        assert_same_array(got, np.asarray(want), where)
+
+
+def orbax_state():
+    """A state of jax.Arrays sharded over a 2 x 4 mesh, NumPy arrays and Python scalars; and its
+    values as NumPy."""
+    m = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    values = {
+        "params": {"w": pattern((16, 24), np.float32, seed=31),
+                   "e": pattern((10, 7), ml_dtypes.bfloat16, seed=32),
+                   "i": pattern((8, 4, 6), np.int32, seed=33)},
+        "opt": [pattern((13,), np.uint16, seed=34), pattern((3, 5), np.int64, seed=35)],
+        "zero_d": np.array(2.5, np.float64),
+    }
+    shardings = {"w": NamedSharding(m, P("x", "y")), "e": NamedSharding(m, P("x")),
+                 "i": NamedSharding(m, P(None, "y"))}
+    state = {
+        "params": {k: global_array(v, shardings[k]) for k, v in values["params"].items()},
+        "opt": list(values["opt"]),
+        "zero_d": values["zero_d"],
+    }
+    return state, values
+
+
+def other_targets(values):
+    m = Mesh(np.array(jax.devices()[::-1]).reshape(4, 2), ("p", "q"))
+    shardings = {"w": NamedSharding(m, P("q", "p")), "e": NamedSharding(m, P("q", None)),
+                 "i": NamedSharding(m, P("p"))}
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
+              for k, v in values["params"].items()}
+    return {"params": target}, shardings
+
+
+def download(server, prefix: str, dst: str) -> list[str]:
+    """Every object under prefix + '/' written to dst/<relative key>; returns the relative keys."""
+    c = server.client()
+    rels = []
+    for key in list_keys(server, prefix + "/"):
+        rel = key[len(prefix) + 1:]
+        path = os.path.join(dst, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(c.get_object(Bucket=server.bucket, Key=key)["Body"].read())
+        rels.append(rel)
+    return rels
+
+
+def upload(server, src: str, prefix: str) -> list[str]:
+    """Every file under src put at prefix/<relative path>; returns the relative keys."""
+    c = server.client()
+    rels = []
+    for d, _, names in os.walk(src):
+        for n in names:
+            path = os.path.join(d, n)
+            rel = os.path.relpath(path, src).replace(os.sep, "/")
+            with open(path, "rb") as f:
+                c.put_object(Bucket=server.bucket, Key=f"{prefix}/{rel}", Body=f.read())
+            rels.append(rel)
+    return sorted(rels)
+
+
+# --- 2b. an Orbax checkpoint written by orbax-checkpoint, uploaded, read from S3 ------------------
+
+def test_orbax_written_by_orbax_read_from_s3_as_from_files(server, s3, tmp_path):
+    import orbax.checkpoint as ocp
+    url, prefix = s3
+    state, values = orbax_state()
+
+    local = str(tmp_path / "orbax" / "ckpt")
+    ckptr = ocp.StandardCheckpointer()  # OCDBT + zarr3, Orbax's default
+    ckptr.save(local, state)
+    ckptr.wait_until_finished()
+    ckptr.close()
+    rels = upload(server, local, f"{prefix}/ckpt")
+    assert "manifest.ocdbt" in rels and "_METADATA" in rels, rels
+    assert any(r.startswith("d/") or "/d/" in r for r in rels), rels  # OCDBT data files
+
+    path = f"{url}/ckpt"
+    from_files = tensorstash.restore(local)
+    from_s3 = tensorstash.restore(path)
+    assert_restored_numpy(from_s3, values)
+    assert_restored_numpy(from_files, values)
+    target, shardings = other_targets(values)
+    got = tensorstash.restore(path, target=target)
+    for k, v in values["params"].items():
+        check_sharded(got["params"][k], v, shardings[k], f"orbax-written {k}")
+    meta = tensorstash.metadata(path)
+    assert meta["params"]["e"].shape == (10, 7) and meta["params"]["e"].dtype == ml_dtypes.bfloat16
+
+    env = child_env(server, str(tmp_path))
+    r = run_cli("verify", path, env=env)
+    assert r.returncode == 0 and r.stdout.startswith("OK"), r.stdout + r.stderr
+
+    # An Orbax CheckpointManager's root, uploaded: steps list and restore from S3 as from files.
+    root = str(tmp_path / "orbax" / "mgr")
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    with ocp.CheckpointManager(root, options=options) as mgr:
+        for step in (1, 2):
+            mgr.save(step, args=ocp.args.StandardSave(
+                jax.tree.map(lambda x, step=step: x + step, state["params"])))
+        mgr.wait_until_finished()
+    upload(server, root, f"{prefix}/mgr")
+    for step in (1, 2):
+        for p in (f"{url}/mgr/{step}", f"{url}/mgr/{step}/default"):
+            got = tensorstash.restore(p, target={k: v for k, v in target["params"].items()})
+            for k, v in values["params"].items():
+                check_sharded(got[k], (v + step).astype(v.dtype), shardings[k], f"{p} {k}")
+    r = run_cli("ls", f"{url}/mgr", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line.split()[:2] for line in r.stdout.splitlines()[1:]]
+    assert rows == [["1", "orbax-ocdbt"], ["2", "orbax-ocdbt"]], r.stdout
+
+
+# --- 2a. tensorstash writes an Orbax checkpoint (format="orbax") to S3 ---------------------------
+
+def test_orbax_format_saved_to_s3_restores_bit_exact(server, s3, tmp_path):
+    url, prefix = s3
+    state, values = orbax_state()
+    tree = dict(state, step=1234, lr=0.125)  # no str leaves: the Orbax writer refuses them
+    want = dict(values, step=1234, lr=0.125)
+    path = f"{url}/orbax_step"
+    tensorstash.save(path, tree, format="orbax")
+
+    rels = [k[len(prefix) + len("/orbax_step/"):] for k in list_keys(server, prefix + "/")]
+    assert "_METADATA" in rels and "manifest.ocdbt" in rels, rels
+    assert not [r for r in rels if "tmp" in r], rels
+
+    assert_restored_numpy(tensorstash.restore(path), want)
+    target, shardings = other_targets(values)
+    got = tensorstash.restore(path, target=target)
+    for k, v in values["params"].items():
+        check_sharded(got["params"][k], v, shardings[k], f"orbax target {k}")
+    meta = tensorstash.metadata(path)
+    for k, v in values["params"].items():
+        assert meta["params"][k].shape == v.shape and meta["params"][k].dtype == v.dtype, k
+
+    # The CLI reads it from S3.
+    env = child_env(server, str(tmp_path))
+    r = run_cli("inspect", path, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "format orbax-ocdbt" in r.stdout, r.stdout
+    assert re.search(r"^params/e\s+bfloat16\s", r.stdout, re.M), r.stdout
+    r = run_cli("inspect", "--json", path, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["format"] == "orbax-ocdbt", doc
+    arrays = {a["path"]: a for a in doc["arrays"]}
+    assert arrays["params/i"]["shape"] == [8, 4, 6] and arrays["params/i"]["dtype"] == "int32"
+    r = run_cli("verify", path, env=env)
+    assert r.returncode == 0 and r.stdout.startswith("OK"), r.stdout + r.stderr
+
+    # What it wrote to the bucket is an Orbax checkpoint: Orbax restores a copy of the objects.
+    import orbax.checkpoint as ocp
+    local = str(tmp_path / "copy")
+    download(server, f"{prefix}/orbax_step", local)
+    ckptr = ocp.PyTreeCheckpointer()
+    ogot = ckptr.restore(local)
+    ckptr.close()
+    for k, v in values["params"].items():
+        assert_same_array(np.asarray(ogot["params"][k]), v, f"orbax restore {k}")
+    assert_same_array(np.asarray(ogot["opt"][1]), values["opt"][1], "orbax restore opt/1")
+    assert ogot["step"] == 1234 and ogot["lr"] == 0.125, ogot
+
+
+# --- the worker -----------------------------------------------------------------------------------
+
+def _worker_run(args) -> None:
+    assert jax.process_count() == args.nproc and jax.process_index() == args.pid
+    assert jax.device_count() == 8, jax.devices()
+    values = step_values()
+    shardings, mshardings = layout(args.layout, jax.devices())
+
+    if args.phase == "save":
+        tree = {"params": {k: global_array(v, shardings[k]) for k, v in values.items()},
+                "host": HOST, "step": 7, "name": f"saved by {args.nproc} processes"}
+        tensorstash.save(args.step, tree, chunk_bytes=256)
+        with tensorstash.CheckpointManager(args.root, max_to_keep=2) as mgr:
+            assert mgr.all_steps() == [], mgr.all_steps()
+            for step in MGR_STEPS:
+                state = {"params": {k: global_array(v, mshardings[k])
+                                    for k, v in mgr_values(step).items()},
+                         "step": step}
+                assert mgr.save(step, state, metadata={"step": step, "nproc": args.nproc})
+            mgr.wait_until_finished()
+            assert mgr.all_steps() == [2, 3], mgr.all_steps()
+        print(f"process {args.pid}: saved", flush=True)
+        return
+
+    # restore: onto this layout; every process checks its own shards
+    target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
+                         for k, v in values.items()},
+              "host": np.zeros(HOST.shape, HOST.dtype), "step": 0, "name": ""}
+    got = tensorstash.restore(args.step, target=target)
+    for k, v in values.items():
+        check_sharded(got["params"][k], v, shardings[k], k)
+    assert_same_array(got["host"], HOST, "host")
+    assert got["step"] == 7 and got["name"] == "saved by 2 processes", got
+    plain = tensorstash.restore(args.step)
+    for k, v in values.items():
+        assert_same_array(plain["params"][k], v, f"plain {k}")
+
+    with tensorstash.CheckpointManager(args.root, max_to_keep=2) as mgr:
+        assert mgr.all_steps() == [2, 3], mgr.all_steps()
+        step = mgr.latest_step()
+        assert step == 3, step
+        want = mgr_values(step)
+        mtarget = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=mshardings[k])
+                              for k, v in want.items()}, "step": 0}
+        mgot = mgr.restore(step, target=mtarget)
+        assert mgot["step"] == 3, mgot["step"]
+        for k, v in want.items():
+            check_sharded(mgot["params"][k], v, mshardings[k], f"manager {k}")
+        assert mgr.metadata(step) == {"step": 3, "nproc": 2}
+        older = mgr.restore(2)  # NumPy
+        assert_same_tree(older, {"params": mgr_values(2), "step": 2})
+    print(f"process {args.pid}: restored", flush=True)
+
+
+def _worker_main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", choices=["save", "restore"], required=True)
+    ap.add_argument("--step", required=True)
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--nproc", type=int, required=True)
+    ap.add_argument("--pid", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--layout", required=True)
+    args = ap.parse_args()
+    distributed = args.nproc > 1
+    if distributed:
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
+                                   num_processes=args.nproc, process_id=args.pid,
+                                   initialization_timeout=60)
+    try:
+        _worker_run(args)
+        ok = True
+    except BaseException:  # noqa: BLE001 - report anything, then fail
+        traceback.print_exc()
+        sys.stdout.flush()
+        ok = False
+    if distributed:
+        try:  # stay up until every process is done (the coordination service lives in process 0)
+            jax.distributed.shutdown()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            ok = False
+    print(f"process {args.pid}/{args.nproc}: {'OK' if ok else 'FAILED'}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main())
