@@ -1,6 +1,7 @@
-// HttpClient: one HTTP request at a time per calling thread, over libcurl, with connections kept
-// alive and reused between requests (a pool of curl handles). The transport under the peer
-// store (http_kvstore.h) and the S3 store (s3/s3_kvstore.h); neither speaks to curl itself.
+// HttpClient: HTTP requests over libcurl's multi interface: one thread of the client drives
+// every transfer, on connections kept alive and reused between requests; each caller waits for
+// its own. The transport under the peer store (http_kvstore.h) and the S3 store
+// (s3/s3_kvstore.h); neither speaks to curl itself.
 //
 //   HttpClient client({});
 //   HttpRequest request{.method = "GET", .url = "http://127.0.0.1:8333/bucket/key"};
