@@ -10,8 +10,9 @@
 // and sent over HttpClient (http/http_client.h), at most `max_concurrent_requests` at once;
 // 5xx answers, SlowDown and lost connections are retried with exponential backoff and jitter,
 // while 304 and 412 are answers and never retried. Every PUT and part carries its CRC-32C
-// (x-amz-checksum-crc32c); over plain HTTP the payload is signed with SHA-256 as well, over TLS
-// it is UNSIGNED-PAYLOAD.
+// (x-amz-checksum-crc32c) and is sent as UNSIGNED-PAYLOAD: the bytes are not hashed with
+// SHA-256 for the signature unless `sign_payload` (TENSORSTASH_S3_SIGN_PAYLOAD=1), which only
+// adds protection against tampering on an unencrypted (http://) path.
 //
 // What differs from a file system (KvStoreCapabilities says it to the engine):
 //  - no rename: a checkpoint commits with a create-only commit record instead;
@@ -58,6 +59,8 @@ struct S3KvStoreOptions {
   std::shared_ptr<AwsCredentialProvider> credentials;
   HttpClientOptions http;
   int max_concurrent_requests = 32;
+  // Sign every body's SHA-256 (else UNSIGNED-PAYLOAD; the CRC-32C header is sent either way).
+  bool sign_payload = false;
   // The multipart grid: parts of this size (at least 5 MiB, S3's minimum); 10,000 parts make
   // the largest object 10,000 x part_size.
   size_t part_size = size_t{16} << 20;

@@ -183,6 +183,15 @@ TEST_F(S3StoreTest, LargeFileGoesUpInPartsAndAppearsWhole) {
   EXPECT_EQ(middle, bytes.substr((size_t{5} << 20) - 500, 1000));
 }
 
+TEST_F(S3StoreTest, SignedPayloadsAreAcceptedToo) {
+  S3KvStoreOptions options = TestOptions();
+  options.sign_payload = true;
+  std::unique_ptr<S3KvStore> store = OpenOrNull(std::move(options));
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("signed/k", "payload hashed into the signature"));
+  EXPECT_EQ(store->Read("signed/k").value_or(""), "payload hashed into the signature");
+}
+
 TEST_F(S3StoreTest, ReadOfAReplacedObjectNamesIt) {
   std::unique_ptr<S3KvStore> store = OpenOrNull(TestOptions());
   ASSERT_NE(store, nullptr);
