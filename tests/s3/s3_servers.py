@@ -23,9 +23,9 @@ server.env holds KEY=VALUE lines: TS_S3_KIND, TS_S3_ENDPOINT, TS_S3_BUCKET, TS_S
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_DEFAULT_REGION, TS_S3_PID, TS_S3_LOG.
 
 What each server checks:
-  seaweedfs  `weed mini`; signatures are checked: the identity comes from AWS_ACCESS_KEY_ID /
-             AWS_SECRET_ACCESS_KEY in weed's environment (weed mini creates an admin user from
-             them); a wrong secret gets 403 SignatureDoesNotMatch. Honours If-None-Match and Range.
+  seaweedfs  `weed mini`; signatures are checked: the identity comes from an S3 identity file
+             (-s3.config, WORKDIR/s3-identity.json); a wrong secret gets 403
+             SignatureDoesNotMatch. Honours If-None-Match and Range.
   moto       `moto_server`; accepts any credentials (no signature check).
   rclone     `rclone serve s3 --auth-key A,S`; signatures are checked (403 on a wrong secret).
              Buckets are the directories under WORKDIR/rclone-root.
@@ -353,11 +353,20 @@ def _child_env(kind: str, workdir: str, access_key: str, secret_key: str) -> dic
            if not k.startswith(("AWS_", "RCLONE_", "WEED_", "MOTO_"))
            and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
     env["NO_PROXY"] = env["no_proxy"] = "*"
-    if kind == "seaweedfs":
-        # weed mini creates an admin identity from these and then checks every signature.
-        env["AWS_ACCESS_KEY_ID"] = access_key
-        env["AWS_SECRET_ACCESS_KEY"] = secret_key
     return env
+
+
+def _identity_file(workdir: str, access_key: str, secret_key: str) -> str:
+    """SeaweedFS's S3 identity file: one identity, these keys, every action. With it every
+    request's signature is checked (and an unsigned one refused)."""
+    import json
+    path = os.path.join(workdir, "s3-identity.json")
+    with open(path, "w") as f:
+        json.dump({"identities": [{
+            "name": "tensorstash-test",
+            "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+            "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}, f)
+    return path
 
 
 def _command(kind: str, workdir: str, access_key: str, secret_key: str) -> tuple[list[str], str]:
@@ -377,7 +386,8 @@ def _command(kind: str, workdir: str, access_key: str, secret_key: str) -> tuple
                f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
                f"-s3.port={s3}", f"-webdav.port={webdav}", f"-admin.port={admin}",
                "-s3.port.iceberg=0", "-s3.port.lance=0",
-               "-master.volumeSizeLimitMB=64", "-volume.preStopSeconds=0"]
+               "-master.volumeSizeLimitMB=64", "-volume.preStopSeconds=0",
+               f"-s3.config={_identity_file(workdir, access_key, secret_key)}"]
         # unix sockets default to /tmp/seaweedfs-*-PORT.sock; keep them in workdir when the path fits
         for comp, port in (("filer", filer), ("s3", s3)):
             sock = os.path.join(workdir, f"{comp}-{port}.sock")
