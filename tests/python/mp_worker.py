@@ -20,12 +20,16 @@ import traceback
 from typing import Callable
 
 
-def parse_args(*, step_help: str | None = None, layout_default: str | None = None):
-    """The command line of a worker (the one test_multiprocess.run_job gives it); --layout is
-    required unless it has a default."""
+def parse_args(*, step_help: str | None = None, layout_default: str | None = None,
+               options: tuple[str, ...] = ()):
+    """The command line of a worker (the one mp_launch.run_job gives it), with the further
+    required options `options` (strings, e.g. "--root"); --layout is required unless it has a
+    default."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", choices=["save", "restore"], required=True)
     ap.add_argument("--step", required=True, help=step_help)
+    for option in options:
+        ap.add_argument(option, required=True)
     ap.add_argument("--nproc", type=int, required=True)
     ap.add_argument("--pid", type=int, required=True)
     ap.add_argument("--port", type=int, default=0)

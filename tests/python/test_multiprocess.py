@@ -5,80 +5,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 
+import mp_launch
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "mp_worker.py")
+WORKER = os.path.join(HERE, "mp_worker.py")  # test_manager runs mp_manager_worker.py instead
 TIMEOUT_S = 150  # for a whole job; a hang fails the test instead of blocking the run
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_job(phase: str, step: str, nproc: int, layout: str, cwd: str) -> str:
-    """Runs `nproc` worker processes; returns their output. Fails (and kills them all) when any
-    exits non-zero or the job outlives TIMEOUT_S. Retried once with another port when the
-    coordinator's port was taken meanwhile."""
-    failure, text = _run_job_once(phase, step, nproc, layout, cwd)
-    if failure and "already in use" in text.lower():
-        failure, text = _run_job_once(phase, step, nproc, layout, cwd)
-    if failure:
-        pytest.fail(f"{phase} by {nproc} process(es) failed: {failure}\n{text}", pytrace=False)
-    return text
-
-
-def _run_job_once(phase: str, step: str, nproc: int, layout: str, cwd: str) -> tuple[str, str]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "JAX_ENABLE_X64", "PYTHONPATH")}
-    env["JAX_PLATFORMS"] = "cpu"
-    procs, logs = [], []
-    for pid in range(nproc):
-        log = open(os.path.join(cwd, f"{phase}-{nproc}-{pid}-{port}.log"), "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, WORKER, "--phase", phase, "--step", step, "--nproc", str(nproc),
-             "--pid", str(pid), "--port", str(port), "--layout", layout],
-            cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + TIMEOUT_S
-    failed = None
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline:
-                failed = f"timed out after {TIMEOUT_S}s"
-                break
-            if any(p.returncode not in (None, 0) for p in procs):
-                # One failed: give the others a little time to report, then stop them.
-                try:
-                    for p in procs:
-                        p.wait(timeout=max(0.0, min(20.0, deadline - time.monotonic())))
-                except subprocess.TimeoutExpired:
-                    pass
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    output = []
-    for pid, (p, log) in enumerate(zip(procs, logs)):
-        log.seek(0)
-        output.append(f"--- process {pid}/{nproc} ({phase}, layout {layout}), exit {p.returncode}\n"
-                      + log.read())
-        log.close()
-    text = "\n".join(output)
-    if failed or any(p.returncode != 0 for p in procs):
-        return failed or "non-zero exit", text
-    return "", text
+    """Runs `nproc` processes of WORKER (mp_launch.run_job); returns their output."""
+    return mp_launch.run_job(WORKER, phase, step, nproc, layout, cwd, timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import tensorstash
-from tshelpers import assert_jax_array, assert_same_array, global_array, mesh, named, pattern
+from tshelpers import (assert_jax_array, assert_restored_numpy, assert_same_array, global_array,
+                       mesh, named, pattern)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -88,27 +89,6 @@ def save_orbax(path: str, tree, layout: str, save_args=None) -> None:
     ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**LAYOUTS[layout]))
     ckptr.save(path, args=ocp.args.PyTreeSave(tree, save_args=save_args))
     ckptr.close()
-
-
-def assert_restored_numpy(got, want, where=""):
-    """restore() without a target: dicts stay dicts, tuples come back as lists (Orbax does not
-    record the difference), arrays bit for bit, Python scalars as values."""
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and list(got) == list(want), f"{where}: {got!r}"
-        for k in want:
-            assert_restored_numpy(got[k], want[k], f"{where}/{k}")
-    elif isinstance(want, (list, tuple)):
-        assert isinstance(got, list) and len(got) == len(want), f"{where}: {got!r}"
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_restored_numpy(g, w, f"{where}/{i}")
-    elif want is None:
-        assert got is None, where
-    elif isinstance(want, (int, float, str)):
-        assert type(got) is type(want) and got == want, f"{where}: {got!r} != {want!r}"
-    elif isinstance(want, np.generic):  # Orbax saves NumPy scalars as "scalar" leaves too
-        assert type(got) is type(want.item()) and got == want.item(), f"{where}: {got!r}"
-    else:
-        assert_same_array(got, np.asarray(want), where)
 
 
 def sorted_like(tree):

@@ -21,92 +21,20 @@ import subprocess
 import sys
 import textwrap
 import time
-from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import tensorstash
+from s3_fixtures import S3, s3, server  # noqa: F401 - the fixtures; puts tests/s3 on sys.path
 from tshelpers import assert_same_tree, pattern
+
+import fault_proxy  # tests/s3, on sys.path through s3_fixtures
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(REPO, "tests", "s3"))
-
-import fault_proxy  # noqa: E402
-import s3_servers  # noqa: E402
-
 CLI = os.environ.get("TENSORSTASH_CLI", os.path.join(REPO, "build", "tensorstash"))
-
-
-# --- fixtures -------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """One SeaweedFS server (signatures checked, conditional writes honoured) for the module."""
-    srv = s3_servers.start("seaweedfs", str(tmp_path_factory.mktemp("seaweedfs")))
-    try:
-        yield srv
-    finally:
-        srv.stop()
-    assert not srv.alive()
-
-
-@dataclass
-class S3:
-    server: s3_servers.Server
-    bucket: str
-    prefix: str  # key prefix of this test, no trailing '/'
-    url: str     # "s3://<bucket>/<prefix>"
-
-    def step(self, name: str = "0000000001") -> str:
-        return f"{self.url}/{name}"
-
-    def client(self):
-        return self.server.client()
-
-    def keys(self, prefix: str | None = None) -> list[str]:
-        """Every key under `prefix` (default: this test's prefix + '/'), paginated."""
-        prefix = self.prefix + "/" if prefix is None else prefix
-        c = self.client()
-        out, token = [], None
-        while True:
-            kw = {"Bucket": self.bucket, "Prefix": prefix}
-            if token:
-                kw["ContinuationToken"] = token
-            r = c.list_objects_v2(**kw)
-            out += [o["Key"] for o in r.get("Contents", [])]
-            if not r.get("IsTruncated"):
-                return sorted(out)
-            token = r["NextContinuationToken"]
-
-    def env(self) -> dict[str, str]:
-        """The environment for a subprocess: this process's, AWS settings included."""
-        return dict(os.environ)
-
-
-def _clear_aws_env(monkeypatch, tmp_path) -> None:
-    for var in list(os.environ):
-        if var.startswith("AWS_"):
-            monkeypatch.delenv(var)
-    # No shared files from the home directory, no instance metadata: only what a test sets.
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-such-aws-credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-such-aws-config"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-
-
-@pytest.fixture
-def s3(server, monkeypatch, tmp_path, request):
-    """The AWS environment of `server` set in this process, and a fresh prefix for the test."""
-    _clear_aws_env(monkeypatch, tmp_path)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
-    monkeypatch.setenv("AWS_REGION", server.region)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
-    name = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:60]
-    prefix = f"{name}-{secrets.token_hex(4)}"
-    return S3(server, server.bucket, prefix, f"s3://{server.bucket}/{prefix}")
 
 
 def run_cli(s3: S3, *args, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -12,16 +12,11 @@ one process of a jax.distributed job (see _worker_main at the end).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import secrets
-import socket
 import subprocess
 import sys
-import time
-import traceback
 
 import jax
 import ml_dtypes
@@ -29,15 +24,15 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import mp_launch
 import tensorstash
-from tshelpers import assert_jax_array, assert_same_array, assert_same_tree, global_array, pattern
+from mp_worker import parse_args, run_in_job
+from s3_fixtures import aws_vars, list_keys, s3, server, unique_prefix  # noqa: F401 - fixtures
+from tshelpers import (assert_jax_array, assert_restored_numpy, assert_same_array,
+                       assert_same_tree, global_array, pattern)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(REPO, "tests", "s3"))
-
-import s3_servers  # noqa: E402
-
 CLI = os.environ.get("TENSORSTASH_CLI", os.path.join(REPO, "build", "tensorstash"))
 JOB_TIMEOUT_S = 120  # for a whole multi-process job; a hang fails the test instead of blocking
 
@@ -94,67 +89,12 @@ def check_sharded(got, want: np.ndarray, sharding, what: str) -> None:
 
 # --- fixtures -------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """One SeaweedFS server (signatures checked) for the module."""
-    srv = s3_servers.start("seaweedfs", str(tmp_path_factory.mktemp("seaweedfs")))
-    try:
-        yield srv
-    finally:
-        srv.stop()
-    assert not srv.alive()
-
-
-def aws_vars(server, scratch: str) -> dict[str, str]:
-    """The AWS settings that point the engine at `server` (and at nothing else)."""
-    return {
-        "AWS_ENDPOINT_URL": server.endpoint,
-        "AWS_REGION": server.region,
-        "AWS_ACCESS_KEY_ID": server.access_key,
-        "AWS_SECRET_ACCESS_KEY": server.secret_key,
-        "AWS_SHARED_CREDENTIALS_FILE": os.path.join(scratch, "no-such-aws-credentials"),
-        "AWS_CONFIG_FILE": os.path.join(scratch, "no-such-aws-config"),
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-
-
 def child_env(server, scratch: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("AWS_") and k not in ("XLA_FLAGS", "JAX_ENABLE_X64", "PYTHONPATH")}
     env.update(aws_vars(server, scratch))
     env.update(extra)
     return env
-
-
-def unique_prefix(name: str) -> str:
-    return f"{re.sub(r'[^a-z0-9-]+', '-', name.lower()).strip('-')[:50]}-{secrets.token_hex(4)}"
-
-
-@pytest.fixture
-def s3(server, monkeypatch, tmp_path, request):
-    """The AWS environment of `server` set in this process; returns (url, prefix) of a fresh
-    prefix for the test."""
-    for var in list(os.environ):
-        if var.startswith("AWS_"):
-            monkeypatch.delenv(var)
-    for k, v in aws_vars(server, str(tmp_path)).items():
-        monkeypatch.setenv(k, v)
-    prefix = unique_prefix(request.node.name)
-    return f"s3://{server.bucket}/{prefix}", prefix
-
-
-def list_keys(server, prefix: str) -> list[str]:
-    c = server.client()
-    out, token = [], None
-    while True:
-        kw = {"Bucket": server.bucket, "Prefix": prefix}
-        if token:
-            kw["ContinuationToken"] = token
-        r = c.list_objects_v2(**kw)
-        out += [o["Key"] for o in r.get("Contents", [])]
-        if not r.get("IsTruncated"):
-            return sorted(out)
-        token = r["NextContinuationToken"]
 
 
 def run_cli(*args, env=None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -166,68 +106,12 @@ def run_cli(*args, env=None, timeout: float = 120) -> subprocess.CompletedProces
 
 # --- multi-process jobs ---------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_job(phase: str, step: str, root: str, nproc: int, layout_name: str, cwd: str,
             env: dict) -> str:
-    """Runs `nproc` workers (this file) in a jax.distributed job with 8 CPU devices in all;
-    fails (after killing them all) when any exits non-zero or the job outlives JOB_TIMEOUT_S.
-    Retried once on another port when the coordinator's port was taken meanwhile."""
-    failure, text = _run_job_once(phase, step, root, nproc, layout_name, cwd, env)
-    if failure and "already in use" in text.lower():
-        failure, text = _run_job_once(phase, step, root, nproc, layout_name, cwd, env)
-    if failure:
-        pytest.fail(f"{phase} by {nproc} process(es) failed: {failure}\n{text}", pytrace=False)
-    return text
-
-
-def _run_job_once(phase, step, root, nproc, layout_name, cwd, env) -> tuple[str, str]:
-    port = free_port()
-    env = dict(env, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // nproc}")
-    procs, logs = [], []
-    try:
-        for pid in range(nproc):
-            log = open(os.path.join(cwd, f"{phase}-{nproc}-{pid}-{port}.log"), "w+")
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--phase", phase, "--step", step,
-                 "--root", root, "--nproc", str(nproc), "--pid", str(pid), "--port", str(port),
-                 "--layout", layout_name],
-                cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        failed = None
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline:
-                failed = f"timed out after {JOB_TIMEOUT_S}s"
-                break
-            if any(p.returncode not in (None, 0) for p in procs):
-                try:  # one failed: give the others a little time to report
-                    for p in procs:
-                        p.wait(timeout=max(0.0, min(20.0, deadline - time.monotonic())))
-                except subprocess.TimeoutExpired:
-                    pass
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    output = []
-    for pid, (p, log) in enumerate(zip(procs, logs)):
-        log.seek(0)
-        output.append(f"--- process {pid}/{nproc} ({phase}, layout {layout_name}), exit "
-                      f"{p.returncode}\n" + log.read())
-        log.close()
-    text = "\n".join(output)
-    if failed or any(p.returncode != 0 for p in procs):
-        return failed or "non-zero exit", text
-    return "", text
+    """Runs `nproc` workers (this file) in a jax.distributed job with 8 CPU devices in all
+    (mp_launch.run_job); fails when any fails or the job outlives JOB_TIMEOUT_S."""
+    return mp_launch.run_job(os.path.abspath(__file__), phase, step, nproc, layout_name, cwd,
+                             args=("--root", root), env=env, timeout_s=JOB_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -327,23 +211,6 @@ def test_restore_s3_step_onto_named_shardings_in_one_process(s3, mp_saved):
 
 # --- 2. Orbax checkpoints on S3: helpers --------------------------------------------------------
 
-def assert_restored_numpy(got, want, where=""):
-    """restore() of an Orbax checkpoint without a target: dicts stay dicts, tuples come back as
-    lists, arrays bit for bit, Python scalars as values."""
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and sorted(got) == sorted(want), f"{where}: {got!r}"
-        for k in want:
-            assert_restored_numpy(got[k], want[k], f"{where}/{k}")
-    elif isinstance(want, (list, tuple)):
-        assert isinstance(got, list) and len(got) == len(want), f"{where}: {got!r}"
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_restored_numpy(g, w, f"{where}/{i}")
-    elif isinstance(want, (bool, int, float, str)):
-        assert type(got) is type(want) and got == want, f"{where}: {got!r} != {want!r}"
-    else:
-        assert_same_array(got, np.asarray(want), where)
-
-
 def orbax_state():
     """A state of jax.Arrays sharded over a 2 x 4 mesh, NumPy arrays and Python scalars; and its
     values as NumPy."""
@@ -406,7 +273,7 @@ def upload(server, src: str, prefix: str) -> list[str]:
 
 def test_orbax_written_by_orbax_read_from_s3_as_from_files(server, s3, tmp_path):
     import orbax.checkpoint as ocp
-    url, prefix = s3
+    url, prefix = s3.url, s3.prefix
     state, values = orbax_state()
 
     local = str(tmp_path / "orbax" / "ckpt")
@@ -421,8 +288,8 @@ def test_orbax_written_by_orbax_read_from_s3_as_from_files(server, s3, tmp_path)
     path = f"{url}/ckpt"
     from_files = tensorstash.restore(local)
     from_s3 = tensorstash.restore(path)
-    assert_restored_numpy(from_s3, values)
-    assert_restored_numpy(from_files, values)
+    assert_restored_numpy(from_s3, values, key_order=False)
+    assert_restored_numpy(from_files, values, key_order=False)
     target, shardings = other_targets(values)
     got = tensorstash.restore(path, target=target)
     for k, v in values["params"].items():
@@ -457,7 +324,7 @@ def test_orbax_written_by_orbax_read_from_s3_as_from_files(server, s3, tmp_path)
 # --- 2a. tensorstash writes an Orbax checkpoint (format="orbax") to S3 ---------------------------
 
 def test_orbax_format_saved_to_s3_restores_bit_exact(server, s3, tmp_path):
-    url, prefix = s3
+    url, prefix = s3.url, s3.prefix
     state, values = orbax_state()
     tree = dict(state, step=1234, lr=0.125)  # no str leaves: the Orbax writer refuses them
     want = dict(values, step=1234, lr=0.125)
@@ -468,7 +335,7 @@ def test_orbax_format_saved_to_s3_restores_bit_exact(server, s3, tmp_path):
     assert "_METADATA" in rels and "manifest.ocdbt" in rels, rels
     assert not [r for r in rels if "tmp" in r], rels
 
-    assert_restored_numpy(tensorstash.restore(path), want)
+    assert_restored_numpy(tensorstash.restore(path), want, key_order=False)
     target, shardings = other_targets(values)
     got = tensorstash.restore(path, target=target)
     for k, v in values["params"].items():
@@ -560,35 +427,8 @@ def _worker_run(args) -> None:
 
 
 def _worker_main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", choices=["save", "restore"], required=True)
-    ap.add_argument("--step", required=True)
-    ap.add_argument("--root", required=True)
-    ap.add_argument("--nproc", type=int, required=True)
-    ap.add_argument("--pid", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--layout", required=True)
-    args = ap.parse_args()
-    distributed = args.nproc > 1
-    if distributed:
-        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
-                                   num_processes=args.nproc, process_id=args.pid,
-                                   initialization_timeout=60)
-    try:
-        _worker_run(args)
-        ok = True
-    except BaseException:  # noqa: BLE001 - report anything, then fail
-        traceback.print_exc()
-        sys.stdout.flush()
-        ok = False
-    if distributed:
-        try:  # stay up until every process is done (the coordination service lives in process 0)
-            jax.distributed.shutdown()
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-            ok = False
-    print(f"process {args.pid}/{args.nproc}: {'OK' if ok else 'FAILED'}", flush=True)
-    return 0 if ok else 1
+    args = parse_args(options=("--root",))
+    return run_in_job(args, _worker_run, distributed=args.nproc > 1)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,30 @@ def assert_same_tree(got: Any, want: Any, path: str = "") -> None:
         assert got == want, f"{where}: {got!r} != {want!r}"
 
 
+def assert_restored_numpy(got: Any, want: Any, where: str = "", *, key_order: bool = True) -> None:
+    """restore() of an Orbax checkpoint without a target: dicts stay dicts (their keys in want's
+    order, or only the same keys unless `key_order`), tuples come back as lists (Orbax does not
+    record the difference), arrays bit for bit, Python scalars as values (NumPy scalars as
+    Python ones: Orbax saves them as "scalar" leaves too)."""
+    if isinstance(want, dict):
+        keys = list if key_order else sorted
+        assert isinstance(got, dict) and keys(got) == keys(want), f"{where}: {got!r}"
+        for k in want:
+            assert_restored_numpy(got[k], want[k], f"{where}/{k}", key_order=key_order)
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, list) and len(got) == len(want), f"{where}: {got!r}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_restored_numpy(g, w, f"{where}/{i}", key_order=key_order)
+    elif want is None:
+        assert got is None, where
+    elif isinstance(want, (int, float, str)):
+        assert type(got) is type(want) and got == want, f"{where}: {got!r} != {want!r}"
+    elif isinstance(want, np.generic):
+        assert type(got) is type(want.item()) and got == want.item(), f"{where}: {got!r}"
+    else:
+        assert_same_array(got, np.asarray(want), where)
+
+
 # --- the on-disk index -------------------------------------------------------------------------
 
 def read_tree_json(step: str) -> dict:
