@@ -511,3 +511,25 @@ def test_an_orbax_checkpoint_on_s3_is_written_in_place_and_never_replaced(s3):
     with pytest.raises(ValueError, match="cannot replace it in place"):
         tensorstash.save(s3.step(), small_tree(6), format="orbax", overwrite=True)
     assert_same_tree(tensorstash.restore(s3.step()), tree)
+
+
+def test_a_multi_tier_manager_keeps_its_persistent_steps_on_s3(s3, tmp_path):
+    """The node-local tier in a folder, the persistent tier on S3 (issue 16: both managers)."""
+    trees = {step: small_tree(step) for step in (1, 2, 3, 4)}
+    with tensorstash.CheckpointManager(s3.url, save_interval_steps=2, local_dir=tmp_path / "ram",
+                                       local_save_interval_steps=1) as mgr:
+        for step, tree in trees.items():
+            mgr.save(step, tree)
+        mgr.wait_until_finished()
+    persistent = sorted({k.split("/")[1] for k in s3.keys() if k.endswith("/COMMIT")})
+    assert persistent == ["0000000002", "0000000004"], persistent
+    with tensorstash.CheckpointManager(s3.url, save_interval_steps=2, local_dir=tmp_path / "ram",
+                                       local_save_interval_steps=1) as mgr:
+        assert mgr.latest_step() == 4
+        assert_same_tree(mgr.restore(4), trees[4])
+    # Without the node's copies, the persistent tier alone restores.
+    with tensorstash.CheckpointManager(s3.url, save_interval_steps=2,
+                                       local_dir=tmp_path / "other-node",
+                                       local_save_interval_steps=1) as mgr:
+        assert mgr.latest_step() == 4
+        assert_same_tree(mgr.restore(4), trees[4])

@@ -387,7 +387,10 @@ def _command(kind: str, workdir: str, access_key: str, secret_key: str) -> tuple
                f"-s3.port={s3}", f"-webdav.port={webdav}", f"-admin.port={admin}",
                "-s3.port.iceberg=0", "-s3.port.lance=0",
                "-master.volumeSizeLimitMB=64", "-volume.preStopSeconds=0",
-               f"-s3.config={_identity_file(workdir, access_key, secret_key)}"]
+               f"-s3.config={_identity_file(workdir, access_key, secret_key)}",
+               # Virtual-hosted requests too: <bucket>.localhost:<port> (curl takes any
+               # *.localhost name for the loopback address, without asking DNS).
+               "-s3.domainName=localhost"]
         # unix sockets default to /tmp/seaweedfs-*-PORT.sock; keep them in workdir when the path fits
         for comp, port in (("filer", filer), ("s3", s3)):
             sock = os.path.join(workdir, f"{comp}-{port}.sock")

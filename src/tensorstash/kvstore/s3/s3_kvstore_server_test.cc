@@ -183,6 +183,24 @@ TEST_F(S3StoreTest, LargeFileGoesUpInPartsAndAppearsWhole) {
   EXPECT_EQ(middle, bytes.substr((size_t{5} << 20) - 500, 1000));
 }
 
+TEST_F(S3StoreTest, VirtualHostedRequestsReachTheBucket) {
+  S3KvStoreOptions options = TestOptions();
+  // http://127.0.0.1:<port> as http://localhost:<port>: requests go to <bucket>.localhost.
+  const std::string endpoint = options.settings.endpoint;
+  options.settings.endpoint = "http://localhost" + endpoint.substr(endpoint.rfind(':'));
+  options.settings.path_style = false;
+  std::unique_ptr<S3KvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("virtual/k", "by host name"));
+  EXPECT_EQ(store->Read("virtual/k").value_or(""), "by host name");
+  // The same object, by path.
+  options.settings.endpoint = endpoint;
+  options.settings.path_style = true;
+  std::unique_ptr<S3KvStore> by_path = OpenOrNull(options);
+  ASSERT_NE(by_path, nullptr);
+  EXPECT_EQ(by_path->Read("virtual/k").value_or(""), "by host name");
+}
+
 TEST_F(S3StoreTest, SignedPayloadsAreAcceptedToo) {
   S3KvStoreOptions options = TestOptions();
   options.sign_payload = true;
