@@ -22,3 +22,21 @@ def split(path: str | os.PathLike) -> tuple[str, str]:
     text = os.fspath(path)
     _tree.check_text(text, f"the path {text!r}", "tensorstash takes UTF-8 paths only")
     return _ext.split_step_url(text)
+
+
+def configure_s3(*, endpoint: str | None = None, region: str | None = None,
+                 path_style: bool | None = None, profile: str | None = None,
+                 access_key_id: str | None = None, secret_access_key: str | None = None,
+                 session_token: str | None = None, anonymous: bool = False) -> None:
+    """Explicit settings for every ``s3://`` path opened from now on in this process.
+
+    Each argument given wins over the environment (``AWS_ENDPOINT_URL``, ``AWS_REGION``,
+    ``AWS_PROFILE``) and the AWS config files; ``None`` keeps what they say. ``endpoint`` is
+    ``"http(s)://host[:port]"``; ``path_style`` chooses ``host/bucket/key`` over
+    ``bucket.host/key`` (custom endpoints default to path style). Keys given here replace the
+    credential chain (environment, shared files, web identity, container, instance metadata);
+    ``anonymous=True`` sends unsigned requests. Each call replaces the previous one; a call
+    without arguments goes back to the environment. ValueError for settings that do not resolve.
+    """
+    _ext.configure_s3(endpoint, region, path_style, profile, access_key_id, secret_access_key,
+                      session_token, anonymous)
