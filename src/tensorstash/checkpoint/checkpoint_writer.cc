@@ -175,8 +175,9 @@ struct CheckpointWriter::Impl {
   bool commit_started = false;
   std::function<void()> on_sources_released;  // called once (ReleaseSources)
 
-  std::string key_prefix;  // for coordinator keys of this commit
-  std::string work_dir;    // where files are written (temporary folder, or dir)
+  std::string key_prefix;               // for coordinator keys of this commit
+  std::string work_dir;                 // where files are written (temporary folder, or dir)
+  bool commit_outcome_unknown = false;  // object stores: the record may exist (CommitAttempt)
   std::string nonce;
 
   Result<std::string> PrepareStepFolder();
@@ -338,7 +339,8 @@ Status CheckpointWriter::Commit(WriteStats* stats,
       if (result.ok()) result = process_status;
     }
     if (result.ok()) result = s.MergeAndCommit(std::move(local), std::move(committed_files));
-    if (!result.ok()) s.RemoveWorkDir();
+    // A commit whose outcome is unknown may have made the attempt the step: it stays (gc).
+    if (!result.ok() && !s.commit_outcome_unknown) s.RemoveWorkDir();
     TS_RETURN_IF_ERROR(c.KeyValueSet(s.key_prefix + "result", EncodeStatusForPeers(result)));
   } else {
     // 5. Wait for process 0's verdict.
@@ -757,7 +759,8 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local,
   item.num_arrays = arrays.size();
   record.files = std::move(committed_files);
   if (UsesCommitRecords(*kv)) {  // an object store: a create-only record names the attempt
-    return CommitAttempt(kv, dir, work_dir, std::move(record), options.overwrite);
+    return CommitAttempt(kv, dir, work_dir, std::move(record), options.overwrite,
+                         &commit_outcome_unknown);
   }
   const std::string commit_key = StrCat(work_dir, "/", kCommitFileName);
   TS_RETURN_IF_ERROR(kv->Write(commit_key, EncodeCommitRecord(record)));

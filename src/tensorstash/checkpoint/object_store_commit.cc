@@ -173,7 +173,7 @@ Result<int64_t> LatestCommitRecord(KvStore* kv, std::string_view dir) {
 }
 
 Status CommitAttempt(KvStore* kv, std::string_view dir, std::string_view work_dir,
-                     CommitRecord record, bool overwrite) {
+                     CommitRecord record, bool overwrite, bool* outcome_unknown) {
   const std::string attempt_prefix = StrCat(work_dir, "/");
   record.attempt = std::string(work_dir.substr(work_dir.rfind('/') + 1));
   TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, kv->List(attempt_prefix));
@@ -182,6 +182,12 @@ Status CommitAttempt(KvStore* kv, std::string_view dir, std::string_view work_di
     record.objects[key.substr(attempt_prefix.size())] = {info.size, info.generation};
   }
   const std::string text = EncodeCommitRecord(record);
+  if (text.size() > kMaxCommitRecordBytes) {
+    return ResourceExhaustedError(
+        StrCat("the commit record of step '", dir, "' would take ", text.size(), " bytes for its ",
+               record.objects.size(),
+               " objects, more than the format's 1 MiB; raise target_data_file_bytes"));
+  }
   std::vector<int64_t> numbers;
   int64_t committed = 0;
   for (int race = 0; race < kMaxRecordRaces && committed == 0; ++race) {
@@ -192,15 +198,39 @@ Status CommitAttempt(KvStore* kv, std::string_view dir, std::string_view work_di
                                        (race > 0 ? " (another writer committed it first)" : ""),
                                        "; pass overwrite to replace it"));
     }
-    const int64_t next = numbers.empty() ? 1 : numbers.back() + 1;
-    Status created = kv->WriteIfAbsent(CommitRecordKey(dir, next), text);
-    if (created.ok()) {
-      committed = next;
-    } else if (!absl::IsAlreadyExists(created)) {
-      return created;
+    if (!exists) {
+      // Records without COMMIT are a deletion cut short: never read, and they must not outrank
+      // the COMMIT about to be written.
+      for (int64_t number : numbers) (void)kv->Delete(CommitRecordKey(dir, number));
+      numbers.clear();
     }
+    const int64_t next = numbers.empty() ? 1 : numbers.back() + 1;
+    const std::string key = CommitRecordKey(dir, next);
+    Status created = kv->WriteIfAbsent(key, text);
+    if (!created.ok()) {
+      // A create whose answer was lost may have landed (a retry then finds the key taken): the
+      // record there is ours when it is byte for byte ours (it names our attempt).
+      Result<std::string> there = kv->Read(key);
+      if (there.ok() && *there == text) {
+        created = OkStatus();
+      } else if (there.ok() || absl::IsAlreadyExists(created)) {
+        continue;  // another writer's record: the race is lost (or, overwriting, try the next)
+      } else if (!absl::IsNotFound(there.status())) {
+        if (outcome_unknown != nullptr) *outcome_unknown = true;
+        return Annotate(created,
+                        StrCat("committing step '", dir, "' (whether the record ", key,
+                               " was created is unknown: ", there.status().message(), ")"));
+      } else {
+        return created;  // it was not created
+      }
+    }
+    committed = next;
   }
   if (committed == 0) {
+    if (!overwrite) {
+      return AlreadyExistsError(StrCat("step '", dir, "' already exists in ", kv->Describe(),
+                                       " (another writer committed it first)"));
+    }
     return AbortedError(StrCat("step '", dir, "' in ", kv->Describe(), ": ", kMaxRecordRaces,
                                " other writers committed it while this one tried"));
   }

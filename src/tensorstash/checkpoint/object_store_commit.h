@@ -55,8 +55,11 @@ Result<int64_t> LatestCommitRecord(KvStore* kv, std::string_view dir);
 // step exists, or when another writer committed it first. With `overwrite`, the record after
 // the highest (a writer that loses that race tries the next number). On success, the records
 // and attempts it supersedes are removed (best effort; "<dir>/COMMIT" stays, the step's mark).
+// A create whose answer was lost is recognised by reading the record back. When even that fails,
+// `outcome_unknown` (optional) is set: the record may exist, so the attempt must be kept.
+// ResourceExhausted for a record over the format's 1 MiB (too many objects).
 Status CommitAttempt(KvStore* kv, std::string_view dir, std::string_view work_dir,
-                     CommitRecord record, bool overwrite);
+                     CommitRecord record, bool overwrite, bool* outcome_unknown = nullptr);
 
 // A read-only view of committed step `dir` on a store that UsesCommitRecords, keys as in the
 // store ("<dir>/state/index", ...), resolved in the attempt of the highest record and read at

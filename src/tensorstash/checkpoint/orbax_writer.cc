@@ -487,8 +487,12 @@ Status OrbaxWriter::Impl::WriteInPlace(const std::vector<Leaf>& leaves, OrbaxWri
                "object store; delete it first, or save in the native format (which can)"));
   }
   TS_ASSIGN_OR_RETURN(content, CheckSaveDestination(kv, dir, /*overwrite=*/false));
-  if (content == FolderContent::kTensorstashLeftover)
-    TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
+  if (content == FolderContent::kTensorstashLeftover) {
+    // Possibly a native save's attempt in progress (object_store_commit.h), never deleted here.
+    return FailedPreconditionError(
+        StrCat("'", dir, "' in ", kv->Describe(),
+               " holds the files of an unfinished save; run `tensorstash gc` on its root first"));
+  }
   TS_RETURN_IF_ERROR(WriteInto(dir, leaves, stats, progress));
   Status marked =
       kv->Write(StrCat(dir, "/", kOrbaxCommitSuccessFileName),

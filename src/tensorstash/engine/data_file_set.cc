@@ -47,8 +47,10 @@ Result<DataFileSet::Location> DataFileSet::Allocate(uint64_t length, int lane) {
   uint64_t offset = file.size;
   if (length >= kAlignChunksFrom)
     offset = (offset + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment;
+  const uint32_t padding =
+      kv_->Capabilities().object_store ? static_cast<uint32_t>(offset - file.size) : 0;
   file.size = offset + length;
-  return Location{static_cast<uint32_t>(current), offset};
+  return Location{static_cast<uint32_t>(current), offset, padding};
 }
 
 Status DataFileSet::Write(const Location& where, const void* data, size_t size) {
@@ -58,6 +60,10 @@ Status DataFileSet::Write(const Location& where, const void* data, size_t size) 
     handle = files_.at(where.file_id)->handle.get();
   }
   if (handle == nullptr) return FailedPreconditionError("data file already closed");
+  if (where.padding > 0) {
+    static const char kZeros[kChunkAlignment] = {};
+    TS_RETURN_IF_ERROR(handle->WriteAt(where.offset - where.padding, kZeros, where.padding));
+  }
   TS_RETURN_IF_ERROR(handle->WriteAt(where.offset, data, size));
   if (writeback_bytes_ == 0) return OkStatus();
   bool start = false;

@@ -47,6 +47,9 @@ class DataFileSet {
   struct Location {
     uint32_t file_id;
     uint64_t offset;
+    // Alignment bytes before `offset` that Write fills with zeros, on object stores only: there a
+    // file goes up in parts, each once all its bytes are written, so no byte may be left out.
+    uint32_t padding = 0;
   };
   // Reserves `length` bytes in lane `lane % lanes`; opens the lane's next file when its current
   // one is full. ResourceExhausted past the format's limit on data files.

@@ -3,6 +3,7 @@
 
 #include <stdlib.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -14,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "tensorstash/kvstore/fault/fault_injection_kvstore.h"
 #include "tensorstash/kvstore/file/file_kvstore.h"
+#include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/util/status_test_macros.h"
 
@@ -86,6 +88,60 @@ void WriteSyncAndReadBack(int chunks, size_t chunk_bytes, uint64_t file_bytes, b
   EXPECT_FALSE(files.Write(written.where[0][0], "x", 1).ok());
   kv->reset();
   fs::remove_all(dir);
+}
+
+// An object store (as far as DataFileSet can tell) that counts the bytes written into files.
+class CountingObjectStore final : public ForwardingKvStore {
+ public:
+  explicit CountingObjectStore(KvStore* base) : ForwardingKvStore(base) {}
+  KvStoreCapabilities Capabilities() const override {
+    KvStoreCapabilities caps = ForwardingKvStore::Capabilities();
+    caps.object_store = true;
+    return caps;
+  }
+  Result<std::unique_ptr<WritableFile>> OpenForWrite(std::string_view key) override {
+    TS_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, ForwardingKvStore::OpenForWrite(key));
+    return std::unique_ptr<WritableFile>(new Counting(std::move(file), &written));
+  }
+  std::atomic<uint64_t> written{0};
+
+ private:
+  class Counting final : public WritableFile {
+   public:
+    Counting(std::unique_ptr<WritableFile> base, std::atomic<uint64_t>* written)
+        : base_(std::move(base)), written_(written) {}
+    Status WriteAt(uint64_t offset, const void* data, size_t size) override {
+      *written_ += size;
+      return base_->WriteAt(offset, data, size);
+    }
+    Status Sync() override { return base_->Sync(); }
+    Status Close() override { return base_->Close(); }
+
+   private:
+    std::unique_ptr<WritableFile> base_;
+    std::atomic<uint64_t>* written_;
+  };
+};
+
+// On an object store a file goes up in parts, each once all its bytes are written: the
+// alignment padding between chunks is written too (zeros), so that no part waits for Sync.
+TEST(DataFileSetTest, OnObjectStoresEveryByteOfAFileIsWrittenPaddingIncluded) {
+  MemoryKvStore memory;
+  CountingObjectStore kv(&memory);
+  DataFileSet files(&kv, "item", /*process_index=*/0, /*target_file_bytes=*/uint64_t{1} << 30,
+                    /*lanes=*/1, /*writeback_bytes=*/0, /*direct_writes=*/false);
+  Written written;
+  TS_ASSERT_OK(WriteAll(&files, /*chunks=*/9, /*chunk_bytes=*/70001, /*lanes=*/1, &written));
+  ThreadPool pool(2);
+  std::vector<DataFileInfo> infos;
+  TS_ASSERT_OK(files.Finish(/*sync=*/true, &infos, &pool));
+  ASSERT_EQ(infos.size(), 1u);
+  EXPECT_EQ(kv.written.load(), infos[0].size);
+  EXPECT_GT(infos[0].size, 9u * 70001);  // there was padding
+  Result<std::string> bytes = memory.Read(StrCat("item/", infos[0].name));
+  TS_ASSERT_OK(bytes.status());
+  const uint64_t second = written.where[1][0].offset;
+  EXPECT_EQ(bytes->substr(70001, second - 70001), std::string(second - 70001, '\0'));
 }
 
 TEST(DataFileSetTest, WritebackAndParallelSyncKeepEveryByte) {

@@ -244,6 +244,12 @@ struct S3KvStore::Impl {
 
   Status CheckKey(std::string_view key) const { return ValidateKey(key); }
 
+  Result<std::string> ReadWhole(std::string_view key) {
+    std::string text;
+    TS_RETURN_IF_ERROR(Get(key, 0, 0, nullptr, &text, ""));
+    return text;
+  }
+
   // A GET of `key` (a range when `size` > 0), with If-Match when `etag` is not empty.
   Status Get(std::string_view key, uint64_t offset, size_t size, void* dest, std::string* text,
              std::string_view etag) {
@@ -383,6 +389,12 @@ struct S3KvStore::Impl {
     const std::string key = StrCat(".tensorstash-probe-", RandomHexId());
     TS_RETURN_IF_ERROR(Put(key, "0123456789", /*if_absent=*/true));
     std::vector<std::string> missing;
+    char range[3] = {};
+    Status ranged = Get(key, 2, 3, range, nullptr, "");
+    if (!ranged.ok() || std::string_view(range, 3) != "234") {
+      generations = false;
+      missing.push_back("Range (partial reads)");
+    }
     Status again = Put(key, "again", /*if_absent=*/true);
     if (again.ok()) {
       conditional_write = false;
@@ -390,12 +402,6 @@ struct S3KvStore::Impl {
     } else if (!absl::IsAlreadyExists(again)) {
       (void)DeleteObject(key);
       return again;
-    }
-    char range[3] = {};
-    Status ranged = Get(key, 2, 3, range, nullptr, "");
-    if (!ranged.ok() || std::string_view(range, 3) != "234") {
-      generations = false;
-      missing.push_back("Range (partial reads)");
     }
     Status pinned = Get(key, 0, 0, nullptr, nullptr, "\"00000000000000000000000000000000\"");
     if (pinned.ok()) {
@@ -416,21 +422,20 @@ namespace {
 // A file whose reads all come from the version of the object seen at open (If-Match).
 class S3ReadableFile final : public ReadableFile {
  public:
-  S3ReadableFile(S3KvStore* store, std::string key, ObjectInfo info)
-      : store_(store), key_(std::move(key)), info_(std::move(info)) {}
+  S3ReadableFile(std::shared_ptr<S3KvStore::Impl> impl, std::string key, ObjectInfo info)
+      : impl_(std::move(impl)), key_(std::move(key)), info_(std::move(info)) {}
   uint64_t size() const override { return info_.size; }
   Status ReadAt(uint64_t offset, size_t size, void* dest) const override {
     if (offset > info_.size || size > info_.size - offset) {
-      return DataLossError(StrCat("'", key_, "' in ", store_->Describe(),
-                                  " is truncated: it ends at ", info_.size, ", before ",
-                                  offset + size));
+      return DataLossError(StrCat(impl_->Where(key_), " is truncated: it ends at ", info_.size,
+                                  ", before ", offset + size));
     }
     if (size == 0) return OkStatus();
-    return store_->ReadRangeAtGeneration(key_, info_.generation, offset, size, dest);
+    return impl_->Get(key_, offset, size, dest, nullptr, info_.generation);
   }
 
  private:
-  S3KvStore* store_;
+  std::shared_ptr<S3KvStore::Impl> impl_;
   std::string key_;
   ObjectInfo info_;
 };
@@ -555,6 +560,8 @@ class S3WritableFile final : public WritableFile {
   }
 
   Status Finish() {
+    // One finish at a time: a second Sync or Close waits for the first's outcome.
+    std::lock_guard<std::mutex> finishing(finish_mu_);
     std::map<uint64_t, Part> rest;
     uint64_t end = 0;
     {
@@ -614,7 +621,13 @@ class S3WritableFile final : public WritableFile {
     S3Call call("POST", impl_->Object(key_), body);
     call.query = {{"uploadId", upload_id_}};
     call.headers.emplace_back("content-length", std::to_string(body.size()));
-    TS_ASSIGN_OR_RETURN(HttpResponse response, impl_->Send(call, what));
+    int attempts = 0;
+    TS_ASSIGN_OR_RETURN(HttpResponse response, impl_->Send(call, what, &attempts));
+    if (response.status == 404 && attempts > 1) {
+      // An earlier attempt completed it, its answer lost: the upload is gone, the object there.
+      Result<ObjectInfo> info = impl_->Head(key_);
+      if (info.ok() && info->size == end) return OkStatus();
+    }
     if (response.status != 200) return impl_->ErrorFor(response, what, key_);
     return ParseCompleteMultipartUpload(response.body, what).status();
   }
@@ -629,7 +642,8 @@ class S3WritableFile final : public WritableFile {
   bool finished_ = false;                     // guarded by mu_
   bool closed_ = false;                       // guarded by mu_
   Status failed_;                             // guarded by mu_
-  Status finish_status_;
+  std::mutex finish_mu_;
+  Status finish_status_;  // guarded by finish_mu_
   std::mutex upload_mu_;
   std::string upload_id_;  // guarded by upload_mu_
 };
@@ -648,7 +662,15 @@ class S3Lease final : public KvLock {
     }
     cv_.notify_all();
     renewer_.join();
-    (void)impl_->DeleteObject(key_);
+    if (HeldByUs()) (void)impl_->DeleteObject(key_);  // never a successor's lease
+  }
+
+  // Whether the lease object still names this holder (not a successor that took it over).
+  bool HeldByUs() const {
+    Result<std::string> current = impl_->ReadWhole(key_);
+    if (!current.ok()) return false;
+    const nlohmann::json parsed = nlohmann::json::parse(*current, nullptr, false);
+    return parsed.is_object() && parsed.value("holder", std::string()) == holder_;
   }
 
   static std::string Record(const std::string& holder, std::chrono::milliseconds duration) {
@@ -670,6 +692,10 @@ class S3Lease final : public KvLock {
     std::unique_lock<std::mutex> lock(mu_);
     while (!cv_.wait_for(lock, period, [&] { return released_; })) {
       lock.unlock();
+      // A holder that stalled past its lease may have been taken over: then it stops renewing,
+      // rather than overwrite its successor's lease. (The read and the rewrite are two requests:
+      // a takeover between them is not detected; docs: a lease, not a fence.)
+      if (!HeldByUs()) return;
       (void)impl_->Put(key_, Record(holder_, impl_->options.lease_duration), false);
       lock.lock();
     }
@@ -791,7 +817,8 @@ Status S3KvStore::ReadRangeAtGeneration(std::string_view key, std::string_view g
 
 Result<std::unique_ptr<ReadableFile>> S3KvStore::OpenForRead(std::string_view key) {
   TS_ASSIGN_OR_RETURN(ObjectInfo info, Stat(key));
-  return std::unique_ptr<ReadableFile>(new S3ReadableFile(this, std::string(key), std::move(info)));
+  return std::unique_ptr<ReadableFile>(
+      new S3ReadableFile(impl_, std::string(key), std::move(info)));
 }
 
 Status S3KvStore::Write(std::string_view key, std::string_view value) {
@@ -899,7 +926,14 @@ Result<std::unique_ptr<KvLock>> S3KvStore::TryLock(std::string_view key) {
     }
   }
   TS_RETURN_IF_ERROR(created);
-  return std::unique_ptr<KvLock>(new S3Lease(impl_, std::string(key), holder));
+  auto lease = std::make_unique<S3Lease>(impl_, std::string(key), holder);
+  // Two takers of one expired lease may each delete and create it; the one whose record is not
+  // there afterwards lost.
+  if (!lease->HeldByUs()) {
+    return FailedPreconditionError(
+        StrCat(impl_->Where(key), " is locked by another manager (taken just now)"));
+  }
+  return std::unique_ptr<KvLock>(std::move(lease));
 }
 
 Result<std::vector<S3KvStore::PendingUpload>> S3KvStore::ListPendingUploads(
