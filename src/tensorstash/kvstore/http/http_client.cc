@@ -294,12 +294,13 @@ Result<HttpResponse> HttpClient::Perform(const HttpRequest& request, std::string
   return response;
 }
 
-std::string UrlEscape(std::string_view text) {
+std::string UrlEscape(std::string_view text, bool keep_slash) {
   static constexpr char kHex[] = "0123456789ABCDEF";
   std::string out;
   out.reserve(text.size());
   for (unsigned char c : text) {
-    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~') {
+    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' ||
+        (c == '/' && keep_slash)) {
       out += static_cast<char>(c);
     } else {
       out += '%';

@@ -83,8 +83,9 @@ class HttpClient {
   std::unique_ptr<Pool> pool_;
 };
 
-// `text` percent-encoded as a URL path segment or query value (RFC 3986 unreserved kept).
-std::string UrlEscape(std::string_view text);
+// `text` percent-encoded as uppercase %XX, every byte but A-Z a-z 0-9 - _ . ~ (RFC 3986's
+// unreserved characters), and '/' too unless `keep_slash` (a path of several segments).
+std::string UrlEscape(std::string_view text, bool keep_slash = false);
 
 }  // namespace tensorstash
 

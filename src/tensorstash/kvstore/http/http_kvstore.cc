@@ -11,22 +11,6 @@
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
-namespace {
-
-// A key as a URL path: each component percent-encoded, joined by '/'.
-std::string EscapePath(std::string_view key) {
-  std::string path;
-  size_t begin = 0;
-  while (begin <= key.size()) {
-    const size_t end = std::min(key.find('/', begin), key.size());
-    if (begin > 0) path += '/';
-    path += UrlEscape(key.substr(begin, end - begin));
-    begin = end + 1;
-  }
-  return path;
-}
-
-}  // namespace
 
 struct HttpKvStore::Impl {
   std::string url;
@@ -88,7 +72,7 @@ struct HttpKvStore::Impl {
     if (!IsSafeRelativeKey(key)) {
       return InvalidArgumentError(StrCat("'", key, "' is not a key a peer serves"));
     }
-    return "/v1/object/" + EscapePath(key);
+    return "/v1/object/" + UrlEscape(key, /*keep_slash=*/true);
   }
 };
 

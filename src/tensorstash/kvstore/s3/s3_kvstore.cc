@@ -242,8 +242,6 @@ struct S3KvStore::Impl {
     }
   }
 
-  Status CheckKey(std::string_view key) const { return ValidateKey(key); }
-
   Result<std::string> ReadWhole(std::string_view key) {
     std::string text;
     TS_RETURN_IF_ERROR(Get(key, 0, 0, nullptr, &text, ""));
@@ -253,7 +251,7 @@ struct S3KvStore::Impl {
   // A GET of `key` (a range when `size` > 0), with If-Match when `etag` is not empty.
   Status Get(std::string_view key, uint64_t offset, size_t size, void* dest, std::string* text,
              std::string_view etag) {
-    TS_RETURN_IF_ERROR(CheckKey(key));
+    TS_RETURN_IF_ERROR(ValidateKey(key));
     const std::string what = StrCat("reading ", Where(key));
     S3Call call("GET", Object(key));
     if (size > 0) {
@@ -291,7 +289,7 @@ struct S3KvStore::Impl {
   }
 
   Result<ObjectInfo> Head(std::string_view key) {
-    TS_RETURN_IF_ERROR(CheckKey(key));
+    TS_RETURN_IF_ERROR(ValidateKey(key));
     const std::string what = StrCat("looking up ", Where(key));
     TS_ASSIGN_OR_RETURN(HttpResponse response, Send(S3Call("HEAD", Object(key)), what));
     if (response.status != 200) return ErrorFor(response, what, key);
@@ -305,7 +303,7 @@ struct S3KvStore::Impl {
 
   // A PUT of a whole object; with `if_absent`, If-None-Match: * (AlreadyExists when it exists).
   Status Put(std::string_view key, std::string_view value, bool if_absent) {
-    TS_RETURN_IF_ERROR(CheckKey(key));
+    TS_RETURN_IF_ERROR(ValidateKey(key));
     const std::string what = StrCat("writing ", Where(key));
     S3Call call("PUT", Object(key), value);
     call.headers.emplace_back("content-length", std::to_string(value.size()));

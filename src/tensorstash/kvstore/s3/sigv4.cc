@@ -8,6 +8,7 @@
 #include <chrono>
 #include <ctime>
 
+#include "tensorstash/kvstore/http/http_client.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
@@ -89,21 +90,7 @@ std::string SignedHeaderNames(const std::vector<std::pair<std::string, std::stri
 }  // namespace
 
 std::string AwsUriEncode(std::string_view text, bool encode_slash) {
-  static constexpr char kDigits[] = "0123456789ABCDEF";
-  std::string out;
-  out.reserve(text.size());
-  for (char ch : text) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' ||
-        (c == '/' && !encode_slash)) {
-      out.push_back(ch);
-    } else {
-      out.push_back('%');
-      out.push_back(kDigits[c >> 4]);
-      out.push_back(kDigits[c & 15]);
-    }
-  }
-  return out;
+  return UrlEscape(text, /*keep_slash=*/!encode_slash);
 }
 
 std::string CanonicalQueryString(const std::vector<std::pair<std::string, std::string>>& query) {
