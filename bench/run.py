@@ -75,6 +75,7 @@ class RawFile:
         if os.path.exists(path):
             os.remove(path)
         os.sync()  # as before each timed save: no writeback of earlier data during the write
+        S.prime_free_memory(os.path.dirname(path), n)  # as before each timed save
         t0 = time.perf_counter()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:

@@ -114,6 +114,36 @@ def warm_page_cache(folder: str) -> int:
     return total
 
 
+_PRIME_CAP = 4 * GiB
+
+
+def prime_free_memory(folder: str, nbytes: int) -> None:
+    """Writes `nbytes` (at most 4 GiB) into a scratch file in `folder` and removes it, so that
+    the memory the timed operation takes next (page cache for a write, buffers for a restore)
+    comes from pages in use moments ago, for every participant alike.
+
+    Why: on a virtual machine whose balloon driver reports free memory to the host (this
+    benchmark's machines), memory left free for a few seconds goes back to the host, and the
+    first touch of it afterwards costs the hypervisor's fault: 2-3 s per GiB here, against
+    0.2 s for pages freed moments ago (`dd` of 1 GiB into the page cache: 1.9 s, 1.0 s, 0.19 s
+    in a row, 2.8 s after 5 s idle). Which participant found hot pages depended on what it did
+    just before: removing a previous buffered file (the raw write, Orbax's synced save) gave
+    its pages back hot, a save that had written around the page cache (tensorstash with fsync)
+    had none to give. Touching and unmapping anonymous memory does not do it (its huge pages
+    are reported again at once); freed page-cache pages do. On bare metal this changes
+    nothing but the time it takes."""
+    size = min(int(nbytes), _PRIME_CAP)
+    if size <= 0:
+        return
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, ".prime")
+    block = bytes(8 << 20)
+    with open(path, "wb", buffering=0) as f:
+        for offset in range(0, size, len(block)):
+            f.write(block[:min(len(block), size - offset)])
+    os.remove(path)  # dirty pages of a removed file are dropped, never written back
+
+
 # --- values ---------------------------------------------------------------------------------
 
 def np_dtype(name: str) -> np.dtype:

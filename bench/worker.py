@@ -333,6 +333,7 @@ def run_save(tool, job, scenario, op, trees) -> dict:
     remove(marker)
     remove(path)
     os.sync()  # nothing of earlier runs left to write back during the timed save
+    S.prime_free_memory(os.path.dirname(path), op.raw_bytes)  # see prime_free_memory
     with Memory() as mem:
         t0 = time.perf_counter()
         tool.save(path, tree, op.sync)
@@ -355,6 +356,8 @@ def run_restore(tool, job, scenario, op) -> dict:
             return {"seconds": None, "cold": "not permitted"}
     else:
         S.warm_page_cache(path)  # the same start for every tool (see warm_page_cache)
+    # Room for the restored arrays and a copy of them (per device when replicated).
+    S.prime_free_memory(os.path.dirname(path), op.raw_bytes * (8 if op.replicated else 2))
     with Memory() as mem:
         t0 = time.perf_counter()
         out = tool.restore(path, target, op.subset is not None)
@@ -383,6 +386,7 @@ def run_async(tool, job, scenario, op, trees) -> dict:
         manager.save(1, tree)  # warm-up: the manager's first save, same state
         manager.wait()
         os.sync()
+        S.prime_free_memory(os.path.dirname(root), 2 * op.raw_bytes)  # the save's copy + cache
         t0 = time.perf_counter()
         manager.save(2, tree)
         t1 = time.perf_counter()
