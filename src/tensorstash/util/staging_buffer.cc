@@ -10,13 +10,6 @@ namespace {
 
 // Below this, malloc's own small-block handling is cheaper and holds little.
 constexpr size_t kMapFrom = 256 * 1024;
-// From this size a mapping asks for transparent huge pages (where the system's setting is
-// "madvise", the common default, nothing else gives them): one page fault per 2 MiB instead of
-// 512. Restores fill fresh buffers, and on a virtual machine a 4 KiB fault is dear: perf of a
-// reshard restore (512 MiB into fresh 16 MiB boxes) showed a third of its samples in the
-// kernel's fault path and page clearing; touching 512 MiB took 340-390 ms in 4 KiB pages and
-// 55-75 ms in huge pages here.
-constexpr size_t kHugePagesFrom = size_t{2} << 20;
 
 }  // namespace
 
@@ -27,8 +20,6 @@ StagingBuffer::StagingBuffer(size_t size) : size_(size) {
     if (p == MAP_FAILED) throw std::bad_alloc();  // as operator new would
     data_ = static_cast<char*>(p);
     mapped_ = true;
-    // Advice only: where huge pages are off or none are free, the mapping works as before.
-    if (size >= kHugePagesFrom) (void)::madvise(p, size, MADV_HUGEPAGE);
   } else {
     data_ = new char[size];
   }
