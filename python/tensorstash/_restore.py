@@ -332,4 +332,4 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
         leaves = _tree.index_leaves(node)
         _tree.map_target(target, lambda p, t: _plan_target(plan, leaves, p, t))
         nbytes = plan.run(reader, progress, desc, mmap)
-    return _tree.map_target(target, lambda p, _: plan.values[p]), nbytes
+        return _tree.map_target(target, lambda p, _: plan.values[p]), nbytes
