@@ -48,7 +48,9 @@ def write_markdown(results: dict, path: str) -> None:
         f"counted runs after {a['warmup']} warm-up run(s), tools alternating run by run; ratio = "
         f"Orbax time / tensorstash time (above 1: tensorstash is faster); \"of raw\" = the time of "
         f"a plain sequential write (+fsync where the save syncs) or read of one file of the same "
-        f"bytes on the same filesystem / the tool's time.",
+        f"bytes on the same filesystem / the tool's time; \"into fresh memory\": the raw read "
+        f"into memory mapped inside the timed region, whose page faults count as a restore's "
+        f"destinations' do.",
         "",
         f"- Machine: {m['cores']} cores ({m['cpu']}), {m['memory']} memory, Linux {m['kernel']}; "
         f"storage {m['filesystem']}; load average {' '.join(meta['load_average_start'])} at the "
@@ -65,17 +67,21 @@ def write_markdown(results: dict, path: str) -> None:
         f"- Cold cache (`echo 3 > /proc/sys/vm/drop_caches`): {meta['drop_caches']}.",
         "",
         "| scenario | operation | bytes | tensorstash | Orbax | ratio | tensorstash of raw | "
-        "Orbax of raw | raw, same bytes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Orbax of raw | raw, same bytes | of raw into fresh memory: tensorstash, Orbax (raw) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         nb = r["bytes"] if not r["op"].endswith(".blocking") else None
         raw = "" if r["raw"] is None else f"{_time(r['raw'], r['bytes'])} {r['raw_kind']}"
+        fresh = ""
+        if r.get("raw_fresh") is not None:
+            fresh = (f"{_pct(r['tensorstash_of_raw_fresh'])}, {_pct(r['orbax_of_raw_fresh'])} "
+                     f"({_time(r['raw_fresh'], r['bytes'])})")
         note = f" ({r['note']})" if r.get("note") else ""
         lines.append(f"| {r['scenario']} | {r['label']}{note} | {_bytes(r['bytes'])} | "
                      f"{_time(r['tensorstash'], nb)} | {_time(r['orbax'], nb)} | "
                      f"{_ratio(r['ratio'])} | {_pct(r['tensorstash_of_raw'])} | "
-                     f"{_pct(r['orbax_of_raw'])} | {raw} |")
+                     f"{_pct(r['orbax_of_raw'])} | {raw} | {fresh} |")
     derived = []
     st = results["scenarios"].get("stacked")
     if st:

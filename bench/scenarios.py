@@ -24,7 +24,7 @@ import numpy as np
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 AXES = ("a", "b")  # every mesh is 2-D over the 8 devices
-MESHES = {"2x4": (2, 4), "8x1": (8, 1), "1x8": (1, 8)}
+MESHES = {"2x4": (2, 4), "4x2": (4, 2), "8x1": (8, 1), "1x8": (1, 8)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +310,12 @@ def make_scenarios(scale: float) -> dict[str, Scenario]:
          Op("restore_unstacked", "restore", "unstacked", raw="read", raw_bytes=n,
             label="restore unstacked"),
          Op("restore_stacked", "restore", "stacked", raw="read", raw_bytes=n,
-            label="restore stacked")))
+            label="restore stacked"),
+         # The mesh's axes swapped (4x2): every target block is a strided slice of stored chunks.
+         Op("restore_stacked_swapped", "restore", "stacked", layout="4x2", raw="read",
+            raw_bytes=n, label="restore stacked, mesh axes swapped"),
+         Op("restore_stacked_swapped_cold", "restore", "stacked", layout="4x2", cold=True,
+            raw="read_cold", raw_bytes=n, label="restore stacked, axes swapped, cold")))
 
     reshard = big_arrays("r", 4, scale, 100)
     reshard = [dataclasses.replace(leaf, spec=("a", "b")) for leaf in reshard]
