@@ -302,14 +302,16 @@ Status ZarrArray::ReadChunk(const std::vector<int64_t>& grid, const Box& region,
       }
       TS_RETURN_IF_ERROR(Annotate(kv_->ReadRange(key, 0, size, bytes), what));
       // The index entries were checked against the size before `reader` is called.
-      reader = [bytes](uint64_t offset, uint64_t length, std::string* out) {
-        out->assign(bytes + offset, length);
-        return OkStatus();
+      reader = [bytes](uint64_t offset, uint64_t length,
+                       std::string*) -> Result<std::string_view> {
+        return std::string_view(bytes + offset, length);
       };
     } else {
-      reader = [&](uint64_t offset, uint64_t length, std::string* out) {
-        out->resize(length);
-        return Annotate(kv_->ReadRange(key, offset, length, out->data()), what);
+      reader = [&](uint64_t offset, uint64_t length,
+                   std::string* scratch) -> Result<std::string_view> {
+        scratch->resize(length);
+        TS_RETURN_IF_ERROR(Annotate(kv_->ReadRange(key, offset, length, scratch->data()), what));
+        return std::string_view(*scratch);
       };
     }
     return ReadShardRegion(*sharding, metadata_.dtype, metadata_.fill_value, size, reader,

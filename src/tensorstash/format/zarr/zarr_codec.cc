@@ -8,6 +8,7 @@
 #include <blosc.h>
 #include <zlib.h>
 #include <zstd.h>
+#include <zstd_errors.h>
 
 #include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/endian.h"
@@ -421,6 +422,27 @@ Status ZstdDecodeInto(std::string_view in, char* out, size_t size, std::string_v
       ZSTD_findFrameCompressedSize(in.data(), in.size()) == in.size()) {
     return DataLossError(StrCat(what, ": chunk decodes to ", declared, " bytes, expected ", size));
   }
+  if (declared == size) {
+    // The frame says how large it is (TensorStore writes it): one call decodes every frame
+    // straight into `out`, with a context kept per thread. The streaming path below decodes
+    // through a window buffer of the frame's size, allocated afresh for every chunk and copied
+    // out of: profile of a restore of an Orbax checkpoint (1 GiB in 16 MiB chunks), a quarter
+    // of the samples in page faults and clearing of those buffers, 12% in the copy.
+    thread_local std::unique_ptr<ZSTD_DCtx, size_t (*)(ZSTD_DCtx*)> dctx(ZSTD_createDCtx(),
+                                                                        ZSTD_freeDCtx);
+    if (!dctx) return InternalError("ZSTD_createDCtx failed");
+    const size_t got = ZSTD_decompressDCtx(dctx.get(), out, size, in.data(), in.size());
+    if (ZSTD_getErrorCode(got) == ZSTD_error_dstSize_tooSmall) {
+      return DataLossError(StrCat(what, ": chunk decodes to more than ", size, " bytes"));
+    }
+    if (ZSTD_isError(got)) {
+      return DataLossError(StrCat(what, ": zstd decompression failed: ", ZSTD_getErrorName(got)));
+    }
+    if (got != size) {
+      return DataLossError(StrCat(what, ": chunk decodes to ", got, " bytes, expected ", size));
+    }
+    return OkStatus();
+  }
   std::unique_ptr<ZSTD_DStream, size_t (*)(ZSTD_DStream*)> ds(ZSTD_createDStream(),
                                                               ZSTD_freeDStream);
   if (!ds) return InternalError("ZSTD_createDStream failed");
@@ -508,11 +530,24 @@ Status ReadShardRegion(const ZarrCodec& sharding, DType dtype, std::string_view 
     return DataLossError(StrCat(what, ": shard of ", shard_size, " bytes is shorter than its ",
                                 index_bytes, "-byte index"));
   }
-  std::string index_data;
-  TS_RETURN_IF_ERROR(
-      read(sharding.index_at_end ? shard_size - index_bytes : 0, index_bytes, &index_data));
+  std::string index_scratch;
+  TS_ASSIGN_OR_RETURN(
+      const std::string_view index_data,
+      read(sharding.index_at_end ? shard_size - index_bytes : 0, index_bytes, &index_scratch));
   TS_ASSIGN_OR_RETURN(std::vector<uint64_t> entries,
                       DecodeShardIndex(sharding, count, index_data, shard_size, what));
+  // Inner chunks of plain little-endian bytes under zstd (what Orbax writes) are decoded
+  // straight from the shard's bytes: into the destination when one lands whole and contiguous
+  // there, else into one buffer reused for every inner chunk. The general path below copies the
+  // stored bytes twice and the decoded bytes once more before placing them; profile of a
+  // restore of an Orbax checkpoint (1 GiB, 8 shards of 16 MiB chunks): 12% of the samples in
+  // memmove and 25% in page faults and clearing of those fresh copies.
+  const std::vector<ZarrCodec>& inner = *sharding.inner_codecs;
+  const bool plain_zstd = inner.size() == 2 && inner[0].kind == ZarrCodecKind::kBytes &&
+                          (!inner[0].big_endian || ItemSize(dtype) == 1) &&
+                          inner[1].kind == ZarrCodecKind::kZstd &&
+                          NumElements(sharding.inner_chunk_shape) * ItemSize(dtype) <=
+                              kMaxZarrChunkBytes;
 
   // The inner chunks that meet `region`, as grid ranges.
   const int rank = region.rank();
@@ -524,7 +559,7 @@ Status ReadShardRegion(const ZarrCodec& sharding, DType dtype, std::string_view 
     hi[d] = (start + region.shape[d] - 1) / inner_shape[d];
   }
   std::vector<int64_t> grid = lo;
-  std::string stored, decoded;
+  std::string scratch, decoded;
   for (;;) {
     uint64_t linear = 0;
     Box inner_box(std::vector<int64_t>(rank), inner_shape);
@@ -538,11 +573,24 @@ Status ReadShardRegion(const ZarrCodec& sharding, DType dtype, std::string_view 
       FillBox(part, dst_fill, dst, dst_box);
     } else {
       const std::string inner_what = StrCat(what, ", ", InnerName(grid));
-      TS_RETURN_IF_ERROR(read(offset, length, &stored));
-      TS_RETURN_IF_ERROR(DecodeZarrChunk(*sharding.inner_codecs, dtype, inner_shape, fill_value,
-                                         stored, &decoded, inner_what));
-      TS_RETURN_IF_ERROR(
-          CopyBox(part, dtype, decoded.data(), inner_box, dst_dtype, dst, dst_box, inner_what));
+      TS_ASSIGN_OR_RETURN(const std::string_view stored, read(offset, length, &scratch));
+      const size_t item = ItemSize(dtype);
+      const uint64_t inner_bytes = NumElements(inner_shape) * item;
+      if (plain_zstd && dst_dtype == dtype && part == inner_box &&
+          IsContiguousIn(inner_box, dst_box)) {
+        char* out = static_cast<char*>(dst) + ByteOffsetIn(inner_box, dst_box, item);
+        TS_RETURN_IF_ERROR(ZstdDecodeInto(stored, out, inner_bytes, inner_what));
+      } else {
+        if (plain_zstd) {
+          decoded.resize(inner_bytes);
+          TS_RETURN_IF_ERROR(ZstdDecodeInto(stored, decoded.data(), inner_bytes, inner_what));
+        } else {
+          TS_RETURN_IF_ERROR(DecodeZarrChunk(inner, dtype, inner_shape, fill_value, stored,
+                                             &decoded, inner_what));
+        }
+        TS_RETURN_IF_ERROR(
+            CopyBox(part, dtype, decoded.data(), inner_box, dst_dtype, dst, dst_box, inner_what));
+      }
     }
     int d = rank - 1;
     while (d >= 0) {
@@ -589,9 +637,9 @@ Status DecodeZarrChunk(const std::vector<ZarrCodec>& codecs, DType dtype,
     std::string shard(bytes, '\0');
     const Box box = Box::FromShape(encoded_shape);
     const std::string_view src = current;
-    ShardByteReader reader = [&](uint64_t offset, uint64_t length, std::string* dest) {
-      dest->assign(src.substr(offset, length));  // DecodeShardIndex checked the range
-      return OkStatus();
+    ShardByteReader reader = [&](uint64_t offset, uint64_t length,
+                                 std::string*) -> Result<std::string_view> {
+      return src.substr(offset, length);  // DecodeShardIndex checked the range
     };
     TS_RETURN_IF_ERROR(ReadShardRegion(c, dtype, fill_value, current.size(), reader, box, box,
                                        dtype, shard.data(), box, fill_value, what));

@@ -38,8 +38,10 @@ Status EncodeZarrChunk(const std::vector<ZarrCodec>& codecs, DType dtype,
                        const std::vector<int64_t>& shape, std::string_view fill_value,
                        std::string_view raw, std::string* out, std::string_view what);
 
-// Reads `length` bytes at `offset` of one stored shard into `*out`.
-using ShardByteReader = std::function<Status(uint64_t offset, uint64_t length, std::string* out)>;
+// The `length` bytes at `offset` of one stored shard: in `*scratch`, or (no copy) in memory of
+// the reader's own that stays valid while the shard is being read.
+using ShardByteReader =
+    std::function<Result<std::string_view>(uint64_t offset, uint64_t length, std::string* scratch)>;
 
 // Bytes of the encoded index of a shard of `shard_shape` under `sharding`.
 uint64_t ShardIndexBytes(const ZarrCodec& sharding, const std::vector<int64_t>& shard_shape);
