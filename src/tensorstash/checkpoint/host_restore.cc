@@ -139,15 +139,17 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
   }
   uint64_t done = 0;  // of `total`, in the batches read so far
 
-  // Batches in request order; a batch ends after an array once its reads reach batch_bytes.
+  // Batches in request order; a batch ends after an array once its reads reach batch_bytes or
+  // its requests batch_requests.
   size_t begin = 0;
   while (begin < requests.size()) {
     size_t end = begin;
     uint64_t batch_bytes = 0;
     std::vector<ReadRequest> reads;
     std::vector<size_t> read_box;
-    while (end < requests.size() && (end == begin || batch_bytes < options.batch_bytes ||
-                                     requests[end].path == requests[end - 1].path)) {
+    while (end < requests.size() &&
+           (end == begin || requests[end].path == requests[end - 1].path ||
+            (batch_bytes < options.batch_bytes && end - begin < options.batch_requests))) {
       DistinctBox& box = boxes[box_of[end]];
       if (box.buffer == nullptr) {
         const HostBoxRequest& r = requests[end];

@@ -7,11 +7,11 @@
 //     `map_from_bytes`, in the stored dtype, and its chunks allow it (CheckpointReader::MapMany);
 //   - reads the rest into fresh host buffers (64-byte aligned, so that XLA's CPU client adopts
 //     them without a copy), all of a batch in parallel under the reader's byte budget;
-//   - hands the buffers over batch by batch, each batch about `batch_bytes` of reads, every
-//     request of an array in the same batch, so that the caller can pass a batch on (to
-//     devices) and drop it before the next is read: host memory stays near one batch. (Give the
-//     requests of an array one after another: a box asked for again in a later batch is read
-//     again.)
+//   - hands the buffers over batch by batch, each batch about `batch_bytes` of reads and at
+//     most about `batch_requests` requests, every request of an array in the same batch, so that
+//     the caller can pass a batch on (to devices) and drop it before the next is read: host memory
+//     stays near one batch. (Give the requests of an array one after another: a box asked for again
+//     in a later batch is read again.)
 // The defaults below are the only place these numbers are written; the Python package takes
 // them from here.
 //
@@ -37,8 +37,12 @@ namespace tensorstash {
 
 // Boxes of at least this many bytes are mapped where their chunks allow it.
 inline constexpr uint64_t kDefaultMapFromBytes = uint64_t{1} << 20;
-// Reads are handed over in batches of about this many bytes.
+// Reads are handed over in batches of about this many bytes,
 inline constexpr uint64_t kDefaultHostBatchBytes = uint64_t{512} << 20;
+// and of at most about this many requests: what a request costs besides its bytes (the
+// reader's plan, the buffer's bookkeeping, the front's objects for it) is a few KiB, which
+// 100,000 tiny arrays on 8 devices in one batch made 3.4 GB at once.
+inline constexpr uint64_t kDefaultHostBatchRequests = 16384;
 
 struct HostBoxRequest {
   std::string path;  // array path
@@ -60,6 +64,7 @@ struct HostRestoreOptions {
   bool map = true;  // false: read every box
   uint64_t map_from_bytes = kDefaultMapFromBytes;
   uint64_t batch_bytes = kDefaultHostBatchBytes;
+  uint64_t batch_requests = kDefaultHostBatchRequests;
 };
 
 struct HostRestoreStats {

@@ -302,8 +302,7 @@ Status ZarrArray::ReadChunk(const std::vector<int64_t>& grid, const Box& region,
       }
       TS_RETURN_IF_ERROR(Annotate(kv_->ReadRange(key, 0, size, bytes), what));
       // The index entries were checked against the size before `reader` is called.
-      reader = [bytes](uint64_t offset, uint64_t length,
-                       std::string*) -> Result<std::string_view> {
+      reader = [bytes](uint64_t offset, uint64_t length, std::string*) -> Result<std::string_view> {
         return std::string_view(bytes + offset, length);
       };
     } else {

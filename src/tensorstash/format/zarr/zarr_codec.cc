@@ -429,7 +429,7 @@ Status ZstdDecodeInto(std::string_view in, char* out, size_t size, std::string_v
     // out of: profile of a restore of an Orbax checkpoint (1 GiB in 16 MiB chunks), a quarter
     // of the samples in page faults and clearing of those buffers, 12% in the copy.
     thread_local std::unique_ptr<ZSTD_DCtx, size_t (*)(ZSTD_DCtx*)> dctx(ZSTD_createDCtx(),
-                                                                        ZSTD_freeDCtx);
+                                                                         ZSTD_freeDCtx);
     if (!dctx) return InternalError("ZSTD_createDCtx failed");
     const size_t got = ZSTD_decompressDCtx(dctx.get(), out, size, in.data(), in.size());
     if (ZSTD_getErrorCode(got) == ZSTD_error_dstSize_tooSmall) {
@@ -543,11 +543,10 @@ Status ReadShardRegion(const ZarrCodec& sharding, DType dtype, std::string_view 
   // restore of an Orbax checkpoint (1 GiB, 8 shards of 16 MiB chunks): 12% of the samples in
   // memmove and 25% in page faults and clearing of those fresh copies.
   const std::vector<ZarrCodec>& inner = *sharding.inner_codecs;
-  const bool plain_zstd = inner.size() == 2 && inner[0].kind == ZarrCodecKind::kBytes &&
-                          (!inner[0].big_endian || ItemSize(dtype) == 1) &&
-                          inner[1].kind == ZarrCodecKind::kZstd &&
-                          NumElements(sharding.inner_chunk_shape) * ItemSize(dtype) <=
-                              kMaxZarrChunkBytes;
+  const bool plain_zstd =
+      inner.size() == 2 && inner[0].kind == ZarrCodecKind::kBytes &&
+      (!inner[0].big_endian || ItemSize(dtype) == 1) && inner[1].kind == ZarrCodecKind::kZstd &&
+      NumElements(sharding.inner_chunk_shape) * ItemSize(dtype) <= kMaxZarrChunkBytes;
 
   // The inner chunks that meet `region`, as grid ranges.
   const int rank = region.rank();
@@ -585,8 +584,8 @@ Status ReadShardRegion(const ZarrCodec& sharding, DType dtype, std::string_view 
           decoded.resize(inner_bytes);
           TS_RETURN_IF_ERROR(ZstdDecodeInto(stored, decoded.data(), inner_bytes, inner_what));
         } else {
-          TS_RETURN_IF_ERROR(DecodeZarrChunk(inner, dtype, inner_shape, fill_value, stored,
-                                             &decoded, inner_what));
+          TS_RETURN_IF_ERROR(
+              DecodeZarrChunk(inner, dtype, inner_shape, fill_value, stored, &decoded, inner_what));
         }
         TS_RETURN_IF_ERROR(
             CopyBox(part, dtype, decoded.data(), inner_box, dst_dtype, dst, dst_box, inner_what));
