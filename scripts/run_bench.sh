@@ -6,6 +6,8 @@
 #   scripts/run_bench.sh                       # the issue's sizes, 5 counted runs, into bench/results
 #   scripts/run_bench.sh --scale 0.5 --runs 7 --scenarios large,cold --dir /mnt/nvme/bench
 # (make bench BENCH_ARGS="--scale 0.5" does the same.) Versions used are recorded in the results.
+# BENCHES picks which benchmarks run, of "scenarios recovery scaling" (all by default), e.g.
+#   BENCHES=scaling SCALING_ARGS="--runs 5" make bench
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,7 +41,19 @@ if [ "$(cat "$VENV/.tensorstash-wheel" 2>/dev/null)" != "$sum" ] || ! "$VENV/bin
   echo "$sum" > "$VENV/.tensorstash-wheel"
 fi
 
-"$VENV/bin/python" bench/run.py "$@"
+BENCHES=${BENCHES:-scenarios recovery scaling}
+for bench in $BENCHES; do
+  case $bench in scenarios | recovery | scaling) ;; *)
+    echo "run_bench: unknown benchmark '$bench' in BENCHES (scenarios, recovery, scaling)" >&2
+    exit 2 ;;
+  esac
+done
+wants() { [[ " $BENCHES " == *" $1 "* ]]; }
+
+if wants scenarios; then "$VENV/bin/python" bench/run.py "$@"; fi
 # The node-local tier's recovery benchmark (bench/README.md, "recovery"), into bench/results;
 # its options through RECOVERY_ARGS, e.g. RECOVERY_ARGS="--size-mib 256 --runs 7".
-"$VENV/bin/python" bench/recovery.py --out bench/results ${RECOVERY_ARGS:-}
+if wants recovery; then "$VENV/bin/python" bench/recovery.py --out bench/results ${RECOVERY_ARGS:-}; fi
+# The scaling benchmark (bench/README.md, "scaling"), into bench/results; its options through
+# SCALING_ARGS, e.g. SCALING_ARGS="--runs 5 --orbax-cap-s 300".
+if wants scaling; then "$VENV/bin/python" bench/scaling.py --out bench/results ${SCALING_ARGS:-}; fi

@@ -122,3 +122,37 @@ def test_verification_catches_a_wrong_restore():
         W.verify(other_mesh, [leaf], op, "test")
     with pytest.raises(W.VerificationError, match="lacks|arrays"):
         W.verify({"x": {}}, [leaf], op, "test")
+
+
+def test_scaling_quick(tmp_path):
+    """bench/scaling.py --quick: every series and point for both tools, each restore verified
+    bit for bit by the harness, the reports written, the storage folder removed."""
+    _require_peers()
+    out = tmp_path / "out"
+    cmd = [sys.executable, os.path.join(BENCH, "scaling.py"), "--quick",
+           "--dir", str(tmp_path / "data"), "--out", str(out)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"scaling.py ran past 400 s\n{e.stdout}\n{e.stderr}", pytrace=False)
+    assert p.returncode == 0, f"scaling.py failed ({p.returncode})\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
+    with open(out / "scaling-quick.json") as f:
+        results = json.load(f)
+    assert (out / "scaling-quick.md").stat().st_size > 0
+    assert (out / "scaling-quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "data").exists()
+    series = {point["series"] for point in results["points"]}
+    assert series == {"arrays", "bytes", "fixed-cost"}
+    restores = 0
+    for point in results["points"]:
+        assert point["ops"], point
+        for op_name, op in point["ops"].items():
+            for tool in TOOLS:
+                e = op[tool]
+                where = f"{point['series']} {point['x']} {op_name} {tool}"
+                assert e["status"] == "ok", where
+                assert e["seconds"] > 0 and e["us_per_array"] > 0, where
+                if "restore" in op_name:
+                    assert e["verified"], where
+                    restores += 1
+    assert restores >= 2 * 6  # both tools, every point's restores
