@@ -32,16 +32,21 @@ def _require_peers() -> None:
                     f"tensorstore, safetensors and matplotlib\n{p.stderr[-2000:]}", pytrace=False)
 
 
-def run_harness(tmp_path, *args: str, timeout: float = 240) -> dict:
-    _require_peers()
-    out = tmp_path / "out"
-    cmd = [sys.executable, os.path.join(BENCH, "run.py"), "--scale", "0.002", "--runs", "1",
-           "--warmup", "0", "--dir", str(tmp_path / "data"), "--out", str(out), *args]
+def run_script(script: str, *args: str, timeout: float) -> None:
+    """Runs bench/<script> with `args`; fails the test when it fails or runs past `timeout`."""
+    cmd = [sys.executable, os.path.join(BENCH, script), *args]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the harness ran past {timeout} s\n{e.stdout}\n{e.stderr}", pytrace=False)
-    assert p.returncode == 0, f"harness failed ({p.returncode})\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
+        pytest.fail(f"{script} ran past {timeout} s\n{e.stdout}\n{e.stderr}", pytrace=False)
+    assert p.returncode == 0, f"{script} failed ({p.returncode})\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
+
+
+def run_harness(tmp_path, *args: str, timeout: float = 240) -> dict:
+    _require_peers()
+    out = tmp_path / "out"
+    run_script("run.py", "--scale", "0.002", "--runs", "1", "--warmup", "0",
+               "--dir", str(tmp_path / "data"), "--out", str(out), *args, timeout=timeout)
     with open(out / "latest.json") as f:
         results = json.load(f)
     assert (out / "latest.md").stat().st_size > 0
@@ -129,13 +134,8 @@ def test_scaling_quick(tmp_path):
     bit for bit by the harness, the reports written, the storage folder removed."""
     _require_peers()
     out = tmp_path / "out"
-    cmd = [sys.executable, os.path.join(BENCH, "scaling.py"), "--quick",
-           "--dir", str(tmp_path / "data"), "--out", str(out)]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"scaling.py ran past 400 s\n{e.stdout}\n{e.stderr}", pytrace=False)
-    assert p.returncode == 0, f"scaling.py failed ({p.returncode})\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
+    run_script("scaling.py", "--quick", "--dir", str(tmp_path / "data"), "--out", str(out),
+               timeout=400)
     with open(out / "scaling-quick.json") as f:
         results = json.load(f)
     assert (out / "scaling-quick.md").stat().st_size > 0
