@@ -11,13 +11,13 @@ An adapter is a small object with these methods (see numpy.NumpyAdapter, jax.Jax
         view of C-contiguous native-order data, replica id, replica count); `stable` when
         nothing else can change their memory once save() returns (host copies made for it).
     restore_boxes(target, shape) -> dict[key, (origin, shape)]
-        The boxes of the array this process holds under `target`: one per device (keyed by
-        device), or one for the whole array.
+        The boxes of the array this process holds under `target`, each read once: one per
+        distinct device block (keyed by the block), or one for the whole array.
     build(target, shape, buffers) -> leaf
         The restored leaf from `buffers` ({key: NumPy array of the box, native byte order}).
     build_many(items) -> list   (optional)
         The leaves of [(target, shape, buffers)], finished in the same batch, built together
-        (jax.JaxAdapter places them with one device_put call).
+        (jax.JaxAdapter places each on all its devices in one call, then waits once).
     orbax_sharding(x) -> str | None
         The JSON Orbax records in `_sharding` for the leaf's sharding (save(format="orbax")),
         or None: the leaf is then recorded as a NumPy array.
