@@ -185,8 +185,7 @@ Status ZarrArray::ReadChunkInPlace(const std::string& key, const Box& chunk_box,
   *done = false;
   const std::vector<ZarrCodec>& codecs = metadata_.codecs;
   const size_t item = ItemSize(metadata_.dtype);
-  const bool plain_bytes = !codecs.empty() && codecs[0].kind == ZarrCodecKind::kBytes &&
-                           (!codecs[0].big_endian || item == 1);
+  const bool plain_bytes = !codecs.empty() && IsNativeBytes(codecs[0], metadata_.dtype);
   const bool zstd = codecs.size() == 2 && codecs[1].kind == ZarrCodecKind::kZstd;
   if (staging == nullptr || !plain_bytes || !(codecs.size() == 1 || zstd) ||
       dest_dtype != metadata_.dtype || !(region == chunk_box) || !IsContiguousIn(chunk_box, box)) {

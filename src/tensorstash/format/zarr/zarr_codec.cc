@@ -414,6 +414,10 @@ Status EncodeShard(const ZarrCodec& sharding, DType dtype, const std::vector<int
 
 }  // namespace
 
+bool IsNativeBytes(const ZarrCodec& codec, DType dtype) {
+  return codec.kind == ZarrCodecKind::kBytes && (!codec.big_endian || ItemSize(dtype) == 1);
+}
+
 Status ZstdDecodeInto(std::string_view in, char* out, size_t size, std::string_view what) {
   const unsigned long long declared = ZSTD_getFrameContentSize(in.data(), in.size());
   if (declared == ZSTD_CONTENTSIZE_ERROR)
@@ -536,16 +540,15 @@ Status ReadShardRegion(const ZarrCodec& sharding, DType dtype, std::string_view 
       read(sharding.index_at_end ? shard_size - index_bytes : 0, index_bytes, &index_scratch));
   TS_ASSIGN_OR_RETURN(std::vector<uint64_t> entries,
                       DecodeShardIndex(sharding, count, index_data, shard_size, what));
-  // Inner chunks of plain little-endian bytes under zstd (what Orbax writes) are decoded
-  // straight from the shard's bytes: into the destination when one lands whole and contiguous
-  // there, else into one buffer reused for every inner chunk. The general path below copies the
-  // stored bytes twice and the decoded bytes once more before placing them; profile of a
-  // restore of an Orbax checkpoint (1 GiB, 8 shards of 16 MiB chunks): 12% of the samples in
-  // memmove and 25% in page faults and clearing of those fresh copies.
+  // Inner chunks of native bytes under zstd (what Orbax writes) are decoded straight from the
+  // shard's bytes, as ZarrArray reads unsharded ones: into the destination when one lands whole
+  // and contiguous there, else into one buffer reused for every inner chunk. The general path
+  // below copies the stored bytes twice and the decoded bytes once more before placing them
+  // (the profile of unsharded Orbax chunks: a quarter of the samples faulting in such copies).
   const std::vector<ZarrCodec>& inner = *sharding.inner_codecs;
   const bool plain_zstd =
-      inner.size() == 2 && inner[0].kind == ZarrCodecKind::kBytes &&
-      (!inner[0].big_endian || ItemSize(dtype) == 1) && inner[1].kind == ZarrCodecKind::kZstd &&
+      inner.size() == 2 && IsNativeBytes(inner[0], dtype) &&
+      inner[1].kind == ZarrCodecKind::kZstd &&
       NumElements(sharding.inner_chunk_shape) * ItemSize(dtype) <= kMaxZarrChunkBytes;
 
   // The inner chunks that meet `region`, as grid ranges.

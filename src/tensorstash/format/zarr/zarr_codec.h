@@ -22,6 +22,10 @@
 
 namespace tensorstash {
 
+// Whether `codec` is the bytes codec in this machine's (little-endian) order for `dtype`: its
+// output is the array's native bytes, which can be decoded straight into a destination.
+bool IsNativeBytes(const ZarrCodec& codec, DType dtype);
+
 // Decodes one zstd stream (one or more frames) into exactly `size` bytes at `out`. DataLoss
 // naming `what` when the data is malformed or decodes to more or fewer bytes.
 Status ZstdDecodeInto(std::string_view in, char* out, size_t size, std::string_view what);
