@@ -263,14 +263,15 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     arrays, from the engine's reading threads, at most about ten times a second and finally
     with done_bytes == total_bytes.
 
-    `mmap`: host buffers of at least 1 MiB whose stored chunks allow it (tensorstash format,
-    uncompressed, the stored dtype) are mapped copy-on-write from the data files instead of
-    read into fresh memory, their checksums checked all the same: much faster, and pages of the
-    page cache rather than new memory. The arrays stay valid whatever happens to the checkpoint
-    afterwards, except if its files were truncated in place (tensorstash never does; their
-    pages would then fault). Chunks cut into pieces for another layout are likewise copied out
+    `mmap`: host buffers of at least 64 KiB whose stored chunks allow it (tensorstash format,
+    uncompressed, the stored dtype, whole chunks of at least 64 KiB) are mapped copy-on-write
+    from the data files instead of read into fresh memory, their checksums checked all the same:
+    much faster, and pages of the page cache rather than new memory. The arrays stay valid
+    whatever happens to the checkpoint afterwards, except if its files were truncated in place
+    (tensorstash never does; their pages would then fault). Chunks cut into pieces for another layout are likewise copied out
     of a mapping of the data file rather than out of a staging copy, when uncompressed. False
-    reads everything.
+    reads everything. A restore maps at most a quarter of the kernel mapping entries the
+    process has left (vm.max_map_count) and reads the rest.
 
     The step's files are closed before restore returns or raises (restored arrays that are
     mapped from them remain valid).

@@ -26,8 +26,11 @@ namespace tensorstash {
 namespace {
 
 // Mapping pays for a kernel mapping entry (vm.max_map_count is about 65,000 per process) and an
-// unmap; spans and chunks smaller than this are read and copied, which is cheap at that size.
+// unmap; spans smaller than this are read and copied, which is cheap at that size.
 constexpr uint64_t kMinMappedSpanBytes = 1 << 20;
+// A mapped box holds one mapping entry per chunk in it for as long as it lives: boxes of chunks
+// smaller than this are read, so that a box does not cost many entries.
+constexpr uint64_t kMinMappedChunkBytes = 64 << 10;
 
 // Faults in the bytes of `req.dest` that `region` covers, from its first element to its last,
 // before the copy into them (see prefault.h).
@@ -587,7 +590,6 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
   Impl& s = *impl_;
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   auto map_one = [&](const ReadRequest& req) -> Result<MappedBox> {
-    const std::string what = StrCat("mapping of array '", req.path, "'");
     TS_ASSIGN_OR_RETURN(const size_t array_id, s.CheckRequest(req, std::nullopt));
     const ArrayMetadata* a = &s.tree.arrays[array_id];
     if (req.dtype != a->dtype) return NotMappable(a->path, "a dtype conversion");
@@ -615,7 +617,7 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
       if (!(Intersect(chunk_box, req.box) == chunk_box) || !IsContiguousIn(chunk_box, req.box) ||
           e->length != chunk_box.num_elements() * item) {
         bad = NotMappable(a->path, "a chunk is not a contiguous run of the box");
-      } else if (e->length < kMinMappedSpanBytes) {
+      } else if (e->length < kMinMappedChunkBytes) {
         bad = NotMappable(a->path, "small chunks");
       } else if (offset % page != 0 || e->offset % page != 0 ||
                  (e->length % page != 0 && offset + e->length != bytes)) {
@@ -627,16 +629,16 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
     TS_RETURN_IF_ERROR(bad);
     // Anonymous memory first, for the whole box; each chunk's pages then replace their part.
     const size_t mapped_size = (bytes + page - 1) / page * page;
+    // A mapping the system refuses (ENOMEM past vm.max_map_count, ...) is not an error: the box
+    // is read instead, and a read reports what is really wrong with the file.
     void* base = ::mmap(nullptr, mapped_size, PROT_READ | PROT_WRITE,
                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (base == MAP_FAILED) {
-      return ResourceExhaustedError(StrCat(what, ": cannot reserve ", mapped_size, " bytes"));
-    }
+    if (base == MAP_FAILED) return NotMappable(a->path, "no address space");
     MappedBox mapped(static_cast<char*>(base), bytes, mapped_size);
     for (const auto& [e, offset] : parts) {
-      TS_RETURN_IF_ERROR(
-          Annotate(s.files[e->file_id]->MapAt(e->offset, e->length, mapped.data() + offset),
-                   s.ChunkWhat(*e)));
+      if (!s.files[e->file_id]->MapAt(e->offset, e->length, mapped.data() + offset).ok()) {
+        return NotMappable(a->path, "the system refused the mapping");
+      }
       TS_RETURN_IF_ERROR(s.CheckCrc(*e, mapped.data() + offset));
     }
     return mapped;

@@ -1,6 +1,7 @@
 #include "tensorstash/checkpoint/host_restore.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <map>
 #include <new>
 #include <optional>
@@ -76,6 +77,29 @@ struct DistinctBox {
 
 using BoxKey = std::tuple<std::string_view, std::vector<int64_t>, std::vector<int64_t>, int>;
 
+// A quarter of the kernel mapping entries this process has left (vm.max_map_count less the
+// lines of /proc/self/maps); 1,000 where /proc cannot say.
+uint64_t DefaultMappedBoxes() {
+  uint64_t limit = 0;
+  if (std::FILE* f = std::fopen("/proc/sys/vm/max_map_count", "r")) {
+    unsigned long long value = 0;
+    if (std::fscanf(f, "%llu", &value) == 1) limit = value;
+    std::fclose(f);
+  }
+  std::FILE* maps = std::fopen("/proc/self/maps", "r");
+  if (limit == 0 || maps == nullptr) {
+    if (maps != nullptr) std::fclose(maps);
+    return 1000;
+  }
+  uint64_t used = 0;
+  char buffer[1 << 16];
+  for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), maps)) > 0;) {
+    used += static_cast<uint64_t>(std::count(buffer, buffer + n, '\n'));
+  }
+  std::fclose(maps);
+  return used >= limit ? 0 : (limit - used) / 4;
+}
+
 }  // namespace
 
 Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requests,
@@ -113,9 +137,11 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
 
   // Map what can be mapped, all at once (the maps run in parallel).
   if (options.map) {
+    const uint64_t budget =
+        options.max_mapped_boxes != 0 ? options.max_mapped_boxes : DefaultMappedBoxes();
     std::vector<ReadRequest> maps;
     std::vector<size_t> mapped_box;
-    for (size_t b = 0; b < boxes.size(); ++b) {
+    for (size_t b = 0; b < boxes.size() && maps.size() < budget; ++b) {
       const HostBoxRequest& r = requests[boxes[b].first_request];
       if (boxes[b].nbytes < options.map_from_bytes || boxes[b].nbytes == 0) continue;
       if (arrays[r.path]->dtype != r.dtype) continue;

@@ -35,8 +35,10 @@
 
 namespace tensorstash {
 
-// Boxes of at least this many bytes are mapped where their chunks allow it.
-inline constexpr uint64_t kDefaultMapFromBytes = uint64_t{1} << 20;
+// Boxes of at least this many bytes are mapped where their chunks allow it. Mapping costs two
+// system calls and a kernel mapping entry per box, reading costs a copy into new memory (whose
+// page faults cost as much as the copy): at 64 KiB mapping is already several times cheaper.
+inline constexpr uint64_t kDefaultMapFromBytes = uint64_t{64} << 10;
 // Reads are handed over in batches of about this many bytes,
 inline constexpr uint64_t kDefaultHostBatchBytes = uint64_t{512} << 20;
 // and of at most about this many requests: what a request costs besides its bytes (the
@@ -63,6 +65,10 @@ class HostBuffer {
 struct HostRestoreOptions {
   bool map = true;  // false: read every box
   uint64_t map_from_bytes = kDefaultMapFromBytes;
+  // At most this many boxes are mapped per restore; the rest are read. A mapped box keeps a
+  // kernel mapping entry while it lives, and a process has vm.max_map_count of them for
+  // everything (the allocator, JAX, earlier restores): 0 takes a quarter of those still free.
+  uint64_t max_mapped_boxes = 0;
   uint64_t batch_bytes = kDefaultHostBatchBytes;
   uint64_t batch_requests = kDefaultHostBatchRequests;
 };

@@ -133,6 +133,27 @@ TEST_F(HostRestoreTest, WithoutMappingEverythingIsRead) {
   EXPECT_EQ(std::memcmp(batches[0].buffers[0]->data(), want.data(), want.size()), 0);
 }
 
+TEST_F(HostRestoreTest, BoxesPastTheMappingBudgetAreRead) {
+  // Both halves of "big" could be mapped; the budget allows one, the other is read.
+  const Box top({0, 0}, {512, 1024});
+  const Box bottom({512, 0}, {512, 1024});
+  std::vector<HostBatch> batches;
+  HostRestoreStats stats;
+  HostRestoreOptions options;
+  options.max_mapped_boxes = 1;
+  TS_ASSERT_OK(Restore({{"big", top, DType::kFloat32}, {"big", bottom, DType::kFloat32}}, options,
+                       &batches, &stats));
+  ASSERT_EQ(batches.size(), 1u);
+  EXPECT_TRUE(batches[0].buffers[0]->mapped());
+  EXPECT_FALSE(batches[0].buffers[1]->mapped());
+  EXPECT_EQ(stats.mapped_bytes, 512u * 1024 * 4);
+  EXPECT_EQ(stats.reads.bytes_read, 512u * 1024 * 4);
+  for (size_t i = 0; i < 2; ++i) {
+    const std::vector<char> want = Expected("big", i == 0 ? top : bottom, DType::kFloat32);
+    EXPECT_EQ(std::memcmp(batches[0].buffers[i]->data(), want.data(), want.size()), 0) << i;
+  }
+}
+
 TEST_F(HostRestoreTest, BatchesEndAfterAnArrayOnceTheyHoldBatchBytes) {
   HostRestoreOptions options;
   options.map = false;
