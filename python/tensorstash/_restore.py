@@ -263,8 +263,8 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     arrays, from the engine's reading threads, at most about ten times a second and finally
     with done_bytes == total_bytes.
 
-    `mmap`: host buffers of at least 64 KiB whose stored chunks allow it (tensorstash format,
-    uncompressed, the stored dtype, whole chunks of at least 64 KiB) are mapped copy-on-write
+    `mmap`: host buffers of at least 16 KiB whose stored chunks allow it (tensorstash format,
+    uncompressed, the stored dtype, whole chunks of at least 16 KiB) are mapped copy-on-write
     from the data files instead of read into fresh memory, their checksums checked all the same:
     much faster, and pages of the page cache rather than new memory. The arrays stay valid
     whatever happens to the checkpoint afterwards, except if its files were truncated in place

@@ -30,7 +30,7 @@ namespace {
 constexpr uint64_t kMinMappedSpanBytes = 1 << 20;
 // A mapped box holds one mapping entry per chunk in it for as long as it lives: boxes of chunks
 // smaller than this are read, so that a box does not cost many entries.
-constexpr uint64_t kMinMappedChunkBytes = 64 << 10;
+constexpr uint64_t kMinMappedChunkBytes = 16 << 10;
 
 // Faults in the bytes of `req.dest` that `region` covers, from its first element to its last,
 // before the copy into them (see prefault.h).
