@@ -592,8 +592,7 @@ def test_read_many_progress_is_throttled_and_ends_at_total(tmp_path):
 
 def test_restore_progress_callable_spans_batches(tmp_path, monkeypatch):
     step, tree = save_big(tmp_path)
-    # Two batches in hand at once hold HOST_BATCH_BYTES: each batch two of the six arrays.
-    monkeypatch.setattr(tensorstash._options, "HOST_BATCH_BYTES", 256 * 256 * 4 * 4)  # 3 batches
+    monkeypatch.setattr(tensorstash._options, "HOST_BATCH_BYTES", 256 * 256 * 4 * 2)  # 3 batches
     reads = record_read_stats(tensorstash, monkeypatch.setattr)
     calls = []
     got = tensorstash.restore(step, target={k: np.zeros_like(v) for k, v in tree.items()},

@@ -6,8 +6,6 @@
 #include <new>
 #include <optional>
 #include <string_view>
-#include <system_error>
-#include <thread>
 #include <tuple>
 #include <utility>
 
@@ -165,98 +163,59 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
   for (const DistinctBox& box : boxes) {
     if (box.buffer == nullptr) total += box.nbytes;
   }
+  uint64_t done = 0;  // of `total`, in the batches read so far
 
-  // Batches in request order; a batch ends after an array once its reads reach half of
-  // batch_bytes or of batch_requests. While the caller takes one batch, the next is read in
-  // the background: its own work (placing arrays on devices) and the reading then overlap,
-  // and the two batches in hand at once hold no more than batch_bytes.
-  const uint64_t batch_bytes_cap = std::max<uint64_t>(1, options.batch_bytes / 2);
-  const uint64_t batch_requests_cap = std::max<uint64_t>(1, options.batch_requests / 2);
-  struct Pending {
-    size_t begin = 0, end = 0;
-    uint64_t bytes = 0;  // of its reads
+  // Batches in request order; a batch ends after an array once its reads reach batch_bytes or
+  // its requests batch_requests.
+  size_t begin = 0;
+  while (begin < requests.size()) {
+    size_t end = begin;
+    uint64_t batch_bytes = 0;
     std::vector<ReadRequest> reads;
-    ReadStats stats;
-    Status status;
-    std::thread reader;
-  };
-  uint64_t planned = 0;  // bytes of the reads of the batches formed so far
-  // The next batch from request `begin`: its buffers allocated, its reads started.
-  auto start_batch = [&](size_t begin, Pending& b) -> Status {
-    b = Pending{};
-    b.begin = b.end = begin;
-    while (b.end < requests.size() &&
-           (b.end == begin || requests[b.end].path == requests[b.end - 1].path ||
-            (b.bytes < batch_bytes_cap && b.end - begin < batch_requests_cap))) {
-      DistinctBox& box = boxes[box_of[b.end]];
+    std::vector<size_t> read_box;
+    while (end < requests.size() &&
+           (end == begin || requests[end].path == requests[end - 1].path ||
+            (batch_bytes < options.batch_bytes && end - begin < options.batch_requests))) {
+      DistinctBox& box = boxes[box_of[end]];
       if (box.buffer == nullptr) {
-        const HostBoxRequest& r = requests[b.end];
+        const HostBoxRequest& r = requests[end];
         TS_ASSIGN_OR_RETURN(box.buffer, OwnedBuffer::Allocate(box.nbytes, r));
-        b.reads.push_back({r.path, r.box, r.dtype, box.buffer->data()});
-        b.bytes += box.nbytes;
+        reads.push_back({r.path, r.box, r.dtype, box.buffer->data()});
+        read_box.push_back(box_of[end]);
+        batch_bytes += box.nbytes;
       }
-      ++b.end;
+      ++end;
     }
-    if (b.reads.empty()) return OkStatus();
-    std::function<void(uint64_t, uint64_t)> on_progress;
-    if (progress) {
-      // The reader counts stored bytes of this call; shown as bytes of its boxes.
-      on_progress = [&progress, before = planned, bytes = b.bytes, total](uint64_t d, uint64_t t) {
-        progress(std::min(total, before + (t == 0 ? bytes : bytes * d / t)), total);
-      };
-    }
-    planned += b.bytes;
-    try {  // std::thread reports failure by throwing; the core returns a Status
-      b.reader = std::thread([&source, &b, on_progress = std::move(on_progress)] {
-        b.status = source.ReadMany(b.reads, &b.stats, on_progress);
-      });
-    } catch (const std::system_error& e) {
-      b.status = ResourceExhaustedError(StrCat("cannot start a reading thread: ", e.what()));
-    }
-    return OkStatus();
-  };
-  // Waits for `b`'s reads and counts them.
-  auto finish_batch = [&](Pending& b) -> Status {
-    if (b.reader.joinable()) b.reader.join();
-    if (b.reads.empty()) return OkStatus();
-    TS_RETURN_IF_ERROR(b.status);
-    ReadStats& sum = out_stats.reads;
-    sum.bytes_read += b.stats.bytes_read;
-    sum.requests += b.stats.requests;
-    sum.direct_chunks += b.stats.direct_chunks;
-    sum.staged_chunks += b.stats.staged_chunks;
-    sum.mapped_spans += b.stats.mapped_spans;
-    sum.peak_staging_bytes = std::max(sum.peak_staging_bytes, b.stats.peak_staging_bytes);
-    ++out_stats.read_calls;
-    return OkStatus();
-  };
-
-  Pending slots[2];
-  if (!requests.empty()) TS_RETURN_IF_ERROR(start_batch(0, slots[0]));
-  for (size_t k = 0; slots[k % 2].end > slots[k % 2].begin; ++k) {
-    Pending& current = slots[k % 2];
-    Pending& next = slots[(k + 1) % 2];
-    Status read = finish_batch(current);
-    if (read.ok() && current.end < requests.size()) read = start_batch(current.end, next);
-    if (!read.ok()) {
-      finish_batch(next).IgnoreError();  // its buffers must outlive its reads
-      return read;
+    if (!reads.empty()) {
+      ReadStats read_stats;
+      std::function<void(uint64_t, uint64_t)> on_progress;
+      if (progress) {
+        // The reader counts stored bytes of this call; shown as bytes of its boxes.
+        on_progress = [&progress, done, batch_bytes, total](uint64_t d, uint64_t t) {
+          progress(std::min(total, done + (t == 0 ? batch_bytes : batch_bytes * d / t)), total);
+        };
+      }
+      TS_RETURN_IF_ERROR(source.ReadMany(reads, &read_stats, on_progress));
+      ReadStats& sum = out_stats.reads;
+      sum.bytes_read += read_stats.bytes_read;
+      sum.requests += read_stats.requests;
+      sum.direct_chunks += read_stats.direct_chunks;
+      sum.staged_chunks += read_stats.staged_chunks;
+      sum.mapped_spans += read_stats.mapped_spans;
+      sum.peak_staging_bytes = std::max(sum.peak_staging_bytes, read_stats.peak_staging_bytes);
+      ++out_stats.read_calls;
+      done = std::min(total, done + batch_bytes);
     }
     HostBatch batch;
-    for (size_t i = current.begin; i < current.end; ++i) {
+    for (size_t i = begin; i < end; ++i) {
       batch.requests.push_back(i);
       batch.buffers.push_back(boxes[box_of[i]].buffer);
     }
     // Only the batch holds its buffers now: the caller frees them by dropping it.
-    for (size_t i = current.begin; i < current.end; ++i) boxes[box_of[i]].buffer.reset();
+    for (size_t i = begin; i < end; ++i) boxes[box_of[i]].buffer.reset();
     ++out_stats.batches;
-    Status handed = on_batch(batch);
-    if (!handed.ok()) {
-      finish_batch(next).IgnoreError();
-      return handed;
-    }
-    current = Pending{};
-    if (next.end == next.begin) break;
+    TS_RETURN_IF_ERROR(on_batch(batch));
+    begin = end;
   }
   if (progress && total == 0) progress(0, 0);
   return OkStatus();

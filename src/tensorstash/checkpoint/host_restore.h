@@ -7,18 +7,17 @@
 //     `map_from_bytes`, in the stored dtype, and its chunks allow it (CheckpointReader::MapMany);
 //   - reads the rest into fresh host buffers (64-byte aligned, so that XLA's CPU client adopts
 //     them without a copy), all of a batch in parallel under the reader's byte budget;
-//   - hands the buffers over batch by batch, each batch about half of `batch_bytes` of reads and
-//     at most about half of `batch_requests` requests, every request of an array in the same
-//     batch, and reads the next batch while the caller holds one: the caller's work on a batch
-//     (placing it on devices) overlaps the reading, and host memory stays near the two batches,
-//     `batch_bytes`, if the caller drops each batch once it has passed it on. (Give the requests
-//     of an array one after another: a box asked for again in a later batch is read again.)
+//   - hands the buffers over batch by batch, each batch about `batch_bytes` of reads and at
+//     most about `batch_requests` requests, every request of an array in the same batch, so that
+//     the caller can pass a batch on (to devices) and drop it before the next is read: host memory
+//     stays near one batch. (Give the requests of an array one after another: a box asked for again
+//     in a later batch is read again.)
 // The defaults below are the only place these numbers are written; the Python package takes
 // them from here.
 //
 // Thread-safety: several calls may run on one StepSource at once (its reads are thread-safe).
-// `on_batch` is called from the calling thread; `progress` from the reader's threads, one call
-// at a time, also while `on_batch` runs.
+// `on_batch` is called from the calling thread; `progress` from the reader's IO threads, one
+// call at a time.
 #ifndef TENSORSTASH_CHECKPOINT_HOST_RESTORE_H_
 #define TENSORSTASH_CHECKPOINT_HOST_RESTORE_H_
 
@@ -40,14 +39,12 @@ namespace tensorstash {
 // system calls and a kernel mapping entry per box; reading costs a copy into new memory whose
 // page faults cost as much as the copy. From 16 KiB mapping is the cheaper (bench/ many-small).
 inline constexpr uint64_t kDefaultMapFromBytes = uint64_t{16} << 10;
-// The two batches in hand at once (the one the caller holds, the next being read) hold about
-// this many bytes,
+// Reads are handed over in batches of about this many bytes,
 inline constexpr uint64_t kDefaultHostBatchBytes = uint64_t{512} << 20;
-// and about this many requests: what a request costs besides its bytes (the reader's plan, the
-// buffer's bookkeeping, the front's objects for it) is a few KiB, which 100,000 tiny arrays on 8
-// devices in one batch made 3.4 GB at once; and small batches let the caller's work on one
-// overlap the reading of the next sooner.
-inline constexpr uint64_t kDefaultHostBatchRequests = 2048;
+// and of at most about this many requests: what a request costs besides its bytes (the
+// reader's plan, the buffer's bookkeeping, the front's objects for it) is a few KiB, which
+// 100,000 tiny arrays on 8 devices in one batch made 3.4 GB at once.
+inline constexpr uint64_t kDefaultHostBatchRequests = 16384;
 
 struct HostBoxRequest {
   std::string path;  // array path
@@ -96,8 +93,7 @@ struct HostBatch {
 // OK once every batch has been handed over. Otherwise the first error: InvalidArgument or
 // NotFound naming the array for a bad request (before anything is read), a read's error
 // (DataLoss naming the chunk, ...), or the error `on_batch` returned, after which no further
-// batch is read (the one already being read is waited for, then dropped). Batches handed over
-// before an error stay valid.
+// batch is read. Batches handed over before an error stay valid.
 Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requests,
                      const HostRestoreOptions& options,
                      const std::function<Status(HostBatch&)>& on_batch,

@@ -179,41 +179,6 @@ TEST_F(HostRestoreTest, BatchesEndAfterAnArrayOnceTheyHoldBatchBytes) {
   EXPECT_EQ(batches[0].buffers[0].use_count(), 1);
 }
 
-TEST_F(HostRestoreTest, TheNextBatchIsReadWhileTheCallerHoldsOne) {
-  HostRestoreOptions options;
-  options.map = false;
-  options.batch_bytes = 1;  // every array its own batch
-  const std::vector<HostBoxRequest> requests = {
-      {"small", Box({0, 0}, {64, 64}), DType::kFloat32},
-      {"big", Box({0, 0}, {1024, 1024}), DType::kFloat32},
-  };
-  const uint64_t first = 64 * 64 * 4;
-  std::mutex mutex;
-  std::condition_variable progressed;
-  uint64_t done = 0;
-  bool overlapped = false;
-  int calls = 0;
-  TS_ASSERT_OK(RestoreToHost(
-      *source_, requests, options,
-      [&](HostBatch& batch) {
-        if (calls++ == 0) {
-          // The second batch's reads finish while the first is still held here.
-          std::unique_lock<std::mutex> lock(mutex);
-          overlapped = progressed.wait_for(lock, std::chrono::seconds(30),
-                                           [&] { return done == first + 1024 * 1024 * 4; });
-        }
-        EXPECT_EQ(batch.requests.size(), 1u);
-        return OkStatus();
-      },
-      [&](uint64_t d, uint64_t) {
-        std::lock_guard<std::mutex> lock(mutex);
-        done = d;
-        progressed.notify_all();
-      }));
-  EXPECT_TRUE(overlapped);
-  EXPECT_EQ(calls, 2);
-}
-
 TEST_F(HostRestoreTest, ProgressCountsTheBytesReadAndEndsAtTheTotal) {
   const std::vector<HostBoxRequest> requests = {
       {"packed", Box({0, 0}, {1024, 1024}), DType::kFloat32},
