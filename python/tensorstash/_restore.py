@@ -268,9 +268,9 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     from the data files instead of read into fresh memory, their checksums checked all the same:
     much faster, and pages of the page cache rather than new memory. The arrays stay valid
     whatever happens to the checkpoint afterwards, except if its files were truncated in place
-    (tensorstash never does; their pages would then fault). Chunks cut into pieces for another layout are likewise copied out
-    of a mapping of the data file rather than out of a staging copy, when uncompressed. False
-    reads everything. A restore maps at most a quarter of the kernel mapping entries the
+    (tensorstash never does; their pages would then fault). Chunks cut into pieces for another
+    layout are likewise copied out of a mapping of the data file rather than out of a staging
+    copy, when uncompressed. False reads everything. A restore maps at most a quarter of the kernel mapping entries the
     process has left (vm.max_map_count) and reads the rest.
 
     The step's files are closed before restore returns or raises (restored arrays that are

@@ -137,14 +137,17 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
 
   // Map what can be mapped, all at once (the maps run in parallel).
   if (options.map) {
-    const uint64_t budget =
-        options.max_mapped_boxes != 0 ? options.max_mapped_boxes : DefaultMappedBoxes();
+    // Read from /proc only once a box could be mapped: most small restores map nothing.
+    std::optional<uint64_t> budget;
+    if (options.max_mapped_boxes != 0) budget = options.max_mapped_boxes;
     std::vector<ReadRequest> maps;
     std::vector<size_t> mapped_box;
-    for (size_t b = 0; b < boxes.size() && maps.size() < budget; ++b) {
+    for (size_t b = 0; b < boxes.size(); ++b) {
       const HostBoxRequest& r = requests[boxes[b].first_request];
       if (boxes[b].nbytes < options.map_from_bytes || boxes[b].nbytes == 0) continue;
       if (arrays[r.path]->dtype != r.dtype) continue;
+      if (!budget.has_value()) budget = DefaultMappedBoxes();
+      if (maps.size() >= *budget) break;
       maps.push_back({r.path, r.box, r.dtype, nullptr});
       mapped_box.push_back(b);
     }

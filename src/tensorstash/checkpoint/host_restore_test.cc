@@ -1,11 +1,8 @@
 // RestoreToHost: the boxes of a whole restore in one call (dedup, map or read, batches).
 #include "tensorstash/checkpoint/host_restore.h"
 
-#include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
