@@ -6,7 +6,8 @@
 //   - maps a box copy-on-write from the data files instead of reading it, where it is at least
 //     `map_from_bytes`, in the stored dtype, and its chunks allow it (CheckpointReader::MapMany);
 //   - reads the rest into fresh host buffers (64-byte aligned, so that XLA's CPU client adopts
-//     them without a copy), all of a batch in parallel under the reader's byte budget;
+//     them without a copy; boxes under 4 MiB share arenas of 32 MiB, each arena freed once all
+//     its boxes are), all of a batch in parallel under the reader's byte budget;
 //   - hands the buffers over batch by batch, each batch about `batch_bytes` of reads and at
 //     most about `batch_requests` requests, every request of an array in the same batch, so that
 //     the caller can pass a batch on (to devices) and drop it before the next is read: host memory

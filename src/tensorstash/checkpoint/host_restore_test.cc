@@ -154,6 +154,45 @@ TEST_F(HostRestoreTest, BoxesPastTheMappingBudgetAreRead) {
   }
 }
 
+TEST_F(HostRestoreTest, SmallBoxesShareArenasYetEachOutlivesTheOthers) {
+  // Boxes under 4 MiB are carved from shared arenas: each 64-byte aligned, none overlapping,
+  // and each valid for as long as it is held, whatever became of the others and their batches.
+  std::vector<HostBoxRequest> requests;
+  for (int64_t row = 0; row < 64; row += 8) {
+    requests.push_back({"small", Box({row, 0}, {8, 64 - row}), DType::kFloat32});
+  }
+  requests.push_back({"big", Box({0, 0}, {3, 5}), DType::kFloat64});  // another array, a cast
+  HostRestoreOptions options;
+  options.batch_bytes = 1;  // "small" in one batch, "big" in another
+  std::vector<HostBatch> batches;
+  TS_ASSERT_OK(Restore(requests, options, &batches));
+  ASSERT_EQ(batches.size(), 2u);
+  std::vector<std::shared_ptr<HostBuffer>> held;
+  for (const HostBatch& batch : batches) {
+    for (const std::shared_ptr<HostBuffer>& buffer : batch.buffers) held.push_back(buffer);
+  }
+  ASSERT_EQ(held.size(), requests.size());
+  for (size_t i = 0; i < held.size(); ++i) {
+    EXPECT_FALSE(held[i]->mapped()) << i;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(held[i]->data()) % 64, 0u) << i;
+    for (size_t j = 0; j < i; ++j) {  // [data, data + size) of the two do not meet
+      const bool apart = held[i]->data() + held[i]->size() <= held[j]->data() ||
+                         held[j]->data() + held[j]->size() <= held[i]->data();
+      EXPECT_TRUE(apart) << i << " overlaps " << j;
+    }
+  }
+  // Keep two boxes (one of each batch) only; they must still hold their bytes.
+  std::shared_ptr<HostBuffer> first = held.front();
+  std::shared_ptr<HostBuffer> last = held.back();
+  held.clear();
+  batches.clear();
+  for (const auto& [buffer, r] : {std::pair{first, requests.front()}, {last, requests.back()}}) {
+    const std::vector<char> want = Expected(r.path, r.box, r.dtype);
+    ASSERT_EQ(buffer->size(), want.size());
+    EXPECT_EQ(std::memcmp(buffer->data(), want.data(), want.size()), 0) << r.path;
+  }
+}
+
 TEST_F(HostRestoreTest, BatchesEndAfterAnArrayOnceTheyHoldBatchBytes) {
   HostRestoreOptions options;
   options.map = false;

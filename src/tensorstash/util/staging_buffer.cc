@@ -10,6 +10,9 @@ namespace {
 
 // Below this, malloc's own small-block handling is cheaper and holds little.
 constexpr size_t kMapFrom = 256 * 1024;
+// Small buffers come from the allocator, 64-byte aligned like the mapped ones (XLA's CPU client
+// adopts host buffers at such addresses without a copy).
+constexpr std::align_val_t kHeapAlignment{64};
 
 }  // namespace
 
@@ -21,7 +24,7 @@ StagingBuffer::StagingBuffer(size_t size) : size_(size) {
     data_ = static_cast<char*>(p);
     mapped_ = true;
   } else {
-    data_ = new char[size];
+    data_ = static_cast<char*>(::operator new(size, kHeapAlignment));
   }
 }
 
@@ -47,7 +50,7 @@ void StagingBuffer::Release() {
   if (mapped_) {
     ::munmap(data_, size_);
   } else {
-    delete[] data_;
+    ::operator delete(data_, kHeapAlignment);
   }
   data_ = nullptr;
 }

@@ -17,7 +17,8 @@ namespace tensorstash {
 class StagingBuffer {
  public:
   StagingBuffer() = default;
-  // Allocates `size` bytes (contents unspecified). Aborts like operator new if memory runs out.
+  // Allocates `size` bytes (contents unspecified), at least 64-byte aligned. Throws
+  // std::bad_alloc like operator new if memory runs out.
   explicit StagingBuffer(size_t size);
   ~StagingBuffer();
   StagingBuffer(StagingBuffer&& other) noexcept;
