@@ -270,8 +270,11 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     whatever happens to the checkpoint afterwards, except if its files were truncated in place
     (tensorstash never does; their pages would then fault). Chunks cut into pieces for another
     layout are likewise copied out of a mapping of the data file rather than out of a staging
-    copy, when uncompressed. False reads everything. A restore maps at most a quarter of the kernel mapping entries the
-    process has left (vm.max_map_count) and reads the rest.
+    copy, when uncompressed. False reads everything. A restore maps at most a quarter of the
+    kernel mapping entries the process has left (vm.max_map_count) and reads the rest. Boxes
+    read (not mapped) under 4 MiB share blocks of up to 32 MiB with their neighbours, one
+    allocation for thousands of small arrays; a block goes back to the system once none of the
+    arrays in it is alive.
 
     The step's files are closed before restore returns or raises (restored arrays that are
     mapped from them remain valid).
