@@ -4,6 +4,7 @@
 #ifndef TENSORSTASH_CHECKPOINT_RELIABILITY_TEST_UTIL_H_
 #define TENSORSTASH_CHECKPOINT_RELIABILITY_TEST_UTIL_H_
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -11,6 +12,7 @@
 #include <set>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -145,6 +147,18 @@ inline int CountThreads() {
 #endif
 #endif
   return CountProcEntries("task");
+}
+
+// CountThreads() once it equals `expected`, or after 2 s whatever it is then. A joined thread can
+// still be listed in /proc/self/task for a moment after pthread_join returns (the kernel wakes
+// the joiner before it has reaped the thread), which made leak checks flaky on a loaded machine.
+inline int CountThreadsSettled(int expected) {
+  int count = CountThreads();
+  for (int i = 0; i < 200 && count != expected; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    count = CountThreads();
+  }
+  return count;
 }
 
 }  // namespace test
