@@ -36,20 +36,8 @@ constexpr size_t kArenaBytes = size_t{32} << 20;
 
 size_t Aligned(size_t size) { return (size + kAlignment - 1) / kAlignment * kAlignment; }
 
-// Memory of its own (for a box of at least kOwnMappingFrom, or an empty box).
-class OwnedBuffer final : public HostBuffer {
- public:
-  explicit OwnedBuffer(size_t size) : memory_(size == 0 ? kAlignment : size), size_(size) {}
-  char* data() const override { return memory_.data(); }
-  size_t size() const override { return size_; }
-  bool mapped() const override { return false; }
-
- private:
-  StagingBuffer memory_;
-  size_t size_;
-};
-
-// A box's part of an arena, which it keeps alive.
+// A box's bytes in a StagingBuffer it keeps alive: an arena shared with other boxes, or memory
+// of its own (an arena of one).
 class ArenaSlice final : public HostBuffer {
  public:
   ArenaSlice(std::shared_ptr<const StagingBuffer> arena, char* data, size_t size)
@@ -75,8 +63,13 @@ class BufferAllocator {
   // The buffer for `size` bytes of request `r`; OutOfMemory naming the box when the memory
   // cannot be had.
   Result<std::shared_ptr<HostBuffer>> Allocate(size_t size, const HostBoxRequest& r) {
-    try {  // the allocators report failure by throwing; the core returns a Status
-      if (!IsSmall(size)) return std::make_shared<OwnedBuffer>(size);
+    // The allocators report failure by throwing; the core returns a Status.
+    try {
+      if (!IsSmall(size)) {
+        // Memory of its own; never empty: the reader wants a destination even for an empty box.
+        auto own = std::make_shared<const StagingBuffer>(size == 0 ? kAlignment : size);
+        return std::make_shared<ArenaSlice>(own, own->data(), size);
+      }
       const size_t slot = Aligned(size);
       if (arena_ == nullptr || arena_->size() - used_ < slot) {
         arena_ = std::make_shared<const StagingBuffer>(
