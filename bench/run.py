@@ -483,6 +483,11 @@ def targets(out: dict) -> list[dict]:
         if r:
             add(f"large {op}: fraction of raw speed (tensorstash)", r["tensorstash_of_raw"], ">= 0.7",
                 lambda v: v >= 0.7)
+    for op, goal in (("restore", 0.5), ("restore_numpy", 0.8)):  # issue 17's goals
+        r = rows.get(("many-small", op))
+        if r:
+            add(f"many-small {op}: fraction of raw speed (tensorstash)", r["tensorstash_of_raw"],
+                f">= {goal}", lambda v, g=goal: v >= g)
     for sc_name, sc in out["scenarios"].items():
         for op_name, op in sc["ops"].items():
             mem = op.get("tensorstash", {}).get("memory")

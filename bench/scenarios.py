@@ -55,6 +55,7 @@ class Op:
     sync: save with fsync (both tools' default) or without.
     cold: restore after dropping the page cache.
     subset: restore only this top-level key of the tree (partial restore).
+    numpy: restore every array whole into host memory as NumPy arrays (no target, no devices).
     raw: the plain-file operation it is compared with: "write", "write_fsync", "read",
     "read_cold"; raw_bytes: how many bytes that moves (the arrays' bytes the operation stores
     or reads).
@@ -71,6 +72,7 @@ class Op:
     raw: str = "read"
     raw_bytes: int = 0
     label: str = ""
+    numpy: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +297,9 @@ def make_scenarios(scale: float) -> dict[str, Scenario]:
         "many-small", f"{len(small)} arrays of 4 KiB..1 MiB, 5 dtypes, sharded over 8 devices",
         {"main": small},
         (Op("save", "save", "main", raw="write_fsync", raw_bytes=n, label="save (fsync)"),
-         Op("restore", "restore", "main", raw="read", raw_bytes=n, label="restore")))
+         Op("restore", "restore", "main", raw="read", raw_bytes=n, label="restore"),
+         Op("restore_numpy", "restore", "main", numpy=True, raw="read", raw_bytes=n,
+            label="restore into NumPy")))
 
     d = _d_model(1024, scale)
     unstacked, stacked = transformer("", 24, d, False, 50_000), transformer("", 24, d, True, 50_000)

@@ -168,13 +168,36 @@ def unique_bytes(tree) -> int:
     return sum(seen.values())
 
 
+def host_bytes(tree) -> int:
+    """Bytes of the NumPy arrays of a restore into host memory."""
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
+def same_bytes(got: np.ndarray, expected: np.ndarray, where: str) -> None:
+    if got.shape != expected.shape or not np.array_equal(
+            got.reshape(-1).view(np.uint8), expected.reshape(-1).view(np.uint8)):
+        bad = np.flatnonzero(got.reshape(-1).view(np.uint8) != expected.reshape(-1).view(np.uint8)) \
+            if got.shape == expected.shape else []
+        raise VerificationError(
+            f"{where} differs from the saved data ({len(bad)} bytes differ, first at byte "
+            f"{bad[0] if len(bad) else '?'})")
+
+
 def verify(tree, leaves, op: S.Op, tool: str) -> None:
-    """Every restored array equals the saved one bit for bit, with the target's sharding."""
+    """Every restored array equals the saved one bit for bit, with the target's sharding (or,
+    restored into NumPy, whole)."""
     if count_leaves(tree) != len(leaves):
         raise VerificationError(f"{tool}: restored {count_leaves(tree)} arrays, expected {len(leaves)}")
     for leaf in leaves:
         x = get(tree, leaf.path)
         where = f"{tool} {op.name}: array {leaf.path!r}"
+        if op.numpy:
+            if not isinstance(x, np.ndarray):
+                raise VerificationError(f"{where} restored as {type(x).__name__}, not a NumPy array")
+            if np.dtype(x.dtype) != S.np_dtype(leaf.dtype):
+                raise VerificationError(f"{where}: dtype {x.dtype}, expected {leaf.dtype}")
+            same_bytes(x, S.block(leaf, (0,) * len(leaf.shape), leaf.shape), where)
+            continue
         if not isinstance(x, jax.Array):
             raise VerificationError(f"{where} restored as {type(x).__name__}, not a jax.Array")
         if tuple(x.shape) != leaf.shape or np.dtype(x.dtype) != S.np_dtype(leaf.dtype):
@@ -184,16 +207,8 @@ def verify(tree, leaves, op: S.Op, tool: str) -> None:
             raise VerificationError(f"{where}: sharding {x.sharding}, expected {want}")
         for shard in x.addressable_shards:
             origin, extent = box(shard.index, leaf.shape)
-            got = np.asarray(shard.data)
-            expected = S.block(leaf, origin, extent)
-            if got.shape != expected.shape or not np.array_equal(
-                    got.reshape(-1).view(np.uint8), expected.reshape(-1).view(np.uint8)):
-                bad = np.flatnonzero(got.reshape(-1).view(np.uint8) != expected.reshape(-1).view(np.uint8)) \
-                    if got.shape == expected.shape else []
-                raise VerificationError(
-                    f"{where}: device {shard.device} block at {origin} of shape {extent} differs "
-                    f"from the saved data ({len(bad)} bytes differ, first at byte "
-                    f"{bad[0] if len(bad) else '?'})")
+            same_bytes(np.asarray(shard.data), S.block(leaf, origin, extent),
+                       f"{where}: device {shard.device} block at {origin} of shape {extent}")
 
 
 # --- tools ----------------------------------------------------------------------------------
@@ -214,6 +229,9 @@ class Tensorstash:
 
     def restore(self, path: str, target, partial: bool):
         return self.ts.restore(path, target=target)
+
+    def restore_numpy(self, path: str, leaves):
+        return self.ts.restore(path)  # without a target: the saved tree, NumPy arrays
 
     def manager(self, root: str):
         return _TsManager(self.ts.CheckpointManager(root, max_to_keep=2, async_save=True))
@@ -269,6 +287,11 @@ class Orbax:
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
         return self.ckptr.restore(path, args=ocp.args.PyTreeRestore(
             item=target, restore_args=restore_args, partial_restore=partial))
+
+    def restore_numpy(self, path: str, leaves):
+        ocp = self.ocp
+        restore_args = nest((leaf.path, ocp.RestoreArgs(restore_type=np.ndarray)) for leaf in leaves)
+        return self.ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
 
     def manager(self, root: str):
         ocp = self.ocp
@@ -348,7 +371,7 @@ def run_restore(tool, job, scenario, op) -> dict:
     path = ckpt_path(job, scenario, op.tree)
     if not os.path.exists(path + ".saved"):
         raise RuntimeError(f"no checkpoint at {path} (its save has not run)")
-    target = target_tree(leaves, op)
+    target = None if op.numpy else target_tree(leaves, op)
     # No writeback of the saves before (some without fsync) may compete with the timed restore.
     os.sync()
     if op.cold:
@@ -360,10 +383,14 @@ def run_restore(tool, job, scenario, op) -> dict:
     S.prime_free_memory(os.path.dirname(path), op.raw_bytes * (8 if op.replicated else 2))
     with Memory() as mem:
         t0 = time.perf_counter()
-        out = tool.restore(path, target, op.subset is not None)
-        jax.block_until_ready(out)
+        if op.numpy:
+            out = tool.restore_numpy(path, leaves)
+        else:
+            out = tool.restore(path, target, op.subset is not None)
+            jax.block_until_ready(out)
         seconds = time.perf_counter() - t0
-    result = {"seconds": seconds, "memory": dict(mem.report(), restored_bytes=unique_bytes(out))}
+    restored = host_bytes(out) if op.numpy else unique_bytes(out)
+    result = {"seconds": seconds, "memory": dict(mem.report(), restored_bytes=restored)}
     if tool.cap is not None:
         result["cap"] = tool.cap
     if job["verify"]:

@@ -127,6 +127,13 @@ def test_verification_catches_a_wrong_restore():
         W.verify(other_mesh, [leaf], op, "test")
     with pytest.raises(W.VerificationError, match="lacks|arrays"):
         W.verify({"x": {}}, [leaf], op, "test")
+    # Restored into NumPy: whole arrays, compared bit for bit too.
+    into_numpy = S.Op("restore_numpy", "restore", "main", numpy=True)
+    W.verify({"x": {"w": np.asarray(good["x"]["w"])}}, [leaf], into_numpy, "test")
+    with pytest.raises(W.VerificationError, match="differs"):
+        W.verify({"x": {"w": values}}, [leaf], into_numpy, "test")
+    with pytest.raises(W.VerificationError, match="not a NumPy array"):
+        W.verify(good, [leaf], into_numpy, "test")
 
 
 def test_scaling_quick(tmp_path):
