@@ -44,7 +44,9 @@ def write_markdown(results: dict, path: str) -> None:
         "# tensorstash vs Orbax + TensorStore: latest benchmark",
         "",
         f"{meta['date']}, `bench/run.py --scale {a['scale']} --runs {a['runs']} --warmup {a['warmup']}"
-        f" --isolation {a['isolation']}` ({meta['seconds'] / 60:.0f} min). Medians of {a['runs']} "
+        f" --isolation {a['isolation']}` ({meta['seconds'] / 60:.0f} min"
+        + (f"; stopped early: {meta['partial']}" if meta.get("partial") else "") +
+        f"). Medians of {a['runs']} "
         f"counted runs after {a['warmup']} warm-up run(s), tools alternating run by run; ratio = "
         f"Orbax time / tensorstash time (above 1: tensorstash is faster); \"of raw\" = the time of "
         f"a plain sequential write (+fsync where the save syncs) or read of one file of the same "
@@ -63,7 +65,8 @@ def write_markdown(results: dict, path: str) -> None:
         "- Orbax: `PyTreeCheckpointer` (its defaults: OCDBT, compression) for saves and restores, "
         "`CheckpointManager` (async) for the async scenario; without fsync = TensorStore's "
         "`file_io_sync: false`. tensorstash: `save`/`restore` and `CheckpointManager` with their "
-        "defaults. 8 CPU devices (`--xla_force_host_platform_device_count=8`).",
+        "defaults. " + (f"Devices: {meta.get('devices')}, every mesh 1x1." if meta["args"].get(
+            "platform") == "gpu" else "8 CPU devices (`--xla_force_host_platform_device_count=8`)."),
         f"- Cold cache (`echo 3 > /proc/sys/vm/drop_caches`): {meta['drop_caches']}.",
         "",
         "| scenario | operation | bytes | tensorstash | Orbax | ratio | tensorstash of raw | "

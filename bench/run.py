@@ -19,6 +19,7 @@ benchmark with an error. Writes: <out>/latest.json, latest.md, latest.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import mmap
@@ -126,11 +127,13 @@ class RawFile:
 
 # --- the tools' processes -------------------------------------------------------------------
 
-def worker_env() -> dict:
+def worker_env(platform: str = "cpu") -> dict:
+    """The workers' environment: JAX on 8 CPU devices, or on the GPU ("gpu": JAX's CUDA
+    plugin, every mesh the first GPU)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS", "PYTHONPATH", "JAX_ENABLE_X64", "JAX_PLATFORMS")}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_PLATFORMS"] = "cuda" if platform == "gpu" else "cpu"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return env
 
@@ -140,7 +143,7 @@ def run_worker(args, tool: str, scenario: str, ops: list[str], run: int, verify:
            "run": run, "verify": verify}
     cmd = [args.python, WORKER, json.dumps(job)]
     try:
-        p = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True,
+        p = subprocess.run(cmd, env=worker_env(args.platform), capture_output=True, text=True,
                            timeout=args.timeout, cwd=REPO)
     except subprocess.TimeoutExpired as e:
         raise HarnessError(f"{tool} {scenario} {ops} (run {run}) ran past {args.timeout} s\n"
@@ -153,7 +156,9 @@ def run_worker(args, tool: str, scenario: str, ops: list[str], run: int, verify:
     if p.returncode != 0 or not lines:
         raise HarnessError(f"{tool} {scenario} {ops} (run {run}) failed with status "
                            f"{p.returncode}:\n{p.stderr[-6000:]}")
-    return json.loads(lines[-1][len("BENCH_RESULT "):])
+    out = json.loads(lines[-1][len("BENCH_RESULT "):])
+    args.devices_used = out.pop("_devices", None) or getattr(args, "devices_used", None)
+    return out
 
 
 # --- facts ----------------------------------------------------------------------------------
@@ -214,11 +219,22 @@ def rotate(items: list, k: int) -> list:
     return items[k:] + items[:k]
 
 
+def one_device(sc: S.Scenario) -> S.Scenario:
+    """`sc` for one device (--platform gpu), where every mesh is 1x1: without the operations that
+    would only repeat another there (restores onto another mesh or replicated), so that "reshard"
+    keeps none."""
+    layout = sc.ops[0].layout
+    return dataclasses.replace(sc, ops=tuple(op for op in sc.ops
+                                             if op.layout == layout and not op.replicated))
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
         self.scenarios = S.make_scenarios(args.scale)
-        self.selected = [self.scenarios[name] for name in args.scenarios]
+        if args.platform == "gpu":
+            self.scenarios = {name: one_device(sc) for name, sc in self.scenarios.items()}
+        self.selected = [sc for sc in (self.scenarios[name] for name in args.scenarios) if sc.ops]
         self.raw = RawFile()
         # samples[scenario][op][participant] = [result of each counted run]
         self.samples: dict = {sc.name: {op.name: {p: [] for p in args.tools + [RAW]} for op in sc.ops}
@@ -322,7 +338,8 @@ class Bench:
                 and not any(s.name == sc.reads_from[0] for s in later):
             shutil.rmtree(os.path.join(self.args.dir, sc.reads_from[0]), ignore_errors=True)
 
-    def run(self) -> dict:
+    def run(self, on_run=None) -> dict:
+        """Every run; returns the summary. on_run(summary so far) after each counted run."""
         args = self.args
         started = time.time()
         shutil.rmtree(args.dir, ignore_errors=True)
@@ -331,7 +348,7 @@ class Bench:
         meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "args": {"scale": args.scale, "runs": args.runs, "warmup": args.warmup,
                          "scenarios": args.scenarios, "tools": args.tools, "dir": args.dir,
-                         "isolation": args.isolation},
+                         "isolation": args.isolation, "platform": args.platform},
                 "machine": machine_facts(args.dir), "versions": versions(args.python),
                 "drop_caches": "permitted" if cold_permitted else "not permitted",
                 "load_average_start": _read("/proc/loadavg").split()[:3]}
@@ -345,7 +362,12 @@ class Bench:
                 log(f"  {sc.name}")
                 self.run_scenario(sc, run, counted, verify)
                 self.cleanup_after(i)
+            if counted and on_run is not None and run + 1 < total:
+                on_run(summarize(self, dict(meta, seconds=round(time.time() - started, 1),
+                                            devices=getattr(args, "devices_used", None),
+                                            partial=f"{run + 1 - args.warmup} of {args.runs} runs")))
         meta["load_average_end"] = _read("/proc/loadavg").split()[:3]
+        meta["devices"] = getattr(args, "devices_used", None)
         meta["seconds"] = round(time.time() - started, 1)
         if not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)
@@ -516,6 +538,9 @@ def parse_args(argv=None):
     p.add_argument("--isolation", choices=("op", "scenario"), default="op",
                    help="op: a fresh process per restore (default; clean peak memory); "
                         "scenario: one process per tool and scenario (faster start-up)")
+    p.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
+                   help="cpu: 8 CPU devices (default); gpu: the first GPU, every mesh 1x1 "
+                        "(JAX with its CUDA plugin installed)")
     p.add_argument("--verify-all", action="store_true", help="verify every run's restores")
     p.add_argument("--keep", action="store_true", help="keep --dir afterwards")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
@@ -538,16 +563,23 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     bench = Bench(args)
+
+    def write(results: dict, chart: bool) -> None:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "latest.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        report.write_markdown(results, os.path.join(args.out, "latest.md"))
+        if chart:
+            report.write_chart(results, os.path.join(args.out, "latest.png"))
+
     try:
-        results = bench.run()
+        # The results so far after each counted run (meta "partial"), so that a benchmark
+        # stopped early still leaves its medians.
+        results = bench.run(on_run=lambda partial: write(partial, False))
     except HarnessError as e:
         print(f"bench: FAILED: {e}", file=sys.stderr)
         return 1
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "latest.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    report.write_markdown(results, os.path.join(args.out, "latest.md"))
-    report.write_chart(results, os.path.join(args.out, "latest.png"))
+    write(results, True)
     log(f"\nwrote {args.out}/latest.json, latest.md, latest.png in {results['meta']['seconds']:.0f} s\n")
     with open(os.path.join(args.out, "latest.md")) as f:
         log(f.read())

@@ -2,7 +2,8 @@
 
     python bench/worker.py '{"tool": "orbax", "scenario": "large", "ops": ["restore"], ...}'
 
-Starts JAX on 8 CPU devices, imports only its tool, makes the scenario's arrays (or restore
+Starts JAX on 8 CPU devices (on the first GPU where bench/run.py --platform gpu sets
+JAX_PLATFORMS=cuda: every mesh is then that one device), imports only its tool, makes the scenario's arrays (or restore
 targets), does a tiny save and restore to warm the tool up, then runs the operations, timing
 only the tool's calls, and prints one line "BENCH_RESULT {json}". Every restore it is asked to
 verify is compared with the arrays' defining function (scenarios.block), shard by shard, bit for
@@ -31,7 +32,7 @@ sys.path.insert(0, HERE)
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # bench/run.py sets "cuda" for --platform gpu
 
 import numpy as np  # noqa: E402
 
@@ -88,12 +89,25 @@ _meshes: dict[str, Mesh] = {}
 
 
 def mesh(layout: str) -> Mesh:
+    """The layout's mesh over the 8 CPU devices; on an accelerator, a 1x1 mesh of the first one
+    whatever the layout (one GPU: every leaf whole on it, so that the specs still apply)."""
     if layout not in _meshes:
         devices = jax.devices()
-        if len(devices) < 8:
+        if devices[0].platform != "cpu":
+            _meshes[layout] = Mesh(np.array(devices[:1]).reshape(1, 1), S.AXES)
+        elif len(devices) < 8:
             raise RuntimeError(f"8 devices needed, JAX has {len(devices)} (XLA_FLAGS?)")
-        _meshes[layout] = Mesh(np.array(devices[:8]).reshape(S.MESHES[layout]), S.AXES)
+        else:
+            _meshes[layout] = Mesh(np.array(devices[:8]).reshape(S.MESHES[layout]), S.AXES)
     return _meshes[layout]
+
+
+def devices_used() -> str:
+    """What the meshes are made of, for the report: "8 CPU devices", "1 GPU (NVIDIA H200)"."""
+    devices = jax.devices()
+    if devices[0].platform == "cpu":
+        return f"{min(8, len(devices))} CPU devices"
+    return f"1 {devices[0].platform.upper()} ({devices[0].device_kind})"
 
 
 def sharding_of(leaf: S.Leaf, layout: str, replicated: bool) -> NamedSharding:
@@ -455,6 +469,7 @@ def main() -> None:
             results[name] = run_async(tool, job, scenario, op, trees)
         else:
             raise ValueError(op.kind)
+    results["_devices"] = devices_used()
     print("BENCH_RESULT " + json.dumps(results), flush=True)
 
 
