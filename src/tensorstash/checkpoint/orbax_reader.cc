@@ -751,8 +751,17 @@ Status OrbaxReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats
       const uint64_t chunk_bytes =
           static_cast<uint64_t>(n->chunk_box.num_elements()) * ItemSize(a.dtype);
       if (n->pieces.size() == 1 || chunk_bytes > options_.max_inflight_bytes) {
+        const std::vector<int64_t> grid = GridPosition(a.grid, n->chunk_box);
         for (const ChunkPiece& piece : n->pieces) {
-          run.RunHolding(chunk_bytes, [&, n, p = &piece]() -> Status {
+          // A chunk read straight into its destination needs nothing beyond one staging piece,
+          // which the staging pool bounds: it holds none of the cap, so that large chunks are
+          // decoded side by side rather than one or two at a time.
+          const ReadRequest& req = requests[piece.read];
+          const uint64_t hold =
+              zarr_[n->array_id]->ReadsInPlace(grid, piece.region, req.box, req.dtype)
+                  ? 0
+                  : chunk_bytes;
+          run.RunHolding(hold, [&, n, p = &piece]() -> Status {
             const ReadRequest& req = requests[p->read];
             TS_RETURN_IF_ERROR(read_chunk(*n, p->region, req.box, req.dtype, req.dest));
             report(*p);

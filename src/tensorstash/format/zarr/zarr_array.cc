@@ -1,5 +1,6 @@
 #include "tensorstash/format/zarr/zarr_array.h"
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 
@@ -7,6 +8,7 @@
 
 #include "tensorstash/array/convert.h"
 #include "tensorstash/format/zarr/zarr_codec.h"
+#include "tensorstash/util/prefault.h"
 
 namespace tensorstash {
 namespace {
@@ -183,15 +185,10 @@ Status ZarrArray::ReadChunkInPlace(const std::string& key, const Box& chunk_box,
                                    const std::string& dest_fill, StagingPool* staging,
                                    bool* done) const {
   *done = false;
+  if (staging == nullptr || !LandsInPlace(chunk_box, region, box, dest_dtype)) return OkStatus();
+  *done = true;
   const std::vector<ZarrCodec>& codecs = metadata_.codecs;
   const size_t item = ItemSize(metadata_.dtype);
-  const bool plain_bytes = !codecs.empty() && IsNativeBytes(codecs[0], metadata_.dtype);
-  const bool zstd = codecs.size() == 2 && codecs[1].kind == ZarrCodecKind::kZstd;
-  if (staging == nullptr || !plain_bytes || !(codecs.size() == 1 || zstd) ||
-      dest_dtype != metadata_.dtype || !(region == chunk_box) || !IsContiguousIn(chunk_box, box)) {
-    return OkStatus();
-  }
-  *done = true;
   const std::string what = StrCat(ArrayWhat(prefix_), ", chunk '", key, "'");
   const uint64_t bytes = static_cast<uint64_t>(chunk_box.num_elements()) * item;
   char* out = static_cast<char*>(dest) + ByteOffsetIn(chunk_box, box, item);
@@ -201,21 +198,56 @@ Status ZarrArray::ReadChunkInPlace(const std::string& key, const Box& chunk_box,
   }
   if (!file.ok()) return Annotate(file.status(), what);
   const uint64_t size = (*file)->size();
+  // The destination's pages made present in one call rather than one fault per page as the
+  // read or the decoder writes them (profile of a restore of an Orbax checkpoint of 128 MiB
+  // chunks: a sixth of the samples in page faults under the decoder's copy).
+  PrefaultForWrite(out, bytes);
   if (codecs.size() == 1) {  // uncompressed: read into place
     if (size != bytes) {
       return DataLossError(StrCat(what, ": chunk holds ", size, " bytes, expected ", bytes));
     }
     return Annotate((*file)->ReadAt(0, size, out), what);
   }
-  // More stored bytes than the chunk can compress to (skippable frames, say, or a hostile
-  // size): the general path, which bounds what it reads and decodes.
-  if (size > ZSTD_compressBound(bytes) + 4096) {
-    *done = false;
-    return OkStatus();
+  if (size <= kInPlaceStreamPieceBytes && size <= ZSTD_compressBound(bytes) + 4096) {
+    StagingPool::Lease stored = staging->Acquire(size);
+    TS_RETURN_IF_ERROR(Annotate((*file)->ReadAt(0, size, stored.data()), what));
+    return ZstdDecodeInto(std::string_view(stored.data(), size), out, bytes, what);
   }
-  StagingPool::Lease stored = staging->Acquire(size);
-  TS_RETURN_IF_ERROR(Annotate((*file)->ReadAt(0, size, stored.data()), what));
-  return ZstdDecodeInto(std::string_view(stored.data(), size), out, bytes, what);
+  // Refused before it is read: more stored bytes than any encoding of the chunk takes.
+  TS_RETURN_IF_ERROR(CheckStoredSize(size, chunk_box, what));
+  // A large chunk (or more stored bytes than zstd makes of it: skippable frames, say) is read
+  // piece by piece into one small buffer and decoded straight into
+  // place: memory stays one piece whatever the chunk's size, so that a restore decodes many
+  // large chunks at once under its byte cap, instead of one or two at a time (profile of 8
+  // chunks of 128 MiB on 16 cores: one chunk after another, 1.4 s where Orbax took 0.8 s).
+  StagingPool::Lease piece = staging->Acquire(kInPlaceStreamPieceBytes);
+  uint64_t offset = 0;
+  return ZstdDecodeStreamInto(
+      [&]() -> Result<std::string_view> {
+        const uint64_t n = std::min<uint64_t>(kInPlaceStreamPieceBytes, size - offset);
+        if (n == 0) return std::string_view();
+        TS_RETURN_IF_ERROR(Annotate((*file)->ReadAt(offset, n, piece.data()), what));
+        offset += n;
+        return std::string_view(piece.data(), n);
+      },
+      out, bytes, what);
+}
+
+bool ZarrArray::LandsInPlace(const Box& chunk_box, const Box& region, const Box& box,
+                             DType dest_dtype) const {
+  const std::vector<ZarrCodec>& codecs = metadata_.codecs;
+  const bool plain_bytes = !codecs.empty() && IsNativeBytes(codecs[0], metadata_.dtype);
+  const bool zstd = codecs.size() == 2 && codecs[1].kind == ZarrCodecKind::kZstd;
+  return metadata_.sole_sharding() == nullptr && plain_bytes && (codecs.size() == 1 || zstd) &&
+         dest_dtype == metadata_.dtype && region == chunk_box && IsContiguousIn(chunk_box, box);
+}
+
+bool ZarrArray::ReadsInPlace(const std::vector<int64_t>& grid, const Box& region, const Box& box,
+                             DType dest_dtype) const {
+  if (static_cast<int>(grid.size()) != metadata_.rank()) return false;
+  Box chunk_box = Box::FromShape(metadata_.chunk_shape);
+  for (int d = 0; d < metadata_.rank(); ++d) chunk_box.origin[d] = grid[d] * chunk_box.shape[d];
+  return LandsInPlace(chunk_box, region, box, dest_dtype);
 }
 
 Result<bool> ZarrArray::ChunkStored(const std::vector<int64_t>& grid) const {

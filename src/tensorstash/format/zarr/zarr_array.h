@@ -26,6 +26,10 @@
 
 namespace tensorstash {
 
+// Compressed chunks read in place (ReadsInPlace) larger than this are read and decoded piece by
+// piece, in pieces of this size.
+inline constexpr uint64_t kInPlaceStreamPieceBytes = uint64_t{4} << 20;
+
 class ZarrArray {
  public:
   // Reads `prefix/zarr.json`, else `prefix/.zarray` ("" = the store's root). NotFound naming the
@@ -71,6 +75,14 @@ class ZarrArray {
   Status ReadChunkRegion(const std::vector<int64_t>& grid, const Box& region, const Box& box,
                          DType dest_dtype, void* dest, StagingPool* staging = nullptr) const;
 
+  // Whether ReadChunkRegion with a staging pool reads chunk `grid` straight into `dest`: then
+  // it holds at most one staging lease of kInPlaceStreamPieceBytes and allocates nothing else,
+  // whatever the chunk's size (uncompressed or zstd, no sharding, transpose, byte swap or cast,
+  // the whole chunk as one run of `box`). Otherwise it may allocate the chunk's stored and
+  // decoded bytes.
+  bool ReadsInPlace(const std::vector<int64_t>& grid, const Box& region, const Box& box,
+                    DType dest_dtype) const;
+
   // The key of the chunk (shard) at grid position `grid`, with the prefix.
   std::string ChunkKey(const std::vector<int64_t>& grid) const;
   // Whether the chunk (shard) at `grid` is stored: true, false when it is absent (reads give the
@@ -99,6 +111,10 @@ class ZarrArray {
   Status ReadChunkInPlace(const std::string& key, const Box& chunk_box, const Box& region,
                           const Box& box, DType dest_dtype, void* dest,
                           const std::string& dest_fill, StagingPool* staging, bool* done) const;
+
+  // ReadsInPlace for the chunk at `chunk_box`.
+  bool LandsInPlace(const Box& chunk_box, const Box& region, const Box& box,
+                    DType dest_dtype) const;
 
   KvStore* kv_;
   std::string prefix_;
@@ -154,6 +170,10 @@ class ZarrArrayWriter {
   // Writes chunk `grid`, whose elements come from `data` over `data_box`.
   Status WriteChunkFrom(const std::vector<int64_t>& grid, const void* data,
                         const Box& data_box) const;
+
+  // ReadsInPlace for the chunk at `chunk_box`.
+  bool LandsInPlace(const Box& chunk_box, const Box& region, const Box& box,
+                    DType dest_dtype) const;
 
   KvStore* kv_;
   std::string prefix_;

@@ -3,6 +3,7 @@
 // and chunk bytes. Interop with TensorStore and zarr-python is tests/python/test_zarr_interop.py.
 #include "tensorstash/format/zarr/zarr_array.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -735,6 +736,102 @@ TEST(ZarrArrayHostileTest, InPlaceReadsOfDamagedChunksAreDataLoss) {
     TS_ASSERT_OK((*a)->Read(Box::FromShape({64}), DType::kFloat32, got.data(), nullptr, &staging));
     EXPECT_EQ(got, std::string(data.size(), '\0'));
   }
+}
+
+// A compressed chunk larger than one streaming piece is read and decoded piece by piece: the
+// same values, at most one piece of staging whatever the chunk's size, and damage anywhere in
+// it DataLoss naming the chunk (a skippable frame after the data is no damage).
+TEST(ZarrArrayTest, LargeCompressedChunksAreDecodedPieceByPiece) {
+  constexpr int64_t kElements = int64_t{3} << 20;  // 12 MiB of float32: three pieces or more
+  MemoryKvStore kv;
+  ZarrArraySpec spec;
+  spec.zarr_format = 3;
+  spec.sharded = false;
+  spec.compressor = ZarrCompressor::kZstd;
+  spec.dtype = DType::kFloat32;
+  spec.shape = {kElements};
+  spec.chunk_shape = {kElements};
+  auto writer = ZarrArrayWriter::Create(&kv, "big", spec);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  const std::string data = RandomData(DType::kFloat32, kElements, 5);
+  TS_ASSERT_OK((*writer)->WriteBox(Box::FromShape({kElements}), data.data()));
+  auto array = ZarrArray::Open(&kv, "big");
+  ASSERT_TRUE(array.ok()) << array.status();
+  const std::string key = (*array)->ChunkKey({0});
+  const std::string good = *kv.Read(key);
+  ASSERT_GT(good.size(), 2 * kInPlaceStreamPieceBytes);
+  EXPECT_TRUE((*array)->ReadsInPlace({0}, Box::FromShape({kElements}),
+                                     Box::FromShape({kElements}), DType::kFloat32));
+  EXPECT_FALSE((*array)->ReadsInPlace({0}, Box::FromShape({kElements}),
+                                      Box::FromShape({kElements}), DType::kFloat64));
+
+  StagingPool staging(uint64_t{1} << 30);
+  std::string got(data.size(), '\x55');
+  TS_ASSERT_OK((*array)->Read(Box::FromShape({kElements}), DType::kFloat32, got.data(), nullptr,
+                              &staging));
+  EXPECT_TRUE(got == data);
+  EXPECT_LE(staging.peak(), kInPlaceStreamPieceBytes);
+
+  // A skippable frame (magic 0x184D2A50, 4-byte length, payload) after the data: still good.
+  std::string skippable(
+      "\x50\x2A\x4D\x18\x03\x00\x00\x00"
+      "abc",
+      11);
+  TS_ASSERT_OK(kv.Write(key, good + skippable));
+  std::fill(got.begin(), got.end(), '\x55');
+  TS_ASSERT_OK((*array)->Read(Box::FromShape({kElements}), DType::kFloat32, got.data(), nullptr,
+                              &staging));
+  EXPECT_TRUE(got == data);
+
+  std::string flipped = good;
+  for (size_t i = good.size() / 2; i < good.size() / 2 + 64; ++i) flipped[i] ^= 0x5A;
+  std::string twice(ZSTD_compressBound(2 * data.size()), '\0');
+  twice.resize(
+      ZSTD_compress(twice.data(), twice.size(), (data + data).data(), 2 * data.size(), 1));
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"truncated", good.substr(0, good.size() - kInPlaceStreamPieceBytes / 2)},
+      {"truncated", good.substr(0, good.size() - 1)},
+      {"decodes to more than", twice},
+      {"decodes to more than", good + good},
+      {"", flipped},
+      {"more than any encoding",
+       std::string(2 * data.size() + 16 * kElements + (128 << 10), 'x')},
+  };
+  for (size_t i = 0; i < bad.size(); ++i) {
+    SCOPED_TRACE(i);
+    TS_ASSERT_OK(kv.Write(key, bad[i].second));
+    Status s = (*array)->Read(Box::FromShape({kElements}), DType::kFloat32, got.data(), nullptr,
+                              &staging);
+    EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(key));
+    EXPECT_THAT(std::string(s.message()), HasSubstr(bad[i].first));
+  }
+  EXPECT_LE(staging.peak(), kInPlaceStreamPieceBytes);
+}
+
+// ZstdDecodeStreamInto takes the stream in pieces of any size, down to one byte.
+TEST(ZarrCodecTest, ZstdStreamsInPiecesOfAnySize) {
+  const std::string data = RandomData(DType::kUint8, 100000, 8);
+  std::string z(ZSTD_compressBound(data.size()), '\0');
+  z.resize(ZSTD_compress(z.data(), z.size(), data.data(), data.size(), 3));
+  for (size_t piece : {size_t{1}, size_t{7}, size_t{4096}, z.size()}) {
+    SCOPED_TRACE(piece);
+    size_t offset = 0;
+    std::string out(data.size(), '\0');
+    TS_ASSERT_OK(ZstdDecodeStreamInto(
+        [&]() -> Result<std::string_view> {
+          const size_t n = std::min(piece, z.size() - offset);
+          std::string_view next(z.data() + offset, n);
+          offset += n;
+          return next;
+        },
+        out.data(), out.size(), "stream"));
+    EXPECT_TRUE(out == data);
+  }
+  // The reader's error comes back as it is.
+  Status s = ZstdDecodeStreamInto([]() -> Result<std::string_view> { return UnavailableError("gone"); },
+                                  nullptr, 0, "stream");
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
 }
 
 TEST(ZarrArrayHostileTest, DecompressionBombIsBounded) {

@@ -7,6 +7,7 @@
 
 #include <blosc.h>
 #include <zlib.h>
+#define ZSTD_STATIC_LINKING_ONLY  // ZSTD_d_stableOutBuffer (zstd >= 1.4.4)
 #include <zstd.h>
 #include <zstd_errors.h>
 
@@ -447,29 +448,66 @@ Status ZstdDecodeInto(std::string_view in, char* out, size_t size, std::string_v
     }
     return OkStatus();
   }
-  std::unique_ptr<ZSTD_DStream, size_t (*)(ZSTD_DStream*)> ds(ZSTD_createDStream(),
-                                                              ZSTD_freeDStream);
-  if (!ds) return InternalError("ZSTD_createDStream failed");
-  ZSTD_initDStream(ds.get());
-  ZSTD_inBuffer input{in.data(), in.size(), 0};
+  bool given = false;
+  return ZstdDecodeStreamInto(
+      [&]() -> Result<std::string_view> {
+        if (given) return std::string_view();
+        given = true;
+        return in;
+      },
+      out, size, what);
+}
+
+Status ZstdDecodeStreamInto(const std::function<Result<std::string_view>()>& next, char* out,
+                            size_t size, std::string_view what) {
+  std::unique_ptr<ZSTD_DCtx, size_t (*)(ZSTD_DCtx*)> ds(ZSTD_createDCtx(), ZSTD_freeDCtx);
+  if (!ds) return InternalError("ZSTD_createDCtx failed");
+  // `out` stays where it is from call to call: zstd then decodes straight into it, instead of
+  // through a window buffer it allocates and copies out of. A library that refuses the
+  // parameter decodes through the window buffer, with the same results.
+  ZSTD_DCtx_setParameter(ds.get(), ZSTD_d_stableOutBuffer, 1);
+  ZSTD_inBuffer input{nullptr, 0, 0};
   ZSTD_outBuffer output{out, size, 0};
+  size_t ret = 1;  // 0 once a frame is decoded and flushed and no other has begun
+  // The bytes taken since the last frame ended, while they are few: the decoder does not say
+  // 0 after skippable frames, so that the end is checked to hold only whole skippable frames.
+  constexpr size_t kMaxTail = size_t{64} << 10;
+  std::string tail;
+  bool long_tail = false;
   for (;;) {
-    const size_t ret = ZSTD_decompressStream(ds.get(), &output, &input);
+    if (input.pos == input.size) {
+      TS_ASSIGN_OR_RETURN(const std::string_view piece, next());
+      if (piece.empty()) break;
+      input = ZSTD_inBuffer{piece.data(), piece.size(), 0};
+    }
+    const size_t in_before = input.pos, out_before = output.pos;
+    ret = ZSTD_decompressStream(ds.get(), &output, &input);
+    // No room for what the data holds beyond `size` bytes: zstd says so, or stops moving.
+    if (ZSTD_getErrorCode(ret) == ZSTD_error_dstSize_tooSmall ||
+        (!ZSTD_isError(ret) && output.pos == output.size && input.pos == in_before &&
+         output.pos == out_before && input.pos < input.size)) {
+      return DataLossError(StrCat(what, ": chunk decodes to more than ", size, " bytes"));
+    }
     if (ZSTD_isError(ret)) {
       return DataLossError(StrCat(what, ": zstd decompression failed: ", ZSTD_getErrorName(ret)));
     }
-    if (ret == 0 && input.pos == input.size) break;  // every frame decoded and flushed
-    if (output.pos == output.size) {
-      // Full: more to come means the chunk is larger than its shape says.
-      char extra;
-      ZSTD_outBuffer probe{&extra, 1, 0};
-      const size_t more = ZSTD_decompressStream(ds.get(), &probe, &input);
-      if (ZSTD_isError(more) || probe.pos != 0 || input.pos != input.size || more != 0) {
-        return DataLossError(StrCat(what, ": chunk decodes to more than ", size, " bytes"));
-      }
-      break;
+    if (ret == 0) {
+      tail.clear();
+      long_tail = false;
+    } else if (!long_tail) {
+      const size_t taken = input.pos - in_before;
+      long_tail = tail.size() + taken > kMaxTail;
+      if (!long_tail) tail.append(static_cast<const char*>(input.src) + in_before, taken);
     }
-    if (input.pos == input.size) return DataLossError(StrCat(what, ": zstd data is truncated"));
+  }
+  if (ret != 0) {
+    bool skippable_only = !long_tail;
+    for (std::string_view rest = tail; skippable_only && !rest.empty();) {
+      const size_t frame = ZSTD_findFrameCompressedSize(rest.data(), rest.size());
+      skippable_only = !ZSTD_isError(frame) && ZSTD_isSkippableFrame(rest.data(), rest.size());
+      if (skippable_only) rest.remove_prefix(frame);
+    }
+    if (!skippable_only) return DataLossError(StrCat(what, ": zstd data is truncated"));
   }
   if (output.pos != size) {
     return DataLossError(

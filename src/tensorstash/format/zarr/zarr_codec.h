@@ -29,6 +29,12 @@ bool IsNativeBytes(const ZarrCodec& codec, DType dtype);
 // Decodes one zstd stream (one or more frames) into exactly `size` bytes at `out`. DataLoss
 // naming `what` when the data is malformed or decodes to more or fewer bytes.
 Status ZstdDecodeInto(std::string_view in, char* out, size_t size, std::string_view what);
+// The same for a stream handed over in pieces: next() returns the next piece, valid until the
+// following call, and an empty one at the end (or an error, returned as it is). Memory: a
+// decoding context (about 100 KiB), whatever the stream's size, so that a reader can decode a
+// large chunk from a small buffer refilled piece by piece.
+Status ZstdDecodeStreamInto(const std::function<Result<std::string_view>()>& next, char* out,
+                            size_t size, std::string_view what);
 
 // Decodes `stored` into `*out` (resized to the chunk's element bytes). `fill_value` (one element)
 // fills inner chunks a shard leaves out.
