@@ -530,7 +530,7 @@ void DefineReader(nb::module_& m) {
            "Reads (or maps) the boxes of (path, origin, shape, dtype) requests, all at once, "
            "and calls on_batch with [(request index, uint8 array of the box's bytes)] once per "
            "batch of about batch_bytes; requests for the same box share one array. Boxes of at "
-           "least 1 MiB in the stored dtype are mapped where their chunks allow it (unless "
+           "least 16 KiB in the stored dtype are mapped where their chunks allow it (unless "
            "map=False). Returns bytes_read, requests, direct_chunks, staged_chunks, "
            "peak_staging_bytes (as read_many, over all batches), mapped_bytes, boxes (distinct), "
            "batches and read_calls (batches that read anything).")
