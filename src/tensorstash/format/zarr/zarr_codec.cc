@@ -483,11 +483,15 @@ Status ZstdDecodeStreamInto(const std::function<Result<std::string_view>()>& nex
     const size_t in_before = input.pos, out_before = output.pos;
     ret = ZSTD_decompressStream(ds.get(), &output, &input);
     // No room for what the data holds beyond `size` bytes: zstd says so, or stops moving.
+    const bool stuck = !ZSTD_isError(ret) && input.pos == in_before && output.pos == out_before &&
+                       input.pos < input.size;
     if (ZSTD_getErrorCode(ret) == ZSTD_error_dstSize_tooSmall ||
-        (!ZSTD_isError(ret) && output.pos == output.size && input.pos == in_before &&
-         output.pos == out_before && input.pos < input.size)) {
+        (stuck && output.pos == output.size)) {
       return DataLossError(StrCat(what, ": chunk decodes to more than ", size, " bytes"));
     }
+    // Input left, room left, and nothing moved: never for data zstd can decode; an error
+    // rather than a loop that never ends.
+    if (stuck) return DataLossError(StrCat(what, ": zstd decompression makes no progress"));
     if (ZSTD_isError(ret)) {
       return DataLossError(StrCat(what, ": zstd decompression failed: ", ZSTD_getErrorName(ret)));
     }
