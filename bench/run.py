@@ -156,9 +156,7 @@ def run_worker(args, tool: str, scenario: str, ops: list[str], run: int, verify:
     if p.returncode != 0 or not lines:
         raise HarnessError(f"{tool} {scenario} {ops} (run {run}) failed with status "
                            f"{p.returncode}:\n{p.stderr[-6000:]}")
-    out = json.loads(lines[-1][len("BENCH_RESULT "):])
-    args.devices_used = out.pop("_devices", None) or getattr(args, "devices_used", None)
-    return out
+    return json.loads(lines[-1][len("BENCH_RESULT "):])
 
 
 # --- facts ----------------------------------------------------------------------------------
@@ -242,6 +240,7 @@ class Bench:
         self.verified: dict = {sc.name: {op.name: {t: False for t in args.tools} for op in sc.ops}
                                for sc in self.selected}
         self.tensorstash_cap = None
+        self.devices = None  # what the workers ran on ("8 CPU devices", "1 GPU (...)")
 
     def ckpt_marker(self, source: str, tool: str, tree: str) -> str:
         return os.path.join(self.args.dir, source, tool, tree + ".saved")
@@ -285,6 +284,7 @@ class Bench:
         def worker(tool, ops):
             t0 = time.perf_counter()
             out = run_worker(args, tool, sc.name, ops, run, verify)
+            self.devices = out.pop("_devices", self.devices)
             for name, result in out.items():
                 if tool == "tensorstash" and "cap" in result:
                     self.tensorstash_cap = result["cap"]
@@ -364,10 +364,10 @@ class Bench:
                 self.cleanup_after(i)
             if counted and on_run is not None and run + 1 < total:
                 on_run(summarize(self, dict(meta, seconds=round(time.time() - started, 1),
-                                            devices=getattr(args, "devices_used", None),
+                                            devices=self.devices,
                                             partial=f"{run + 1 - args.warmup} of {args.runs} runs")))
         meta["load_average_end"] = _read("/proc/loadavg").split()[:3]
-        meta["devices"] = getattr(args, "devices_used", None)
+        meta["devices"] = self.devices
         meta["seconds"] = round(time.time() - started, 1)
         if not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)

@@ -3,11 +3,12 @@
     python bench/worker.py '{"tool": "orbax", "scenario": "large", "ops": ["restore"], ...}'
 
 Starts JAX on 8 CPU devices (on the first GPU where bench/run.py --platform gpu sets
-JAX_PLATFORMS=cuda: every mesh is then that one device), imports only its tool, makes the scenario's arrays (or restore
-targets), does a tiny save and restore to warm the tool up, then runs the operations, timing
-only the tool's calls, and prints one line "BENCH_RESULT {json}". Every restore it is asked to
-verify is compared with the arrays' defining function (scenarios.block), shard by shard, bit for
-bit; any difference is an error (exit status 1) that names the array and the device.
+JAX_PLATFORMS=cuda: every mesh is then that one device), imports only its tool, makes the
+scenario's arrays (or restore targets), does a tiny save and restore to warm the tool up, then
+runs the operations, timing only the tool's calls, and prints one line "BENCH_RESULT {json}"
+(with "_devices": what the meshes are made of). Every restore it is asked to verify is compared
+with the arrays' defining function (scenarios.block), shard by shard, bit for bit; any
+difference is an error (exit status 1) that names the array and the device.
 
 Peak host memory of each operation: the process's RSS high-water mark (VmHWM, reset through
 /proc/self/clear_refs just before the operation, after freed memory has been handed back with
