@@ -4,6 +4,9 @@
 #   build-tsan: ThreadSanitizer, the tests that run threads against each other (thread pool,
 #               writers and readers of several in-process "processes", concurrency, faults, manager).
 # Lean builds: the test binary and its helper programs only (no Python, CLI, examples, benchmarks).
+# Compiled by clang at -O1 with line tables only (-g1): the sanitizers' own advice, and on this
+# 2-core machine it builds the ASan+UBSan suite about 4x faster than gcc at -O2 -g (orbax_reader.cc:
+# 118 s against 29 s), which kept CI near its time limit. Stack traces keep file and line.
 # Usage: scripts/run_sanitizers.sh [asan|tsan]...   (default: both)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,8 +30,13 @@ for kind in "${KINDS[@]}"; do
   esac
   dir="build-$kind"
   start=$(date +%s)
+  # A directory configured before the switch to clang is configured afresh.
+  if [ -f "$dir/CMakeCache.txt" ] && ! grep -q '^CMAKE_CXX_COMPILER:.*clang++' "$dir/CMakeCache.txt"; then
+    rm -rf "$dir"
+  fi
   if [ ! -f "$dir/CMakeCache.txt" ]; then
     cmake -S . -B "$dir" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
       -DTENSORSTASH_SANITIZE="$sanitize" >/dev/null || { status=1; continue; }
   fi
   if ! cmake --build "$dir" -j "$JOBS" --target tensorstash_tests; then

@@ -77,7 +77,6 @@ nb::dict Defaults() {
   d["read_max_inflight_bytes"] = reader.max_inflight_bytes;
   d["io_threads"] = writer.io_threads;
   d["zstd_level"] = ArraySpec{}.zstd_level;
-  d["map_from_bytes"] = kDefaultMapFromBytes;
   d["host_batch_bytes"] = kDefaultHostBatchBytes;
   return d;
 }
@@ -95,8 +94,7 @@ NB_MODULE(_ext, m) {
         "The element type names a checkpoint can store, as NumPy and ml_dtypes spell them.");
   m.def("defaults", &py::Defaults,
         "The engine's defaults: chunk_bytes, data_file_bytes, max_inflight_bytes (writes), "
-        "read_max_inflight_bytes, io_threads, zstd_level, map_from_bytes (boxes mapped instead "
-        "of read from this size), host_batch_bytes (restores hand buffers over in batches of "
+        "read_max_inflight_bytes, io_threads, zstd_level, host_batch_bytes (restores hand buffers over in batches of "
         "about this size).");
   m.def("item_size", &py::ItemSizeOf, nb::arg("dtype"),
         "Bytes per element of `dtype`; ValueError for an unknown name.");

@@ -253,7 +253,7 @@ class Reader {
     std::vector<Result<MappedBox>> mapped;
     {
       nb::gil_scoped_release release;
-      mapped = step->source->MapMany(maps);
+      mapped = step->source->MapMany(maps, {});
     }
     nb::list result;
     for (size_t i = 0; i < requests.size(); ++i) {

@@ -11,8 +11,6 @@ CHUNK_BYTES: int = _DEFAULTS["chunk_bytes"]
 DATA_FILE_BYTES: int = _DEFAULTS["data_file_bytes"]
 MAX_INFLIGHT_BYTES: int = _DEFAULTS["max_inflight_bytes"]
 ZSTD_LEVEL: int = _DEFAULTS["zstd_level"]
-# Restored boxes of at least this many bytes are mapped from the data files where they can be.
-MAP_FROM_BYTES: int = _DEFAULTS["map_from_bytes"]
 # Restored buffers are handed to devices in batches of about this many bytes.
 HOST_BATCH_BYTES: int = _DEFAULTS["host_batch_bytes"]
 

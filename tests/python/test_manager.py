@@ -595,8 +595,10 @@ def test_restore_progress_callable_spans_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(tensorstash._options, "HOST_BATCH_BYTES", 256 * 256 * 4 * 2)  # 3 batches
     reads = record_read_stats(tensorstash, monkeypatch.setattr)
     calls = []
+    # Read, not mapped: the reads go in three batches.
     got = tensorstash.restore(step, target={k: np.zeros_like(v) for k, v in tree.items()},
-                              progress=lambda done, total: calls.append((done, total)))
+                              progress=lambda done, total: calls.append((done, total)),
+                              mmap=False)
     for k in tree:
         assert_same_array(got[k], tree[k], k)
     total = sum(v.nbytes for v in tree.values())
@@ -604,6 +606,12 @@ def test_restore_progress_callable_spans_batches(tmp_path, monkeypatch):
     dones = [d for d, _ in calls]
     assert dones == sorted(dones) and dones[-1] == total
     assert [r["read_calls"] for r in reads] == [3]  # one count over the batches, not three
+    # Mapped: the same total, reached.
+    calls.clear()
+    tensorstash.restore(step, target={k: np.zeros_like(v) for k, v in tree.items()},
+                        progress=lambda done, total: calls.append((done, total)))
+    assert reads[-1]["mapped_bytes"] == total and reads[-1]["read_calls"] == 0
+    assert calls[-1] == (total, total) and {t for _, t in calls} == {total}
 
 
 class FakeTqdm:

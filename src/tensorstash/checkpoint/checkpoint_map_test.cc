@@ -23,8 +23,11 @@ using ::testing::HasSubstr;
 
 constexpr char kStep[] = "step";
 // 1024 x 1024 float32 (4 MiB) in two row shards, so 2 MiB chunks; and a compressed one; and a
-// small one (chunks under the mapping threshold).
+// small one (64 x 64 float32: two chunks of 8 KiB, stored one after the other).
 const std::vector<int64_t> kShape = {1024, 1024};
+// Two row chunks of 17 x 1040 float32: 70,720 bytes each, large enough to be page-aligned were
+// they not continuing their array, and not a whole number of pages.
+const std::vector<int64_t> kOddShape = {34, 1040};
 
 class CheckpointMapTest : public test::TempDirTest {
  protected:
@@ -35,12 +38,13 @@ class CheckpointMapTest : public test::TempDirTest {
     TS_ASSERT_OK(writer.status());
     const test::Sharding rows{{2}, {0, -1}};
     std::vector<test::HeldShards> held;
-    held.reserve(3);
+    held.reserve(4);
     ArraySpec big{"big", DType::kFloat32, kShape};
     ArraySpec packed{"packed", DType::kFloat32, kShape};
     packed.codec = Codec::kZstd;
     ArraySpec small{"small", DType::kFloat32, {64, 64}};
-    for (const ArraySpec& spec : {big, packed, small}) {
+    ArraySpec odd{"odd", DType::kFloat32, kOddShape};
+    for (const ArraySpec& spec : {big, packed, small, odd}) {
       held.push_back(test::HoldAllShards(spec, 11, rows));
       TS_ASSERT_OK((*writer)->AddArray(spec, held.back().shards));
     }
@@ -94,7 +98,7 @@ TEST_F(CheckpointMapTest, BoxesThatCannotBeMappedAreUnimplementedNotErrors) {
   ASSERT_NE(reader, nullptr);
   std::vector<Result<MappedBox>> mapped = reader->MapMany({
       {"packed", Box::FromShape(kShape), DType::kFloat32, nullptr},   // compressed
-      {"small", Box::FromShape({64, 64}), DType::kFloat32, nullptr},  // chunks under 1 MiB
+      {"small", Box({0, 0}, {64, 32}), DType::kFloat32, nullptr},     // not runs, small chunks
       {"big", Box::FromShape(kShape), DType::kFloat64, nullptr},      // a cast
       {"big", Box({0, 0}, {1024, 512}), DType::kFloat32, nullptr},    // chunk rows not runs
       {"big", Box({0, 0}, {2048, 1024}), DType::kFloat32, nullptr},   // past the shape
@@ -114,6 +118,75 @@ TEST_F(CheckpointMapTest, BoxesThatCannotBeMappedAreUnimplementedNotErrors) {
   EXPECT_EQ(bad[1].status().code(), absl::StatusCode::kInvalidArgument) << bad[1].status();
 }
 
+TEST_F(CheckpointMapTest, BoxesStoredAsRunsShareOneMappingAndOutliveEachOther) {
+  auto reader = Open(kv_.get());
+  ASSERT_NE(reader, nullptr);
+  // "small" whole (its two 8 KiB chunks one after the other in the file), each of its chunks,
+  // and "big": all runs of one data file, near enough to share one mapping.
+  const std::vector<int64_t> small_shape = {64, 64};
+  const std::vector<Box> small_boxes = {Box::FromShape(small_shape), Box({0, 0}, {32, 64}),
+                                        Box({32, 0}, {32, 64})};
+  std::vector<ReadRequest> requests;
+  for (const Box& box : small_boxes) requests.push_back({"small", box, DType::kFloat32, nullptr});
+  requests.push_back({"big", Box::FromShape(kShape), DType::kFloat32, nullptr});
+  std::vector<Result<MappedBox>> mapped = reader->MapMany(requests);
+  ASSERT_EQ(mapped.size(), 4u);
+  auto expect_small = [&](const Result<MappedBox>& box, const Box& where) {
+    ASSERT_TRUE(box.ok()) << box.status();
+    const std::vector<char> want = test::MakeBoxData(DType::kFloat32, small_shape, 11, where);
+    ASSERT_EQ(box->size(), want.size());
+    EXPECT_EQ(std::memcmp(box->data(), want.data(), want.size()), 0);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(box->data()) % 64, 0u);
+  };
+  for (size_t i = 0; i < small_boxes.size(); ++i) expect_small(mapped[i], small_boxes[i]);
+  ExpectBox(mapped[3], Box::FromShape(kShape));
+  // Each view keeps the mapping: the others gone, the last one still reads (and writes, privately).
+  Result<MappedBox> last = std::move(mapped[2]);
+  mapped.clear();
+  expect_small(last, small_boxes[2]);
+  std::memset(last->data(), 0x5a, last->size());
+  std::vector<Result<MappedBox>> again =
+      reader->MapMany({{"small", small_boxes[2], DType::kFloat32, nullptr}});
+  expect_small(again[0], small_boxes[2]);
+}
+
+TEST_F(CheckpointMapTest, AnArraySavedInRowShardsIsOneRunOfItsFile) {
+  auto reader = Open(kv_.get());
+  ASSERT_NE(reader, nullptr);
+  const std::vector<Box> boxes = {Box::FromShape(kOddShape), Box({0, 0}, {17, 1040}),
+                                  Box({17, 0}, {17, 1040})};
+  std::vector<ReadRequest> requests;
+  for (const Box& box : boxes) requests.push_back({"odd", box, DType::kFloat32, nullptr});
+  std::vector<Result<MappedBox>> mapped = reader->MapMany(requests);
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    ASSERT_TRUE(mapped[i].ok()) << i << ": " << mapped[i].status();
+    const std::vector<char> want = test::MakeBoxData(DType::kFloat32, kOddShape, 11, boxes[i]);
+    ASSERT_EQ(mapped[i]->size(), want.size());
+    EXPECT_EQ(std::memcmp(mapped[i]->data(), want.data(), want.size()), 0) << i;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(mapped[i]->data()) % 64, 0u) << i;
+  }
+}
+
+TEST_F(CheckpointMapTest, MappingsPastTheBudgetAreUnimplemented) {
+  auto reader = Open(kv_.get());
+  ASSERT_NE(reader, nullptr);
+  const Box top({0, 0}, {512, 1024});
+  const Box bottom({512, 0}, {512, 1024});
+  const std::vector<ReadRequest> halves = {{"big", top, DType::kFloat32, nullptr},
+                                           {"big", bottom, DType::kFloat32, nullptr}};
+  // Both halves in one shared mapping: one entry is enough.
+  std::vector<Result<MappedBox>> shared = reader->MapMany(halves, {.max_mappings = 1});
+  ExpectBox(shared[0], top);
+  ExpectBox(shared[1], bottom);
+  // Mappings of one half each: the second is over the budget.
+  std::vector<Result<MappedBox>> apart =
+      reader->MapMany(halves, {.max_mappings = 1, .shared_mapping_bytes = 1});
+  ExpectBox(apart[0], top);
+  EXPECT_EQ(apart[1].status().code(), absl::StatusCode::kUnimplemented) << apart[1].status();
+  std::vector<Result<MappedBox>> none = reader->MapMany(halves, {.max_mappings = 0});
+  EXPECT_EQ(none[0].status().code(), absl::StatusCode::kUnimplemented) << none[0].status();
+}
+
 TEST_F(CheckpointMapTest, StoresWithoutMappableFilesAreUnimplemented) {
   MemoryKvStore memory;
   Write(&memory);
@@ -122,6 +195,35 @@ TEST_F(CheckpointMapTest, StoresWithoutMappableFilesAreUnimplemented) {
   std::vector<Result<MappedBox>> mapped =
       reader->MapMany({{"big", Box::FromShape(kShape), DType::kFloat32, nullptr}});
   EXPECT_EQ(mapped[0].status().code(), absl::StatusCode::kUnimplemented) << mapped[0].status();
+}
+
+TEST_F(CheckpointMapTest, ACorruptSmallChunkFailsItsBoxOnlyNotItsNeighbours) {
+  auto reader = Open(kv_.get());
+  ASSERT_NE(reader, nullptr);
+  const IndexEntry* victim = nullptr;  // the second chunk of "small"
+  for (const IndexEntry& e : reader->index().entries) {
+    if (reader->arrays()[e.array_id].path == "small" && e.chunk == 1) victim = &e;
+  }
+  ASSERT_NE(victim, nullptr);
+  const std::string path = temp_dir() + "/root/" + ItemDir(kStep, kStateItem) + "/" +
+                           reader->index().files[victim->file_id].name;
+  const int fd = ::open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << path;
+  char byte = 0;
+  const off_t at = static_cast<off_t>(victim->offset + 3);
+  ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
+  byte ^= 0x10;
+  ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
+  ::close(fd);
+  std::vector<Result<MappedBox>> mapped = reader->MapMany({
+      {"small", Box::FromShape({64, 64}), DType::kFloat32, nullptr},
+      {"small", Box({0, 0}, {32, 64}), DType::kFloat32, nullptr},
+      {"big", Box::FromShape(kShape), DType::kFloat32, nullptr},
+  });
+  EXPECT_EQ(mapped[0].status().code(), absl::StatusCode::kDataLoss) << mapped[0].status();
+  EXPECT_THAT(std::string(mapped[0].status().message()), HasSubstr("of array 'small'"));
+  EXPECT_TRUE(mapped[1].ok()) << mapped[1].status();
+  ExpectBox(mapped[2], Box::FromShape(kShape));
 }
 
 TEST_F(CheckpointMapTest, ACorruptChunkIsDataLossNamingIt) {

@@ -10,6 +10,8 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <tuple>
+#include <utility>
 
 #include "tensorstash/array/chunk_grid.h"
 #include "tensorstash/array/convert.h"
@@ -464,8 +466,7 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
   for (const ReadRequestPlan& plan : plans) {
     if (!map_spans) break;
     if (plan.direct_dest != nullptr) continue;
-    map_spans = plan.offset % page == 0 && plan.length >= kMinMappedSpanBytes &&
-                s.file_errors[plan.file_id].ok();
+    map_spans = plan.length >= kMinMappedSpanBytes && s.file_errors[plan.file_id].ok();
     for (const ChunkRead& c : plan.chunks) {
       if (s.tree.arrays[needed[c.tag].array_id].codec != Codec::kNone) map_spans = false;
     }
@@ -534,9 +535,12 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
     }
     if (map_spans) {
       run.RunHolding(plan->length, [&, plan]() -> Status {
-        Result<MappedBox> mapped = s.MapSpan(plan->file_id, plan->offset, plan->length, page);
+        // From the page the span starts in: chunks continuing an array need not start on one.
+        const uint64_t skip = plan->offset % page;
+        Result<MappedBox> mapped =
+            s.MapSpan(plan->file_id, plan->offset - skip, plan->length + skip, page);
         if (!mapped.ok()) return mapped.status();
-        return scatter(*plan, mapped->data(), nullptr, /*mapped=*/true);
+        return scatter(*plan, mapped->data() + skip, nullptr, /*mapped=*/true);
       });
       continue;
     }
@@ -562,20 +566,22 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
 MappedBox::MappedBox(MappedBox&& other) noexcept
     : data_(std::exchange(other.data_, nullptr)),
       size_(std::exchange(other.size_, 0)),
-      mapped_size_(std::exchange(other.mapped_size_, 0)) {}
+      mapped_size_(std::exchange(other.mapped_size_, 0)),
+      region_(std::move(other.region_)) {}
 
 MappedBox& MappedBox::operator=(MappedBox&& other) noexcept {
   if (this != &other) {
-    if (data_ != nullptr) ::munmap(data_, mapped_size_);
+    if (data_ != nullptr && region_ == nullptr) ::munmap(data_, mapped_size_);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
     mapped_size_ = std::exchange(other.mapped_size_, 0);
+    region_ = std::move(other.region_);
   }
   return *this;
 }
 
 MappedBox::~MappedBox() {
-  if (data_ != nullptr) ::munmap(data_, mapped_size_);
+  if (data_ != nullptr && region_ == nullptr) ::munmap(data_, mapped_size_);
 }
 
 namespace {
@@ -584,26 +590,46 @@ Status NotMappable(std::string_view path, std::string_view why) {
   return UnimplementedError(StrCat("array '", path, "': the box cannot be mapped (", why, ")"));
 }
 
+// Views into a shared mapping start on this boundary, so that XLA's CPU client adopts them as
+// device buffers without a copy (as it does the 64-byte aligned buffers of host_restore.cc).
+constexpr uint64_t kViewAlignment = 64;
+// Runs of one file at most this far apart share a mapping: the bytes between them are mapped
+// too, but never touched, so they cost address space only.
+constexpr uint64_t kSharedMappingGapBytes = uint64_t{1} << 20;
+
+// Where the stored chunks of a box lie: each (chunk, its byte offset in the box).
+struct BoxParts {
+  size_t array_id = 0;
+  uint64_t bytes = 0;
+  std::vector<std::pair<const IndexEntry*, uint64_t>> parts;
+  // Whether the box is the bytes [run_offset, run_offset + bytes) of one data file.
+  bool run = false;
+  uint32_t file_id = 0;
+  uint64_t run_offset = 0;
+};
+
 }  // namespace
 
-std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadRequest>& requests) {
+std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadRequest>& requests,
+                                                         const MapOptions& options) {
   Impl& s = *impl_;
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  auto map_one = [&](const ReadRequest& req) -> Result<MappedBox> {
-    TS_ASSIGN_OR_RETURN(const size_t array_id, s.CheckRequest(req, std::nullopt));
-    const ArrayMetadata* a = &s.tree.arrays[array_id];
+  // The chunks of a box, if it can be mapped at all.
+  auto parts_of = [&](const ReadRequest& req) -> Result<BoxParts> {
+    BoxParts box;
+    TS_ASSIGN_OR_RETURN(box.array_id, s.CheckRequest(req, std::nullopt));
+    const ArrayMetadata* a = &s.tree.arrays[box.array_id];
     if (req.dtype != a->dtype) return NotMappable(a->path, "a dtype conversion");
     if (a->codec != Codec::kNone) return NotMappable(a->path, "compressed");
     if (req.box.empty()) return NotMappable(a->path, "empty");
     if (!Box::FromShape(a->shape()).Contains(req.box))
       return NotMappable(a->path, "past the shape");
     const size_t item = ItemSize(a->dtype);
-    const uint64_t bytes = req.box.num_elements() * item;
-    std::vector<std::pair<const IndexEntry*, uint64_t>> parts;  // (chunk, offset in the box)
+    box.bytes = req.box.num_elements() * item;
     Status bad;
     a->grid.ForEachChunkIntersecting(req.box, [&](int64_t chunk, const Box& chunk_box) {
       if (!bad.ok()) return;
-      const IndexEntry* e = s.FindEntry(array_id, chunk);
+      const IndexEntry* e = s.FindEntry(box.array_id, chunk);
       if (e == nullptr) {
         bad = DataLossError(StrCat("chunk ", a->grid.ChunkName(chunk), " of array '", a->path,
                                    "' is not in the index"));
@@ -613,29 +639,45 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
         bad = s.file_errors[e->file_id];
         return;
       }
-      const uint64_t offset = ByteOffsetIn(chunk_box, req.box, item);
       if (!(Intersect(chunk_box, req.box) == chunk_box) || !IsContiguousIn(chunk_box, req.box) ||
           e->length != chunk_box.num_elements() * item) {
         bad = NotMappable(a->path, "a chunk is not a contiguous run of the box");
-      } else if (e->length < kMinMappedChunkBytes) {
-        bad = NotMappable(a->path, "small chunks");
-      } else if (offset % page != 0 || e->offset % page != 0 ||
-                 (e->length % page != 0 && offset + e->length != bytes)) {
-        bad = NotMappable(a->path, "a chunk off page boundaries");
-      } else {
-        parts.emplace_back(e, offset);
+        return;
       }
+      box.parts.emplace_back(e, ByteOffsetIn(chunk_box, req.box, item));
     });
     TS_RETURN_IF_ERROR(bad);
+    // The chunks tile the box; it is one run of a file when each chunk sits in the file where its
+    // bytes sit in the box.
+    const IndexEntry& first = *box.parts.front().first;
+    const uint64_t first_in_box = box.parts.front().second;
+    box.file_id = first.file_id;
+    box.run_offset = first.offset - std::min(first.offset, first_in_box);
+    box.run = first.offset >= first_in_box;
+    for (const auto& [e, offset] : box.parts) {
+      box.run = box.run && e->file_id == box.file_id && e->offset == box.run_offset + offset;
+    }
+    return box;
+  };
+  // A box mapped chunk by chunk into memory of its own (boxes that are not runs).
+  auto map_chunks = [&](const BoxParts& box) -> Result<MappedBox> {
+    const ArrayMetadata* a = &s.tree.arrays[box.array_id];
+    for (const auto& [e, offset] : box.parts) {
+      if (e->length < kMinMappedChunkBytes) return NotMappable(a->path, "small chunks");
+      if (offset % page != 0 || e->offset % page != 0 ||
+          (e->length % page != 0 && offset + e->length != box.bytes)) {
+        return NotMappable(a->path, "a chunk off page boundaries");
+      }
+    }
     // Anonymous memory first, for the whole box; each chunk's pages then replace their part.
-    const size_t mapped_size = (bytes + page - 1) / page * page;
+    const size_t mapped_size = (box.bytes + page - 1) / page * page;
     // A mapping the system refuses (ENOMEM past vm.max_map_count, ...) is not an error: the box
     // is read instead, and a read reports what is really wrong with the file.
     void* base = ::mmap(nullptr, mapped_size, PROT_READ | PROT_WRITE,
                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (base == MAP_FAILED) return NotMappable(a->path, "no address space");
-    MappedBox mapped(static_cast<char*>(base), bytes, mapped_size);
-    for (const auto& [e, offset] : parts) {
+    MappedBox mapped(static_cast<char*>(base), box.bytes, mapped_size);
+    for (const auto& [e, offset] : box.parts) {
       if (!s.files[e->file_id]->MapAt(e->offset, e->length, mapped.data() + offset).ok()) {
         return NotMappable(a->path, "the system refused the mapping");
       }
@@ -643,15 +685,89 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
     }
     return mapped;
   };
+
   std::vector<Result<MappedBox>> results;
   results.reserve(requests.size());
-  for (size_t i = 0; i < requests.size(); ++i)
-    results.emplace_back(UnimplementedError("not mapped"));
+  std::vector<BoxParts> boxes(requests.size());
+  std::vector<size_t> runs, others;  // requests to map shared, and on their own
+  const bool mappable = s.kv->Capabilities().mapping;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    Result<BoxParts> parts = parts_of(requests[i]);
+    if (!parts.ok()) {
+      results.emplace_back(parts.status());
+      continue;
+    }
+    boxes[i] = *std::move(parts);
+    results.emplace_back(NotMappable(requests[i].path, mappable ? "over the mapping budget"
+                                                                : "the store cannot map"));
+    if (!mappable) continue;
+    (boxes[i].run && boxes[i].run_offset % kViewAlignment == 0 ? runs : others).push_back(i);
+  }
+
+  // Runs of the same file, by offset, grouped into shared mappings: [begin, end) of `runs`.
+  std::sort(runs.begin(), runs.end(), [&](size_t x, size_t y) {
+    return std::tie(boxes[x].file_id, boxes[x].run_offset) <
+           std::tie(boxes[y].file_id, boxes[y].run_offset);
+  });
+  struct Shared {
+    size_t begin, end;
+    uint32_t file_id;
+    uint64_t offset, length;  // of the mapping: page-aligned offset, up to the last run's end
+  };
+  std::vector<Shared> shared;
+  uint64_t mappings = 0;
+  for (size_t k = 0; k < runs.size(); ++k) {
+    const BoxParts& box = boxes[runs[k]];
+    const uint64_t end = box.run_offset + box.bytes;
+    if (!shared.empty()) {
+      Shared& last = shared.back();
+      const uint64_t last_end = last.offset + last.length;
+      if (last.file_id == box.file_id && box.run_offset <= last_end + kSharedMappingGapBytes &&
+          std::max(end, last_end) - last.offset <= options.shared_mapping_bytes) {
+        last.length = std::max(end, last_end) - last.offset;
+        last.end = k + 1;
+        continue;
+      }
+    }
+    if (mappings >= options.max_mappings) break;
+    ++mappings;
+    const uint64_t offset = box.run_offset / page * page;
+    shared.push_back({k, k + 1, box.file_id, offset, end - offset});
+  }
+
   // Mappings hold no staging: nothing to cap.
   Executor run(s.pool.get(), s.options.max_inflight_bytes);
-  for (size_t i = 0; i < requests.size(); ++i) {
+  for (const Shared& group : shared) {
+    run.RunHolding(0, [&, group] {
+      Result<MappedBox> region = s.MapSpan(group.file_id, group.offset, group.length, page);
+      if (!region.ok()) {
+        for (size_t k = group.begin; k < group.end; ++k) {
+          results[runs[k]] = NotMappable(requests[runs[k]].path, "the system refused the mapping");
+        }
+        return OkStatus();
+      }
+      // Shared by the views: the last one alive unmaps it.
+      auto owner = std::make_shared<const MappedBox>(*std::move(region));
+      for (size_t k = group.begin; k < group.end; ++k) {
+        const BoxParts& box = boxes[runs[k]];
+        char* data = owner->data() + (box.run_offset - group.offset);
+        Status checked;
+        for (const auto& [e, offset] : box.parts) {
+          checked = s.CheckCrc(*e, data + offset);
+          if (!checked.ok()) break;
+        }
+        results[runs[k]] = checked.ok() ? Result<MappedBox>(MappedBox(owner, data, box.bytes))
+                                        : Result<MappedBox>(checked);
+      }
+      return OkStatus();
+    });
+  }
+  for (size_t i : others) {
+    const uint64_t cost = boxes[i].parts.size() + 1;
+    if (mappings + cost > options.max_mappings) break;
+    mappings += cost;
     run.RunHolding(0, [&, i] {
-      results[i] = map_one(requests[i]);
+      results[i] = map_chunks(boxes[i]);
       return OkStatus();
     });
   }

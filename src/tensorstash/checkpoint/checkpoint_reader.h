@@ -85,12 +85,18 @@ struct BadChunk {
 };
 
 // A box of an array mapped from the data files (CheckpointReader::MapMany): its elements in C
-// order, in the stored dtype, at data() (page-aligned). Unmapped when destroyed. Move-only.
+// order, in the stored dtype, at data() (64-byte aligned). Either it owns its mapping, or it is a
+// view into a mapping shared with neighbouring boxes, which stays mapped while any of them
+// lives. Unmapped when the last owner is destroyed. Move-only.
 class MappedBox {
  public:
   MappedBox() = default;
+  // Owns the `mapped_size` bytes mapped at `data`.
   MappedBox(char* data, size_t size, size_t mapped_size)
       : data_(data), size_(size), mapped_size_(mapped_size) {}
+  // `size` bytes at `data`, inside `region`, which it keeps mapped.
+  MappedBox(std::shared_ptr<const MappedBox> region, char* data, size_t size)
+      : data_(data), size_(size), region_(std::move(region)) {}
   MappedBox(MappedBox&& other) noexcept;
   MappedBox& operator=(MappedBox&& other) noexcept;
   MappedBox(const MappedBox&) = delete;
@@ -103,7 +109,19 @@ class MappedBox {
  private:
   char* data_ = nullptr;
   size_t size_ = 0;
-  size_t mapped_size_ = 0;
+  size_t mapped_size_ = 0;                   // of an owned mapping; 0 for a view
+  std::shared_ptr<const MappedBox> region_;  // of a view
+};
+
+// How CheckpointReader::MapMany may map.
+struct MapOptions {
+  // Kernel mapping entries the call may add (vm.max_map_count bounds them per process): a
+  // shared mapping costs one, a box mapped chunk by chunk one per chunk and one more. Boxes past
+  // the budget are Unimplemented (read them).
+  uint64_t max_mappings = UINT64_MAX;
+  // Boxes stored as runs of one data file share a mapping of up to this many bytes with the
+  // boxes stored near them (a larger run gets one of its own).
+  uint64_t shared_mapping_bytes = uint64_t{64} << 20;
 };
 
 class CheckpointReader {
@@ -139,12 +157,19 @@ class CheckpointReader {
   // Maps each request's box (its dtype must be the stored one; `dest` is ignored) from the data
   // files instead of reading it, in parallel: copy-on-write pages of the page cache, so neither
   // a copy nor the zeroing of fresh memory (on restores into host memory, the larger cost of
-  // the two). A box can be mapped when it lies inside the shape and every stored chunk that
-  // meets it lies inside it, is stored uncompressed, is at least 1 MiB, and is a contiguous run
-  // of the box that starts on a page boundary both in the box and in its file; and the store's
-  // files can be mapped (FileKvStore). Checksums are checked as for a read. Per request:
-  // Unimplemented when it cannot be mapped (read it instead), or the error a read would give.
-  std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests);
+  // the two). A box can be mapped when it lies inside the shape, every stored chunk that meets
+  // it lies inside it, is stored uncompressed and is a contiguous run of the box, and the
+  // store's files can be mapped (FileKvStore); and either
+  //   - the box is one run of bytes of one data file starting 64-byte aligned (its chunks one
+  //     after another, in the box's order: a chunk read whole, or an array saved in row
+  //     shards): then it is a view into one mapping shared with the boxes stored near it, any
+  //     size; or
+  //   - every chunk is at least 16 KiB and starts on a page boundary both in the box and in its
+  //     file: then the box gets a mapping of its own, chunk by chunk.
+  // Checksums are checked as for a read. Per request: Unimplemented when it cannot be mapped
+  // (read it instead), or the error a read would give.
+  std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests,
+                                         const MapOptions& options = {});
 
   // Reads a whole file committed with the step (CheckpointWriter::AddFile), e.g.
   // "metadata.json", and checks its size and CRC-32C against COMMIT. NotFound when COMMIT lists

@@ -553,10 +553,18 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   // Uncompressed chunks get their places up front, in array and chunk order, each lane taking
   // a contiguous share of the bytes, so that the chunks of an array lie side by side and
   // readers can fetch neighbours in one request.
+  // A chunk that follows the chunk before it of the same array is placed right after it where
+  // it can be (DataFileSet::Allocate), so that a whole array can be mapped as one run.
+  std::map<int, const ChunkWrite*> last_in_lane;
   for (ChunkTask& task : tasks) {
     if (arrays[task.plan.array_id].spec.codec != Codec::kNone) continue;
-    TS_ASSIGN_OR_RETURN(task.location, files.Allocate(task.plan.raw_bytes, task.plan.lane));
+    const ChunkWrite*& last = last_in_lane[task.plan.lane];
+    const bool continues = last != nullptr && last->array_id == task.plan.array_id &&
+                           last->chunk + 1 == task.plan.chunk;
+    TS_ASSIGN_OR_RETURN(task.location,
+                        files.Allocate(task.plan.raw_bytes, task.plan.lane, continues));
     task.preallocated = true;
+    last = &task.plan;
   }
   ThreadPool pool(options.io_threads);
   std::mutex mutex;

@@ -116,7 +116,7 @@ using BoxKey = std::tuple<std::string_view, std::vector<int64_t>, std::vector<in
 
 // A quarter of the kernel mapping entries this process has left (vm.max_map_count less the
 // lines of /proc/self/maps); 1,000 where /proc cannot say.
-uint64_t DefaultMappedBoxes() {
+uint64_t DefaultMappingBudget() {
   uint64_t limit = 0;
   if (std::FILE* f = std::fopen("/proc/sys/vm/max_map_count", "r")) {
     unsigned long long value = 0;
@@ -174,21 +174,22 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
 
   // Map what can be mapped, all at once (the maps run in parallel).
   if (options.map) {
-    // Read from /proc only once a box could be mapped: most small restores map nothing.
-    std::optional<uint64_t> budget;
-    if (options.max_mapped_boxes != 0) budget = options.max_mapped_boxes;
     std::vector<ReadRequest> maps;
     std::vector<size_t> mapped_box;
     for (size_t b = 0; b < boxes.size(); ++b) {
       const HostBoxRequest& r = requests[boxes[b].first_request];
-      if (boxes[b].nbytes < options.map_from_bytes || boxes[b].nbytes == 0) continue;
-      if (arrays[r.path]->dtype != r.dtype) continue;
-      if (!budget.has_value()) budget = DefaultMappedBoxes();
-      if (maps.size() >= *budget) break;
+      if (boxes[b].nbytes == 0 || arrays[r.path]->dtype != r.dtype) continue;
       maps.push_back({r.path, r.box, r.dtype, nullptr});
       mapped_box.push_back(b);
     }
-    std::vector<Result<MappedBox>> mapped = source.MapMany(maps);
+    MapOptions map_options;
+    // Read from /proc only once a box could be mapped: restores with casts map nothing.
+    if (!maps.empty()) {
+      map_options.max_mappings =
+          options.max_mappings != 0 ? options.max_mappings : DefaultMappingBudget();
+    }
+    map_options.shared_mapping_bytes = options.shared_mapping_bytes;
+    std::vector<Result<MappedBox>> mapped = source.MapMany(maps, map_options);
     for (size_t m = 0; m < mapped.size(); ++m) {
       if (mapped[m].ok()) {
         boxes[mapped_box[m]].buffer = std::make_shared<MappedBuffer>(*std::move(mapped[m]));
@@ -199,15 +200,17 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
     }
   }
 
-  uint64_t total = 0;        // bytes of the boxes to read
-  uint64_t small_bytes = 0;  // of those, the arenas' share (aligned)
+  // Progress counts the bytes of every box: the mapped ones (mapped and checked by now) are done.
+  uint64_t total = out_stats.mapped_bytes;
+  uint64_t small_bytes = 0;  // of the boxes to read, the arenas' share (aligned)
   for (const DistinctBox& box : boxes) {
     if (box.buffer != nullptr) continue;
     total += box.nbytes;
     if (BufferAllocator::IsSmall(box.nbytes)) small_bytes += Aligned(box.nbytes);
   }
   BufferAllocator allocator(small_bytes);
-  uint64_t done = 0;  // of `total`, in the batches read so far
+  uint64_t done = out_stats.mapped_bytes;  // of `total`: mapped, and in the batches read so far
+  if (progress && done > 0 && done < total) progress(done, total);
 
   // Batches in request order; a batch ends after an array once its reads reach batch_bytes or
   // its requests batch_requests.
@@ -261,7 +264,8 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
     TS_RETURN_IF_ERROR(on_batch(batch));
     begin = end;
   }
-  if (progress && total == 0) progress(0, 0);
+  // The final call, where no read made it (nothing to read, or everything mapped).
+  if (progress && out_stats.read_calls == 0) progress(total, total);
   return OkStatus();
 }
 

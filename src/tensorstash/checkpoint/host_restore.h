@@ -3,8 +3,9 @@
 // A front (the Python package) hands over the boxes of all its target leaves at once: for each
 // device shard of each leaf, the array's path, the box and the dtype it wants. The engine then
 //   - reads each distinct box once (replicas on several devices ask for the same box);
-//   - maps a box copy-on-write from the data files instead of reading it, where it is at least
-//     `map_from_bytes`, in the stored dtype, and its chunks allow it (CheckpointReader::MapMany);
+//   - maps a box copy-on-write from the data files instead of reading it, where it is in the
+//     stored dtype and its chunks allow it (CheckpointReader::MapMany: boxes stored as runs of a
+//     file share mappings, whatever their size);
 //   - reads the rest into fresh host buffers (64-byte aligned, so that XLA's CPU client adopts
 //     them without a copy; boxes under 4 MiB share arenas of 32 MiB, each arena freed once all
 //     its boxes are), all of a batch in parallel under the reader's byte budget;
@@ -36,10 +37,6 @@
 
 namespace tensorstash {
 
-// Boxes of at least this many bytes are mapped where their chunks allow it. Mapping costs two
-// system calls and a kernel mapping entry per box; reading costs a copy into new memory whose
-// page faults cost as much as the copy. From 16 KiB mapping is the cheaper (bench/ many-small).
-inline constexpr uint64_t kDefaultMapFromBytes = uint64_t{16} << 10;
 // Reads are handed over in batches of about this many bytes,
 inline constexpr uint64_t kDefaultHostBatchBytes = uint64_t{512} << 20;
 // and of at most about this many requests: what a request costs besides its bytes (the
@@ -65,11 +62,13 @@ class HostBuffer {
 
 struct HostRestoreOptions {
   bool map = true;  // false: read every box
-  uint64_t map_from_bytes = kDefaultMapFromBytes;
-  // At most this many boxes are mapped per restore; the rest are read. A mapped box keeps a
-  // kernel mapping entry while it lives, and a process has vm.max_map_count of them for
-  // everything (the allocator, JAX, earlier restores): 0 takes a quarter of those still free.
-  uint64_t max_mapped_boxes = 0;
+  // At most this many kernel mapping entries per restore (MapOptions::max_mappings); boxes past
+  // them are read. Mappings live as long as the boxes in them, and a process has vm.max_map_count
+  // entries for everything (the allocator, JAX, earlier restores): 0 takes a quarter of those
+  // still free.
+  uint64_t max_mappings = 0;
+  // Boxes stored near each other share mappings of up to this many bytes (MapOptions).
+  uint64_t shared_mapping_bytes = MapOptions{}.shared_mapping_bytes;
   uint64_t batch_bytes = kDefaultHostBatchBytes;
   uint64_t batch_requests = kDefaultHostBatchRequests;
 };
@@ -90,7 +89,8 @@ struct HostBatch {
 
 // Restores `requests` from `source`, calling `on_batch` once per batch, in request order (a batch
 // may be moved from). Every request is in exactly one batch. `progress(done, total)` counts bytes
-// of the boxes read (not mapped), from the reader's threads, one call at a time.
+// of the distinct boxes, mapped or read (the mapped ones at once, once mapped), one call at a time,
+// from the calling thread or the reader's; the last call has done == total.
 // OK once every batch has been handed over. Otherwise the first error: InvalidArgument or
 // NotFound naming the array for a bad request (before anything is read), a read's error
 // (DataLoss naming the chunk, ...), or the error `on_batch` returned, after which no further

@@ -53,8 +53,9 @@ class NativeStepSource final : public StepSource {
     return reader_->index().entries.size() + reader_->commit_record().files.size();
   }
   CheckpointReader* native() override { return reader_.get(); }
-  std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests) override {
-    return reader_->MapMany(requests);
+  std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests,
+                                         const MapOptions& options) override {
+    return reader_->MapMany(requests, options);
   }
 
  private:
@@ -132,7 +133,8 @@ Result<DetectedStep> DetectStepFormat(KvStore* kv, const std::string& dir) {
   return step;
 }
 
-std::vector<Result<MappedBox>> StepSource::MapMany(const std::vector<ReadRequest>& requests) {
+std::vector<Result<MappedBox>> StepSource::MapMany(const std::vector<ReadRequest>& requests,
+                                                   const MapOptions& /*options*/) {
   std::vector<Result<MappedBox>> out;
   out.reserve(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {

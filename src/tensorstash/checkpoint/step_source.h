@@ -78,7 +78,8 @@ class StepSource {
                           const std::function<void(uint64_t, uint64_t)>& progress) = 0;
   // As CheckpointReader::MapMany, where the source can map (native steps, and a tiered step's
   // local holdings); the default answers Unimplemented for every request (read them instead).
-  virtual std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests);
+  virtual std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests,
+                                                 const MapOptions& options);
   // A whole file committed with a native step; NotFound for foreign formats.
   virtual Result<std::string> ReadFile(std::string_view name) const = 0;
   // Reads and decodes every stored chunk; returns the bad ones (empty when all are good).

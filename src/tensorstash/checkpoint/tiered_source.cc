@@ -273,7 +273,8 @@ Result<TieredStepSource::Routing> TieredStepSource::Route(
   return route;
 }
 
-std::vector<Result<MappedBox>> TieredStepSource::MapMany(const std::vector<ReadRequest>& requests) {
+std::vector<Result<MappedBox>> TieredStepSource::MapMany(const std::vector<ReadRequest>& requests,
+                                                         const MapOptions& options) {
   Impl& s = *impl_;
   std::vector<Result<MappedBox>> out;
   out.reserve(requests.size());
@@ -290,7 +291,7 @@ std::vector<Result<MappedBox>> TieredStepSource::MapMany(const std::vector<ReadR
     uint64_t bytes = 0;
     for (size_t r : route->whole[h]) group.push_back(requests[r]);
     const auto started = std::chrono::steady_clock::now();
-    std::vector<Result<MappedBox>> mapped = s.holders[h].source->MapMany(group);
+    std::vector<Result<MappedBox>> mapped = s.holders[h].source->MapMany(group, options);
     for (size_t k = 0; k < mapped.size(); ++k) {
       if (mapped[k].ok()) {
         bytes += mapped[k]->size();

@@ -85,7 +85,8 @@ class TieredStepSource final : public StepSource {
   // Maps the requests that a local holder (this node's RAM tier) serves whole, from its files
   // (CheckpointReader::MapMany); Unimplemented for the others, and for a local copy that
   // fails its checks (recorded in tier_stats(): the read then goes to the next holder).
-  std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests) override;
+  std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests,
+                                         const MapOptions& options) override;
   // From the first holder whose step has the file intact.
   Result<std::string> ReadFile(std::string_view name) const override;
   // Verifies every holder; the bad chunks of all of them (the chunk names say which holder).

@@ -28,7 +28,7 @@ DataFileSet::~DataFileSet() {
   }
 }
 
-Result<DataFileSet::Location> DataFileSet::Allocate(uint64_t length, int lane) {
+Result<DataFileSet::Location> DataFileSet::Allocate(uint64_t length, int lane, bool continues) {
   std::lock_guard<std::mutex> lock(mutex_);
   int& current = lane_file_[static_cast<size_t>(lane) % lane_file_.size()];
   if (current < 0 || files_[current]->size >= target_file_bytes_) {
@@ -45,8 +45,10 @@ Result<DataFileSet::Location> DataFileSet::Allocate(uint64_t length, int lane) {
   }
   File& file = *files_[current];
   uint64_t offset = file.size;
-  if (length >= kAlignChunksFrom)
-    offset = (offset + kChunkAlignment - 1) / kChunkAlignment * kChunkAlignment;
+  if (!(continues && offset % kSmallChunkAlignment == 0)) {
+    const uint64_t align = length >= kAlignChunksFrom ? kChunkAlignment : kSmallChunkAlignment;
+    offset = (offset + align - 1) / align * align;
+  }
   const uint32_t padding =
       kv_->Capabilities().object_store ? static_cast<uint32_t>(offset - file.size) : 0;
   file.size = offset + length;

@@ -33,8 +33,16 @@
 
 namespace tensorstash {
 
+// Where chunks start in a data file. A chunk of at least kAlignChunksFrom bytes starts on a page
+// (kChunkAlignment): such a chunk can be mapped on its own. A smaller one that starts an array
+// starts on kSmallChunkAlignment, so that a reader can hand out views of a mapping shared by many
+// small chunks that XLA's CPU client adopts without a copy (64-byte aligned). A chunk that
+// continues the array of the chunk allocated just before it, right after it, is placed there
+// with no padding when that is already 64-byte aligned: the array's chunks then form one run of
+// bytes, which a reader maps as one (CheckpointReader::MapMany).
 inline constexpr uint64_t kChunkAlignment = 4096;
 inline constexpr uint64_t kAlignChunksFrom = 64 * 1024;
+inline constexpr uint64_t kSmallChunkAlignment = 64;
 
 class DataFileSet {
  public:
@@ -52,8 +60,9 @@ class DataFileSet {
     uint32_t padding = 0;
   };
   // Reserves `length` bytes in lane `lane % lanes`; opens the lane's next file when its current
-  // one is full. ResourceExhausted past the format's limit on data files.
-  Result<Location> Allocate(uint64_t length, int lane = 0);
+  // one is full. `continues`: the chunk is the next one of the array whose chunk this lane
+  // placed last (see kChunkAlignment). ResourceExhausted past the format's limit on data files.
+  Result<Location> Allocate(uint64_t length, int lane = 0, bool continues = false);
   Status Write(const Location& where, const void* data, size_t size);
   // Syncs (when `sync`; the files side by side on `pool` when given) and closes every file;
   // fills `files` (names relative to the item folder, sizes as allocated). Further calls fail.

@@ -144,6 +144,28 @@ TEST(DataFileSetTest, OnObjectStoresEveryByteOfAFileIsWrittenPaddingIncluded) {
   EXPECT_EQ(bytes->substr(70001, second - 70001), std::string(second - 70001, '\0'));
 }
 
+// Where chunks go: large ones on a page, small ones on 64 bytes, and a chunk that continues the
+// array of the chunk before it right after that chunk when it can, so that the array is one run.
+TEST(DataFileSetTest, ChunksAreAlignedUnlessTheyContinueTheirArrayOnA64ByteBoundary) {
+  MemoryKvStore kv;
+  DataFileSet files(&kv, "item", /*process_index=*/0, /*target_file_bytes=*/uint64_t{1} << 30);
+  auto at = [&](uint64_t length, bool continues) {
+    Result<DataFileSet::Location> where = files.Allocate(length, 0, continues);
+    EXPECT_TRUE(where.ok()) << where.status();
+    return where.ok() ? where->offset : ~uint64_t{0};
+  };
+  EXPECT_EQ(at(100, false), 0u);                  // [0, 100)
+  EXPECT_EQ(at(100, false), 128u);                // a new array: on 64 bytes
+  EXPECT_EQ(at(128, true), 256u);                 // 228 is not on 64 bytes: padded all the same
+  EXPECT_EQ(at(128, true), 384u);                 // right after: one run with the chunk before
+  EXPECT_EQ(at(kAlignChunksFrom, true), 512u);    // large, yet continuing: still right after
+  EXPECT_EQ(at(kAlignChunksFrom + 1, false), 4096u * 17);  // large, a new array: on a page
+  EXPECT_EQ(at(64, true), 4096u * 33 + 64);       // after an odd end: padded to 64 bytes
+  EXPECT_EQ(at(kAlignChunksFrom, true), 4096u * 33 + 128);  // continuing on 64 bytes
+  EXPECT_EQ(at(1, false), 4096u * 49 + 128);      // small, a new array
+  EXPECT_EQ(at(kAlignChunksFrom, true), 4096u * 50);  // continuing after an odd end: on a page
+}
+
 TEST(DataFileSetTest, WritebackAndParallelSyncKeepEveryByte) {
   // Files rolled every 256 KiB: many files, many writeback starts.
   WriteSyncAndReadBack(24, 100 << 10, 256 << 10, /*direct=*/false);
