@@ -164,19 +164,21 @@ Result<std::string> ReadCommitText(KvStore* kv, const std::string& commit_key) {
 
 Status ValidateReadRequest(const ReadRequest& req, const ArrayMetadata& a,
                            std::optional<DType> cast_to) {
-  const std::string what = StrCat("read of array '", a.path, "'");
+  // The text naming the array is made for errors only: a restore checks thousands of requests.
+  auto what = [&] { return StrCat("read of array '", a.path, "'"); };
   if (req.box.rank() != a.grid.rank()) {
-    return InvalidArgumentError(StrCat(what, ": box ", req.box.ToString(), " has rank ",
+    return InvalidArgumentError(StrCat(what(), ": box ", req.box.ToString(), " has rank ",
                                        req.box.rank(), " but the array has rank ", a.grid.rank()));
   }
-  TS_RETURN_IF_ERROR(ValidateBox(req.box, ItemSize(cast_to.value_or(a.dtype)), what));
+  const size_t item = ItemSize(cast_to.value_or(a.dtype));
+  if (!ValidateBox(req.box, item, "").ok()) return ValidateBox(req.box, item, what());
   if (!cast_to) return OkStatus();
   if (!CanConvert(a.dtype, *cast_to)) {
-    return InvalidArgumentError(
-        StrCat(what, ": cannot convert stored ", DTypeName(a.dtype), " to ", DTypeName(*cast_to)));
+    return InvalidArgumentError(StrCat(what(), ": cannot convert stored ", DTypeName(a.dtype),
+                                       " to ", DTypeName(*cast_to)));
   }
   if (!req.box.empty() && req.dest == nullptr) {
-    return InvalidArgumentError(StrCat(what, ": no destination"));
+    return InvalidArgumentError(StrCat(what(), ": no destination"));
   }
   return OkStatus();
 }
@@ -698,8 +700,12 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
       continue;
     }
     boxes[i] = *std::move(parts);
-    results.emplace_back(NotMappable(requests[i].path, mappable ? "over the mapping budget"
-                                                                : "the store cannot map"));
+    // One status for all (copies share it): most boxes get a mapping instead.
+    static const Status* const kOverBudget =
+        new Status(UnimplementedError("the box cannot be mapped (over the mapping budget)"));
+    static const Status* const kNoMapping =
+        new Status(UnimplementedError("the box cannot be mapped (the store cannot map)"));
+    results.emplace_back(mappable ? *kOverBudget : *kNoMapping);
     if (!mappable) continue;
     (boxes[i].run && boxes[i].run_offset % kViewAlignment == 0 ? runs : others).push_back(i);
   }
