@@ -19,13 +19,25 @@ DTYPE_NAMES = (
 )
 
 
-def dtype_from_name(name: str) -> np.dtype:
-    """The NumPy dtype for one of DTYPE_NAMES; ValueError for any other name."""
-    if name not in DTYPE_NAMES:
-        raise ValueError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPE_NAMES)}")
+def _dtype_of(name: str) -> np.dtype:
     if ml_dtypes is not None and hasattr(ml_dtypes, name):
         return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)
+
+
+# The dtypes made so far: a restore asks once per array, and hasattr on ml_dtypes plus np.dtype
+# took 10 µs (8% of restoring 4,000 small arrays into NumPy).
+_DTYPES: dict[str, np.dtype] = {}
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    """The NumPy dtype for one of DTYPE_NAMES; ValueError for any other name."""
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        if name not in DTYPE_NAMES:
+            raise ValueError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPE_NAMES)}")
+        dtype = _DTYPES[name] = _dtype_of(name)
+    return dtype
 
 
 # dtype -> its engine name, for the dtypes seen so far: numpy's dtype.name takes about 2 µs, and
