@@ -263,15 +263,19 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     arrays, from the engine's reading threads, at most about ten times a second and finally
     with done_bytes == total_bytes.
 
-    `mmap`: host buffers of at least 16 KiB whose stored chunks allow it (tensorstash format,
-    uncompressed, the stored dtype, whole chunks of at least 16 KiB) are mapped copy-on-write
+    `mmap`: host buffers whose stored chunks allow it (tensorstash format, uncompressed, the
+    stored dtype, whole chunks; a buffer that is one run of bytes of a data file, as a whole
+    array saved in row shards or one device's shard is, whatever its size, sharing one mapping
+    with its neighbours; other buffers when their chunks are of at least 16 KiB and
+    page-aligned) are mapped copy-on-write
     from the data files instead of read into fresh memory, their checksums checked all the same:
     much faster, and pages of the page cache rather than new memory. The arrays stay valid
     whatever happens to the checkpoint afterwards, except if its files were truncated in place
     (tensorstash never does; their pages would then fault). Chunks cut into pieces for another
     layout are likewise copied out of a mapping of the data file rather than out of a staging
-    copy, when uncompressed. False reads everything. A restore maps at most a quarter of the
-    kernel mapping entries the process has left (vm.max_map_count) and reads the rest. Boxes
+    copy, when uncompressed. False reads everything. A restore uses at most a quarter of the
+    kernel mapping entries the process has left (vm.max_map_count) and reads the rest; a mapping
+    shared by many small arrays stays mapped while any of them is alive. Boxes
     read (not mapped) under 4 MiB share blocks of up to 32 MiB with their neighbours, one
     allocation for thousands of small arrays; a block goes back to the system once none of the
     arrays in it is alive.
