@@ -73,6 +73,20 @@ class CheckpointMapTest : public test::TempDirTest {
     EXPECT_EQ(reinterpret_cast<uintptr_t>(mapped->data()) % 4096, 0u);
   }
 
+  // Flips bits `mask` of the byte `at` bytes into chunk `e`, in its data file.
+  void FlipByte(const CheckpointReader& reader, const IndexEntry& e, uint64_t at, char mask) {
+    const std::string path = temp_dir() + "/root/" + ItemDir(kStep, kStateItem) + "/" +
+                             reader.index().files[e.file_id].name;
+    const int fd = ::open(path.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0) << path;
+    char byte = 0;
+    const off_t where = static_cast<off_t>(e.offset + at);
+    ASSERT_EQ(::pread(fd, &byte, 1, where), 1);
+    byte ^= mask;
+    ASSERT_EQ(::pwrite(fd, &byte, 1, where), 1);
+    ::close(fd);
+  }
+
   std::unique_ptr<FileKvStore> kv_;
 };
 
@@ -205,16 +219,7 @@ TEST_F(CheckpointMapTest, ACorruptSmallChunkFailsItsBoxOnlyNotItsNeighbours) {
     if (reader->arrays()[e.array_id].path == "small" && e.chunk == 1) victim = &e;
   }
   ASSERT_NE(victim, nullptr);
-  const std::string path = temp_dir() + "/root/" + ItemDir(kStep, kStateItem) + "/" +
-                           reader->index().files[victim->file_id].name;
-  const int fd = ::open(path.c_str(), O_RDWR);
-  ASSERT_GE(fd, 0) << path;
-  char byte = 0;
-  const off_t at = static_cast<off_t>(victim->offset + 3);
-  ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
-  byte ^= 0x10;
-  ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
-  ::close(fd);
+  FlipByte(*reader, *victim, 3, 0x10);
   std::vector<Result<MappedBox>> mapped = reader->MapMany({
       {"small", Box::FromShape({64, 64}), DType::kFloat32, nullptr},
       {"small", Box({0, 0}, {32, 64}), DType::kFloat32, nullptr},
@@ -238,16 +243,7 @@ TEST_F(CheckpointMapTest, ACorruptChunkIsDataLossNamingIt) {
     }
   }
   ASSERT_NE(victim, nullptr);
-  const std::string path = temp_dir() + "/root/" + ItemDir(kStep, kStateItem) + "/" +
-                           reader->index().files[victim->file_id].name;
-  const int fd = ::open(path.c_str(), O_RDWR);
-  ASSERT_GE(fd, 0) << path;
-  char byte = 0;
-  const off_t at = static_cast<off_t>(victim->offset + victim->length / 2);
-  ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
-  byte ^= 0x40;
-  ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
-  ::close(fd);
+  FlipByte(*reader, *victim, victim->length / 2, 0x40);
   std::vector<Result<MappedBox>> mapped =
       reader->MapMany({{"big", Box::FromShape(kShape), DType::kFloat32, nullptr}});
   EXPECT_EQ(mapped[0].status().code(), absl::StatusCode::kDataLoss) << mapped[0].status();
@@ -322,16 +318,7 @@ TEST_F(CheckpointMappedSpanTest, ACorruptChunkInAMappedSpanIsDataLoss) {
     if ((*reader)->arrays()[e.array_id].path == "big") victim = &e;
   }
   ASSERT_NE(victim, nullptr);
-  const std::string path = temp_dir() + "/root/" + ItemDir(kStep, kStateItem) + "/" +
-                           (*reader)->index().files[victim->file_id].name;
-  const int fd = ::open(path.c_str(), O_RDWR);
-  ASSERT_GE(fd, 0) << path;
-  char byte = 0;
-  const off_t at = static_cast<off_t>(victim->offset + 7);
-  ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
-  byte ^= 0x01;
-  ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
-  ::close(fd);
+  FlipByte(**reader, *victim, 7, 0x01);
   Status status;
   ReadColumns(kv_.get(), true, &status);
   EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
