@@ -94,8 +94,8 @@ NB_MODULE(_ext, m) {
         "The element type names a checkpoint can store, as NumPy and ml_dtypes spell them.");
   m.def("defaults", &py::Defaults,
         "The engine's defaults: chunk_bytes, data_file_bytes, max_inflight_bytes (writes), "
-        "read_max_inflight_bytes, io_threads, zstd_level, host_batch_bytes (restores hand buffers over in batches of "
-        "about this size).");
+        "read_max_inflight_bytes, io_threads, zstd_level, host_batch_bytes (restores hand "
+        "buffers over in batches of about this size).");
   m.def("item_size", &py::ItemSizeOf, nb::arg("dtype"),
         "Bytes per element of `dtype`; ValueError for an unknown name.");
   m.def("host_buffer", &py::HostBuffer, nb::arg("nbytes"),

@@ -531,8 +531,8 @@ void DefineReader(nb::module_& m) {
            "and calls on_batch with [(request index, uint8 array of the box's bytes)] once per "
            "batch of about batch_bytes; requests for the same box share one array. Boxes in the "
            "stored dtype are mapped where their chunks allow it (unless map=False): runs of a "
-           "data file share mappings (CheckpointReader::MapMany). Returns bytes_read, requests, direct_chunks, staged_chunks, "
-           "peak_staging_bytes (as read_many, over all batches), mapped_bytes, boxes (distinct), "
+           "data file share mappings (CheckpointReader::MapMany). Returns bytes_read, "
+           "requests, direct_chunks, staged_chunks, peak_staging_bytes (as read_many, over all batches), mapped_bytes, boxes (distinct), "
            "batches and read_calls (batches that read anything).")
       .def("read_file", &Reader::ReadFile, nb::arg("name"),
            "The bytes of a file committed with the step (e.g. \"metadata.json\"), checked "

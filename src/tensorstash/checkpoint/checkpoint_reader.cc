@@ -693,6 +693,10 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
   std::vector<BoxParts> boxes(requests.size());
   std::vector<size_t> runs, others;  // requests to map shared, and on their own
   const bool mappable = s.kv->Capabilities().mapping;
+  // What a box not mapped below answers; copies share it (no message made per box).
+  const Status not_mapped =
+      UnimplementedError(mappable ? "the box cannot be mapped (over the mapping budget)"
+                                  : "the box cannot be mapped (the store cannot map)");
   for (size_t i = 0; i < requests.size(); ++i) {
     Result<BoxParts> parts = parts_of(requests[i]);
     if (!parts.ok()) {
@@ -700,12 +704,7 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
       continue;
     }
     boxes[i] = *std::move(parts);
-    // One status for all (copies share it): most boxes get a mapping instead.
-    static const Status* const kOverBudget =
-        new Status(UnimplementedError("the box cannot be mapped (over the mapping budget)"));
-    static const Status* const kNoMapping =
-        new Status(UnimplementedError("the box cannot be mapped (the store cannot map)"));
-    results.emplace_back(mappable ? *kOverBudget : *kNoMapping);
+    results.emplace_back(not_mapped);
     if (!mappable) continue;
     (boxes[i].run && boxes[i].run_offset % kViewAlignment == 0 ? runs : others).push_back(i);
   }

@@ -555,10 +555,10 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   // readers can fetch neighbours in one request.
   // A chunk that follows the chunk before it of the same array is placed right after it where
   // it can be (DataFileSet::Allocate), so that a whole array can be mapped as one run.
-  std::map<int, const ChunkWrite*> last_in_lane;
+  std::vector<const ChunkWrite*> last_in_lane(static_cast<size_t>(lanes), nullptr);
   for (ChunkTask& task : tasks) {
     if (arrays[task.plan.array_id].spec.codec != Codec::kNone) continue;
-    const ChunkWrite*& last = last_in_lane[task.plan.lane];
+    const ChunkWrite*& last = last_in_lane[static_cast<size_t>(task.plan.lane)];
     const bool continues = last != nullptr && last->array_id == task.plan.array_id &&
                            last->chunk + 1 == task.plan.chunk;
     TS_ASSIGN_OR_RETURN(task.location,
