@@ -45,10 +45,19 @@ def arrays_to_save(tree: Any, coordinator: Any) -> tuple[list[tuple], str]:
     process_count = coordinator.process_count() if coordinator is not None else 1
     leaves: list[tuple[str, Any]] = []
     node = _tree.encode(tree, lambda p, x: leaves.append((p, x)))
-    arrays = []
+    adapters = []
     for array_path, x in leaves:
         adapter = _adapters.adapter_for(x)
         adapter.check_savable(x, array_path)
+        adapters.append(adapter)
+    # Every leaf's copy to the host is started before the first is waited for, so that the
+    # copies out of accelerator memory run side by side rather than one after another.
+    for (_, x), adapter in zip(leaves, adapters):
+        start = getattr(adapter, "start_save", None)
+        if start is not None:
+            start(x)
+    arrays = []
+    for (array_path, x), adapter in zip(leaves, adapters):
         try:
             dtype = tnp.dtype_name(x.dtype)
         except TypeError as e:

@@ -129,6 +129,13 @@ class JaxAdapter:
         if isinstance(x, jax.ShapeDtypeStruct):
             raise TypeError(f"cannot save the abstract array at {path!r} (a ShapeDtypeStruct)")
 
+    def start_save(self, x: jax.Array) -> None:
+        # Starts the copy of each shard out of device memory; shards_of() then waits for it.
+        # Host memory needs no copy (its shards are views).
+        if not in_host_memory(x):
+            for shard in x.addressable_shards:
+                shard.data.copy_to_host_async()
+
     def save_shards(self, x: jax.Array, process_index: int, process_count: int):
         return tuple(x.shape), shards_of(x), not in_host_memory(x)
 

@@ -149,3 +149,43 @@ def test_mixed_tree_and_edge_shapes(step):
 def test_save_of_abstract_array_is_refused(step):
     with pytest.raises(TypeError):
         tensorstash.save(step, {"x": jax.ShapeDtypeStruct((2,), np.float32)})
+
+
+def test_device_copies_all_start_before_the_first_is_taken(step, monkeypatch):
+    # On an accelerator each shard is copied out of device memory for a save; save() starts
+    # every leaf's copy before it waits for the first, so that the copies run side by side.
+    # CPU devices have no such copy: here the arrays are treated as off-host, and each shard's
+    # copy_to_host_async and the shard's taking (np.asarray in shards_of) are recorded.
+    from tensorstash import jax as tjax
+    monkeypatch.setattr(tjax, "in_host_memory", lambda array: False)
+    events = []
+    started = tjax.JaxAdapter.start_save
+    taken = tjax.shards_of
+
+    def record_start(self, x):
+        events.append(("start", x.shape))
+        started(self, x)
+
+    def record_take(x):
+        events.append(("take", x.shape))
+        return taken(x)
+
+    monkeypatch.setattr(tjax.JaxAdapter, "start_save", record_start)
+    monkeypatch.setattr(tjax, "shards_of", record_take)
+    copies = []
+    array_type = type(jax.numpy.zeros(1))
+    real_copy = array_type.copy_to_host_async
+    monkeypatch.setattr(array_type, "copy_to_host_async",
+                        lambda a: (copies.append(a.shape), real_copy(a))[1])
+    s = named(mesh((2, 4)), "a", "b")
+    tree = {"w": global_array(pattern((8, 16), np.float32, seed=1), s),
+            "b": global_array(pattern((4, 8), np.int32, seed=2), s)}
+    tensorstash.save(step, tree)
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["start", "start", "take", "take"], events
+    # One copy per shard: 8 devices, each leaf split 2 x 4.
+    assert sorted(copies) == sorted([(4, 4)] * 8 + [(2, 2)] * 8)
+    got = tensorstash.restore(step, target={k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)
+                                            for k, v in tree.items()})
+    for k in tree:
+        assert_jax_array(got[k], np.asarray(tree[k]), s)

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Saves from one GPU, in one process, both tools side by side, and where tensorstash's time
+goes (issue 17, part 6): the copies out of GPU memory, then the writing.
+
+    python bench/gpu_save.py [--scale 1.0] [--runs 3] [--dir /tmp/tensorstash-gpu-save]
+                             [--out gpu_save.json]
+
+Needs JAX with a GPU (JAX_PLATFORMS is set to "cuda"; --cpu runs it on the CPU, as a check of
+the script). For the "stacked" scenario's two trees (bench/scenarios.py: 24 layers, per layer
+and stacked on a layer axis) made on the GPU afresh before each run (a jax.Array keeps its
+host copy once made, so a second save of the same array would not copy it again), medians of
+--runs of:
+  - raw: jax.device_get of the whole tree (JAX starts every leaf's copy, then waits);
+  - tensorstash's copies alone (tensorstash._save.arrays_to_save), with every leaf's copy
+    started before the first is taken (the default) and one leaf after another (as before);
+  - tensorstash.save with fsync, both ways, and Orbax's save with fsync (its defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+if "--cpu" not in sys.argv:
+    os.environ.setdefault("JAX_PLATFORMS", "cuda")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import jax  # noqa: E402
+
+import scenarios as S  # noqa: E402
+import worker as W  # noqa: E402
+from tensorstash import _save  # noqa: E402
+from tensorstash import jax as tjax  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--dir", default="/tmp/tensorstash-gpu-save")
+    p.add_argument("--out", default=None, help="a JSON file for the results")
+    p.add_argument("--cpu", action="store_true", help="on the CPU: a check of this script")
+    args = p.parse_args()
+    dev = jax.devices()[0]
+    if dev.platform == "cpu" and not args.cpu:
+        print("gpu_save: JAX sees no GPU (--cpu runs it on the CPU)", file=sys.stderr)
+        return 2
+    stacked = S.make_scenarios(args.scale)["stacked"]
+    tools = {"tensorstash": W.Tensorstash(), "orbax": W.Orbax()}
+    start_save = tjax.JaxAdapter.start_save
+    results = {"device": dev.device_kind, "jax": jax.__version__, "runs": args.runs, "rows": []}
+
+    def timed(name, nbytes, fn, overlapped=True):
+        seconds = []
+        for _ in range(args.runs):
+            shutil.rmtree(args.dir, ignore_errors=True)
+            tree = W.make_tree(leaves, "2x4")
+            tjax.JaxAdapter.start_save = start_save if overlapped else None
+            try:
+                t0 = time.perf_counter()
+                fn(tree)
+                seconds.append(time.perf_counter() - t0)
+            finally:
+                tjax.JaxAdapter.start_save = start_save
+            del tree
+        r = {"name": name, "bytes": nbytes, "median_s": statistics.median(seconds),
+             "runs_s": seconds}
+        results["rows"].append(r)
+        print(f"{name:<66} {r['median_s'] * 1e3:9.1f} ms {nbytes / r['median_s'] / 1e9:7.2f} GB/s",
+              flush=True)
+
+    for state, leaves in stacked.trees.items():
+        n = S.nbytes(leaves)
+        timed(f"{state}: raw jax.device_get of the tree", n, jax.device_get)
+        for overlapped in (True, False):
+            how = "copies started together" if overlapped else "copies one after another"
+            timed(f"{state}: tensorstash copies to the host, {how}", n,
+                  lambda t: _save.arrays_to_save(t, None), overlapped)
+            timed(f"{state}: tensorstash save (fsync), {how}", n,
+                  lambda t: tools["tensorstash"].save(os.path.join(args.dir, "ts"), t, True),
+                  overlapped)
+        timed(f"{state}: orbax save (fsync)", n,
+              lambda t: tools["orbax"].save(os.path.join(args.dir, "orbax"), t, True))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
