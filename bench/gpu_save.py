@@ -11,9 +11,12 @@ and stacked on a layer axis) made on the GPU afresh before each run (a jax.Array
 host copy once made, so a second save of the same array would not copy it again), medians of
 --runs of:
   - raw: jax.device_get of the whole tree (JAX starts every leaf's copy, then waits);
-  - tensorstash's copies alone (tensorstash._save.arrays_to_save), with every leaf's copy
-    started before the first is taken (the default) and one leaf after another (as before);
-  - tensorstash.save with fsync, both ways, and Orbax's save with fsync (its defaults).
+  - raw: jax.device_put of the tree into pinned host memory, alone and then taken as NumPy;
+  - tensorstash's copies alone (tensorstash._save.arrays_to_save) and tensorstash.save with
+    fsync: with one leaf's copy after another (before start_save), with every leaf's copy
+    started before the first is taken (copy_to_host_async), and with copies into pinned host
+    memory (_options.SAVE_VIA_PINNED_HOST);
+  - Orbax's save with fsync (its defaults).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import jax  # noqa: E402
 
 import scenarios as S  # noqa: E402
 import worker as W  # noqa: E402
-from tensorstash import _save  # noqa: E402
+import numpy as np  # noqa: E402
+from tensorstash import _options, _save  # noqa: E402
 from tensorstash import jax as tjax  # noqa: E402
 
 
@@ -54,20 +58,23 @@ def main() -> int:
     stacked = S.make_scenarios(args.scale)["stacked"]
     tools = {"tensorstash": W.Tensorstash(), "orbax": W.Orbax()}
     start_save = tjax.JaxAdapter.start_save
+    pinned_default = _options.SAVE_VIA_PINNED_HOST
     results = {"device": dev.device_kind, "jax": jax.__version__, "runs": args.runs, "rows": []}
 
-    def timed(name, nbytes, fn, overlapped=True):
+    def timed(name, nbytes, fn, how="async"):
         seconds = []
         for _ in range(args.runs):
             shutil.rmtree(args.dir, ignore_errors=True)
             tree = W.make_tree(leaves, "2x4")
-            tjax.JaxAdapter.start_save = start_save if overlapped else None
+            tjax.JaxAdapter.start_save = None if how == "sequential" else start_save
+            _options.SAVE_VIA_PINNED_HOST = how == "pinned"
             try:
                 t0 = time.perf_counter()
-                fn(tree)
+                jax.block_until_ready(fn(tree))
                 seconds.append(time.perf_counter() - t0)
             finally:
                 tjax.JaxAdapter.start_save = start_save
+                _options.SAVE_VIA_PINNED_HOST = pinned_default
             del tree
         r = {"name": name, "bytes": nbytes, "median_s": statistics.median(seconds),
              "runs_s": seconds}
@@ -75,16 +82,23 @@ def main() -> int:
         print(f"{name:<66} {r['median_s'] * 1e3:9.1f} ms {nbytes / r['median_s'] / 1e9:7.2f} GB/s",
               flush=True)
 
+    def to_pinned(tree):
+        return jax.tree.map(
+            lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), tree)
+
+    hows = {"sequential": "copies in turn", "async": "copy_to_host_async",
+            "pinned": "via pinned host"}
     for state, leaves in stacked.trees.items():
         n = S.nbytes(leaves)
         timed(f"{state}: raw jax.device_get of the tree", n, jax.device_get)
-        for overlapped in (True, False):
-            how = "copies started together" if overlapped else "copies one after another"
-            timed(f"{state}: tensorstash copies to the host, {how}", n,
-                  lambda t: _save.arrays_to_save(t, None), overlapped)
-            timed(f"{state}: tensorstash save (fsync), {how}", n,
-                  lambda t: tools["tensorstash"].save(os.path.join(args.dir, "ts"), t, True),
-                  overlapped)
+        timed(f"{state}: raw device_put to pinned host memory", n, to_pinned)
+        timed(f"{state}: raw device_put to pinned host + np.asarray", n,
+              lambda t: jax.tree.map(np.asarray, to_pinned(t)))
+        for how, said in hows.items():
+            timed(f"{state}: tensorstash copies, {said}", n,
+                  lambda t: _save.arrays_to_save(t, None)[0], how)
+            timed(f"{state}: tensorstash save (fsync), {said}", n,
+                  lambda t: tools["tensorstash"].save(os.path.join(args.dir, "ts"), t, True), how)
         timed(f"{state}: orbax save (fsync)", n,
               lambda t: tools["orbax"].save(os.path.join(args.dir, "orbax"), t, True))
     if args.out:

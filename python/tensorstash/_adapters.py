@@ -6,9 +6,11 @@ An adapter is a small object with these methods (see numpy.NumpyAdapter, jax.Jax
         Whether leaf `x` (a leaf to save, or a target leaf to restore into) is the adapter's.
     check_savable(x, path) -> None
         TypeError naming `path` when `x` cannot be saved (an abstract array, say).
-    start_save(x) -> None   (optional)
-        Starts what save_shards(x) will wait for (a copy of device memory to the host), so that
-        save() can start the copies of all leaves before it takes the first.
+    start_save(xs) -> list   (optional)
+        Starts what save_shards will wait for (copies of device memory to the host) for every
+        leaf of `xs` (the adapter's leaves of one save, in one call, so that the copies can be
+        made in one batch and all run before the first is taken); returns, per leaf, what to
+        pass to save_shards in its place (the leaf itself, or a handle of its copy).
     save_shards(x, process_index, process_count) -> (shape, shards, stable)
         This process's shards of `x` as _ext.Writer.add_array takes them: (origin, shape, uint8
         view of C-contiguous native-order data, replica id, replica count); `stable` when

@@ -52,17 +52,20 @@ def arrays_to_save(tree: Any, coordinator: Any) -> tuple[list[tuple], str]:
         adapters.append(adapter)
     # Every leaf's copy to the host is started before the first is waited for, so that the
     # copies out of accelerator memory run side by side rather than one after another.
-    for (_, x), adapter in zip(leaves, adapters):
+    started = [x for _, x in leaves]
+    for adapter in {id(a): a for a in adapters}.values():
         start = getattr(adapter, "start_save", None)
         if start is not None:
-            start(x)
+            mine = [i for i, a in enumerate(adapters) if a is adapter]
+            for i, handle in zip(mine, start([started[i] for i in mine]), strict=True):
+                started[i] = handle
     arrays = []
-    for (array_path, x), adapter in zip(leaves, adapters):
+    for (array_path, x), adapter, handle in zip(leaves, adapters, started):
         try:
             dtype = tnp.dtype_name(x.dtype)
         except TypeError as e:
             raise TypeError(f"cannot save the array at {array_path!r}: {e}") from None
-        shape, shards, stable = adapter.save_shards(x, process_index, process_count)
+        shape, shards, stable = adapter.save_shards(handle, process_index, process_count)
         arrays.append((array_path, dtype, tuple(shape), shards, stable))
     return arrays, _tree.dumps(node)
 
@@ -91,6 +94,13 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     may be nested up to 512 levels below its root (docs/format.md, section 10). In a job with
     several processes every process calls save with the same tree; NumPy arrays are taken to be
     the same in every process and are written once, the work split across processes.
+
+    A jax.Array in accelerator memory is first copied into JAX's pinned host memory (every
+    leaf's copy started before the first is waited for), and written from there: far faster
+    than copies into pageable memory, but JAX keeps the pinned memory it allocated for later
+    copies, so the process holds about its largest save's bytes of it once it has saved.
+    Environment variable TENSORSTASH_SAVE_VIA_PINNED_HOST=0 (read at import) copies into
+    pageable memory instead.
 
     Returns the engine's statistics for this process (raw_bytes, stored_bytes, chunks,
     data_files, seconds). Raises FileExistsError when the step is already complete and not

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _options
 from . import numpy as tnp
 
 
@@ -118,6 +119,13 @@ def assemble(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sha
                                         lambda index: buffers[box_of_index(index, shape)])
 
 
+class _HostCopy:
+    """A copy of a device array in host memory that start_save made for one save."""
+
+    def __init__(self, array: jax.Array):
+        self.array = array
+
+
 class JaxAdapter:
     """Leaves that are jax.Array (any sharding: each process saves its own shards, and restores
     each device's block) and jax.ShapeDtypeStruct targets. See _adapters.py for the protocol."""
@@ -129,14 +137,33 @@ class JaxAdapter:
         if isinstance(x, jax.ShapeDtypeStruct):
             raise TypeError(f"cannot save the abstract array at {path!r} (a ShapeDtypeStruct)")
 
-    def start_save(self, x: jax.Array) -> None:
-        # Starts the copy of each shard out of device memory; shards_of() then waits for it.
-        # Host memory needs no copy (its shards are views).
-        if not in_host_memory(x):
-            for shard in x.addressable_shards:
+    def start_save(self, xs: list) -> list:
+        # The leaves in host memory need no copy (their shards are views). The others are
+        # copied into pinned host memory in one batched jax.device_put, or have every shard's
+        # copy into pageable memory started (shards_of() then waits for each).
+        out = list(xs)
+        off_host = [i for i, x in enumerate(xs) if not in_host_memory(x)]
+        if not off_host:
+            return out
+        if _options.SAVE_VIA_PINNED_HOST:
+            try:
+                copies = jax.device_put(
+                    [xs[i] for i in off_host],
+                    [xs[i].sharding.with_memory_kind("pinned_host") for i in off_host])
+            except (ValueError, RuntimeError, NotImplementedError):
+                pass  # no pinned host memory on this platform: pageable copies below
+            else:
+                for i, copy in zip(off_host, copies):
+                    out[i] = _HostCopy(copy)
+                return out
+        for i in off_host:
+            for shard in xs[i].addressable_shards:
                 shard.data.copy_to_host_async()
+        return out
 
-    def save_shards(self, x: jax.Array, process_index: int, process_count: int):
+    def save_shards(self, x: Any, process_index: int, process_count: int):
+        if isinstance(x, _HostCopy):  # a copy made for this save: nothing else changes it
+            return tuple(x.array.shape), shards_of(x.array), True
         return tuple(x.shape), shards_of(x), not in_host_memory(x)
 
     def restore_boxes(self, target: Any, shape: tuple[int, ...]) -> dict[Any, tuple]:

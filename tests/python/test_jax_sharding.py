@@ -156,15 +156,17 @@ def test_device_copies_all_start_before_the_first_is_taken(step, monkeypatch):
     # every leaf's copy before it waits for the first, so that the copies run side by side.
     # CPU devices have no such copy: here the arrays are treated as off-host, and each shard's
     # copy_to_host_async and the shard's taking (np.asarray in shards_of) are recorded.
+    from tensorstash import _options
     from tensorstash import jax as tjax
     monkeypatch.setattr(tjax, "in_host_memory", lambda array: False)
+    monkeypatch.setattr(_options, "SAVE_VIA_PINNED_HOST", False)  # pageable copies
     events = []
     started = tjax.JaxAdapter.start_save
     taken = tjax.shards_of
 
-    def record_start(self, x):
-        events.append(("start", x.shape))
-        started(self, x)
+    def record_start(self, xs):
+        events.extend(("start", x.shape) for x in xs)
+        return started(self, xs)
 
     def record_take(x):
         events.append(("take", x.shape))
@@ -189,3 +191,27 @@ def test_device_copies_all_start_before_the_first_is_taken(step, monkeypatch):
                                             for k, v in tree.items()})
     for k in tree:
         assert_jax_array(got[k], np.asarray(tree[k]), s)
+
+
+def test_device_copies_via_pinned_host_memory(step, monkeypatch):
+    # With SAVE_VIA_PINNED_HOST (the default) a save copies each off-host leaf into JAX's pinned host memory
+    # and writes from that copy, which it marks stable (made for this save: an async save need
+    # not copy it again). CPU arrays are treated as off-host, as above.
+    from tensorstash import _options, _save
+    from tensorstash import jax as tjax
+    monkeypatch.setattr(tjax, "in_host_memory", lambda array: False)
+    monkeypatch.setattr(_options, "SAVE_VIA_PINNED_HOST", True)
+    s = named(mesh((2, 4)), "a", None)
+    values = pattern((8, 6), np.float32, seed=3)
+    tree = {"w": global_array(values, s), "n": np.arange(5)}
+    arrays, _ = _save.arrays_to_save(tree, None)
+    by_path = {path: (shape, shards, stable) for path, _, shape, shards, stable in arrays}
+    shape, shards, stable = by_path["w"]
+    assert shape == (8, 6) and stable and len(shards) == 8
+    for origin, extent, data, _, _ in shards:
+        block = values[origin[0]:origin[0] + extent[0], origin[1]:origin[1] + extent[1]]
+        assert bytes(data) == block.tobytes()
+    tensorstash.save(step, tree)
+    got = tensorstash.restore(step, target={"w": jax.ShapeDtypeStruct((8, 6), np.float32,
+                                                                      sharding=s)})
+    assert_jax_array(got["w"], values, s)
