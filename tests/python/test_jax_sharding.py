@@ -215,3 +215,24 @@ def test_device_copies_via_pinned_host_memory(step, monkeypatch):
     got = tensorstash.restore(step, target={"w": jax.ShapeDtypeStruct((8, 6), np.float32,
                                                                       sharding=s)})
     assert_jax_array(got["w"], values, s)
+
+
+def test_async_save_from_pinned_host_copies(tmp_path, monkeypatch):
+    # An async save writes in the background from the pinned host copies it made (marked
+    # stable, so not copied again): they must outlive save()'s return and the caller's arrays.
+    import gc
+
+    from tensorstash import _options
+    from tensorstash import jax as tjax
+    monkeypatch.setattr(tjax, "in_host_memory", lambda array: False)
+    monkeypatch.setattr(_options, "SAVE_VIA_PINNED_HOST", True)
+    s = named(mesh((2, 4)), "a", "b")
+    values = {f"w{i}": pattern((64, 96), np.float32, seed=10 + i) for i in range(4)}
+    with tensorstash.CheckpointManager(str(tmp_path / "ckpts"), async_save=True) as mgr:
+        mgr.save(7, {k: global_array(v, s) for k, v in values.items()})
+        gc.collect()
+        mgr.wait_until_finished()
+        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s) for k, v in values.items()}
+        got = mgr.restore(7, target=target)
+    for k, v in values.items():
+        assert_jax_array(got[k], v, s)
