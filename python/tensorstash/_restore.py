@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import math
 import os
 from typing import Any
 
 import numpy as np
 
-from . import _adapters, _ext, _options, _paths, _progress, _tree
+from . import _adapters, _ext, _gc, _options, _paths, _progress, _tree
 from . import numpy as tnp
 
 
@@ -294,21 +293,6 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
                     progress=progress, mmap=mmap)[0]
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """Python's cyclic garbage collector off for the restore (as it was, after): a restore
-    makes objects by the thousand per thousand arrays (boxes, buffers, arrays), none of them in
-    cycles, and each collection walks every object alive. Profile of 4,000 arrays onto 8 CPU
-    devices: collections took 150 ms of a 750 ms restore."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_checksums: bool,
              max_inflight_bytes: int, io_threads: int, progress: Any,
              mmap: bool = True, reader: Any = None) -> tuple[Any, int]:
@@ -321,7 +305,7 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
     owned = reader is None
     if owned:
         reader = _open(path, verify_checksums, max_inflight_bytes, io_threads, mmap)
-    with contextlib.closing(reader) if owned else contextlib.nullcontext(reader), _gc_paused():
+    with contextlib.closing(reader) if owned else contextlib.nullcontext(reader), _gc.paused():
         infos = {a["path"]: a for a in reader.arrays()}
         node = _tree.loads(reader.tree_json())
         plan = _Plan(ckpt, infos, truncate)

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from . import _adapters, _ext, _options, _paths, _tree
+from . import _adapters, _ext, _gc, _options, _paths, _tree
 from . import numpy as tnp
 
 
@@ -43,6 +43,12 @@ def arrays_to_save(tree: Any, coordinator: Any) -> tuple[list[tuple], str]:
     """
     process_index = coordinator.process_index() if coordinator is not None else 0
     process_count = coordinator.process_count() if coordinator is not None else 1
+    with _gc.paused():
+        return _arrays_to_save(tree, process_index, process_count)
+
+
+def _arrays_to_save(tree: Any, process_index: int, process_count: int) -> tuple[list[tuple], str]:
+    """arrays_to_save's work, done with the garbage collector paused."""
     leaves: list[tuple[str, Any]] = []
     node = _tree.encode(tree, lambda p, x: leaves.append((p, x)))
     adapters = []
