@@ -22,19 +22,17 @@ Every restore's first run is compared bit for bit with the saved arrays.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
 import os
 import shutil
 import statistics
 import sys
 import time
 
-if "--cpu" not in sys.argv:
-    os.environ.setdefault("JAX_PLATFORMS", "cuda")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+import gpu_common  # noqa: E402  (sets JAX_PLATFORMS before JAX is imported)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -76,16 +74,11 @@ def timed(fn, runs):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = gpu_common.arguments(__doc__, "/tmp/tensorstash-gpu-restore", 5)
     p.add_argument("--size-mib", type=int, default=1024)
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--dir", default="/tmp/tensorstash-gpu-restore")
-    p.add_argument("--out", default=None, help="a JSON file for the results")
-    p.add_argument("--cpu", action="store_true", help="on the CPU: a check of this script")
     args = p.parse_args()
-    dev = jax.devices()[0]
-    if dev.platform == "cpu" and not args.cpu:
-        print("gpu_overlap: JAX sees no GPU (--cpu runs it on the CPU)", file=sys.stderr)
+    dev = gpu_common.first_device(args, "gpu_restore")
+    if dev is None:
         return 2
     shutil.rmtree(args.dir, ignore_errors=True)
     rows = args.size_mib * MiB // 4 // 8192 // 8
@@ -149,11 +142,7 @@ def main() -> int:
             del out
             row(f"{state}: restore, batches of {batch} MiB", nbytes,
                 timed(lambda: tensorstash.restore(path, target), args.runs))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    shutil.rmtree(args.dir, ignore_errors=True)
-    return 0
+    return gpu_common.finish(args, results)
 
 
 if __name__ == "__main__":

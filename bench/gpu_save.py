@@ -21,18 +21,16 @@ host copy once made, so a second save of the same array would not copy it again)
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
 import sys
 import time
 
-if "--cpu" not in sys.argv:
-    os.environ.setdefault("JAX_PLATFORMS", "cuda")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+import gpu_common  # noqa: E402  (sets JAX_PLATFORMS before JAX is imported)
 
 import jax  # noqa: E402
 
@@ -44,16 +42,11 @@ from tensorstash import jax as tjax  # noqa: E402
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = gpu_common.arguments(__doc__, "/tmp/tensorstash-gpu-save", 3)
     p.add_argument("--scale", type=float, default=1.0)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--dir", default="/tmp/tensorstash-gpu-save")
-    p.add_argument("--out", default=None, help="a JSON file for the results")
-    p.add_argument("--cpu", action="store_true", help="on the CPU: a check of this script")
     args = p.parse_args()
-    dev = jax.devices()[0]
-    if dev.platform == "cpu" and not args.cpu:
-        print("gpu_save: JAX sees no GPU (--cpu runs it on the CPU)", file=sys.stderr)
+    dev = gpu_common.first_device(args, "gpu_save")
+    if dev is None:
         return 2
     stacked = S.make_scenarios(args.scale)["stacked"]
     tools = {"tensorstash": W.Tensorstash(), "orbax": W.Orbax()}
@@ -101,11 +94,7 @@ def main() -> int:
                   lambda t: tools["tensorstash"].save(os.path.join(args.dir, "ts"), t, True), how)
         timed(f"{state}: orbax save (fsync)", n,
               lambda t: tools["orbax"].save(os.path.join(args.dir, "orbax"), t, True))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    shutil.rmtree(args.dir, ignore_errors=True)
-    return 0
+    return gpu_common.finish(args, results)
 
 
 if __name__ == "__main__":

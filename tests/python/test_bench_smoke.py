@@ -163,3 +163,23 @@ def test_scaling_quick(tmp_path):
                     assert e["verified"], where
                     restores += 1
     assert restores >= 2 * 6  # both tools, every point's restores
+
+
+@pytest.mark.parametrize("script,args,rows", [
+    # gpu_save: 2 trees x (3 raw + 2 x 3 tensorstash + 1 Orbax) rows.
+    ("gpu_save.py", ("--scale", "0.01"), 20),
+    # gpu_restore: raw read + 2 device_puts + 2 states x 3 batch sizes (each restore verified).
+    ("gpu_restore.py", ("--size-mib", "8"), 9),
+])
+def test_gpu_scripts_on_the_cpu(tmp_path, script, args, rows):
+    """bench/gpu_save.py and bench/gpu_restore.py with --cpu (the GPU scripts checked where no
+    GPU is): every row timed and written to --out, the storage folder removed."""
+    _require_peers()
+    out = tmp_path / "out.json"
+    run_script(script, "--cpu", "--runs", "1", "--dir", str(tmp_path / "data"), "--out", str(out),
+               *args, timeout=300)
+    with open(out) as f:
+        results = json.load(f)
+    assert len(results["rows"]) == rows, [r["name"] for r in results["rows"]]
+    assert all(r["median_s"] > 0 for r in results["rows"])
+    assert not (tmp_path / "data").exists()
