@@ -52,17 +52,18 @@ def _arrays_to_save(tree: Any, process_index: int, process_count: int) -> tuple[
     leaves: list[tuple[str, Any]] = []
     node = _tree.encode(tree, lambda p, x: leaves.append((p, x)))
     adapters = []
-    for array_path, x in leaves:
+    by_adapter: dict[int, list[int]] = {}  # the leaves of each adapter, by index
+    for i, (array_path, x) in enumerate(leaves):
         adapter = _adapters.adapter_for(x)
         adapter.check_savable(x, array_path)
         adapters.append(adapter)
+        by_adapter.setdefault(id(adapter), []).append(i)
     # Every leaf's copy to the host is started before the first is waited for, so that the
     # copies out of accelerator memory run side by side rather than one after another.
     started = [x for _, x in leaves]
-    for adapter in {id(a): a for a in adapters}.values():
-        start = getattr(adapter, "start_save", None)
+    for mine in by_adapter.values():
+        start = getattr(adapters[mine[0]], "start_save", None)
         if start is not None:
-            mine = [i for i, a in enumerate(adapters) if a is adapter]
             for i, handle in zip(mine, start([started[i] for i in mine]), strict=True):
                 started[i] = handle
     arrays = []

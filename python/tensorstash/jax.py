@@ -66,7 +66,12 @@ def in_host_memory(array: jax.Array) -> bool:
     than copies. That memory may also be a NumPy array's, which can change under the views:
     XLA's CPU client adopts the buffer of an aligned NumPy array given to jax.device_put
     instead of copying it (dlpack imports likewise), and nothing tells such a buffer apart."""
-    sharding = array.sharding
+    return _sharding_in_host_memory(array.sharding)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sharding_in_host_memory(sharding: jax.sharding.Sharding) -> bool:
+    # Once per sharding: a save asks for every leaf twice (start_save, save_shards).
     if getattr(sharding, "memory_kind", None) in _HOST_MEMORY_KINDS:
         return True
     return any(device.platform == "cpu" for device in sharding.addressable_devices)
