@@ -1,12 +1,15 @@
-// Micro-benchmarks of the engine's inner loops: CRC-32C, strided box copies, dtype casts.
+// Micro-benchmarks of the engine's inner loops: CRC-32C, strided box copies, dtype casts, and
+// decoding the tree.json of a step of many small arrays (the fixed cost of opening a step).
 // Run: build/tensorstash_micro_bench [--benchmark_filter=...]. For whole save/restore speeds
 // use examples/sharded_save_restore.
 #include <benchmark/benchmark.h>
 
+#include <string>
 #include <vector>
 
 #include "tensorstash/array/box.h"
 #include "tensorstash/array/convert.h"
+#include "tensorstash/format/tree.h"
 #include "tensorstash/util/crc32c.h"
 
 namespace tensorstash {
@@ -42,6 +45,31 @@ void BM_ConvertFloat32ToBfloat16(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * src.size() * sizeof(float));
 }
 BENCHMARK(BM_ConvertFloat32ToBfloat16);
+
+// tree.json of 4,000 arrays of 8 row shards each, as bench/run.py's many-small scenario saves.
+std::string ManySmallTreeJson() {
+  TreeFile tree;
+  tree.root = TreeNode::Dict();
+  for (int i = 0; i < 4000; ++i) {
+    ArrayMetadata a;
+    a.path = "p" + std::to_string(10000 + i).substr(1);
+    a.dtype = DType::kFloat32;
+    const int64_t rows = 8 * (1 + i % 64);
+    a.grid.shape = {rows, 128};
+    a.grid.cell_shape = {rows / 8, 128};
+    a.grid.chunk_shape = {rows / 8, 128};
+    tree.root.entries.emplace_back(a.path, TreeNode::Array(i));
+    tree.arrays.push_back(std::move(a));
+  }
+  return EncodeTreeJson(tree).value();
+}
+
+void BM_DecodeTreeJsonManySmall(benchmark::State& state) {
+  const std::string text = ManySmallTreeJson();
+  for (auto _ : state) benchmark::DoNotOptimize(DecodeTreeJson(text, "bench").ok());
+  state.SetBytesProcessed(state.iterations() * text.size());
+}
+BENCHMARK(BM_DecodeTreeJsonManySmall)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace tensorstash
