@@ -16,6 +16,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -27,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "bindings.h"
 #include "buffers.h"
 #include "errors.h"
@@ -115,6 +117,72 @@ struct OpenStep {
   std::unique_ptr<StepSource> source;
 };
 
+// A tree node as the Python objects json.loads makes of its JSON (the "tree" schema of
+// docs/format.md), built directly: for a step of thousands of arrays, encoding the node as
+// JSON text and parsing that again in Python took longer than opening the step. Recurses as
+// deep as the tree (at most kMaxTreeDepth levels, which DecodeTreeJson checked).
+nb::object TreeNodeToPython(const TreeNode& node) {
+  using Kind = TreeNode::Kind;
+  nb::dict out;
+  switch (node.kind) {
+    case Kind::kNone:
+      out["kind"] = "none";
+      break;
+    case Kind::kDict: {
+      out["kind"] = "dict";
+      nb::list entries;
+      for (const auto& [key, child] : node.entries) {
+        nb::list entry;
+        entry.append(nb::str(key.data(), key.size()));
+        entry.append(TreeNodeToPython(child));
+        entries.append(std::move(entry));
+      }
+      out["entries"] = std::move(entries);
+      break;
+    }
+    case Kind::kList:
+    case Kind::kTuple: {
+      out["kind"] = node.kind == Kind::kList ? "list" : "tuple";
+      nb::list items;
+      for (const TreeNode& child : node.items) items.append(TreeNodeToPython(child));
+      out["items"] = std::move(items);
+      break;
+    }
+    case Kind::kArray:
+      out["kind"] = "array";
+      out["array"] = node.array_id;
+      break;
+    case Kind::kInt:
+      out["kind"] = "int";
+      out["value"] = node.int_value;
+      break;
+    case Kind::kFloat: {
+      // The shortest text that parses back to the same double, as tree.json stores it.
+      char text[64];
+      const auto end = std::to_chars(text, text + sizeof(text), node.float_value).ptr;
+      out["kind"] = "float";
+      out["value"] = nb::str(text, static_cast<size_t>(end - text));
+      break;
+    }
+    case Kind::kBool:
+      out["kind"] = "bool";
+      out["value"] = node.bool_value;
+      break;
+    case Kind::kString:
+      out["kind"] = "string";
+      out["value"] = nb::str(node.string_value.data(), node.string_value.size());
+      break;
+    case Kind::kBytes: {
+      std::string base64;
+      absl::Base64Escape(node.string_value, &base64);
+      out["kind"] = "bytes";
+      out["base64"] = base64;
+      break;
+    }
+  }
+  return out;
+}
+
 class Reader {
  public:
   explicit Reader(std::shared_ptr<OpenStep> step) : step_(std::move(step)) {}
@@ -136,22 +204,33 @@ class Reader {
   }
 
   std::string TreeJson() const { return ValueOrThrow(TreeNodeToJson(Step()->source->tree())); }
+  nb::object Tree() const { return TreeNodeToPython(Step()->source->tree()); }
 
   nb::list Arrays() const {
     const std::shared_ptr<OpenStep> step = Step();
     const StepSource* reader = step->source.get();
+    // The keys and dtype names are made once, not once per array: a step may have 100,000.
+    const nb::str path("path"), dtype("dtype"), shape("shape"), chunk_shape("chunk_shape"),
+        cell_shape("cell_shape"), codec("codec"), stored_bytes("stored_bytes"),
+        num_chunks("num_chunks");
+    std::map<DType, nb::str> dtype_names;
     nb::list result;
     for (size_t i = 0; i < reader->arrays().size(); ++i) {
       const ArrayMetadata& a = reader->arrays()[i];
+      auto name = dtype_names.find(a.dtype);
+      if (name == dtype_names.end()) {
+        const std::string_view text = DTypeName(a.dtype);
+        name = dtype_names.emplace(a.dtype, nb::str(text.data(), text.size())).first;
+      }
       nb::dict entry;
-      entry["path"] = a.path;
-      entry["dtype"] = std::string(DTypeName(a.dtype));
-      entry["shape"] = ShapeTuple(a.shape());
-      entry["chunk_shape"] = ShapeTuple(a.grid.chunk_shape);
-      entry["cell_shape"] = ShapeTuple(a.grid.cell_shape);
-      entry["codec"] = reader->CodecDescription(i);
-      entry["stored_bytes"] = reader->StoredBytes(i);
-      entry["num_chunks"] = reader->NumChunks(i);
+      entry[path] = nb::str(a.path.data(), a.path.size());
+      entry[dtype] = name->second;
+      entry[shape] = ShapeTuple(a.shape());
+      entry[chunk_shape] = ShapeTuple(a.grid.chunk_shape);
+      entry[cell_shape] = ShapeTuple(a.grid.cell_shape);
+      entry[codec] = reader->CodecDescription(i);
+      entry[stored_bytes] = reader->StoredBytes(i);
+      entry[num_chunks] = reader->NumChunks(i);
       result.append(std::move(entry));
     }
     return result;
@@ -487,7 +566,9 @@ void DefineReader(nb::module_& m) {
            "ValueError; closing again does nothing.")
       .def_prop_ro("closed", &Reader::closed, "Whether close() was called.")
       .def("tree_json", &Reader::TreeJson,
-           "The step's tree as a node in the \"tree\" schema of docs/format.md.")
+           "The step's tree as a node in the \"tree\" schema of docs/format.md, as JSON text.")
+      .def("tree", &Reader::Tree, nb::sig("def tree(self) -> dict[str, typing.Any]"),
+           "The step's tree node as json.loads(tree_json()) would give it, built directly.")
       .def("arrays", &Reader::Arrays, nb::sig("def arrays(self) -> list[dict[str, typing.Any]]"),
            "One dict per array: path, dtype, shape, chunk_shape, cell_shape, codec, "
            "stored_bytes, num_chunks.")

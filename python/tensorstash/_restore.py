@@ -49,7 +49,7 @@ def metadata(path: str | os.PathLike) -> Any:
     they are 0-d arrays). Any format restore() reads."""
     with contextlib.closing(_open(path, True, 1 << 20, 1)) as reader:
         infos = {a["path"]: a for a in reader.arrays()}
-        node = _tree.loads(reader.tree_json())
+        node = reader.tree()
 
     def describe(array_path: str, _id: int) -> ArrayMetadata:
         a = infos[array_path]
@@ -307,7 +307,7 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
         reader = _open(path, verify_checksums, max_inflight_bytes, io_threads, mmap)
     with contextlib.closing(reader) if owned else contextlib.nullcontext(reader), _gc.paused():
         infos = {a["path"]: a for a in reader.arrays()}
-        node = _tree.loads(reader.tree_json())
+        node = reader.tree()
         plan = _Plan(ckpt, infos, truncate)
         if target is None:
             # The saved tree, each array whole, in its stored dtype.

@@ -9,8 +9,9 @@ Array paths join the keys from the root, escaped as in JSON Pointer ('~' -> '~0'
 list and tuple positions are decimal.
 
 Trees may be nested MAX_DEPTH levels deep (docs/format.md, section 10), deeper than Python's
-recursion limit lets a recursive walk go: every walk here keeps its own stack (_fold), and
-tree nodes too deep for the json module go to and from JSON text through _ext (dumps, loads).
+recursion limit lets a recursive walk go: every walk here keeps its own stack (_fold), tree
+nodes too deep for the json module go to JSON text through _ext (dumps), and a step's tree
+comes back as Python objects from the reader (_ext.Reader.tree), built in C++.
 """
 
 from __future__ import annotations
@@ -157,14 +158,6 @@ def dumps(node: dict) -> str:
         return json.dumps(node)
     except RecursionError:
         return _ext.json_dumps(node)
-
-
-def loads(text: str) -> dict:
-    """The tree node of JSON text; deep trees as in dumps()."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        return _ext.json_loads(text)
 
 
 def encode(tree: Any, on_array: Callable[[str, Any], None]) -> dict:
