@@ -130,6 +130,23 @@ def test_python_and_numpy_scalars(step):
     assert_same_tree(got, target)
 
 
+def test_reader_tree_is_the_tree_json_parsed(step):
+    """Reader.tree() builds in C++ the objects json.loads makes of Reader.tree_json(), which the
+    restore used to parse: every node kind, keys needing escapes, text and floats that JSON
+    spells specially."""
+    import json
+
+    from tensorstash import _restore
+    tree = {"a/b~c": [1, -(2**70), 0.1, -0.0, float("nan"), float("-inf"), 5e-324, True, None],
+            "s": ("", "ünï\u0000code\n\"'", b"\x00\xff"), "": {"x": np.arange(3)}, "e": {}, "l": []}
+    tensorstash.save(step, tree)
+    reader = _restore._open(step, True, 1 << 20, 1)
+    try:
+        assert reader.tree() == json.loads(reader.tree_json())
+    finally:
+        reader.close()
+
+
 def test_scalar_targets_convert(step):
     tensorstash.save(step, {"i": 3, "f": 2.0, "b": True, "arr0": np.array(4.5, np.float64),
                             "iarr": np.array(7, np.int32)})
