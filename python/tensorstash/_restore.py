@@ -147,6 +147,19 @@ class _Plan:
         if not boxes:  # nothing of it on this process's devices
             self.values[path] = build({})
 
+    def add_whole(self, paths: list[str]) -> None:
+        """add() of each array in `paths` whole, in its stored dtype, as a NumPy array: the
+        restore without a target, in one loop (for 4,000 arrays a third of add()'s time)."""
+        requests, owners, infos = self.requests, self.owners, self.infos
+        for path in paths:
+            info = infos[path]
+            shape = tuple(info["shape"])
+            origin = (0,) * len(shape)
+            leaf = _Leaf(path, tnp.dtype_from_name(info["dtype"]), {None: (origin, shape)},
+                         _whole_array)
+            requests.append((path, origin, shape, info["dtype"]))
+            owners.append((leaf, None))
+
     def run(self, reader: _ext.Reader, progress: Any, desc: str, mmap: bool) -> int:
         """Reads every box and builds every leaf; returns the stored bytes read or mapped."""
         reporter = _progress.Reporter(progress, desc)
@@ -176,8 +189,14 @@ class _Plan:
         return stats["bytes_read"] + stats["mapped_bytes"]
 
 
+def _whole_array(buffers: dict) -> np.ndarray:
+    return buffers[None]
+
+
 class _Leaf:
     """One array leaf of a restore: its boxes as they arrive, then the leaf built from them."""
+
+    __slots__ = ("path", "dtype", "boxes", "build", "together", "buffers")
 
     def __init__(self, path: str, dtype: np.dtype, boxes: dict[Any, tuple], build,
                  together: tuple | None = None):
@@ -311,14 +330,9 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
         plan = _Plan(ckpt, infos, truncate)
         if target is None:
             # The saved tree, each array whole, in its stored dtype.
-            def as_saved(array_path: str, _id: int) -> _Leaf:
-                info = infos[array_path]
-                shape = tuple(info["shape"])
-                plan.add(array_path, tnp.dtype_from_name(info["dtype"]),
-                         {None: ((0,) * len(shape), shape)}, lambda buffers: buffers[None])
-                return array_path
-
-            _tree.decode(node, as_saved)  # plans every array
+            paths: list[str] = []
+            _tree.decode(node, lambda array_path, _id: paths.append(array_path))
+            plan.add_whole(paths)
             nbytes = plan.run(reader, progress, desc, mmap)
             return _tree.decode(node, lambda p, _id: plan.values[p]), nbytes
         leaves = _tree.index_leaves(node)
