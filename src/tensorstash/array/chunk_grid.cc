@@ -57,6 +57,19 @@ Box ChunkGrid::ChunkBox(int64_t linear_index) const {
   return box;
 }
 
+int64_t ChunkGrid::ChunkNumElements(int64_t linear_index) const {
+  int64_t elements = 1;
+  for (int d = rank() - 1; d >= 0; --d) {
+    const int64_t extent = GridExtent(d);
+    const int64_t k = linear_index % extent;
+    linear_index /= extent;
+    int64_t origin, size;
+    ChunkRange(shape[d], cell_shape[d], chunk_shape[d], k, &origin, &size);
+    elements *= size;
+  }
+  return elements;
+}
+
 std::string ChunkGrid::ChunkName(int64_t linear_index) const {
   std::vector<int64_t> coords(rank());
   for (int d = rank() - 1; d >= 0; --d) {

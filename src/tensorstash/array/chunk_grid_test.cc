@@ -9,7 +9,7 @@ namespace tensorstash {
 namespace {
 
 // Every element of the array lies in exactly one existing chunk, and ChunkExists,
-// NumStoredChunks and ForEachChunkIntersecting agree with a brute-force walk.
+// ChunkNumElements, NumStoredChunks and ForEachChunkIntersecting agree with a brute-force walk.
 TEST(ChunkGridTest, ChunksTileTheArray) {
   std::mt19937 rng(11);
   for (int trial = 0; trial < 200; ++trial) {
@@ -27,6 +27,7 @@ TEST(ChunkGridTest, ChunksTileTheArray) {
     int64_t existing = 0;
     for (int64_t c = 0; c < grid.NumChunks(); ++c) {
       Box chunk = grid.ChunkBox(c);
+      ASSERT_EQ(grid.ChunkNumElements(c), chunk.num_elements()) << "chunk " << c;
       if (!grid.ChunkExists(c)) continue;
       ++existing;
       ASSERT_TRUE(whole.Contains(chunk));

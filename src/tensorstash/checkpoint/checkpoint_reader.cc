@@ -311,13 +311,14 @@ Status CheckpointReader::Impl::Load() {
                                   " but tree.json has ", n));
     }
     const ArrayMetadata& a = tree.arrays[e.array_id];
-    if (e.chunk >= static_cast<uint64_t>(a.grid.NumChunks()) ||
-        !a.grid.ChunkExists(static_cast<int64_t>(e.chunk))) {
+    const int64_t elements = e.chunk < static_cast<uint64_t>(a.grid.NumChunks())
+                                 ? a.grid.ChunkNumElements(static_cast<int64_t>(e.chunk))
+                                 : 0;
+    if (elements == 0) {  // beyond the grid, or a chunk that does not exist
       return DataLossError(StrCat("chunk index '", index_key, "' lists chunk ", e.chunk,
                                   " that array '", a.path, "' does not have"));
     }
-    const uint64_t raw =
-        a.grid.ChunkBox(static_cast<int64_t>(e.chunk)).num_elements() * ItemSize(a.dtype);
+    const uint64_t raw = static_cast<uint64_t>(elements) * ItemSize(a.dtype);
     if ((a.codec == Codec::kNone && e.length != raw) || e.length > MaxEncodedSize(a.codec, raw)) {
       return DataLossError(StrCat("chunk index '", index_key, "': ", ChunkWhat(e),
                                   " has the wrong stored size for ", raw, " raw bytes"));
