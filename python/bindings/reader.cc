@@ -16,7 +16,6 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -124,12 +123,12 @@ struct OpenStep {
 nb::object TreeNodeToPython(const TreeNode& node) {
   using Kind = TreeNode::Kind;
   nb::dict out;
+  const std::string_view kind = TreeNodeKindName(node.kind);
+  out["kind"] = nb::str(kind.data(), kind.size());
   switch (node.kind) {
     case Kind::kNone:
-      out["kind"] = "none";
       break;
     case Kind::kDict: {
-      out["kind"] = "dict";
       nb::list entries;
       for (const auto& [key, child] : node.entries) {
         nb::list entry;
@@ -142,43 +141,29 @@ nb::object TreeNodeToPython(const TreeNode& node) {
     }
     case Kind::kList:
     case Kind::kTuple: {
-      out["kind"] = node.kind == Kind::kList ? "list" : "tuple";
       nb::list items;
       for (const TreeNode& child : node.items) items.append(TreeNodeToPython(child));
       out["items"] = std::move(items);
       break;
     }
     case Kind::kArray:
-      out["kind"] = "array";
       out["array"] = node.array_id;
       break;
     case Kind::kInt:
-      out["kind"] = "int";
       out["value"] = node.int_value;
       break;
-    case Kind::kFloat: {
-      // The shortest text that parses back to the same double, as tree.json stores it.
-      char text[64];
-      const auto end = std::to_chars(text, text + sizeof(text), node.float_value).ptr;
-      out["kind"] = "float";
-      out["value"] = nb::str(text, static_cast<size_t>(end - text));
+    case Kind::kFloat:
+      out["value"] = TreeFloatText(node.float_value);
       break;
-    }
     case Kind::kBool:
-      out["kind"] = "bool";
       out["value"] = node.bool_value;
       break;
     case Kind::kString:
-      out["kind"] = "string";
       out["value"] = nb::str(node.string_value.data(), node.string_value.size());
       break;
-    case Kind::kBytes: {
-      std::string base64;
-      absl::Base64Escape(node.string_value, &base64);
-      out["kind"] = "bytes";
-      out["base64"] = base64;
+    case Kind::kBytes:
+      out["base64"] = absl::Base64Escape(node.string_value);
       break;
-    }
   }
   return out;
 }

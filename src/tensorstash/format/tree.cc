@@ -21,32 +21,6 @@ using Kind = TreeNode::Kind;
 
 constexpr std::string_view kTreeFormatName = "tensorstash/tree";
 
-std::string_view KindName(Kind kind) {
-  switch (kind) {
-    case Kind::kNone:
-      return "none";
-    case Kind::kDict:
-      return "dict";
-    case Kind::kList:
-      return "list";
-    case Kind::kTuple:
-      return "tuple";
-    case Kind::kArray:
-      return "array";
-    case Kind::kInt:
-      return "int";
-    case Kind::kFloat:
-      return "float";
-    case Kind::kBool:
-      return "bool";
-    case Kind::kString:
-      return "string";
-    case Kind::kBytes:
-      return "bytes";
-  }
-  return "?";
-}
-
 std::string Base64Encode(const std::string& raw) {
   std::string out;
   absl::Base64Escape(absl::string_view(raw.data(), raw.size()), &out);
@@ -56,17 +30,9 @@ bool Base64Decode(const std::string& text, std::string* out) {
   return absl::Base64Unescape(absl::string_view(text.data(), text.size()), out);
 }
 
-// Shortest text that parses back to the same double, independent of the process locale;
-// "nan", "-nan", "inf" and "-inf" for the special values.
-std::string FormatFloat(double v) {
-  char buf[64];
-  auto result = std::to_chars(buf, buf + sizeof(buf), v);
-  return std::string(buf, result.ptr);
-}
-
 json NodeToJson(const TreeNode& node) {
   json j;
-  j["kind"] = KindName(node.kind);
+  j["kind"] = TreeNodeKindName(node.kind);
   switch (node.kind) {
     case Kind::kNone:
       break;
@@ -91,7 +57,7 @@ json NodeToJson(const TreeNode& node) {
       j["value"] = node.int_value;
       break;
     case Kind::kFloat:
-      j["value"] = FormatFloat(node.float_value);
+      j["value"] = TreeFloatText(node.float_value);
       break;
     case Kind::kBool:
       j["value"] = node.bool_value;
@@ -317,6 +283,39 @@ Status CheckArrayRefs(const TreeNode& node, const std::string* path,
 
 }  // namespace
 
+std::string_view TreeNodeKindName(TreeNode::Kind kind) {
+  using Kind = TreeNode::Kind;
+  switch (kind) {
+    case Kind::kNone:
+      return "none";
+    case Kind::kDict:
+      return "dict";
+    case Kind::kList:
+      return "list";
+    case Kind::kTuple:
+      return "tuple";
+    case Kind::kArray:
+      return "array";
+    case Kind::kInt:
+      return "int";
+    case Kind::kFloat:
+      return "float";
+    case Kind::kBool:
+      return "bool";
+    case Kind::kString:
+      return "string";
+    case Kind::kBytes:
+      return "bytes";
+  }
+  return "?";
+}
+
+std::string TreeFloatText(double v) {
+  char buf[64];
+  auto result = std::to_chars(buf, buf + sizeof(buf), v);
+  return std::string(buf, result.ptr);
+}
+
 std::string_view CodecName(Codec codec) { return codec == Codec::kZstd ? "zstd" : "none"; }
 
 std::string EscapePathKey(std::string_view key) {
@@ -409,9 +408,7 @@ Result<std::string> EncodeTreeJson(const TreeFile& tree) {
   }
 }
 
-namespace {
-
-Result<TreeFile> DecodeTreeJsonImpl(std::string_view text, std::string_view where) {
+Result<TreeFile> DecodeTreeJson(std::string_view text, std::string_view where) {
   Decoder decoder(where);
   simdjson::dom::parser parser;
   Element root;
@@ -464,8 +461,6 @@ Result<TreeFile> DecodeTreeJsonImpl(std::string_view text, std::string_view wher
   return tree;
 }
 
-}  // namespace
-
 Result<std::string> TreeNodeToJson(const TreeNode& node) {
   try {
     return NodeToJson(node).dump();
@@ -486,8 +481,5 @@ Result<TreeNode> TreeNodeFromJson(std::string_view text) {
   return node;
 }
 
-Result<TreeFile> DecodeTreeJson(std::string_view text, std::string_view where) {
-  return DecodeTreeJsonImpl(text, where);
-}
 
 }  // namespace tensorstash

@@ -91,6 +91,12 @@ struct TreeFile {
   std::vector<ArrayMetadata> arrays;
 };
 
+// The "kind" of a node as tree.json names it ("dict", "float", ...), and the text tree.json
+// stores a float leaf's value as: the shortest that parses back to the same double, whatever
+// the process locale; "nan", "-nan", "inf" and "-inf" for the special values.
+std::string_view TreeNodeKindName(TreeNode::Kind kind);
+std::string TreeFloatText(double value);
+
 // Escapes one key for use in an array path, and splits a path back into keys.
 std::string EscapePathKey(std::string_view key);
 Result<std::vector<std::string>> SplitArrayPath(std::string_view path);
