@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "tensorstash/array/convert.h"
+#include "tensorstash/util/copy_bytes.h"
 
 namespace tensorstash {
 
@@ -148,7 +149,7 @@ Status CopyBox(const Box& region, DType src_dtype, const void* src, const Box& s
     const char* s = src_bytes + src_off * static_cast<int64_t>(src_item);
     char* t = dst_bytes + dst_off * static_cast<int64_t>(dst_item);
     if (same) {
-      std::memcpy(t, s, static_cast<size_t>(run) * src_item);
+      CopyBytes(t, s, static_cast<size_t>(run) * src_item);
     } else {
       TS_RETURN_IF_ERROR(
           ConvertElements(src_dtype, s, dst_dtype, t, static_cast<size_t>(run), what));

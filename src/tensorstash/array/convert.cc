@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "tensorstash/util/copy_bytes.h"
 
 // Reference behaviour (numpy 2.4 + ml_dtypes 0.6, established by probing `astype`; the cross-check
 // tests/crosscheck/dtype_conversion.py pins it down bit for bit):
@@ -392,7 +393,7 @@ Status ConvertElements(DType from, const void* src, DType to, void* dst, size_t 
                                                    static_cast<int>(IsValid(from) ? to : from)));
   }
   if (from == to) {
-    if (count != 0) std::memcpy(dst, src, count * ItemSize(from));
+    CopyBytes(dst, src, count * ItemSize(from));
     return OkStatus();
   }
   const Kernel kernel = FindKernel(from, to);

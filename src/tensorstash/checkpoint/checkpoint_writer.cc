@@ -49,6 +49,7 @@
 #include "tensorstash/format/chunk_codec.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/format/index_format.h"
+#include "tensorstash/util/copy_bytes.h"
 #include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/random_id.h"
 #include "tensorstash/util/thread_pool.h"
@@ -597,12 +598,13 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
         return WriteChunk(*task, std::string_view(raw, raw_size), &files, &mutex, &entries, stats);
       };
       if (copied(task)) {
-        // Copied here, in waves when the cap is reached (waiting for writes to free staging),
-        // and written by the pool.
+        // Copied by this thread and the pool's, in waves when the cap is reached (waiting for
+        // writes to free staging), and written by the pool.
         run.RunPrepared(
             raw_size + encoded, [&, task](char* staged) { return GatherChunk(*task, staged); },
             write);
         if (--copies_left == 0) {
+          run.FinishPrepared();
           ReleaseSources();  // the caller goes on; now the writes of the copies start
           run.Flush();
         }
@@ -642,7 +644,7 @@ Status CheckpointWriter::Impl::GatherChunk(const ChunkTask& task, char* out) con
   const ShardData& shard = *task.shard;
   const size_t item = ItemSize(a.spec.dtype);
   if (IsContiguousIn(task.plan.chunk_box, shard.box)) {
-    std::memcpy(
+    CopyBytes(
         out,
         static_cast<const char*>(shard.data) + ByteOffsetIn(task.plan.chunk_box, shard.box, item),
         task.plan.chunk_box.num_elements() * item);

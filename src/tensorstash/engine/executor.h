@@ -12,15 +12,19 @@
 //                                 leased from a pool of reused buffers (null when 0).
 //   RunHolding(bytes, task)       task() on the pool, holding `bytes` of the cap for memory the
 //                                 task gets elsewhere (a mapping, an encoder's output).
-//   RunPrepared(bytes, prep, task) prep(buffer) on the calling thread, then task(buffer) on the
-//                                 pool: an async save copies every chunk out of the caller's
-//                                 arrays under the cap. The tasks of prepared buffers start
-//                                 only when the cap is reached (then the copying goes on in
-//                                 waves, as the pool frees staging), at Flush(), at the next
-//                                 Run or RunHolding, or at Wait(): the copying, which the
-//                                 caller waits for, gets the cores to itself while it can.
-// After a failure (a task's or Fail's) tasks not yet started are skipped and Run* return at
-// once; Wait() returns the first error.
+//   RunPrepared(bytes, prep, task) prep(buffer), then task(buffer) on the pool: an async save
+//                                 copies every chunk out of the caller's arrays under the cap.
+//                                 The preparations wait, and then run side by side on the
+//                                 calling thread and the pool's threads (at most one thread per
+//                                 core): a copy is memory-bound, and one core alone does not
+//                                 reach the memory's speed. They run, and then the tasks of the
+//                                 prepared buffers start, when the cap is reached (the copying
+//                                 then goes on in waves, as the pool frees staging), at Flush(),
+//                                 at the next Run or RunHolding, or at Wait(); FinishPrepared()
+//                                 runs them without starting the tasks. The copying, which the
+//                                 caller waits for, so gets the cores to itself while it can.
+// After a failure (a task's, a preparation's or Fail's) tasks and preparations not yet started
+// are skipped and Run* return at once; Wait() returns the first error.
 //
 // Thread-safety: Run*, Fail and Wait are called from one thread, which must not be a thread of
 // the pool (it may wait for the pool's tasks). Tasks run concurrently.
@@ -59,7 +63,10 @@ class Executor {
   void RunPrepared(uint64_t bytes, const std::function<Status(char* buffer)>& prepare,
                    std::function<Status(char* buffer)> task);
 
-  // Starts the tasks of RunPrepared that wait for their turn.
+  // Runs the preparations of RunPrepared that wait (on this thread and the pool's), and returns
+  // when they are done; their tasks still wait. Afterwards failed() tells whether one failed.
+  void FinishPrepared();
+  // FinishPrepared, then starts the tasks of RunPrepared that wait for their turn.
   void Flush();
 
   // Records an error as if a task had returned it: the calling thread's own failure.
@@ -79,10 +86,12 @@ class Executor {
   void Start(uint64_t bytes, bool with_buffer, const std::function<Status(char* buffer)>& prepare,
              std::function<Status(char* buffer)> task);
 
+  ThreadPool* pool_;
   ByteLimiter limiter_;
   StagingPool own_staging_;
   StagingPool* staging_;  // leases stay within limiter_'s reservations, so never wait here
-  std::vector<std::function<Status()>> deferred_;  // prepared tasks not yet started
+  std::vector<std::function<Status()>> preparations_;  // not yet run
+  std::vector<std::function<Status()>> deferred_;      // prepared tasks not yet started
   TaskGroup group_;  // last: destroyed (waiting for the tasks) before the above
 };
 

@@ -5,6 +5,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -102,31 +104,70 @@ TEST(ExecutorTest, NoBytesMeansNoBuffer) {
   EXPECT_EQ(seen, nullptr);
 }
 
-TEST(ExecutorTest, PreparedTasksArePreparedOnTheCallingThreadInOrder) {
+TEST(ExecutorTest, EachBufferIsPreparedOnceBeforeItsTask) {
   ThreadPool pool(2);
   Executor run(&pool, /*cap_bytes=*/16);
-  const std::thread::id caller = std::this_thread::get_id();
+  std::mutex mutex;
   std::vector<int> prepared;
   std::atomic<int> checked{0};
   for (int i = 0; i < 10; ++i) {
     run.RunPrepared(
         8,
         [&, i](char* buffer) {
-          EXPECT_EQ(std::this_thread::get_id(), caller);
-          prepared.push_back(i);
           std::memset(buffer, 'a' + i, 8);
+          std::lock_guard<std::mutex> lock(mutex);
+          prepared.push_back(i);
           return OkStatus();
         },
         [&, i](char* buffer) {
-          EXPECT_NE(std::this_thread::get_id(), caller);
           if (buffer[0] == 'a' + i && buffer[7] == 'a' + i) ++checked;
           return OkStatus();
         });
   }
   TS_ASSERT_OK(run.Wait());
+  std::sort(prepared.begin(), prepared.end());
   EXPECT_EQ(prepared, (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
   EXPECT_EQ(checked.load(), 10);
   EXPECT_LE(run.peak_bytes(), 16u);
+}
+
+TEST(ExecutorTest, FinishPreparedCopiesEverythingAndStartsNoTask) {
+  // Many preparations under a large cap: FinishPrepared returns once all are done (on this
+  // thread and the pool's), and no task has started before Flush.
+  ThreadPool pool(4);
+  Executor run(&pool, /*cap_bytes=*/1 << 20);
+  std::atomic<int> prepared{0};
+  std::atomic<int> started{0};
+  std::mutex mutex;
+  std::set<std::thread::id> threads;
+  for (int i = 0; i < 64; ++i) {
+    run.RunPrepared(
+        1024,
+        [&](char* buffer) {
+          std::memset(buffer, 1, 1024);
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          {
+            std::lock_guard<std::mutex> lock(mutex);
+            threads.insert(std::this_thread::get_id());
+          }
+          ++prepared;
+          return OkStatus();
+        },
+        [&](char*) {
+          ++started;
+          return OkStatus();
+        });
+  }
+  run.FinishPrepared();
+  EXPECT_EQ(prepared.load(), 64);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(started.load(), 0);
+  EXPECT_TRUE(threads.count(std::this_thread::get_id()) == 1) << "the caller copies too";
+  if (std::thread::hardware_concurrency() > 1) {
+    EXPECT_GE(threads.size(), 2u) << "the pool's threads copy beside the caller";
+  }
+  TS_ASSERT_OK(run.Wait());
+  EXPECT_EQ(started.load(), 64);
 }
 
 TEST(ExecutorTest, PreparedTasksWaitUntilTheCapIsReachedOrFlush) {
@@ -245,6 +286,7 @@ TEST(ExecutorTest, AFailedPreparationIsTheRunsError) {
         task_ran = true;
         return OkStatus();
       });
+  run.FinishPrepared();
   EXPECT_TRUE(run.failed());
   EXPECT_TRUE(absl::IsInvalidArgument(run.Wait()));
   EXPECT_FALSE(task_ran);

@@ -4,6 +4,8 @@
 
 #include <zstd.h>
 
+#include "tensorstash/util/copy_bytes.h"
+
 namespace tensorstash {
 
 size_t MaxEncodedSize(Codec codec, size_t raw_size) {
@@ -31,8 +33,7 @@ Status DecodeChunk(Codec codec, std::string_view stored, void* dest, size_t raw_
       return DataLossError(
           StrCat(what, ": stored ", stored.size(), " bytes but the chunk holds ", raw_size));
     }
-    // memcpy with a null pointer is undefined even for 0 bytes (an empty chunk's buffers may be).
-    if (raw_size > 0) std::memcpy(dest, stored.data(), raw_size);
+    CopyBytes(dest, stored.data(), raw_size);
     return OkStatus();
   }
   const unsigned long long declared = ZSTD_getFrameContentSize(stored.data(), stored.size());

@@ -1,9 +1,12 @@
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <string>
 #include <thread>
 
 #include "gtest/gtest.h"
 #include "tensorstash/util/byte_limiter.h"
+#include "tensorstash/util/copy_bytes.h"
 #include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/status.h"
 #include "tensorstash/util/str_util.h"
@@ -18,6 +21,41 @@ TEST(Crc32cTest, StandardCheckValueAndChaining) {
   EXPECT_EQ(Crc32c(std::string_view("56789"), Crc32c("1234")), 0xE3069283u);
   std::string zeros(32, '\0');
   EXPECT_EQ(Crc32c(zeros), 0x8A9136AAu);  // RFC 3720 test vector
+}
+
+// Every size around the streaming threshold and the 16 KiB groups, at every alignment of source
+// and destination within a cache line and a page: the bytes equal memcpy's, and nothing beside
+// the destination range is written.
+TEST(CopyBytesTest, EqualsMemcpyAtEverySizeAndAlignment) {
+  const size_t group = 4 * 4096;
+  const size_t sizes[] = {0, 1, 63, 4096, kStreamingCopyBytes - 1, kStreamingCopyBytes,
+                          kStreamingCopyBytes + 1, kStreamingCopyBytes + group - 1,
+                          kStreamingCopyBytes + group + 4095, (size_t{3} << 20) + 17};
+  const size_t offsets[] = {0, 1, 16, 63, 64, 4000, 4095};
+  const size_t max_size = (size_t{3} << 20) + 17;
+  std::string src(max_size + 8192, '\0');
+  for (size_t i = 0; i < src.size(); ++i) {
+    src[i] = static_cast<char>((i * 131 + i / 7) % 90);  // never 0x5a, the canary
+  }
+  std::string dst(max_size + 8192 + 128, '\0');
+  for (auto* copy : {&CopyBytes, &CopyBytesWithoutAvx2}) {
+    for (size_t size : sizes) {
+      for (size_t src_off : offsets) {
+        for (size_t dst_off : {size_t{0}, size_t{32}, size_t{4033}}) {
+          std::fill(dst.begin(), dst.end(), '\x5a');
+          copy(dst.data() + 64 + dst_off, src.data() + src_off, size);
+          ASSERT_EQ(dst.compare(64 + dst_off, size, src, src_off, size), 0)
+              << "size " << size << " src offset " << src_off << " dst offset " << dst_off;
+          const size_t end = 64 + dst_off + size;
+          ASSERT_EQ(dst.find_first_not_of('\x5a'),
+                    size == 0 ? std::string::npos : 64 + dst_off)
+              << "written before the destination";
+          ASSERT_EQ(dst.find_first_not_of('\x5a', end), std::string::npos)
+              << "written after the destination, size " << size;
+        }
+      }
+    }
+  }
 }
 
 TEST(StatusTest, ErrnoMappingNamesThePath) {
