@@ -56,6 +56,9 @@ class Op:
     cold: restore after dropping the page cache.
     subset: restore only this top-level key of the tree (partial restore).
     numpy: restore every array whole into host memory as NumPy arrays (no target, no devices).
+    no_copy: an async save by tensorstash's CheckpointManager(copy_host_jax_arrays=False), which
+    writes jax.Arrays on CPU from their buffers as Orbax does, instead of copying them before
+    save() returns (Orbax's op is the same either way).
     raw: the plain-file operation it is compared with: "write", "write_fsync", "read",
     "read_cold"; raw_bytes: how many bytes that moves (the arrays' bytes the operation stores
     or reads).
@@ -73,6 +76,7 @@ class Op:
     raw_bytes: int = 0
     label: str = ""
     numpy: bool = False
+    no_copy: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,7 +358,9 @@ def make_scenarios(scale: float) -> dict[str, Scenario]:
     out["async"] = Scenario(
         "async", "the 'large' arrays saved by a checkpoint manager with async saves",
         {"main": asyncs},
-        (Op("async_save", "async", "main", raw="write_fsync", raw_bytes=n, label="async save"),))
+        (Op("async_save", "async", "main", raw="write_fsync", raw_bytes=n, label="async save"),
+         Op("async_save_no_copy", "async", "main", raw="write_fsync", raw_bytes=n,
+            label="async save, jax.Arrays not copied first", no_copy=True)))
 
     n = nbytes(large)
     out["cold"] = Scenario(

@@ -248,8 +248,9 @@ class Tensorstash:
     def restore_numpy(self, path: str, leaves):
         return self.ts.restore(path)  # without a target: the saved tree, NumPy arrays
 
-    def manager(self, root: str):
-        return _TsManager(self.ts.CheckpointManager(root, max_to_keep=2, async_save=True))
+    def manager(self, root: str, no_copy: bool = False):
+        return _TsManager(self.ts.CheckpointManager(root, max_to_keep=2, async_save=True,
+                                                    copy_host_jax_arrays=not no_copy))
 
 
 class _TsManager:
@@ -308,7 +309,8 @@ class Orbax:
         restore_args = nest((leaf.path, ocp.RestoreArgs(restore_type=np.ndarray)) for leaf in leaves)
         return self.ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
 
-    def manager(self, root: str):
+    def manager(self, root: str, no_copy: bool = False):
+        # Orbax never copies jax.Arrays on CPU before its save() returns: no_copy is its only way.
         ocp = self.ocp
         return _OrbaxManager(ocp, ocp.CheckpointManager(
             root, options=ocp.CheckpointManagerOptions(max_to_keep=2)))
@@ -423,7 +425,7 @@ def run_async(tool, job, scenario, op, trees) -> dict:
     tree = trees[key]
     root = ckpt_path(job, scenario, op.tree)
     remove(root)
-    manager = tool.manager(root)
+    manager = tool.manager(root, no_copy=op.no_copy)
     try:
         manager.save(1, tree)  # warm-up: the manager's first save, same state
         manager.wait()

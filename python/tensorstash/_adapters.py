@@ -15,6 +15,10 @@ An adapter is a small object with these methods (see numpy.NumpyAdapter, jax.Jax
         This process's shards of `x` as _ext.Writer.add_array takes them: (origin, shape, uint8
         view of C-contiguous native-order data, replica id, replica count); `stable` when
         nothing else can change their memory once save() returns (host copies made for it).
+    immutable(x) -> bool   (optional)
+        Whether the framework's own rules forbid changing `x`'s memory (jax.Array), although
+        save_shards' views of it may not be `stable`: host memory that may also be a NumPy
+        array's. CheckpointManager(copy_host_jax_arrays=False) then writes them without a copy.
     restore_boxes(target, shape) -> dict[key, (origin, shape)]
         The boxes of the array this process holds under `target`, each read once: one per
         distinct device block (keyed by the block), or one for the whole array.

@@ -20,7 +20,8 @@ def default_coordinator() -> Any:
     return tjax.default_coordinator()
 
 
-def arrays_to_save(tree: Any, coordinator: Any) -> tuple[list[tuple], str]:
+def arrays_to_save(tree: Any, coordinator: Any, *,
+                   trust_immutable: bool = False) -> tuple[list[tuple], str]:
     """The arrays of `tree` as the engine saves them, and the tree around them.
 
     Returns ([(array path, dtype name, shape, shards, stable)], tree JSON), with shards as
@@ -37,17 +38,20 @@ def arrays_to_save(tree: Any, coordinator: Any) -> tuple[list[tuple], str]:
     (tjax.in_host_memory). A jax.Array in host memory is not stable although JAX arrays are
     immutable: its memory may be a NumPy array's, which the caller may change once save()
     returns (XLA's CPU client adopts the buffer of an aligned NumPy array given to
-    jax.device_put instead of copying it). Raises TypeError for unsupported leaves and
+    jax.device_put instead of copying it), unless `trust_immutable`: then every leaf whose
+    framework forbids changing it (the adapter's immutable(), true for jax.Arrays) is stable,
+    as JAX's rules (and Orbax) take it to be. Raises TypeError for unsupported leaves and
     abstract arrays (jax.ShapeDtypeStruct), ValueError for text that is not valid Unicode and
     trees nested too deeply.
     """
     process_index = coordinator.process_index() if coordinator is not None else 0
     process_count = coordinator.process_count() if coordinator is not None else 1
     with _gc.paused():
-        return _arrays_to_save(tree, process_index, process_count)
+        return _arrays_to_save(tree, process_index, process_count, trust_immutable)
 
 
-def _arrays_to_save(tree: Any, process_index: int, process_count: int) -> tuple[list[tuple], str]:
+def _arrays_to_save(tree: Any, process_index: int, process_count: int,
+                    trust_immutable: bool) -> tuple[list[tuple], str]:
     """arrays_to_save's work, done with the garbage collector paused."""
     leaves: list[tuple[str, Any]] = []
     node = _tree.encode(tree, lambda p, x: leaves.append((p, x)))
@@ -73,6 +77,9 @@ def _arrays_to_save(tree: Any, process_index: int, process_count: int) -> tuple[
         except TypeError as e:
             raise TypeError(f"cannot save the array at {array_path!r}: {e}") from None
         shape, shards, stable = adapter.save_shards(handle, process_index, process_count)
+        if trust_immutable and not stable:
+            immutable = getattr(adapter, "immutable", None)
+            stable = immutable is not None and immutable(x)
         arrays.append((array_path, dtype, tuple(shape), shards, stable))
     return arrays, _tree.dumps(node)
 

@@ -171,6 +171,9 @@ class JaxAdapter:
                 shard.data.copy_to_host_async()
         return out
 
+    def immutable(self, x: Any) -> bool:
+        return True  # jax.Arrays are immutable; see in_host_memory for the exception
+
     def save_shards(self, x: Any, process_index: int, process_count: int):
         if isinstance(x, _HostCopy):  # a copy made for this save: nothing else changes it
             return tuple(x.array.shape), shards_of(x.array), True

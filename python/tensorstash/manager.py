@@ -110,7 +110,18 @@ class CheckpointManager:
     instead of killing the process (until close()). `max_staging_bytes` caps the host memory of
     an async save's copies (None: a quarter of physical memory; above the cap save() blocks
     longer); that memory is kept for the next save until close(), so that a save's copy goes
-    into memory already mapped. `codec`, `zstd_level`, `chunk_bytes`, `data_file_bytes`, `max_inflight_bytes`,
+    into memory already mapped.
+
+    `copy_host_jax_arrays=False` makes an async save write jax.Arrays in host memory (on CPU
+    devices, or in a host memory kind) from their buffers in the background, as Orbax does,
+    instead of copying them before save() returns: save() then blocks for little more than
+    flattening the tree. JAX arrays are immutable, and the manager holds a view of each buffer
+    until it is written, so deleting the array or donating it to a jitted step meanwhile is
+    safe (JAX does not donate a buffer that something views; the step gets a new one). What it
+    gives up: a jax.Array whose memory is a NumPy array's (jax.device_put of an aligned NumPy
+    array onto a CPU device adopts that memory, unless may_alias=False) is saved as that NumPy
+    array is when written, so the caller must not change such NumPy arrays until the step is
+    committed. NumPy leaves are always copied. `codec`, `zstd_level`, `chunk_bytes`, `data_file_bytes`, `max_inflight_bytes`,
     `io_threads` and `sync` are as for tensorstash.save.
 
     In a job of several processes every process opens a manager on the same root with the same
@@ -146,7 +157,7 @@ class CheckpointManager:
                  keep_period: int | None = None, save_interval_steps: int = 1,
                  best_metric: str | None = None, best_mode: str = "min", async_save: bool = True,
                  handle_sigterm: bool = False, max_staging_bytes: int | None = None,
-                 codec: str | None = None, zstd_level: int = _options.ZSTD_LEVEL,
+                 copy_host_jax_arrays: bool = True, codec: str | None = None, zstd_level: int = _options.ZSTD_LEVEL,
                  chunk_bytes: int = _options.CHUNK_BYTES,
                  data_file_bytes: int = _options.DATA_FILE_BYTES,
                  max_inflight_bytes: int = _options.MAX_INFLIGHT_BYTES,
@@ -169,6 +180,7 @@ class CheckpointManager:
             raise ValueError("best_metric needs max_to_keep (how many of the best steps to keep)")
         self.root = _paths.abspath(root)
         self.async_save = bool(async_save)
+        self.copy_host_jax_arrays = bool(copy_host_jax_arrays)
         self.codec = codec or "none"
         self.zstd_level = zstd_level
         self.logger = logger if logger is not None else logging.getLogger("tensorstash")
@@ -249,7 +261,8 @@ class CheckpointManager:
         local_due = self._local is not None and (force or self._local.should_save(step))
         if not persistent_due and not local_due:
             return False
-        arrays, tree_json = _arrays_to_save(state, self._coordinator)
+        arrays, tree_json = _arrays_to_save(state, self._coordinator,
+                                            trust_immutable=not self.copy_host_jax_arrays)
         try:
             metadata_json = "" if metadata is None else json.dumps(metadata)
         except (TypeError, ValueError) as e:

@@ -54,6 +54,40 @@ def test_async_save_of_jax_array_sharing_numpy_memory_restores_the_values_at_sav
         assert_same_array(mgr.restore(1)["x"], want, "x")
 
 
+def test_async_save_without_copies_is_safe_against_donating_the_saved_arrays(tmp_path):
+    """copy_host_jax_arrays=False: save() returns before the jax.Arrays on CPU are written, and
+    the caller donates them at once to a jitted step that overwrites them. JAX must not reuse
+    the buffers the save still reads (the manager holds views of them), so the step holds the
+    values at save(). (Without the views JAX donates, the step's output takes over the buffer
+    and the background write reads -1s.)"""
+    m = mesh((2, 4))
+    sharding = named(m, "a", "b")
+    want = pattern((2048, 4096), np.float32, seed=5)
+    x = jax.jit(lambda: jax.numpy.asarray(want), out_shardings=sharding)()
+    overwrite = jax.jit(lambda t: t * 0 - 1, donate_argnums=0)
+    control = jax.jit(lambda: jax.numpy.asarray(want), out_shardings=sharding)()
+    overwrite(control).block_until_ready()
+    assert control.is_deleted()  # the donation is real: JAX reuses a buffer nothing views
+    with tensorstash.CheckpointManager(str(tmp_path / "ckpt"), copy_host_jax_arrays=False) as mgr:
+        assert mgr.save(1, {"x": x})
+        y = overwrite(x)
+        y.block_until_ready()
+        assert float(y[0, 0]) == -1.0
+        mgr.wait_until_finished()
+        assert_same_array(mgr.restore(1)["x"], want, "x")
+
+
+def test_only_immutable_leaves_skip_the_copy(tmp_path):
+    """What an async save may write without copying first: with trust_immutable (the manager's
+    copy_host_jax_arrays=False) jax.Arrays on CPU, never NumPy arrays; by default neither."""
+    from tensorstash import _save
+    x = jax.device_put(np.arange(8, dtype=np.float32), jax.devices()[0])
+    tree = {"j": x, "n": np.arange(8, dtype=np.float32)}
+    for trust, want in ((False, {"j": False, "n": False}), (True, {"j": True, "n": False})):
+        arrays, _ = _save.arrays_to_save(tree, None, trust_immutable=trust)
+        assert {path: stable for path, _, _, _, stable in arrays} == want, trust
+
+
 # --- item 4: big-endian NumPy arrays ------------------------------------------------------------
 
 def big_endian_tree() -> dict:
