@@ -2,7 +2,8 @@
 # The C++ test suite under sanitizers (docs/reliability.md):
 #   build-asan: AddressSanitizer + UndefinedBehaviorSanitizer, the whole GoogleTest suite;
 #   build-tsan: ThreadSanitizer, the tests that run threads against each other (thread pool,
-#               writers and readers of several in-process "processes", concurrency, faults, manager).
+#               writers and readers of several in-process "processes", concurrency, faults, manager,
+#               the restore that reads one batch ahead).
 # Lean builds: the test binary and its helper programs only (no Python, CLI, examples, benchmarks).
 # Compiled by clang at -O1 with line tables only (-g1): the sanitizers' own advice, and on this
 # 2-core machine it builds the ASan+UBSan suite about 4x faster than gcc at -O2 -g (orbax_reader.cc:
@@ -20,7 +21,7 @@ export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:detect_stack
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
 # The tests that exercise threads against each other, by ctest name.
-TSAN_FILTER='ThreadPool|TaskGroup|ByteLimiter|StagingPool|MultiWriter|InProcessCoordinator|Manager|CheckpointFault|OrbaxWriterFault|CheckpointConcurrency|Conformance.*Concurrent|Conformance.*WriteIfAbsent'
+TSAN_FILTER='ThreadPool|HostRestore|TaskGroup|ByteLimiter|StagingPool|MultiWriter|InProcessCoordinator|Manager|CheckpointFault|OrbaxWriterFault|CheckpointConcurrency|Conformance.*Concurrent|Conformance.*WriteIfAbsent'
 status=0
 for kind in "${KINDS[@]}"; do
   case "$kind" in

@@ -13,7 +13,8 @@ CHUNK_BYTES: int = _DEFAULTS["chunk_bytes"]
 DATA_FILE_BYTES: int = _DEFAULTS["data_file_bytes"]
 MAX_INFLIGHT_BYTES: int = _DEFAULTS["max_inflight_bytes"]
 ZSTD_LEVEL: int = _DEFAULTS["zstd_level"]
-# Restored buffers are handed to devices in batches of about this many bytes.
+# Restored buffers are handed to devices in batches of about this many bytes; the engine reads the
+# next batch while this one is placed, so host memory holds about two.
 HOST_BATCH_BYTES: int = _DEFAULTS["host_batch_bytes"]
 # A save copies a jax.Array out of accelerator memory into JAX's pinned host memory
 # (jax.device_put to memory kind "pinned_host", at about 48 GB/s on an H200) rather than into

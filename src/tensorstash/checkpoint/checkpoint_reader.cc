@@ -778,6 +778,7 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
     });
   }
   (void)run.Wait();  // every task returns OK: the results carry the errors
+  if (options.mappings_made != nullptr) *options.mappings_made += mappings;
   return results;
 }
 

@@ -122,6 +122,9 @@ struct MapOptions {
   // Boxes stored as runs of one data file share a mapping of up to this many bytes with the
   // boxes stored near them (a larger run gets one of its own).
   uint64_t shared_mapping_bytes = uint64_t{64} << 20;
+  // Where set, MapMany adds the mapping entries it made (at most max_mappings), so that a caller
+  // mapping in several calls can keep one budget.
+  uint64_t* mappings_made = nullptr;
 };
 
 class CheckpointReader {

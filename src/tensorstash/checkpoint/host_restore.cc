@@ -1,12 +1,16 @@
 #include "tensorstash/checkpoint/host_restore.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <optional>
 #include <string_view>
+#include <system_error>
+#include <thread>
 #include <tuple>
 #include <utility>
 
@@ -172,74 +176,133 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
   }
   out_stats.boxes = boxes.size();
 
-  // Map what can be mapped, all at once (the maps run in parallel).
-  if (options.map) {
-    std::vector<ReadRequest> maps;
-    std::vector<size_t> mapped_box;
-    for (size_t b = 0; b < boxes.size(); ++b) {
-      const HostBoxRequest& r = requests[boxes[b].first_request];
-      if (boxes[b].nbytes == 0 || arrays[r.path]->dtype != r.dtype) continue;
-      maps.push_back({r.path, r.box, r.dtype, nullptr});
-      mapped_box.push_back(b);
+  // Batches in request order: a batch ends after an array once its boxes reach batch_bytes or
+  // its requests batch_requests. `total` counts each box once per batch that asks for it (a box
+  // asked for again in a later batch is mapped or read again).
+  struct PlannedBatch {
+    size_t begin, end;          // its requests
+    std::vector<size_t> boxes;  // its distinct boxes, in request order
+  };
+  std::vector<PlannedBatch> batches;
+  uint64_t total = 0;
+  {
+    std::vector<size_t> last_batch_of(boxes.size(), SIZE_MAX);
+    for (size_t begin = 0; begin < requests.size();) {
+      PlannedBatch batch{begin, begin, {}};
+      uint64_t batch_bytes = 0;
+      size_t& end = batch.end;
+      while (end < requests.size() &&
+             (end == begin || requests[end].path == requests[end - 1].path ||
+              (batch_bytes < options.batch_bytes && end - begin < options.batch_requests))) {
+        if (last_batch_of[box_of[end]] != batches.size()) {
+          last_batch_of[box_of[end]] = batches.size();
+          batch.boxes.push_back(box_of[end]);
+          batch_bytes += boxes[box_of[end]].nbytes;
+        }
+        ++end;
+      }
+      total += batch_bytes;
+      begin = end;
+      batches.push_back(std::move(batch));
     }
-    MapOptions map_options;
-    // Read from /proc only once a box could be mapped: restores with casts map nothing.
-    if (!maps.empty()) {
-      map_options.max_mappings =
-          options.max_mappings != 0 ? options.max_mappings : DefaultMappingBudget();
+  }
+
+  // Progress, one call at a time. While on_batch runs, the next batch's progress is kept and
+  // reported once it returns: a front's on_batch may hold a lock (Python's GIL) that its progress
+  // callable needs, and a reader thread waiting for it would stall the reading ahead.
+  std::mutex progress_mutex;
+  bool handing_over = false;
+  uint64_t progress_kept = 0;  // 0: nothing kept
+  bool final_reported = false;
+  auto call_progress = [&](uint64_t done) {  // under progress_mutex
+    final_reported = done >= total;
+    progress(done, total);
+  };
+  auto report = [&](uint64_t done) {
+    if (!progress) return;
+    std::lock_guard<std::mutex> lock(progress_mutex);
+    if (handing_over) {
+      progress_kept = std::max(progress_kept, done);
+    } else {
+      call_progress(done);
     }
-    map_options.shared_mapping_bytes = options.shared_mapping_bytes;
-    std::vector<Result<MappedBox>> mapped = source.MapMany(maps, map_options);
-    for (size_t m = 0; m < mapped.size(); ++m) {
-      if (mapped[m].ok()) {
-        boxes[mapped_box[m]].buffer = std::make_shared<MappedBuffer>(*std::move(mapped[m]));
-        out_stats.mapped_bytes += boxes[mapped_box[m]].nbytes;
-      } else if (!absl::IsUnimplemented(mapped[m].status())) {
-        return mapped[m].status();  // a read would fail the same way (a bad checksum, ...)
+  };
+  auto set_handing_over = [&](bool on) {
+    if (!progress) return;
+    std::lock_guard<std::mutex> lock(progress_mutex);
+    handing_over = on;
+    if (!on && progress_kept != 0) call_progress(std::exchange(progress_kept, 0));
+  };
+
+  // Mapping entries are one budget for the whole restore.
+  bool budget_known = options.max_mappings != 0;
+  uint64_t mapping_limit = options.max_mappings;
+  uint64_t mappings_made = 0;
+  uint64_t done = 0;  // of `total`: in the batches prepared so far
+
+  // Maps what it can of batch k's boxes and reads the rest, into `batch`. Batches are prepared
+  // one at a time, in order (the next one on a helper thread while the caller has this one).
+  auto prepare = [&](size_t k, HostBatch& batch) -> Status {
+    const auto& [begin, end, distinct] = batches[k];
+    uint64_t mapped_now = 0;
+    if (options.map) {
+      std::vector<ReadRequest> maps;
+      std::vector<size_t> mapped_box;
+      for (size_t b : distinct) {
+        const HostBoxRequest& r = requests[boxes[b].first_request];
+        if (boxes[b].nbytes == 0 || arrays.at(r.path)->dtype != r.dtype) continue;
+        maps.push_back({r.path, r.box, r.dtype, nullptr});
+        mapped_box.push_back(b);
+      }
+      if (!maps.empty()) {
+        // Read from /proc only once a box could be mapped: restores with casts map nothing.
+        if (!budget_known) {
+          mapping_limit = DefaultMappingBudget();
+          budget_known = true;
+        }
+        MapOptions map_options;
+        map_options.max_mappings = mapping_limit - std::min(mapping_limit, mappings_made);
+        map_options.shared_mapping_bytes = options.shared_mapping_bytes;
+        map_options.mappings_made = &mappings_made;
+        std::vector<Result<MappedBox>> mapped = source.MapMany(maps, map_options);
+        for (size_t m = 0; m < mapped.size(); ++m) {
+          if (mapped[m].ok()) {
+            boxes[mapped_box[m]].buffer = std::make_shared<MappedBuffer>(*std::move(mapped[m]));
+            mapped_now += boxes[mapped_box[m]].nbytes;
+          } else if (!absl::IsUnimplemented(mapped[m].status())) {
+            return mapped[m].status();  // a read would fail the same way (a bad checksum, ...)
+          }
+        }
       }
     }
-  }
+    out_stats.mapped_bytes += mapped_now;
+    done += mapped_now;
+    if (mapped_now > 0 && done < total) report(done);
 
-  // Progress counts the bytes of every box: the mapped ones (mapped and checked by now) are done.
-  uint64_t total = out_stats.mapped_bytes;
-  uint64_t small_bytes = 0;  // of the boxes to read, the arenas' share (aligned)
-  for (const DistinctBox& box : boxes) {
-    if (box.buffer != nullptr) continue;
-    total += box.nbytes;
-    if (BufferAllocator::IsSmall(box.nbytes)) small_bytes += Aligned(box.nbytes);
-  }
-  BufferAllocator allocator(small_bytes);
-  uint64_t done = out_stats.mapped_bytes;  // of `total`: mapped, and in the batches read so far
-  if (progress && done > 0 && done < total) progress(done, total);
-
-  // Batches in request order; a batch ends after an array once its reads reach batch_bytes or
-  // its requests batch_requests.
-  size_t begin = 0;
-  while (begin < requests.size()) {
-    size_t end = begin;
-    uint64_t batch_bytes = 0;
+    uint64_t small_bytes = 0;  // of the boxes to read, the arenas' share (aligned)
+    for (size_t b : distinct) {
+      if (boxes[b].buffer == nullptr && BufferAllocator::IsSmall(boxes[b].nbytes)) {
+        small_bytes += Aligned(boxes[b].nbytes);
+      }
+    }
+    BufferAllocator allocator(small_bytes);
     std::vector<ReadRequest> reads;
-    std::vector<size_t> read_box;
-    while (end < requests.size() &&
-           (end == begin || requests[end].path == requests[end - 1].path ||
-            (batch_bytes < options.batch_bytes && end - begin < options.batch_requests))) {
-      DistinctBox& box = boxes[box_of[end]];
-      if (box.buffer == nullptr) {
-        const HostBoxRequest& r = requests[end];
-        TS_ASSIGN_OR_RETURN(box.buffer, allocator.Allocate(box.nbytes, r));
-        reads.push_back({r.path, r.box, r.dtype, box.buffer->data()});
-        read_box.push_back(box_of[end]);
-        batch_bytes += box.nbytes;
-      }
-      ++end;
+    uint64_t read_bytes = 0;
+    for (size_t b : distinct) {
+      DistinctBox& box = boxes[b];
+      if (box.buffer != nullptr) continue;
+      const HostBoxRequest& r = requests[box.first_request];
+      TS_ASSIGN_OR_RETURN(box.buffer, allocator.Allocate(box.nbytes, r));
+      reads.push_back({r.path, r.box, r.dtype, box.buffer->data()});
+      read_bytes += box.nbytes;
     }
     if (!reads.empty()) {
       ReadStats read_stats;
       std::function<void(uint64_t, uint64_t)> on_progress;
       if (progress) {
         // The reader counts stored bytes of this call; shown as bytes of its boxes.
-        on_progress = [&progress, done, batch_bytes, total](uint64_t d, uint64_t t) {
-          progress(std::min(total, done + (t == 0 ? batch_bytes : batch_bytes * d / t)), total);
+        on_progress = [&report, start = done, read_bytes, total](uint64_t d, uint64_t t) {
+          report(std::min(total, start + (t == 0 ? read_bytes : read_bytes * d / t)));
         };
       }
       TS_RETURN_IF_ERROR(source.ReadMany(reads, &read_stats, on_progress));
@@ -251,21 +314,50 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
       sum.mapped_spans += read_stats.mapped_spans;
       sum.peak_staging_bytes = std::max(sum.peak_staging_bytes, read_stats.peak_staging_bytes);
       ++out_stats.read_calls;
-      done = std::min(total, done + batch_bytes);
+      done = std::min(total, done + read_bytes);
     }
-    HostBatch batch;
     for (size_t i = begin; i < end; ++i) {
       batch.requests.push_back(i);
       batch.buffers.push_back(boxes[box_of[i]].buffer);
     }
     // Only the batch holds its buffers now: the caller frees them by dropping it.
-    for (size_t i = begin; i < end; ++i) boxes[box_of[i]].buffer.reset();
+    for (size_t b : distinct) boxes[b].buffer.reset();
+    return OkStatus();
+  };
+
+  // The first batch is prepared on the calling thread; each next one on a helper thread while
+  // on_batch has the one before, so that reading overlaps with what the caller does with a batch
+  // (copies to devices). Buffers of at most two batches are alive at once.
+  HostBatch current;
+  Status status = batches.empty() ? OkStatus() : prepare(0, current);
+  for (size_t k = 0; status.ok() && k < batches.size(); ++k) {
+    HostBatch next;
+    Status next_status;
+    std::thread ahead;
+    const bool more = k + 1 < batches.size();
+    if (more) {
+      try {
+        ahead = std::thread([&, k] { next_status = prepare(k + 1, next); });
+      } catch (const std::system_error&) {
+        // No thread to be had: the next batch is prepared after this one is handed over.
+      }
+    }
+    set_handing_over(true);
     ++out_stats.batches;
-    TS_RETURN_IF_ERROR(on_batch(batch));
-    begin = end;
+    status = on_batch(current);
+    set_handing_over(false);
+    current = HostBatch{};  // this batch's buffers are the caller's now, or dropped
+    if (ahead.joinable()) {
+      ahead.join();
+    } else if (more && status.ok()) {
+      next_status = prepare(k + 1, next);
+    }
+    if (status.ok()) status = next_status;
+    current = std::move(next);
   }
-  // The final call, where no read made it (nothing to read, or everything mapped).
-  if (progress && out_stats.read_calls == 0) progress(total, total);
+  TS_RETURN_IF_ERROR(status);
+  // The final call, where none was made (nothing to read, or the last report was kept short).
+  if (progress && !final_reported) progress(total, total);
   return OkStatus();
 }
 

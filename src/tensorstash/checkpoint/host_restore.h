@@ -9,17 +9,21 @@
 //   - reads the rest into fresh host buffers (64-byte aligned, so that XLA's CPU client adopts
 //     them without a copy; boxes under 4 MiB share arenas of 32 MiB, each arena freed once all
 //     its boxes are), all of a batch in parallel under the reader's byte budget;
-//   - hands the buffers over batch by batch, each batch about `batch_bytes` of reads and at
+//   - hands the buffers over batch by batch, each batch about `batch_bytes` of boxes and at
 //     most about `batch_requests` requests, every request of an array in the same batch, so that
-//     the caller can pass a batch on (to devices) and drop it before the next is read: host memory
-//     stays near one batch. (Give the requests of an array one after another: a box asked for again
+//     the caller can pass a batch on (to devices) and drop it while the next is mapped and read
+//     (on a helper thread): reading overlaps with the copies to devices, and host memory stays
+//     near two batches. (Give the requests of an array one after another: a box asked for again
 //     in a later batch is read again.)
 // The defaults below are the only place these numbers are written; the Python package takes
 // them from here.
 //
 // Thread-safety: several calls may run on one StepSource at once (its reads are thread-safe).
-// `on_batch` is called from the calling thread; `progress` from the reader's IO threads, one
-// call at a time.
+// `on_batch` is called from the calling thread, one batch at a time, while the next batch is
+// read on a helper thread; `progress` from the calling thread, the helper or the reader's IO
+// threads, one call at a time and never while `on_batch` runs (what the next batch reports
+// meanwhile is reported once on_batch returns), so that on_batch may hold a lock the progress
+// callable takes.
 #ifndef TENSORSTASH_CHECKPOINT_HOST_RESTORE_H_
 #define TENSORSTASH_CHECKPOINT_HOST_RESTORE_H_
 
@@ -37,8 +41,9 @@
 
 namespace tensorstash {
 
-// Reads are handed over in batches of about this many bytes,
-inline constexpr uint64_t kDefaultHostBatchBytes = uint64_t{512} << 20;
+// Reads are handed over in batches of about this many bytes (small enough that the next batch's
+// read hides the copies of this one to a device, and two batches are little memory),
+inline constexpr uint64_t kDefaultHostBatchBytes = uint64_t{128} << 20;
 // and of at most about this many requests: what a request costs besides its bytes (the
 // reader's plan, the buffer's bookkeeping, the front's objects for it) is a few KiB, which
 // 100,000 tiny arrays on 8 devices in one batch made 3.4 GB at once.
@@ -89,12 +94,12 @@ struct HostBatch {
 
 // Restores `requests` from `source`, calling `on_batch` once per batch, in request order (a batch
 // may be moved from). Every request is in exactly one batch. `progress(done, total)` counts bytes
-// of the distinct boxes, mapped or read (the mapped ones at once, once mapped), one call at a time,
-// from the calling thread or the reader's; the last call has done == total.
-// OK once every batch has been handed over. Otherwise the first error: InvalidArgument or
-// NotFound naming the array for a bad request (before anything is read), a read's error
-// (DataLoss naming the chunk, ...), or the error `on_batch` returned, after which no further
-// batch is read. Batches handed over before an error stay valid.
+// of the distinct boxes of each batch, mapped or read; the last call has done == total.
+// OK once every batch has been handed over. Otherwise the first error in request order:
+// InvalidArgument or NotFound naming the array for a bad request (before anything is read), a
+// read's error (DataLoss naming the chunk, ...) once the batches before it are handed over, or
+// the error `on_batch` returned, after which the batch being read ahead is finished and dropped
+// and nothing further is read. Batches handed over before an error stay valid.
 Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requests,
                      const HostRestoreOptions& options,
                      const std::function<Status(HostBatch&)>& on_batch,

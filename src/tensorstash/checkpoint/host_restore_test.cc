@@ -1,7 +1,11 @@
 // RestoreToHost: the boxes of a whole restore in one call (dedup, map or read, batches).
 #include "tensorstash/checkpoint/host_restore.h"
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,6 +23,81 @@ namespace tensorstash {
 namespace {
 
 using ::testing::HasSubstr;
+
+// A step source that passes everything on to another and watches its ReadMany calls: how many
+// began and ended, whether one began too early (more than one batch ahead of the caller), and,
+// once asked, fails one of them.
+class WatchedSource final : public StepSource {
+ public:
+  explicit WatchedSource(StepSource* inner) : inner_(inner) {}
+
+  // Called by the test's on_batch when it returns: batch `handed_over` is done with.
+  void BatchHandedOver() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++handed_over_;
+  }
+  // Waits up to 30 s for `n` ReadMany calls to have ended; whether they did.
+  bool WaitForReads(int n) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    return ended_cv_.wait_for(lock, std::chrono::seconds(30), [&] { return ended_ >= n; });
+  }
+  void FailRead(int n) { fail_read_ = n; }
+  int ended() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return ended_;
+  }
+  bool read_too_early() const { return too_early_; }
+
+  StepFormat format() const override { return inner_->format(); }
+  const std::string& dir() const override { return inner_->dir(); }
+  const TreeNode& tree() const override { return inner_->tree(); }
+  const std::vector<ArrayMetadata>& arrays() const override { return inner_->arrays(); }
+  uint64_t StoredBytes(size_t id) const override { return inner_->StoredBytes(id); }
+  int64_t NumChunks(size_t id) const override { return inner_->NumChunks(id); }
+  std::string CodecDescription(size_t id) const override { return inner_->CodecDescription(id); }
+  int64_t created_unix_ms() const override { return inner_->created_unix_ms(); }
+  int process_count() const override { return inner_->process_count(); }
+  Status ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats,
+                  const std::function<void(uint64_t, uint64_t)>& progress) override {
+    int call;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      call = began_++;
+      // Batch `call` may be read while the caller has batch call - 1, not earlier.
+      if (call > handed_over_ + 1) too_early_ = true;
+    }
+    Status status = call == fail_read_ ? DataLossError("injected failure of read " +
+                                                        std::to_string(call))
+                                       : inner_->ReadMany(requests, stats, progress);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++ended_;
+    }
+    ended_cv_.notify_all();
+    return status;
+  }
+  std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests,
+                                         const MapOptions& options) override {
+    return inner_->MapMany(requests, options);
+  }
+  Result<std::string> ReadFile(std::string_view name) const override {
+    return inner_->ReadFile(name);
+  }
+  Result<std::vector<BadChunk>> Verify(
+      const std::function<void(uint64_t, uint64_t)>& progress) override {
+    return inner_->Verify(progress);
+  }
+  uint64_t VerifyTotalBytes() const override { return inner_->VerifyTotalBytes(); }
+  size_t VerifyTotalItems() const override { return inner_->VerifyTotalItems(); }
+
+ private:
+  StepSource* inner_;
+  std::mutex mutex_;
+  std::condition_variable ended_cv_;
+  int began_ = 0, ended_ = 0, handed_over_ = 0;
+  std::atomic<int> fail_read_{-1};
+  std::atomic<bool> too_early_{false};
+};
 
 constexpr char kStep[] = "step";
 constexpr uint64_t kSeed = 7;
@@ -249,6 +328,113 @@ TEST_F(HostRestoreTest, AnErrorFromOnBatchStopsTheRestore) {
                                 });
   EXPECT_TRUE(absl::IsCancelled(status)) << status;
   EXPECT_EQ(calls, 1);
+}
+
+// Four arrays read (not mapped), each its own batch.
+std::vector<HostBoxRequest> FourBatches() {
+  return {{"small", Box({0, 0}, {64, 64}), DType::kFloat32},
+          {"big", Box({0, 0}, {256, 1024}), DType::kFloat32},
+          {"packed", Box({0, 0}, {256, 1024}), DType::kFloat32},
+          {"small", Box({0, 0}, {32, 32}), DType::kFloat64}};
+}
+
+TEST_F(HostRestoreTest, TheNextBatchIsReadWhileOnBatchHasThisOne) {
+  WatchedSource source(source_.get());
+  HostRestoreOptions options;
+  options.map = false;
+  options.batch_bytes = 1;
+  const std::vector<HostBoxRequest> requests = FourBatches();
+  std::vector<HostBatch> batches;
+  std::vector<bool> next_read_during;  // per batch: the next batch's read ended inside on_batch
+  TS_ASSERT_OK(RestoreToHost(source, requests, options, [&](HostBatch& batch) {
+    const int k = static_cast<int>(batches.size());
+    if (k + 1 < static_cast<int>(requests.size())) {
+      next_read_during.push_back(source.WaitForReads(k + 2));
+    }
+    batches.push_back(std::move(batch));
+    source.BatchHandedOver();
+    return OkStatus();
+  }));
+  EXPECT_EQ(next_read_during, std::vector<bool>(requests.size() - 1, true));
+  EXPECT_FALSE(source.read_too_early()) << "a batch was read more than one batch ahead";
+  ASSERT_EQ(batches.size(), requests.size());
+  for (size_t k = 0; k < batches.size(); ++k) {
+    ASSERT_EQ(batches[k].requests, std::vector<size_t>{k});
+    const HostBoxRequest& r = requests[k];
+    const std::vector<char> want = Expected(r.path, r.box, r.dtype);
+    ASSERT_EQ(batches[k].buffers[0]->size(), want.size()) << k;
+    EXPECT_EQ(std::memcmp(batches[k].buffers[0]->data(), want.data(), want.size()), 0) << k;
+  }
+}
+
+TEST_F(HostRestoreTest, AReadErrorAheadIsReturnedOnceTheBatchBeforeIsHandedOver) {
+  WatchedSource source(source_.get());
+  source.FailRead(2);
+  HostRestoreOptions options;
+  options.map = false;
+  options.batch_bytes = 1;
+  int calls = 0;
+  Status status = RestoreToHost(source, FourBatches(), options, [&](HostBatch&) {
+    ++calls;
+    source.BatchHandedOver();
+    return OkStatus();
+  });
+  EXPECT_TRUE(absl::IsDataLoss(status)) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr("read 2"));
+  EXPECT_EQ(calls, 2);  // batches 0 and 1; nothing after the failed one is handed over or read
+  EXPECT_EQ(source.ended(), 3);
+}
+
+TEST_F(HostRestoreTest, ProgressIsNotCalledWhileOnBatchRunsAndEndsAtTheTotal) {
+  WatchedSource source(source_.get());
+  HostRestoreOptions options;
+  options.map = false;
+  options.batch_bytes = 1;
+  const std::vector<HostBoxRequest> requests = FourBatches();
+  std::atomic<bool> in_on_batch{false}, called_inside{false};
+  uint64_t last_done = 0, last_total = 0;
+  bool backwards = false;
+  int calls = 0;
+  TS_ASSERT_OK(RestoreToHost(
+      source, requests, options,
+      [&](HostBatch&) {
+        in_on_batch = true;
+        source.WaitForReads(std::min<int>(++calls + 1, static_cast<int>(requests.size())));
+        in_on_batch = false;
+        source.BatchHandedOver();
+        return OkStatus();
+      },
+      [&](uint64_t done, uint64_t total) {
+        called_inside = called_inside || in_on_batch;
+        backwards |= done < last_done;
+        last_done = done;
+        last_total = total;
+      }));
+  EXPECT_FALSE(called_inside) << "progress was called while on_batch ran";
+  EXPECT_FALSE(backwards);
+  uint64_t total = 0;
+  for (const HostBoxRequest& r : requests) total += r.box.num_elements() * ItemSize(r.dtype);
+  EXPECT_EQ(last_total, total);
+  EXPECT_EQ(last_done, total);
+}
+
+TEST_F(HostRestoreTest, TheMappingBudgetIsOneForAllBatches) {
+  // "big"'s top half and "small" whole are each one run of a data file: one mapping each.
+  const std::vector<HostBoxRequest> requests = {
+      {"big", Box({0, 0}, {512, 1024}), DType::kFloat32},
+      {"small", Box({0, 0}, {64, 64}), DType::kFloat32}};
+  for (uint64_t budget : {1, 2}) {
+    HostRestoreOptions options;
+    options.batch_bytes = 1;  // two batches
+    options.max_mappings = budget;
+    std::vector<HostBatch> batches;
+    TS_ASSERT_OK(Restore(requests, options, &batches));
+    ASSERT_EQ(batches.size(), 2u);
+    EXPECT_TRUE(batches[0].buffers[0]->mapped()) << budget;
+    EXPECT_EQ(batches[1].buffers[0]->mapped(), budget == 2) << budget;
+    const std::vector<char> want = Expected("small", requests[1].box, DType::kFloat32);
+    EXPECT_EQ(std::memcmp(batches[1].buffers[0]->data(), want.data(), want.size()), 0);
+  }
 }
 
 TEST_F(HostRestoreTest, BadRequestsFailBeforeAnythingIsReadAndNameTheArray) {
