@@ -337,7 +337,14 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
     const bool more = k + 1 < batches.size();
     if (more) {
       try {
-        ahead = std::thread([&, k] { next_status = prepare(k + 1, next); });
+        ahead = std::thread([&, k] {
+          // An exception must not leave the thread (it would end the process).
+          try {
+            next_status = prepare(k + 1, next);
+          } catch (const std::bad_alloc&) {
+            next_status = OutOfMemoryError("out of memory while reading the next batch of boxes");
+          }
+        });
       } catch (const std::system_error&) {
         // No thread to be had: the next batch is prepared after this one is handed over.
       }
