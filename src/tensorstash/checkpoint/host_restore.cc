@@ -333,11 +333,13 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
   for (size_t k = 0; status.ok() && k < batches.size(); ++k) {
     HostBatch next;
     Status next_status;
-    std::thread ahead;
+    // Declared after what it writes: on the way out of an exception from on_batch (a front's
+    // callable may throw), it is joined before those are destroyed.
+    std::jthread ahead;
     const bool more = k + 1 < batches.size();
     if (more) {
       try {
-        ahead = std::thread([&, k] {
+        ahead = std::jthread([&, k] {
           // An exception must not leave the thread (it would end the process).
           try {
             next_status = prepare(k + 1, next);

@@ -102,7 +102,8 @@ struct HostBatch {
 // InvalidArgument or NotFound naming the array for a bad request (before anything is read), a
 // read's error (DataLoss naming the chunk, ...) once the batches before it are handed over, or
 // the error `on_batch` returned, after which the batch being read ahead is finished and dropped
-// and nothing further is read. Batches handed over before an error stay valid.
+// and nothing further is read. Batches handed over before an error stay valid. An exception
+// thrown by `on_batch` leaves the same way, once the read ahead has ended.
 Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requests,
                      const HostRestoreOptions& options,
                      const std::function<Status(HostBatch&)>& on_batch,

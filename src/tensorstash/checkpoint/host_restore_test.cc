@@ -7,6 +7,7 @@
 #include <cstring>
 #include <mutex>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -330,7 +331,15 @@ TEST_F(HostRestoreTest, AnErrorFromOnBatchStopsTheRestore) {
   EXPECT_EQ(calls, 1);
 }
 
-// Four arrays read (not mapped), each its own batch.
+// Options under which every array is read (not mapped) in a batch of its own.
+HostRestoreOptions ReadOneArrayPerBatch() {
+  HostRestoreOptions options;
+  options.map = false;
+  options.batch_bytes = 1;
+  return options;
+}
+
+// Four arrays, each its own batch under ReadOneArrayPerBatch().
 std::vector<HostBoxRequest> FourBatches() {
   return {{"small", Box({0, 0}, {64, 64}), DType::kFloat32},
           {"big", Box({0, 0}, {256, 1024}), DType::kFloat32},
@@ -340,9 +349,7 @@ std::vector<HostBoxRequest> FourBatches() {
 
 TEST_F(HostRestoreTest, TheNextBatchIsReadWhileOnBatchHasThisOne) {
   WatchedSource source(source_.get());
-  HostRestoreOptions options;
-  options.map = false;
-  options.batch_bytes = 1;
+  const HostRestoreOptions options = ReadOneArrayPerBatch();
   const std::vector<HostBoxRequest> requests = FourBatches();
   std::vector<HostBatch> batches;
   std::vector<bool> next_read_during;  // per batch: the next batch's read ended inside on_batch
@@ -370,9 +377,7 @@ TEST_F(HostRestoreTest, TheNextBatchIsReadWhileOnBatchHasThisOne) {
 TEST_F(HostRestoreTest, AReadErrorAheadIsReturnedOnceTheBatchBeforeIsHandedOver) {
   WatchedSource source(source_.get());
   source.FailRead(2);
-  HostRestoreOptions options;
-  options.map = false;
-  options.batch_bytes = 1;
+  const HostRestoreOptions options = ReadOneArrayPerBatch();
   int calls = 0;
   Status status = RestoreToHost(source, FourBatches(), options, [&](HostBatch&) {
     ++calls;
@@ -385,11 +390,24 @@ TEST_F(HostRestoreTest, AReadErrorAheadIsReturnedOnceTheBatchBeforeIsHandedOver)
   EXPECT_EQ(source.ended(), 3);
 }
 
+TEST_F(HostRestoreTest, AnExceptionFromOnBatchLeavesOnceTheReadAheadHasEnded) {
+  // The core does not throw, but a front's on_batch might; the thread reading ahead must be
+  // joined on the way out (a joinable std::thread destroyed would end the process).
+  WatchedSource source(source_.get());
+  int calls = 0;
+  EXPECT_THROW(RestoreToHost(source, FourBatches(), ReadOneArrayPerBatch(),
+                             [&](HostBatch&) -> Status {
+                               ++calls;
+                               throw std::runtime_error("thrown by on_batch");
+                             }),
+               std::runtime_error);
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(source.ended(), 2);  // batch 0, and batch 1 read ahead and then dropped
+}
+
 TEST_F(HostRestoreTest, ProgressIsNotCalledWhileOnBatchRunsAndEndsAtTheTotal) {
   WatchedSource source(source_.get());
-  HostRestoreOptions options;
-  options.map = false;
-  options.batch_bytes = 1;
+  const HostRestoreOptions options = ReadOneArrayPerBatch();
   const std::vector<HostBoxRequest> requests = FourBatches();
   std::atomic<bool> in_on_batch{false}, called_inside{false};
   uint64_t last_done = 0, last_total = 0;
