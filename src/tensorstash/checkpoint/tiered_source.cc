@@ -284,14 +284,19 @@ std::vector<Result<MappedBox>> TieredStepSource::MapMany(const std::vector<ReadR
   Result<Routing> route = Route(requests);
   if (!route.ok()) return out;  // the read reports the error
   // Requests that this node's RAM tier serves whole are mapped from its files, as a native step
-  // maps its own: no copy, and the page is the holding's.
+  // maps its own: no copy, and the page is the holding's. The node may hold several holdings of
+  // the save; the mapping budget is one for all of them.
+  uint64_t made = 0;
+  MapOptions holder_options = options;
+  holder_options.mappings_made = &made;
   for (size_t h = 0; h < s.holders.size(); ++h) {
     if (s.holders[h].tier != Tier::kLocal || route->whole[h].empty()) continue;
+    holder_options.max_mappings = options.max_mappings - std::min(options.max_mappings, made);
     std::vector<ReadRequest> group;
     uint64_t bytes = 0;
     for (size_t r : route->whole[h]) group.push_back(requests[r]);
     const auto started = std::chrono::steady_clock::now();
-    std::vector<Result<MappedBox>> mapped = s.holders[h].source->MapMany(group, options);
+    std::vector<Result<MappedBox>> mapped = s.holders[h].source->MapMany(group, holder_options);
     for (size_t k = 0; k < mapped.size(); ++k) {
       if (mapped[k].ok()) {
         bytes += mapped[k]->size();
@@ -304,6 +309,7 @@ std::vector<Result<MappedBox>> TieredStepSource::MapMany(const std::vector<ReadR
     s.Account(Tier::kLocal, bytes,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   }
+  if (options.mappings_made != nullptr) *options.mappings_made += made;
   return out;
 }
 

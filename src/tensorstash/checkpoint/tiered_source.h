@@ -85,6 +85,7 @@ class TieredStepSource final : public StepSource {
   // Maps the requests that a local holder (this node's RAM tier) serves whole, from its files
   // (CheckpointReader::MapMany); Unimplemented for the others, and for a local copy that
   // fails its checks (recorded in tier_stats(): the read then goes to the next holder).
+  // options.max_mappings is one budget for all the local holders.
   std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests,
                                          const MapOptions& options) override;
   // From the first holder whose step has the file intact.

@@ -324,6 +324,36 @@ TEST(TieredStepSourceTest, LocalHoldingsAreMappedOthersAreRead) {
   std::filesystem::remove_all(root);
 }
 
+TEST(TieredStepSourceTest, TheMappingBudgetIsOneForAllLocalHoldings) {
+  // This node may hold several holdings of a save (its own and a replica): each half of the rows
+  // in a folder of its own. A budget of one mapping maps one half, not one per holding.
+  const std::string root = ::testing::TempDir() + "tiered_budget_" + std::to_string(::getpid());
+  std::filesystem::remove_all(root);
+  const std::vector<int64_t> shape = {1024, 1024};
+  std::vector<StepHolder> holders;
+  for (int64_t first : {0, 512}) {
+    std::unique_ptr<FileKvStore> local =
+        FileKvStore::Open(root + "/" + std::to_string(first)).value();
+    WriteStepInto(local.get(), {first}, true, shape, 512);
+    holders.push_back({Tier::kLocal, std::move(local), kStep, "local"});
+  }
+  std::unique_ptr<TieredStepSource> source = TieredStepSource::Open(std::move(holders)).value();
+  const Box top({0, 0}, {512, 1024}), bottom({512, 0}, {512, 1024});
+  MapOptions options;
+  options.max_mappings = 1;
+  uint64_t made = 0;
+  options.mappings_made = &made;
+  std::vector<Result<MappedBox>> mapped = source->MapMany(
+      {{"w", top, DType::kFloat32, nullptr}, {"w", bottom, DType::kFloat32, nullptr}}, options);
+  ASSERT_EQ(mapped.size(), 2u);
+  EXPECT_EQ(mapped[0].ok() + mapped[1].ok(), 1) << mapped[0].status() << mapped[1].status();
+  EXPECT_EQ(made, 1u);
+  // What was not mapped is read, from its holding.
+  const auto data = test::MakeArrayData(DType::kFloat32, shape, kSeed);
+  EXPECT_EQ(ReadBox(*source, Box::FromShape(shape)), data);
+  std::filesystem::remove_all(root);
+}
+
 TEST(TieredStepSourceTest, HoldersMayListTheArraysInAnotherOrder) {
   // Two arrays, "a" and "b", of the same rows; the holdings add them in opposite orders.
   auto write = [](const std::vector<std::string>& order, int64_t first) {
