@@ -721,7 +721,9 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
     uint64_t offset, length;  // of the mapping: page-aligned offset, up to the last run's end
   };
   std::vector<Shared> shared;
-  uint64_t mappings = 0;
+  uint64_t mappings = 0;  // made by this call, of what the earlier calls left of the budget
+  const uint64_t made_before = options.mappings_made != nullptr ? *options.mappings_made : 0;
+  const uint64_t budget = options.max_mappings - std::min(options.max_mappings, made_before);
   for (size_t k = 0; k < runs.size(); ++k) {
     const BoxParts& box = boxes[runs[k]];
     const uint64_t end = box.run_offset + box.bytes;
@@ -735,7 +737,7 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
         continue;
       }
     }
-    if (mappings >= options.max_mappings) break;
+    if (mappings >= budget) break;
     ++mappings;
     const uint64_t offset = box.run_offset / page * page;
     shared.push_back({k, k + 1, box.file_id, offset, end - offset});
@@ -770,7 +772,7 @@ std::vector<Result<MappedBox>> CheckpointReader::MapMany(const std::vector<ReadR
   }
   for (size_t i : others) {
     const uint64_t cost = boxes[i].parts.size() + 1;
-    if (mappings + cost > options.max_mappings) break;
+    if (mappings + cost > budget) break;
     mappings += cost;
     run.RunHolding(0, [&, i] {
       results[i] = map_chunks(boxes[i]);

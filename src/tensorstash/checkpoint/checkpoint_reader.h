@@ -117,13 +117,14 @@ class MappedBox {
 struct MapOptions {
   // Kernel mapping entries the call may add (vm.max_map_count bounds them per process): a
   // shared mapping costs one, a box mapped chunk by chunk one per chunk and one more. Boxes past
-  // the budget are Unimplemented (read them).
+  // the budget are Unimplemented (read them). With mappings_made set, the budget of all the
+  // calls that share it: a call adds at most max_mappings - *mappings_made.
   uint64_t max_mappings = UINT64_MAX;
   // Boxes stored as runs of one data file share a mapping of up to this many bytes with the
   // boxes stored near them (a larger run gets one of its own).
   uint64_t shared_mapping_bytes = uint64_t{64} << 20;
-  // Where set, MapMany adds the mapping entries it made (at most max_mappings), so that a caller
-  // mapping in several calls can keep one budget.
+  // Where set, the entries made by earlier calls; MapMany adds those it made, so that a caller
+  // mapping in several calls (or through several readers) keeps one budget.
   uint64_t* mappings_made = nullptr;
 };
 

@@ -261,7 +261,7 @@ Status RestoreToHost(StepSource& source, const std::vector<HostBoxRequest>& requ
           budget_known = true;
         }
         MapOptions map_options;
-        map_options.max_mappings = mapping_limit - std::min(mapping_limit, mappings_made);
+        map_options.max_mappings = mapping_limit;
         map_options.shared_mapping_bytes = options.shared_mapping_bytes;
         map_options.mappings_made = &mappings_made;
         std::vector<Result<MappedBox>> mapped = source.MapMany(maps, map_options);

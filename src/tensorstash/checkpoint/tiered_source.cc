@@ -286,12 +286,11 @@ std::vector<Result<MappedBox>> TieredStepSource::MapMany(const std::vector<ReadR
   // Requests that this node's RAM tier serves whole are mapped from its files, as a native step
   // maps its own: no copy, and the page is the holding's. The node may hold several holdings of
   // the save; the mapping budget is one for all of them.
-  uint64_t made = 0;
+  uint64_t made = 0;  // where the caller does not count
   MapOptions holder_options = options;
-  holder_options.mappings_made = &made;
+  if (holder_options.mappings_made == nullptr) holder_options.mappings_made = &made;
   for (size_t h = 0; h < s.holders.size(); ++h) {
     if (s.holders[h].tier != Tier::kLocal || route->whole[h].empty()) continue;
-    holder_options.max_mappings = options.max_mappings - std::min(options.max_mappings, made);
     std::vector<ReadRequest> group;
     uint64_t bytes = 0;
     for (size_t r : route->whole[h]) group.push_back(requests[r]);
@@ -309,7 +308,6 @@ std::vector<Result<MappedBox>> TieredStepSource::MapMany(const std::vector<ReadR
     s.Account(Tier::kLocal, bytes,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   }
-  if (options.mappings_made != nullptr) *options.mappings_made += made;
   return out;
 }
 
