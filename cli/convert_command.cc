@@ -4,7 +4,10 @@
 // read from the source when the writer needs it, so memory stays at a few chunks. Orbax (or a
 // zarr group) -> native reads through StepSource; the native writer then holds each array whole
 // in memory until the commit. DST appears whole or not at all, and an
-// existing DST is refused unless --overwrite.
+// existing DST is refused unless --overwrite. Ctrl-C (or SIGTERM) makes the next read of the
+// source fail, so that the writer removes its temporary folder before the command exits (130);
+// a second signal ends it at once.
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,6 +32,41 @@
 
 namespace tensorstash::cli {
 namespace {
+
+// Set by SIGINT/SIGTERM while a convert runs (InterruptGuard).
+volatile sig_atomic_t g_interrupted = 0;
+
+void OnInterrupt(int signal) { g_interrupted = signal; }
+
+// While alive, the first SIGINT or SIGTERM only sets g_interrupted (SA_RESETHAND: the second
+// one acts as usual); the handlers before are put back when it goes.
+class InterruptGuard {
+ public:
+  InterruptGuard() {
+    g_interrupted = 0;
+    struct sigaction action = {};
+    action.sa_handler = OnInterrupt;
+    action.sa_flags = SA_RESETHAND;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGINT, &action, &old_int_);
+    sigaction(SIGTERM, &action, &old_term_);
+  }
+  ~InterruptGuard() {
+    sigaction(SIGINT, &old_int_, nullptr);
+    sigaction(SIGTERM, &old_term_, nullptr);
+  }
+  InterruptGuard(const InterruptGuard&) = delete;
+  InterruptGuard& operator=(const InterruptGuard&) = delete;
+
+ private:
+  struct sigaction old_int_ = {};
+  struct sigaction old_term_ = {};
+};
+
+Status Interrupted() {
+  return CancelledError(StrCat("interrupted by signal ", static_cast<int>(g_interrupted),
+                               ": nothing was written (the partial copy was removed)"));
+}
 
 // One array of a checkpoint being converted.
 struct SourceArray {
@@ -66,6 +104,7 @@ class StepConvertSource final : public ConvertSource {
   const TreeNode& tree() const override { return step_->tree(); }
   const std::vector<SourceArray>& arrays() const override { return arrays_; }
   Status Read(size_t id, const Box& box, void* dest) override {
+    if (g_interrupted != 0) return Interrupted();
     return step_->ReadMany({{arrays_[id].path, box, arrays_[id].dtype, dest}}, nullptr, nullptr);
   }
 
@@ -199,9 +238,17 @@ int RunConvert(const std::string& src, const std::string& dst, const std::string
     }
   }
   const auto start = std::chrono::steady_clock::now();
-  Status status = target == Format::kOrbax
-                      ? WriteOrbax(source.get(), &*destination, overwrite, item)
-                      : WriteNative(source.get(), &*destination, overwrite);
+  Status status;
+  {
+    InterruptGuard guard;
+    status = target == Format::kOrbax ? WriteOrbax(source.get(), &*destination, overwrite, item)
+                                      : WriteNative(source.get(), &*destination, overwrite);
+    if (status.ok() && g_interrupted != 0) status = OkStatus();  // it finished all the same
+  }
+  if (absl::IsCancelled(status) && g_interrupted != 0) {
+    Fail(status);
+    return 128 + static_cast<int>(g_interrupted);
+  }
   if (!status.ok()) return Fail(status);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -486,7 +486,7 @@ def test_gc_after_killed_saves_removes_their_leftovers_and_keeps_every_step(s3):
     # A PUT whose body had all arrived when its sender was killed may still land on the server
     # just after: gc, like any, sees only what is there when it lists.
     time.sleep(1.0)
-    result = run_cli(s3, "gc", "--upload-min-age", "0", s3.url)
+    result = run_cli(s3, "gc", "--min-age", "0", s3.url)
     assert result.returncode == 0, result.stderr
     assert "gc removed" in result.stdout, result.stdout
     # Three saves killed mid-way leave something (an attempt, an unfinished upload) to remove.

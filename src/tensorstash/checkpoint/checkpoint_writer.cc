@@ -767,11 +767,19 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local,
   item.index_size = index_bytes.size();
   for (const DataFileInfo& f : merged.files) item.data_bytes += f.size;
   item.num_arrays = arrays.size();
+  // Every file this save wrote, with its size: the commit names only what it found there.
+  std::map<std::string, uint64_t> written;
+  const std::string item_folder = item_dir.substr(work_dir.size() + 1);
+  for (const DataFileInfo& f : merged.files) written[StrCat(item_folder, "/", f.name)] = f.size;
+  written[StrCat(item_folder, "/", kIndexFileName)] = index_bytes.size();
+  written[StrCat(item_folder, "/", kTreeFileName)] = tree_json.size();
+  for (const auto& [name, f] : committed_files) written[name] = f.size;
   record.files = std::move(committed_files);
   if (UsesCommitRecords(*kv)) {  // an object store: a create-only record names the attempt
-    return CommitAttempt(kv, dir, work_dir, std::move(record), options.overwrite,
+    return CommitAttempt(kv, dir, work_dir, std::move(record), written, options.overwrite,
                          &commit_outcome_unknown);
   }
+  TS_RETURN_IF_ERROR(CheckWrittenFiles(kv, work_dir, written).status());
   const std::string commit_key = StrCat(work_dir, "/", kCommitFileName);
   TS_RETURN_IF_ERROR(kv->Write(commit_key, EncodeCommitRecord(record)));
   // Sync(key) also syncs the key's folder, work_dir: its entries (COMMIT, state/) are durable.

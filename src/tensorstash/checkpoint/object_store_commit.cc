@@ -4,6 +4,7 @@
 #include <map>
 #include <vector>
 
+#include "tensorstash/engine/publish.h"
 #include "tensorstash/kvstore/read_only_kvstore.h"
 #include "tensorstash/util/random_id.h"
 #include "tensorstash/util/str_util.h"
@@ -173,13 +174,16 @@ Result<int64_t> LatestCommitRecord(KvStore* kv, std::string_view dir) {
 }
 
 Status CommitAttempt(KvStore* kv, std::string_view dir, std::string_view work_dir,
-                     CommitRecord record, bool overwrite, bool* outcome_unknown) {
-  const std::string attempt_prefix = StrCat(work_dir, "/");
+                     CommitRecord record, const std::map<std::string, uint64_t>& written,
+                     bool overwrite, bool* outcome_unknown) {
   record.attempt = std::string(work_dir.substr(work_dir.rfind('/') + 1));
-  TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, kv->List(attempt_prefix));
-  for (const std::string& key : keys) {
-    TS_ASSIGN_OR_RETURN(ObjectInfo info, kv->Stat(key));
-    record.objects[key.substr(attempt_prefix.size())] = {info.size, info.generation};
+  TS_ASSIGN_OR_RETURN(auto there, CheckWrittenFiles(kv, std::string(work_dir), written));
+  for (auto& [name, info] : there) {
+    if (info.generation.empty()) {
+      return FailedPreconditionError(StrCat("'", work_dir, "/", name, "' in ", kv->Describe(),
+                                            ": the store's listing gives no generation (ETag)"));
+    }
+    record.objects[name] = {info.size, std::move(info.generation)};
   }
   const std::string text = EncodeCommitRecord(record);
   if (text.size() > kMaxCommitRecordBytes) {

@@ -19,6 +19,7 @@
 #define TENSORSTASH_CHECKPOINT_OBJECT_STORE_COMMIT_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -50,8 +51,11 @@ Result<std::vector<int64_t>> CommitRecordNumbers(KvStore* kv, std::string_view d
 Result<int64_t> LatestCommitRecord(KvStore* kv, std::string_view dir);
 
 // Commits the attempt in folder `work_dir` (= "<dir>/attempt-<id>") as step `dir`: `record`
-// gets the attempt and the size and generation of every object under `work_dir`, and is
-// created as the next record. Without `overwrite` only as the first: AlreadyExists when the
+// gets the attempt and the size and generation of each object of `written` (every object the
+// save wrote, relative to `work_dir`, with its size), all from one listing, and is created as
+// the next record. An object missing or of another size is DataLoss naming it, and nothing is
+// committed (engine/publish.h, CheckWrittenFiles); objects under `work_dir` that the save did
+// not write are not named. Without `overwrite` only as the first: AlreadyExists when the
 // step exists, or when another writer committed it first. With `overwrite`, the record after
 // the highest (a writer that loses that race tries the next number). On success, the records
 // and attempts it supersedes are removed (best effort; "<dir>/COMMIT" stays, the step's mark).
@@ -59,7 +63,8 @@ Result<int64_t> LatestCommitRecord(KvStore* kv, std::string_view dir);
 // `outcome_unknown` (optional) is set: the record may exist, so the attempt must be kept.
 // ResourceExhausted for a record over the format's 1 MiB (too many objects).
 Status CommitAttempt(KvStore* kv, std::string_view dir, std::string_view work_dir,
-                     CommitRecord record, bool overwrite, bool* outcome_unknown = nullptr);
+                     CommitRecord record, const std::map<std::string, uint64_t>& written,
+                     bool overwrite, bool* outcome_unknown = nullptr);
 
 // A read-only view of committed step `dir` on a store that UsesCommitRecords, keys as in the
 // store ("<dir>/state/index", ...), resolved in the attempt of the highest record and read at

@@ -37,7 +37,11 @@ Status StepStore::Lock() {
   return OkStatus();
 }
 
-Result<StepStore::StepListing> StepStore::CleanUpAndList(const OpenedStep& on_open) {
+Result<StepStore::StepListing> StepStore::CleanUpAndList(const OpenedStep& on_open,
+                                                         const MayClean& may_clean) {
+  const auto cleanable = [&](const std::string& folder) -> Result<bool> {
+    return may_clean ? may_clean(folder) : Result<bool>(true);
+  };
   // Top-level folders (one listing with the delimiter, not every data file of every step), and
   // whether each has a COMMIT. Loose files (LOCK, stray files) are not folders.
   TS_ASSIGN_OR_RETURN(ListedChildren top, kv_->ListChildren(""));
@@ -64,6 +68,7 @@ Result<StepStore::StepListing> StepStore::CleanUpAndList(const OpenedStep& on_op
   // <step> absent (or incomplete): the old step is the one to keep (rolled back as the writer
   // does). Only the first such folder by name, like the writer.
   std::set<std::string> restored;
+  std::set<std::string> left_alone;  // not `cleanable`
   if (kv_->SupportsRename()) {
     for (const auto& [name, complete] : folders) {
       const std::optional<std::string_view> base_view = LeftoverBase(name);
@@ -74,6 +79,15 @@ Result<StepStore::StepListing> StepStore::CleanUpAndList(const OpenedStep& on_op
       const std::string base(*base_view);
       auto base_it = folders.find(base);
       if ((base_it != folders.end() && base_it->second) || restored.count(base) > 0) continue;
+      TS_ASSIGN_OR_RETURN(bool may_roll_back, cleanable(name));
+      if (may_roll_back && base_it != folders.end()) {
+        TS_ASSIGN_OR_RETURN(may_roll_back, cleanable(base));
+      }
+      if (!may_roll_back) {  // an overwrite may be between its renames: both left as they are
+        left_alone.insert(name);
+        left_alone.insert(base);
+        continue;
+      }
       if (base_it != folders.end()) {
         TS_ASSIGN_OR_RETURN(bool ours, is_ours_incomplete(base));
         if (!ours) continue;  // someone else's folder took the step's name: leave both
@@ -99,7 +113,9 @@ Result<StepStore::StepListing> StepStore::CleanUpAndList(const OpenedStep& on_op
   for (const auto& [name, complete] : folders) {
     if (restored.count(name) > 0) continue;
     if (const std::optional<std::string_view> base = LeftoverBase(name)) {
-      if (ParseStepName(*base)) TS_RETURN_IF_ERROR(kv_->DeletePrefix(name + "/"));
+      if (!ParseStepName(*base) || left_alone.count(name) > 0) continue;
+      TS_ASSIGN_OR_RETURN(bool may_remove, cleanable(name));
+      if (may_remove) TS_RETURN_IF_ERROR(kv_->DeletePrefix(name + "/"));
       continue;
     }
     std::optional<int64_t> step = ParseStepName(name);
@@ -116,9 +132,13 @@ Result<StepStore::StepListing> StepStore::CleanUpAndList(const OpenedStep& on_op
       }
       continue;
     }
-    // No save runs while we hold the lock, so an incomplete step of ours is dead.
+    // No managed save runs while we hold the lock, so an incomplete step of ours is dead (or,
+    // for gc, not `cleanable`: written too recently).
+    if (left_alone.count(name) > 0) continue;
     TS_ASSIGN_OR_RETURN(bool ours, is_ours_incomplete(name));
-    if (ours) TS_RETURN_IF_ERROR(kv_->DeletePrefix(name + "/"));
+    if (!ours) continue;
+    TS_ASSIGN_OR_RETURN(bool may_remove, cleanable(name));
+    if (may_remove) TS_RETURN_IF_ERROR(kv_->DeletePrefix(name + "/"));
   }
   return listing;
 }

@@ -61,7 +61,11 @@ class StepStore {
   // step (the manager's metrics) does not open it again. A step restored from an interrupted
   // overwrite is listed without that check and is opened only when `on_open` is given.
   using OpenedStep = std::function<void(int64_t step, const CheckpointReader& reader)>;
-  Result<StepListing> CleanUpAndList(const OpenedStep& on_open = nullptr);
+  // `may_clean` (optional) is asked before a folder is removed or rolled back: false leaves it
+  // as it is (gc leaves alone what a save that takes no lock may still be writing; garbage.h).
+  using MayClean = std::function<Result<bool>(const std::string& folder)>;
+  Result<StepListing> CleanUpAndList(const OpenedStep& on_open = nullptr,
+                                     const MayClean& may_clean = nullptr);
 
   // Deletes `step`: COMMIT first, so that a crash halfway leaves an incomplete folder (removed by
   // the next CleanUpAndList), never a step that claims to be complete with files missing.

@@ -69,4 +69,28 @@ Status PublishFolder(KvStore* kv, const std::string& work_dir, const std::string
   return OkStatus();
 }
 
+Result<std::map<std::string, ObjectInfo>> CheckWrittenFiles(
+    KvStore* kv, const std::string& work_dir, const std::map<std::string, uint64_t>& written) {
+  const std::string prefix = work_dir + "/";
+  TS_ASSIGN_OR_RETURN(std::vector<ListedObject> listed, kv->ListWithInfo(prefix));
+  std::map<std::string, ObjectInfo> there;
+  for (ListedObject& object : listed) {
+    there.emplace(object.key.substr(prefix.size()), std::move(object.info));
+  }
+  std::map<std::string, ObjectInfo> out;
+  for (const auto& [name, size] : written) {
+    auto it = there.find(name);
+    if (it == there.end() || it->second.size != size) {
+      return DataLossError(StrCat(
+          "file '", prefix, name, "' in ", kv->Describe(), " that this save wrote ",
+          it == there.end() ? std::string("is gone")
+                            : StrCat("has ", it->second.size, " bytes instead of ", size),
+          " before the commit: something removed or replaced the save's files while it ran (e.g. "
+          "`tensorstash gc` with a --min-age shorter than the save); nothing was committed"));
+    }
+    out.emplace(name, std::move(it->second));
+  }
+  return out;
+}
+
 }  // namespace tensorstash

@@ -6,6 +6,7 @@
 #ifndef TENSORSTASH_ENGINE_PUBLISH_H_
 #define TENSORSTASH_ENGINE_PUBLISH_H_
 
+#include <map>
 #include <string>
 
 #include "tensorstash/kvstore/kvstore.h"
@@ -27,6 +28,15 @@ namespace tensorstash {
 // kv->SupportsRename().
 Status PublishFolder(KvStore* kv, const std::string& work_dir, const std::string& dir,
                      const std::string& aside_dir, bool sync);
+
+// Checks, with one listing of `work_dir`, that every file a save wrote there is still there with
+// the size it was written with (`written`: path relative to `work_dir` -> size), before the save
+// commits: something that removed or replaced files meanwhile (`tensorstash gc` with a --min-age
+// shorter than the save, a second writer of the same folder) must make the save fail, never
+// commit a step with files missing. On success returns what the listing says of each written
+// file (keyed as `written`); DataLoss naming the first missing or resized file otherwise.
+Result<std::map<std::string, ObjectInfo>> CheckWrittenFiles(
+    KvStore* kv, const std::string& work_dir, const std::map<std::string, uint64_t>& written);
 
 }  // namespace tensorstash
 

@@ -30,6 +30,9 @@ class ForwardingKvStore : public KvStore {
     return base_->ListChildren(prefix);
   }
   Result<ObjectInfo> Stat(std::string_view key) override { return base_->Stat(key); }
+  Result<std::vector<ListedObject>> ListWithInfo(std::string_view prefix) override {
+    return base_->ListWithInfo(prefix);
+  }
   Status ReadRangeAtGeneration(std::string_view key, std::string_view generation, uint64_t offset,
                                size_t size, void* dest) override {
     return base_->ReadRangeAtGeneration(key, generation, offset, size, dest);

@@ -161,6 +161,24 @@ Result<ListedChildren> KvStore::ListChildren(std::string_view prefix) {
   return children;
 }
 
+Result<std::vector<ListedObject>> KvStore::ListWithInfo(std::string_view prefix) {
+  TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, List(prefix));
+  std::vector<ListedObject> out;
+  out.reserve(keys.size());
+  for (std::string& key : keys) {
+    Result<ObjectInfo> info = Stat(key);
+    if (absl::IsUnimplemented(info.status())) {
+      Result<uint64_t> size = Size(key);
+      info = size.ok() ? Result<ObjectInfo>(ObjectInfo{*size, "", {}})
+                       : Result<ObjectInfo>(size.status());
+    }
+    if (absl::IsNotFound(info.status())) continue;  // deleted since the listing
+    TS_RETURN_IF_ERROR(info.status());
+    out.push_back({std::move(key), *std::move(info)});
+  }
+  return out;
+}
+
 Result<ObjectInfo> KvStore::Stat(std::string_view key) {
   return UnimplementedError(StrCat(Describe(), " has no object generations (stat of '", key, "')"));
 }

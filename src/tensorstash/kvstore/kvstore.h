@@ -11,6 +11,7 @@
 #ifndef TENSORSTASH_KVSTORE_KVSTORE_H_
 #define TENSORSTASH_KVSTORE_KVSTORE_H_
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -105,6 +106,15 @@ struct KvStoreCapabilities {
 struct ObjectInfo {
   uint64_t size = 0;
   std::string generation;
+  // When the object was last written (file: its mtime; S3: LastModified); the epoch where the
+  // backend cannot tell.
+  std::chrono::system_clock::time_point modified{};
+};
+
+// One object of a listing, with what Stat would say of it (ListWithInfo).
+struct ListedObject {
+  std::string key;
+  ObjectInfo info;
 };
 
 // The immediate children of a prefix (ListChildren): the keys right under it and the
@@ -148,6 +158,12 @@ class KvStore {
 
   // Size and generation of the object; NotFound if it does not exist. Unimplemented by default.
   virtual Result<ObjectInfo> Stat(std::string_view key);
+  // The objects under `prefix`, sorted by key, each with its size, generation and time: for a
+  // caller that needs all of them at once (a commit that checks every object it names, gc
+  // weighing how old a folder is), in one listing where the store has one that carries them
+  // (S3's ListObjectsV2). The default lists, then Stats each key (Size where Stat is
+  // Unimplemented: no generation, no time); an object deleted in between is left out.
+  virtual Result<std::vector<ListedObject>> ListWithInfo(std::string_view prefix);
   // Reads exactly `size` bytes at `offset` of the object at `key` if its generation is still
   // `generation` (from Stat), all from that one version; FailedPrecondition naming the key when
   // the object was replaced (a different generation), NotFound when it is gone, DataLoss when

@@ -994,7 +994,11 @@ Result<ObjectInfo> FileKvStore::Stat(std::string_view key) {
   if (::fstat(opened.fd.get(), &st) != 0) return FsError(errno, "stat", path);
   if (S_ISLNK(st.st_mode)) return FsError(ELOOP, "stat", path);
   TS_RETURN_IF_ERROR(CheckIsObject(st, "stat", path));
-  return ObjectInfo{static_cast<uint64_t>(st.st_size), GenerationOf(st)};
+  return ObjectInfo{static_cast<uint64_t>(st.st_size), GenerationOf(st),
+                    std::chrono::system_clock::time_point(
+                        std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                            std::chrono::seconds(st.st_mtim.tv_sec) +
+                            std::chrono::nanoseconds(st.st_mtim.tv_nsec)))};
 }
 
 Status FileKvStore::ReadRangeAtGeneration(std::string_view key, std::string_view generation,

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -39,6 +40,8 @@ struct MemoryKvStore::Object {
   std::mutex mutex;
   std::string data;                        // Guarded by mutex.
   uint64_t generation = NextGeneration();  // Guarded by mutex; new on every change of data.
+  // Guarded by mutex; set with every new generation.
+  std::chrono::system_clock::time_point modified = std::chrono::system_clock::now();
 };
 
 namespace {
@@ -79,6 +82,7 @@ class MemoryWritableFile final : public WritableFile {
     if (end > bytes.size()) bytes.resize(end);
     if (size > 0) std::memcpy(bytes.data() + offset, data, size);
     object_->generation = NextGeneration();
+    object_->modified = std::chrono::system_clock::now();
     return OkStatus();
   }
 
@@ -271,6 +275,7 @@ Result<std::unique_ptr<WritableFile>> MemoryKvStore::OpenForWrite(std::string_vi
       std::lock_guard<std::mutex> object_lock(object->mutex);
       object->data.clear();
       object->generation = NextGeneration();
+      object->modified = std::chrono::system_clock::now();
     } else {
       object = std::make_shared<Object>();
       objects_.emplace(std::string(key), object);
@@ -361,7 +366,8 @@ Result<ObjectInfo> MemoryKvStore::Stat(std::string_view key) {
     TS_ASSIGN_OR_RETURN(object, FindLocked(key, "stat"));
   }
   std::lock_guard<std::mutex> lock(object->mutex);
-  return ObjectInfo{static_cast<uint64_t>(object->data.size()), StrCat(object->generation)};
+  return ObjectInfo{static_cast<uint64_t>(object->data.size()), StrCat(object->generation),
+                    object->modified};
 }
 
 Status MemoryKvStore::ReadRangeAtGeneration(std::string_view key, std::string_view generation,

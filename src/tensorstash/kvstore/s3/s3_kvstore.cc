@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tensorstash/kvstore/registry.h"
+#include "tensorstash/kvstore/s3/aws_config.h"
 #include "tensorstash/kvstore/s3/s3_xml.h"
 #include "tensorstash/kvstore/s3/sigv4.h"
 #include "tensorstash/util/crc32c.h"
@@ -844,6 +845,25 @@ Result<std::vector<std::string>> S3KvStore::List(std::string_view prefix) {
   for (S3ListedObject& object : objects) keys.push_back(std::move(object.key));
   std::sort(keys.begin(), keys.end());
   return keys;
+}
+
+Result<std::vector<ListedObject>> S3KvStore::ListWithInfo(std::string_view prefix) {
+  std::vector<S3ListedObject> objects;
+  TS_RETURN_IF_ERROR(impl_->ListAll(prefix, false, &objects, nullptr));
+  std::vector<ListedObject> out;
+  out.reserve(objects.size());
+  for (S3ListedObject& object : objects) {
+    ListedObject listed{std::move(object.key), {object.size, std::move(object.etag), {}}};
+    if (Result<std::chrono::system_clock::time_point> when =
+            ParseAwsTimestamp(object.last_modified);
+        when.ok()) {
+      listed.info.modified = *when;
+    }
+    out.push_back(std::move(listed));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const ListedObject& a, const ListedObject& b) { return a.key < b.key; });
+  return out;
 }
 
 Result<ListedChildren> S3KvStore::ListChildren(std::string_view prefix) {

@@ -99,6 +99,9 @@ class S3KvStore final : public KvStore {
 
   Result<std::vector<std::string>> List(std::string_view prefix) override;
   Result<ListedChildren> ListChildren(std::string_view prefix) override;
+  // From the listing alone: <Size>, <ETag> (the generation, as HEAD gives it) and
+  // <LastModified> (the epoch when a server sends none or one that does not parse).
+  Result<std::vector<ListedObject>> ListWithInfo(std::string_view prefix) override;
   // NotFound when absent (a HEAD first: S3's DELETE answers 204 for a missing key too).
   Status Delete(std::string_view key) override;
   Status DeletePrefix(std::string_view prefix) override;

@@ -455,12 +455,12 @@ TEST_F(S3CheckpointTest, GcRemovesWhatKilledSavesLeftAndNoCommittedStep) {
     EXPECT_TRUE(absl::IsFailedPrecondition(refused.status())) << refused.status();
   }
   Result<GarbageReport> dry =
-      CollectGarbage(store.get(), {.dry_run = true, .upload_min_age = std::chrono::seconds(0)});
+      CollectGarbage(store.get(), {.dry_run = true, .min_age = std::chrono::seconds(0)});
   ASSERT_TRUE(dry.ok()) << dry.status();
   EXPECT_EQ(dry->removed.size(), 2u);
   TS_ASSERT_OK(store->Size(orphan).status());  // a dry run removes nothing
   Result<GarbageReport> report =
-      CollectGarbage(store.get(), {.dry_run = false, .upload_min_age = std::chrono::seconds(0)});
+      CollectGarbage(store.get(), {.dry_run = false, .min_age = std::chrono::seconds(0)});
   ASSERT_TRUE(report.ok()) << report.status();
   EXPECT_EQ(report->removed,
             std::vector<std::string>({"0000000002/attempt-00000000000000aa/", "0000000003/"}));

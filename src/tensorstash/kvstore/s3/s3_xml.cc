@@ -290,6 +290,8 @@ Result<S3ListPage> ParseListObjectsV2(std::string_view xml, std::string_view whe
         has_size = true;
       } else if (path[2] == "ETag") {
         object.etag = std::move(text);
+      } else if (path[2] == "LastModified") {
+        object.last_modified = std::move(text);
       }
     } else if (PathIs(path, {kRoot, "Contents"})) {
       if (!has_key) {

@@ -37,6 +37,7 @@ struct S3ListedObject {
   std::string key;  // decoded (see ParseListObjectsV2)
   uint64_t size = 0;
   std::string etag;  // as sent, quotes included
+  std::string last_modified;  // <LastModified> as sent ("" when absent)
 };
 
 struct S3ListPage {
