@@ -168,19 +168,18 @@ class PyLocalTier {
     return out;
   }
 
-  void FinishRestore(const PyTieredRestore* restore) {
+  std::vector<std::string> FinishRestore(const PyTieredRestore* restore, std::string error) {
     LocalTier& tier = Get();
     TieredRestore done;
     if (restore != nullptr) {
       done.step = restore->step;
       done.save = restore->save;
     }
-    Status status;
-    {
+    Result<std::vector<std::string>> words = [&] {
       nb::gil_scoped_release release;
-      status = tier.FinishRestore(restore != nullptr ? &done : nullptr);
-    }
-    ThrowIfError(status);
+      return tier.FinishRestore(restore != nullptr ? &done : nullptr, std::move(error));
+    }();
+    return ValueOrThrow(std::move(words));
   }
 
   std::string Url() { return Get().url(); }
@@ -215,13 +214,14 @@ class PyLocalTier {
   std::unique_ptr<LocalTier> tier_;
 };
 
-void InitLocalTier(PyLocalTier* self, const std::string& local_dir, nb::object coordinator,
-                   int64_t save_interval_steps, int max_to_keep, const std::string& address,
+void InitLocalTier(PyLocalTier* self, const std::string& local_dir, const std::string& run,
+                   nb::object coordinator, int64_t save_interval_steps, int max_to_keep, const std::string& address,
                    int port, double timeout_s, int64_t max_staging_bytes,
                    int64_t target_chunk_bytes, int64_t target_data_file_bytes,
                    int64_t max_inflight_bytes, int io_threads, nb::object warn) {
   LocalTierOptions options;
   options.dir = local_dir;
+  options.run = run;
   options.save_interval_steps = save_interval_steps;
   options.max_to_keep = max_to_keep;
   options.server_address = address;
@@ -303,7 +303,7 @@ void DefineLocalTier(nb::module_& m) {
   nb::class_<PyLocalTier>(m, "LocalTier",
                           "This process's part of the node-local tier (checkpoint/local_tier.h).",
                           nb::type_slots(GcSlots<PyLocalTier>()))
-      .def("__init__", &InitLocalTier, nb::arg("local_dir"), nb::kw_only(),
+      .def("__init__", &InitLocalTier, nb::arg("local_dir"), nb::kw_only(), nb::arg("run") = "",
            nb::arg("coordinator").none() = nb::none(), nb::arg("save_interval_steps") = 1,
            nb::arg("max_to_keep") = 1, nb::arg("address") = "127.0.0.1", nb::arg("port") = 0,
            nb::arg("timeout_s") = 300.0, nb::arg("max_staging_bytes") = 0,
@@ -340,8 +340,10 @@ void DefineLocalTier(nb::module_& m) {
            "FileNotFoundError when no tier holds all of it; call finish_restore afterwards "
            "either way.")
       .def("finish_restore", &PyLocalTier::FinishRestore, nb::arg("restore").none(),
-           "Collective: waits for every process to have read; after a successful restore "
-           "(`restore` from open_step; None after a failed one) drops abandoned holdings.")
+           nb::arg("error") = "",
+           "Collective: every process says how its restore ended (`error`, \"\" when it read "
+           "everything; `restore` from open_step, None after a failure) and gets every "
+           "process's word, by index; only when all are empty are abandoned holdings dropped.")
       .def_prop_ro("url", &PyLocalTier::Url, "The peer server's URL (\"\" for one process).")
       .def("close", &PyLocalTier::Close);
 }

@@ -132,6 +132,12 @@ class Manager {
     return WithoutGil([](CheckpointManager& manager) { return manager.LatestStep(); });
   }
 
+  std::string RunId() {
+    Result<std::string> id =
+        WithoutGil([](CheckpointManager& manager) { return manager.RunId(); });
+    return ValueOrThrow(std::move(id));
+  }
+
   bool ShouldSave(int64_t step) {
     return WithoutGil([step](CheckpointManager& manager) { return manager.ShouldSave(step); });
   }
@@ -283,6 +289,9 @@ void DefineManager(nb::module_& m) {
            "the step is complete, ValueError for bad arrays, metadata or metrics.")
       .def("all_steps", &Manager::AllSteps, "Complete steps, ascending.")
       .def("latest_step", &Manager::LatestStep, "The newest complete step, or None.")
+      .def("run_id", &Manager::RunId,
+           "The id of the run writing into the root (its RUN_ID file, made by the first call); "
+           "process 0 only.")
       .def("damaged_steps", &Manager::DamagedSteps,
            "Steps with a COMMIT that do not open (found by process 0 at open), and why.")
       .def("should_save", &Manager::ShouldSave, nb::arg("step"),

@@ -43,7 +43,8 @@ def default_server_address() -> str:
         return "127.0.0.1"
 
 
-def open_local_tier(local_dir: str | os.PathLike, *, coordinator: Any, save_interval_steps: int,
+def open_local_tier(local_dir: str | os.PathLike, *, run: str, coordinator: Any,
+                    save_interval_steps: int,
                     max_to_keep: int, address: str | None, port: int, timeout_s: float,
                     engine_options: dict, logger: Any) -> _ext.LocalTier:
     """This process's LocalTier (collective with several processes): its server on `address`,
@@ -55,7 +56,7 @@ def open_local_tier(local_dir: str | os.PathLike, *, coordinator: Any, save_inte
         logger.warning("tensorstash: the local tier's server listens on %s: processes on other "
                        "hosts cannot reach it (no route to a JAX coordinator was found); pass "
                        "local_server_address", bind)
-    return _ext.LocalTier(os.path.abspath(os.fspath(local_dir)), coordinator=coordinator,
+    return _ext.LocalTier(os.path.abspath(os.fspath(local_dir)), run=run, coordinator=coordinator,
                           save_interval_steps=save_interval_steps, max_to_keep=max_to_keep,
                           address=bind, port=port, timeout_s=timeout_s,
                           warn=lambda text: logger.warning("tensorstash: %s", text),

@@ -20,6 +20,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import operator
 import os
 import time
 import weakref
@@ -75,6 +76,28 @@ class RestoreStats:
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+# Steps are folder names of 10 digits (docs/format.md).
+_MAX_STEP = 10**10 - 1
+
+
+def _check_step(step: Any) -> int:
+    """`step` as an int: an int (or a NumPy/JAX integer scalar) from 0 to 9,999,999,999.
+    ValueError for anything else, bools and floats included (save(6.7) must not save step 6)."""
+    if isinstance(step, bool) or not hasattr(step, "__index__"):
+        raise ValueError(f"a step must be an int, not {type(step).__name__} ({step!r})")
+    value = operator.index(step)
+    if not 0 <= value <= _MAX_STEP:
+        raise ValueError(f"step {value} is out of range: steps are ints from 0 to {_MAX_STEP} "
+                         f"(10-digit folder names)")
+    return value
+
+
+def _is_data_error(e: BaseException) -> bool:
+    """Whether a failed restore says the step's bytes are bad (corrupt, missing), so that an
+    older step may restore instead: not a timeout, a permission or a caller's error."""
+    return isinstance(e, OSError) and not isinstance(e, (TimeoutError, PermissionError))
 
 
 def _encode_per_process(value: Any) -> bytes:
@@ -214,12 +237,17 @@ class CheckpointManager:
         # What the last multi-tier restore of a step read besides the arrays, by step.
         self._restored_from_tiers: dict[int, _ext.TieredRestore] = {}
         self._last_latest: int | None = None  # what latest_step() last found, with local_dir
+        # Steps that did not restore whole -> the older step restored instead (restore()).
+        self._redirected: dict[int, int] = {}
         if local_dir is not None:
             if not coordination_timeout > 0:
                 raise ValueError(f"coordination_timeout must be > 0, not {coordination_timeout!r}")
             try:
+                # The run the holdings belong to: the root and the id made when the run began
+                # (process 0's counts), so that a reused local_dir never restores another run.
+                run = (f"{self.root} {self._ext.run_id()}" if self._process_index == 0 else "")
                 self._local = _multitier.open_local_tier(
-                    local_dir, coordinator=self._coordinator,
+                    local_dir, run=run, coordinator=self._coordinator,
                     save_interval_steps=local_save_interval_steps,
                     max_to_keep=local_max_to_keep, address=local_server_address,
                     port=local_server_port, timeout_s=coordination_timeout,
@@ -252,11 +280,12 @@ class CheckpointManager:
         (they may change right afterwards; the write and commit go on in the background), else
         once the step is committed. Raises the error of an earlier background save (saving
         nothing), FileExistsError when the step is already complete, TypeError for unsupported
-        leaves or values that are not JSON, ValueError for bad metrics or a closed manager.
+        leaves or values that are not JSON, ValueError for a step that is not an int from 0 to
+        9,999,999,999 (a float or a bool included), bad metrics or a closed manager.
         """
         started = time.perf_counter()
         self._check_open()
-        step = int(step)
+        step = _check_step(step)
         persistent_due = force or self._ext.should_save(step)
         local_due = self._local is not None and (force or self._local.should_save(step))
         if not persistent_due and not local_due:
@@ -319,7 +348,7 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether `step` is due under save_interval_steps (or, with a local tier,
         local_save_interval_steps)."""
-        step = int(step)
+        step = _check_step(step)
         return self._ext.should_save(step) or (
             self._local is not None and self._local.should_save(step))
 
@@ -327,7 +356,7 @@ class CheckpointManager:
         """True once a SIGTERM arrived (handle_sigterm): save `step` and stop. With several
         processes this is collective (all call it for the same steps) and true in all of them
         once any one was signalled."""
-        return self._ext.reached_preemption(int(step))
+        return self._ext.reached_preemption(_check_step(step))
 
     def wait_until_finished(self) -> None:
         """Waits for the save in flight; raises its error, if it failed (once)."""
@@ -390,7 +419,7 @@ class CheckpointManager:
 
     def step_path(self, step: int) -> str:
         """The folder of `step` (whether or not it exists)."""
-        step_dir = _ext.Manager.step_dir(int(step))
+        step_dir = _ext.Manager.step_dir(_check_step(step))
         if _ext.has_url_scheme(self.root):
             return f"{self.root.rstrip('/')}/{step_dir}"
         return os.path.join(self.root, step_dir)
@@ -400,53 +429,111 @@ class CheckpointManager:
     def restore(self, step: int | None = None, target: Any = None, **kwargs) -> Any:
         """Restores `step` (None: the latest complete one), as tensorstash.restore(
         step_path(step), target, **kwargs) does, and reports RestoreStats (on_restore, log).
-        Raises FileNotFoundError naming the root when there is no complete step (or no such
-        step), and the errors of tensorstash.restore."""
+
+        The latest step (None, or the step latest_step() last returned) falls back: when it does
+        not restore whole (a chunk whose every copy is corrupt or missing: an OSError other than
+        TimeoutError or PermissionError), the newest older step that does is restored instead,
+        in every process alike, with a warning naming the step skipped and why;
+        last_restore_stats.step says which step was restored, and latest_step(),
+        per_process() and metadata() then answer for it. (A single process, or a job with
+        local_dir; a job of several processes without local_dir raises.) An explicit older step
+        never falls back. Raises FileNotFoundError naming the root when there is no complete
+        step (or no such step), and the errors of tensorstash.restore."""
+        asked = None if step is None else _check_step(step)
         step = self._step_or_latest(step, collective=True)
         started = time.perf_counter()
         # tensorstash.restore's arguments, with its defaults (TypeError for unknown ones).
         args = inspect.signature(_restore_signature).bind(self.step_path(step), target, **kwargs)
         args.apply_defaults()
         if self._local is not None:
-            return self._restore_tiered(step, target, args, started)
-        tree, nbytes = _restore(*args.args, **args.kwargs)
-        stats = RestoreStats(step=step, bytes=nbytes, seconds=time.perf_counter() - started,
+            fallback = asked is None or asked == self._last_latest
+            return self._restore_tiered(step, target, args, started, fallback)
+        single = self._coordinator is None or self._coordinator.process_count() == 1
+        candidates = [step]
+        if single and (asked is None or asked == self._ext.latest_step()):
+            candidates = [s for s in reversed(self.all_steps()) if s <= step] or [step]
+        for i, candidate in enumerate(candidates):
+            args.arguments["path"] = self.step_path(candidate)
+            try:
+                tree, nbytes = _restore(*args.args, **args.kwargs)
+            except OSError as e:
+                if i + 1 == len(candidates) or not _is_data_error(e):
+                    raise
+                self._skipped(step, candidate, f"{type(e).__name__}: {e}", candidates[i + 1])
+                continue
+            break
+        stats = RestoreStats(step=candidate, bytes=nbytes, seconds=time.perf_counter() - started,
                              bytes_from={"local": 0, "peer": 0, "persistent": nbytes},
                              seconds_from={"local": 0.0, "peer": 0.0,
                                            "persistent": time.perf_counter() - started})
         self._restored(stats)
         return tree
 
-    def _restore_tiered(self, step: int, target: Any, args: Any, started: float) -> Any:
+    def _skipped(self, asked: int, step: int, why: str, instead: int | None) -> None:
+        """Logs that `step` did not restore whole, and records what `asked` now means."""
+        self.logger.warning("tensorstash: step %d in %s does not restore whole (%s)%s", step,
+                            self.root, why, f"; trying step {instead}, the next older one"
+                            if instead is not None else "")
+        if instead is not None:
+            self._redirected[asked] = instead
+            self._last_latest = instead
+
+    def _restore_tiered(self, step: int, target: Any, args: Any, started: float,
+                        fallback: bool) -> Any:
         """restore() with a local tier (collective): each chunk from the cheapest intact holder
-        of the chosen save, then a barrier so that no process drops or rewrites a holding (its
-        write-back, its next local save) while another still reads it, then this node's copy
-        healed and the holdings of abandoned saves removed."""
+        of the chosen save; then every process says how its read ended (finish_restore), so
+        that no process drops or rewrites a holding (its write-back, its next local save) while
+        another still reads it, and so that all of them give up, or all try the next older step
+        (`fallback`), together; then this node's copy healed and the holdings of abandoned saves
+        removed."""
         local = self._local
-        job = local.gather(self.all_steps())
+        job = local.gather(self.all_steps())  # the same in every process
         kwargs = dict(args.arguments)
         kwargs.pop("path"), kwargs.pop("target")
-        restore = None
-        try:
-            opened = local.open_step(step, job, self.root,
-                                     verify_checksums=kwargs["verify_checksums"],
-                                     max_inflight_bytes=kwargs["max_inflight_bytes"],
-                                     io_threads=kwargs["io_threads"])
-            with contextlib.closing(opened.reader) as reader:
-                tree, _ = _restore(self.step_path(step), target, reader=reader, **kwargs)
-                tier = reader.tier_stats()
-                stored = {a["path"]: a for a in reader.arrays()}
-            restore = opened
-        finally:
-            if restore is None:  # failed: only the barrier, nothing of this node is dropped
-                local.finish_restore(None)
-        # Every process has read: this node's abandoned holdings go, and its copy is healed.
-        local.finish_restore(restore)
+        candidates = [step]
+        if fallback:
+            candidates = [s for s in reversed(job.restorable_steps()) if s <= step] or [step]
+        for i, candidate in enumerate(candidates):
+            restore, error, word = None, None, ""
+            try:
+                opened = local.open_step(candidate, job, self.root,
+                                         verify_checksums=kwargs["verify_checksums"],
+                                         max_inflight_bytes=kwargs["max_inflight_bytes"],
+                                         io_threads=kwargs["io_threads"])
+                with contextlib.closing(opened.reader) as reader:
+                    tree, _ = _restore(self.step_path(candidate), target, reader=reader,
+                                       **kwargs)
+                    tier = reader.tier_stats()
+                    stored = {a["path"]: a for a in reader.arrays()}
+                restore = opened
+            except Exception as e:  # noqa: BLE001 - every process must hear of it (below)
+                error = e
+                word = f"{'data' if _is_data_error(e) else 'other'}:{type(e).__name__}: {e}"
+            # Every process has read (or failed): all of them see the same words.
+            words = local.finish_restore(restore, word)
+            failed = {p: w for p, w in enumerate(words) if w}
+            if not failed:
+                break
+            why = "; ".join(f"process {p}: {w.split(':', 1)[1]}" for p, w in failed.items())
+            last = i + 1 == len(candidates)
+            if last or not all(w.startswith("data:") for w in failed.values()):
+                if error is not None:
+                    raise error
+                raise OSError(f"restoring step {candidate} from {self.root} failed in other "
+                              f"processes: {why}")
+            self._skipped(step, candidate, why, candidates[i + 1])
+        step = candidate
         for problem in tier["open_errors"] + tier["failures"]:
             self.logger.warning("tensorstash: restoring step %d: %s", step, problem)
         self._restored_from_tiers[step] = restore
         if tier["local_failed"] or tier["bytes"]["peer"] or tier["bytes"]["persistent"]:
-            self._write_back(step, tree, restore, stored)
+            if kwargs["verify_checksums"]:
+                self._write_back(step, tree, restore, stored)
+            else:
+                # The bytes were not checked: written back with fresh CRCs they would pass for
+                # good ones in the next restore, which prefers this node's copy.
+                self.logger.info("tensorstash: step %d restored without checksum verification: "
+                                 "this node's copy is not rewritten", step)
         stats = RestoreStats(step=step, bytes=sum(tier["bytes"].values()),
                              seconds=time.perf_counter() - started,
                              bytes_from=dict(tier["bytes"]), seconds_from=dict(tier["seconds"]),
@@ -522,9 +609,11 @@ class CheckpointManager:
         """`step`, or the latest step. With a local tier the latest is collective
         (latest_step()) only for `collective` callers (restore, which every process calls);
         the others (metadata, per_process, ...) take the one the last latest_step() found, else
-        the persistent tier's."""
+        the persistent tier's; for them a step that did not restore whole means the step that
+        restore() took instead."""
         if step is not None:
-            return int(step)
+            step = _check_step(step)
+            return step if collective else self._redirected.get(step, step)
         if self._local is not None and not collective:
             latest = self._last_latest if self._last_latest is not None else \
                 self._ext.latest_step()
@@ -532,7 +621,7 @@ class CheckpointManager:
             latest = self.latest_step()
         if latest is None:
             raise FileNotFoundError(f"no complete checkpoint step in {self.root}")
-        return latest
+        return latest if collective else self._redirected.get(latest, latest)
 
     def _read_file(self, step: int | None, name: str) -> bytes | None:
         step = self._step_or_latest(step)

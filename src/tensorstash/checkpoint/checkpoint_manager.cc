@@ -15,6 +15,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "nlohmann/json.hpp"
 #include "tensorstash/checkpoint/background_worker.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
@@ -24,6 +25,7 @@
 #include "tensorstash/coordination/single_process_coordinator.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/util/crc32c.h"
+#include "tensorstash/util/random_id.h"
 #include "tensorstash/util/staging_pool.h"
 
 namespace tensorstash {
@@ -235,6 +237,24 @@ Status CheckpointManager::Impl::CleanUpAndListSteps() {
 }
 
 Result<std::string> CheckpointManager::StepDir(int64_t step) { return StepStore::StepDir(step); }
+
+Result<std::string> CheckpointManager::RunId() {
+  Impl& m = *impl_;
+  if (!m.is_leader()) return FailedPreconditionError("the run id is read by process 0");
+  constexpr char kRunIdKey[] = "RUN_ID";
+  Result<std::string> text = m.kv->Read(kRunIdKey);
+  if (text.ok()) {
+    std::string id(absl::StripAsciiWhitespace(*text));
+    if (IsHexId(id)) return id;
+  } else if (!absl::IsNotFound(text.status())) {
+    return text.status();
+  }
+  // Missing (or not an id: replaced, as nothing else may live under this name).
+  const std::string id = RandomHexId();
+  TS_RETURN_IF_ERROR(m.kv->Write(kRunIdKey, id + "\n"));
+  TS_RETURN_IF_ERROR(m.kv->Sync(kRunIdKey));
+  return id;
+}
 
 std::vector<int64_t> CheckpointManager::AllSteps() const {
   std::lock_guard<std::mutex> guard(impl_->mutex);

@@ -151,6 +151,13 @@ class CheckpointManager {
   // Whether `step` is due for a save under save_interval_steps.
   bool ShouldSave(int64_t step) const;
 
+  // The id of the run that writes into this root: the text of the root's RUN_ID, written with a
+  // new random id by the first call ever on the root (the lock makes that one writer). The
+  // node-local tier tags its holdings with it, so that a reused local_dir never restores
+  // another run's state (local_tier.h). Process 0 only (FailedPrecondition elsewhere); the
+  // store's errors.
+  Result<std::string> RunId();
+
   // Saves `step` and returns when it is complete and durable; steps that retention drops are
   // unlisted at once and deleted in the background. Waits for a save in flight first and
   // returns its error, if any, without saving. The shard buffers are only read during the call.

@@ -24,7 +24,7 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr std::string_view kValuesMagic = "tensorstash per-process values 2\n";
+constexpr std::string_view kValuesMagic = "tensorstash per-process values 3\n";
 
 }  // namespace
 
@@ -58,12 +58,14 @@ std::optional<std::pair<int, int>> ParseHoldingFolder(std::string_view name) {
   return std::make_pair(index, count);
 }
 
-std::string PackValues(std::string_view save_id, const ProcessValues& values) {
+std::string PackValues(const PackedValues& packed) {
   std::string out(kValuesMagic);
-  PutLE32(&out, static_cast<uint32_t>(save_id.size()));
-  out.append(save_id);
-  PutLE32(&out, static_cast<uint32_t>(values.size()));
-  for (const auto& [index, value] : values) {
+  for (const std::string& text : {packed.run, packed.save_id}) {
+    PutLE32(&out, static_cast<uint32_t>(text.size()));
+    out.append(text);
+  }
+  PutLE32(&out, static_cast<uint32_t>(packed.values.size()));
+  for (const auto& [index, value] : packed.values) {
     PutLE32(&out, static_cast<uint32_t>(index));
     out.push_back(value.has_value() ? 1 : 0);
     PutLE64(&out, value.has_value() ? value->size() : 0);
@@ -72,8 +74,7 @@ std::string PackValues(std::string_view save_id, const ProcessValues& values) {
   return out;
 }
 
-Result<std::pair<std::string, ProcessValues>> UnpackValues(std::string_view data,
-                                                           std::string_view where) {
+Result<PackedValues> UnpackValues(std::string_view data, std::string_view where) {
   auto malformed = [&](std::string_view why) {
     return DataLossError(StrCat("the per-process values of ", where, " are malformed: ", why));
   };
@@ -85,12 +86,16 @@ Result<std::pair<std::string, ProcessValues>> UnpackValues(std::string_view data
     pos += n;
     return part;
   };
-  std::optional<std::string_view> length = take(4);
-  if (!length) return malformed("truncated");
-  std::optional<std::string_view> save_id = take(GetLE32(length->data()));
-  std::optional<std::string_view> count = save_id ? take(4) : std::nullopt;
+  PackedValues packed;
+  for (std::string* text : {&packed.run, &packed.save_id}) {
+    std::optional<std::string_view> length = take(4);
+    std::optional<std::string_view> bytes = length ? take(GetLE32(length->data())) : std::nullopt;
+    if (!bytes) return malformed("truncated");
+    *text = std::string(*bytes);
+  }
+  std::optional<std::string_view> count = take(4);
   if (!count) return malformed("truncated");
-  ProcessValues values;
+  ProcessValues& values = packed.values;
   for (uint32_t i = 0, n = GetLE32(count->data()); i < n; ++i) {
     std::optional<std::string_view> head = take(4 + 1 + 8);
     if (!head) return malformed("truncated");
@@ -100,7 +105,7 @@ Result<std::pair<std::string, ProcessValues>> UnpackValues(std::string_view data
     if (!value) return malformed("truncated");
     values[index] = present ? std::optional<std::string>(std::string(*value)) : std::nullopt;
   }
-  return std::make_pair(std::string(*save_id), std::move(values));
+  return packed;
 }
 
 std::string NewSaveId() {
@@ -138,6 +143,7 @@ std::string HoldingsToJson(const std::vector<Holding>& holdings) {
   for (const Holding& h : holdings) {
     out.push_back({{"holder", h.holder},
                    {"folder", h.folder},
+                   {"run", h.run},
                    {"step", h.step},
                    {"save_id", h.save_id},
                    {"digest", h.digest},
@@ -155,6 +161,7 @@ Result<std::vector<Holding>> HoldingsFromJson(std::string_view text) {
       Holding h;
       h.holder = doc.at("holder").get<int>();
       h.folder = doc.at("folder").get<std::string>();
+      h.run = doc.value("run", std::string());
       h.step = doc.at("step").get<int64_t>();
       h.save_id = doc.at("save_id").get<std::string>();
       h.digest = doc.at("digest").get<std::string>();
@@ -231,15 +238,16 @@ std::vector<Holding> DescribeHoldings(const std::string& local_dir, int holder) 
       if (!source.ok()) continue;
       Result<std::string> packed = (*source)->ReadFile(ProcessStateFileName(0));
       if (!packed.ok()) continue;
-      Result<std::pair<std::string, ProcessValues>> values =
+      Result<PackedValues> values =
           UnpackValues(*packed, StrCat(local_dir, "/", folder, "/", step));
       if (!values.ok()) continue;
       Holding h;
       h.holder = holder;
       h.folder = folder;
+      h.run = values->run;
       h.step = *StepStore::ParseStepName(step);
-      h.save_id = values->first;
-      for (const auto& [index, value] : values->second) h.values.push_back(index);
+      h.save_id = values->save_id;
+      for (const auto& [index, value] : values->values) h.values.push_back(index);
       const std::vector<ArrayMetadata>& arrays = (*source)->arrays();
       h.digest = ArraysDigest(arrays);
       const std::vector<std::vector<int64_t>>& held = (*source)->held_chunks(0);

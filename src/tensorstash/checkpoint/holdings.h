@@ -40,11 +40,17 @@ std::optional<std::pair<int, int>> ParseHoldingFolder(std::string_view name);
 // A per-process value, or none (the process saved no value).
 using ProcessValues = std::map<int, std::optional<std::string>>;
 
-// What a holding's "process/0" holds: a magic line, the save's id, then each process's value.
-std::string PackValues(std::string_view save_id, const ProcessValues& values);
-// The inverse: (save id, values). DataLoss naming `where` for anything else.
-Result<std::pair<std::string, ProcessValues>> UnpackValues(std::string_view data,
-                                                           std::string_view where);
+// What a holding's "process/0" holds: a magic line, the run it belongs to (LocalTierOptions::run),
+// the save's id, then each process's value.
+struct PackedValues {
+  std::string run;
+  std::string save_id;
+  ProcessValues values;
+};
+std::string PackValues(const PackedValues& packed);
+// The inverse. DataLoss naming `where` for anything else (a holding written by an older
+// release, without a run, included).
+Result<PackedValues> UnpackValues(std::string_view data, std::string_view where);
 
 // An id for one local save of the job (drawn by process 0): the time first, so that of two saves
 // of one step number (a step saved again after a rollback) the later sorts last.
@@ -66,6 +72,7 @@ struct SaveKey {
 struct Holding {
   int holder = 0;      // the process (now) on whose node it is
   std::string folder;  // "p<saved by>-of-<count>"
+  std::string run;     // the run it belongs to (LocalTierOptions::run)
   int64_t step = 0;
   std::string save_id;
   std::string digest;                                  // ArraysDigest

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <set>
 #include <system_error>
 #include <utility>
@@ -259,6 +261,71 @@ struct LocalTier::Impl {
     return OkStatus();
   }
 
+  // This run's holdings on this node (LocalTierOptions::run).
+  std::vector<Holding> OwnRunHoldings() const {
+    std::vector<Holding> holdings = DescribeHoldings(options.dir, collective.index());
+    std::erase_if(holdings, [&](const Holding& h) { return h.run != options.run; });
+    return holdings;
+  }
+
+  // Committed steps of other runs (or of no run: an older release's) in the folders no live
+  // process holds, this process's own included (before its manager opens, so that they neither
+  // restore nor win its retention): they cannot be anyone's live data, and are removed with a
+  // warning. Those in folders a live process holds are left to it, and named in a warning.
+  void RemoveOtherRuns() {
+    std::error_code error;
+    std::vector<std::string> removed;
+    std::vector<std::string> left;
+    for (const fs::directory_entry& entry : fs::directory_iterator(options.dir, error)) {
+      const std::string name = entry.path().filename().string();
+      if (!ParseHoldingFolder(name)) continue;
+      std::vector<fs::path> foreign;
+      std::error_code inner;
+      for (const fs::directory_entry& item : fs::directory_iterator(entry.path(), inner)) {
+        const std::string step = item.path().filename().string();
+        if (!StepStore::ParseStepName(step) || !fs::exists(item.path() / kCommitFileName, inner)) {
+          continue;
+        }
+        std::string packed;
+        {
+          std::ifstream in(item.path() / ProcessStateFileName(0), std::ios::binary);
+          packed.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+        }
+        Result<PackedValues> values = UnpackValues(packed, item.path().string());
+        if (!values.ok() || values->run != options.run) foreign.push_back(item.path());
+      }
+      if (foreign.empty()) continue;
+      // Only now is the folder's lock probed: a probe may collide with its process opening it.
+      const bool unlocked = Unlocked(entry.path());
+      for (const fs::path& step : foreign) {
+        const std::string what = StrCat(name, "/", step.filename().string());
+        if (!unlocked) {
+          left.push_back(what);
+          continue;
+        }
+        std::error_code remove_error;
+        fs::remove_all(step, remove_error);
+        removed.push_back(what);
+      }
+    }
+    auto names = [](const std::vector<std::string>& list) {
+      std::string out;
+      for (const std::string& s : list) out += StrCat(out.empty() ? "" : ", ", s);
+      return out;
+    };
+    if (!removed.empty()) {
+      Warn(StrCat("local_dir ", options.dir, " held ", removed.size(),
+                  " local step(s) of another run (not of ", options.run,
+                  "), removed: they are never restored: ", names(removed)));
+    }
+    if (!left.empty()) {
+      Warn(StrCat("local_dir ", options.dir, " holds ", left.size(),
+                  " local step(s) of another run that a live process keeps: ignored, not "
+                  "restored: ",
+                  names(left)));
+    }
+  }
+
   // Holdings in other folders on this node whose process is gone (an earlier run, or a process
   // now elsewhere) serve restores until this process has committed a newer step of its own;
   // then their older steps go, so that the tier stays bounded.
@@ -300,6 +367,11 @@ Result<std::unique_ptr<LocalTier>> LocalTier::Open(LocalTierOptions options) {
   auto impl = std::make_unique<Impl>(std::move(options));
   Impl& t = *impl;
   t.folder = HoldingFolder(t.collective.index(), t.collective.count());
+  Result<std::string> run =
+      t.collective.Broadcast("run", t.collective.index() == 0 ? t.options.run : "");
+  if (!run.ok()) return run.status();
+  t.options.run = *std::move(run);
+  t.RemoveOtherRuns();
   if (Status s = t.OpenManager(); !s.ok()) return s;
   std::unique_ptr<LocalTier> tier(new LocalTier(std::move(impl)));
   if (t.collective.count() > 1) {
@@ -361,7 +433,7 @@ Result<bool> LocalTier::SaveHolding(int64_t step, SaveRequest request, std::stri
                   " bytes, ", space.available, " are free (a save would fill the node's memory)"));
     return false;
   }
-  request.process_state = PackValues(save_id, values);
+  request.process_state = PackValues({t.options.run, std::string(save_id), values});
   request.metrics.clear();
   Status s = async ? t.manager->SaveAsync(step, std::move(request))
                    : t.manager->Save(step, std::move(request));
@@ -375,16 +447,15 @@ Status LocalTier::WaitUntilFinished() {
 
 std::vector<int64_t> LocalTier::LocalSteps() const {
   std::set<int64_t> steps;
-  for (const Holding& h : DescribeHoldings(impl_->options.dir, process_index()))
-    steps.insert(h.step);
+  for (const Holding& h : impl_->OwnRunHoldings()) steps.insert(h.step);
   return std::vector<int64_t>(steps.begin(), steps.end());
 }
 
 Result<JobHoldings> LocalTier::Gather(const std::vector<int64_t>& persistent_steps) {
   Impl& t = *impl_;
   JobHoldings job;
-  Result<std::vector<std::string>> docs = t.collective.AllGather(
-      "holdings", HoldingsToJson(DescribeHoldings(t.options.dir, process_index())));
+  Result<std::vector<std::string>> docs =
+      t.collective.AllGather("holdings", HoldingsToJson(t.OwnRunHoldings()));
   if (!docs.ok()) return docs.status();
   for (const std::string& doc : *docs) {
     Result<std::vector<Holding>> holdings = HoldingsFromJson(doc);
@@ -416,6 +487,7 @@ Result<TieredRestore> LocalTier::OpenStep(int64_t step, const JobHoldings& job, 
   }
   TieredRestore restore;
   restore.step = step;
+  restore.verified = options.verify_checksums;
   if (chosen != job.saves.end()) restore.save = chosen->second;
   Result<std::string> step_dir = StepStore::StepDir(step);
   if (!step_dir.ok()) return step_dir.status();
@@ -481,6 +553,12 @@ Result<TieredRestore> LocalTier::OpenStep(int64_t step, const JobHoldings& job, 
     return metadata.status();
   }
   const std::vector<int> ring = ValueRing(index, count);
+  if (restore.save) {
+    // A process the saving job did not have (a restart with more processes) saved no value.
+    for (int p : ring) {
+      if (p >= restore.save->process_count) extras.ring_values.emplace(p, std::nullopt);
+    }
+  }
   std::vector<const Holding*> candidates;
   for (const Holding* h : of_save) {
     if (std::any_of(ring.begin(), ring.end(),
@@ -510,14 +588,13 @@ Result<TieredRestore> LocalTier::OpenStep(int64_t step, const JobHoldings& job, 
         CheckpointReader::Open(holder->kv.get(), holder->dir, {.open_holding = true});
     Result<std::string> packed = reader.ok() ? (*reader)->ReadFile(ProcessStateFileName(0))
                                              : Result<std::string>(reader.status());
-    Result<std::pair<std::string, ProcessValues>> found =
-        packed.ok() ? UnpackValues(*packed, where)
-                    : Result<std::pair<std::string, ProcessValues>>(packed.status());
+    Result<PackedValues> found =
+        packed.ok() ? UnpackValues(*packed, where) : Result<PackedValues>(packed.status());
     if (!found.ok()) {
       errors.push_back(StrCat(where, ": ", found.status().message()));
       continue;
     }
-    for (auto& [p, value] : found->second) {
+    for (auto& [p, value] : found->values) {
       if (std::count(ring.begin(), ring.end(), p)) extras.ring_values.emplace(p, std::move(value));
     }
   }
@@ -546,23 +623,28 @@ Result<TieredRestore> LocalTier::OpenStep(int64_t step, const JobHoldings& job, 
   return restore;
 }
 
-Status LocalTier::FinishRestore(const TieredRestore* restore) {
+Result<std::vector<std::string>> LocalTier::FinishRestore(const TieredRestore* restore,
+                                                          std::string error) {
   Impl& t = *impl_;
-  if (Status s = t.collective.Barrier("restored"); !s.ok()) return s;
-  if (restore == nullptr) return OkStatus();
+  if (restore == nullptr && error.empty()) error = "the restore failed";
+  Result<std::vector<std::string>> words = t.collective.AllGather("restored", std::move(error));
+  if (!words.ok()) return words.status();
+  const bool all_restored =
+      std::all_of(words->begin(), words->end(), [](const std::string& w) { return w.empty(); });
+  if (restore == nullptr || !all_restored) return words;
   const int64_t step = restore->step;
   const std::optional<SaveKey>& save = restore->save;
   // Holdings in the folders of other processes that are alive (on this node) are theirs to
   // remove: their managers cache their step lists.
   std::vector<Holding> stale;
   bool own_stale = false;
-  for (Holding& h : DescribeHoldings(t.options.dir, process_index())) {
+  for (Holding& h : t.OwnRunHoldings()) {
     if (!(h.step > step || (h.step == step && save && h.save() != save))) continue;
     if (h.folder != t.folder && !Unlocked(fs::path(t.options.dir) / h.folder)) continue;
     own_stale = own_stale || h.folder == t.folder;
     stale.push_back(std::move(h));
   }
-  if (stale.empty()) return OkStatus();
+  if (stale.empty()) return words;
   // The manager caches its step list: closed while the folders go, then opened again, whatever
   // the close returned (the error of an earlier local save, which no longer matters).
   Status closed = OkStatus();
@@ -570,13 +652,18 @@ Status LocalTier::FinishRestore(const TieredRestore* restore) {
     closed = t.manager->Close();
     t.manager.reset();
   }
-  std::error_code error;
+  std::error_code remove_error;
   for (const Holding& h : stale) {
     Result<std::string> step_dir = StepStore::StepDir(h.step);
-    if (step_dir.ok()) fs::remove_all(fs::path(t.options.dir) / h.folder / *step_dir, error);
+    if (step_dir.ok()) {
+      fs::remove_all(fs::path(t.options.dir) / h.folder / *step_dir, remove_error);
+    }
   }
   if (!closed.ok()) t.Warn(StrCat("an earlier local save failed: ", closed.message()));
-  return t.manager != nullptr ? OkStatus() : t.OpenManager();
+  if (t.manager == nullptr) {
+    if (Status s = t.OpenManager(); !s.ok()) return s;
+  }
+  return words;
 }
 
 Status LocalTier::Close() {

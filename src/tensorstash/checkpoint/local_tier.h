@@ -49,6 +49,12 @@ struct LocalTierOptions {
   // The node's folder (the same path on every node); created with mode 0700 if missing, refused
   // (PermissionDenied) when another user owns it.
   std::string dir;
+  // The run this job belongs to: its persistent root and the id made when the run started
+  // (CheckpointManager::RunId), as process 0 gives it (the others' is ignored). Every holding
+  // carries it. Holdings of another run (a reused local_dir) are never restored, never listed and
+  // never counted by retention; when the tier opens they are removed, with a warning, from every
+  // folder no live process holds.
+  std::string run;
   Coordinator* coordinator = nullptr;  // null: a single process
   int64_t save_interval_steps = 1;     // ShouldSave: steps divisible by this
   int max_to_keep = 1;                 // committed local steps kept per process
@@ -94,6 +100,10 @@ struct TieredRestore {
   std::optional<SaveKey> save;  // the local save restored; nullopt: the persistent step
   std::unique_ptr<TieredStepSource> source;
   RestoredExtras extras;
+  // Whether every chunk read was checked against its CRC (ReaderOptions::verify_checksums). A
+  // write-back only ever stores checked bytes: written back with fresh CRCs, unchecked ones
+  // would pass for good in every later restore.
+  bool verified = true;
 };
 
 class LocalTier {
@@ -141,11 +151,15 @@ class LocalTier {
   // then call FinishRestore, whether this succeeded or not.
   Result<TieredRestore> OpenStep(int64_t step, const JobHoldings& job, KvStore* persistent,
                                  ReaderOptions options = {});
-  // Collective: waits until every process has read (so that no holding changes while another
-  // reads it). After a successful restore (`restore` not null) then removes this node's holdings
-  // of later steps and of other saves of the step: they belong to a run now abandoned. After a
-  // failed one (null) nothing is removed.
-  Status FinishRestore(const TieredRestore* restore);
+  // Collective: every process says how its restore ended (`error`: "" when it read everything),
+  // and waits until every process has (so that no holding changes while another reads it).
+  // Returns every process's word, by process index: all empty when the job restored the step.
+  // Only then, and with `restore` not null, are this node's holdings of later steps and of other
+  // saves of the step removed: they belong to a run now abandoned. After a failure anywhere
+  // nothing is removed, and every process knows who failed and why (so that all of them can
+  // give up, or all try another step, together).
+  Result<std::vector<std::string>> FinishRestore(const TieredRestore* restore,
+                                                 std::string error = "");
 
   // Waits for a save in flight, then stops the server and releases the folder. Returns the
   // save's error.

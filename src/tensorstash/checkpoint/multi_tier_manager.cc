@@ -21,6 +21,12 @@ Result<std::unique_ptr<MultiTierManager>> MultiTierManager::Open(KvStore* persis
   Result<std::unique_ptr<CheckpointManager>> manager =
       CheckpointManager::Open(persistent, std::move(options.persistent));
   if (!manager.ok()) return manager.status();
+  if (options.local.run.empty() &&
+      (options.local.coordinator == nullptr || options.local.coordinator->process_index() == 0)) {
+    Result<std::string> run_id = (*manager)->RunId();
+    if (!run_id.ok()) return run_id.status();
+    options.local.run = StrCat(persistent->Describe(), " ", *run_id);
+  }
   Result<std::unique_ptr<LocalTier>> local = LocalTier::Open(std::move(options.local));
   if (!local.ok()) return local.status();
   return std::unique_ptr<MultiTierManager>(
@@ -66,11 +72,19 @@ Result<TieredRestore> MultiTierManager::OpenRestore(int64_t step) {
 
 Status MultiTierManager::FinishRestore(const TieredRestore* restore_or_null,
                                        SaveRequest* write_back) {
-  TS_RETURN_IF_ERROR(local_->FinishRestore(restore_or_null));
-  if (restore_or_null == nullptr || restore_or_null->source == nullptr || write_back == nullptr) {
-    return OkStatus();
+  TS_ASSIGN_OR_RETURN(std::vector<std::string> words, local_->FinishRestore(restore_or_null));
+  if (restore_or_null == nullptr) return OkStatus();
+  std::string failed;
+  for (size_t p = 0; p < words.size(); ++p) {
+    if (!words[p].empty()) failed += StrCat(failed.empty() ? "" : "; ", "process ", p, ": ", words[p]);
   }
+  if (!failed.empty()) {
+    return AbortedError(StrCat("the restore of step ", restore_or_null->step,
+                               " failed in other processes: ", failed));
+  }
+  if (restore_or_null->source == nullptr || write_back == nullptr) return OkStatus();
   const TieredRestore& restore = *restore_or_null;
+  if (!restore.verified) return OkStatus();  // unchecked bytes are never stored (local_tier.h)
   const TierStats& stats = restore.source->tier_stats();
   if (!stats.local_failed && stats.bytes[static_cast<int>(Tier::kPeer)] == 0 &&
       stats.bytes[static_cast<int>(Tier::kPersistent)] == 0) {

@@ -44,7 +44,8 @@ struct MultiTierOptions {
 class MultiTierManager {
  public:
   // Opens the persistent manager on `persistent` (which must outlive the manager), then the local
-  // tier (collective). The errors of CheckpointManager::Open and LocalTier::Open.
+  // tier (collective), whose run (when options.local.run is empty) is the persistent store and
+  // its RunId. The errors of CheckpointManager::Open, RunId and LocalTier::Open.
   static Result<std::unique_ptr<MultiTierManager>> Open(KvStore* persistent,
                                                         MultiTierOptions options);
   ~MultiTierManager();
@@ -63,10 +64,12 @@ class MultiTierManager {
   // Collective: opens `step` over its holders (LocalTier::OpenStep). Call FinishRestore after
   // reading, whether this succeeded or not.
   Result<TieredRestore> OpenRestore(int64_t step);
-  // Collective: waits for every process to have read. After a successful restore (`restore` not
-  // null) drops abandoned holdings and, when anything came from elsewhere than this node (or a
+  // Collective: waits for every process to have read. Aborted naming them when other processes
+  // failed (`restore` not null; nothing is dropped or written then). After a successful restore
+  // in every process drops abandoned holdings and, when anything came from elsewhere than this node (or a
   // local chunk was damaged), saves `write_back` (this process's restored shards, as stored;
-  // null: none) as its holding of the step again, so that the next lost node is covered too.
+  // null: none) as its holding of the step again, so that the next lost node is covered too;
+  // never after a restore without checksums (TieredRestore::verified).
   Status FinishRestore(const TieredRestore* restore, SaveRequest* write_back);
 
   CheckpointManager& persistent();

@@ -33,13 +33,14 @@ using ::testing::Pair;
 
 TEST(HoldingsTest, ValuesRoundTripAndMalformedOnesAreDataLoss) {
   ProcessValues values = {{0, std::string("a\0b", 3)}, {1, std::nullopt}, {3, std::string()}};
-  const std::string packed = PackValues("id-1", values);
-  Result<std::pair<std::string, ProcessValues>> back = UnpackValues(packed, "here");
+  const std::string packed = PackValues({"/root run-7", "id-1", values});
+  Result<PackedValues> back = UnpackValues(packed, "here");
   TS_ASSERT_OK(back.status());
-  EXPECT_EQ(back->first, "id-1");
-  EXPECT_EQ(back->second, values);
+  EXPECT_EQ(back->run, "/root run-7");
+  EXPECT_EQ(back->save_id, "id-1");
+  EXPECT_EQ(back->values, values);
   for (size_t cut : {size_t{0}, size_t{10}, packed.size() - 1}) {
-    Result<std::pair<std::string, ProcessValues>> bad =
+    Result<PackedValues> bad =
         UnpackValues(std::string_view(packed).substr(0, cut), "p0-of-2/0000000005");
     EXPECT_TRUE(absl::IsDataLoss(bad.status())) << cut;
     EXPECT_THAT(bad.status().message(), HasSubstr("p0-of-2/0000000005")) << cut;
@@ -130,10 +131,10 @@ class MultiTierManagerTest : public test::TempDirTest {
   std::string NodeDir(int node) const { return StrCat(temp_dir(), "/node", node); }
   std::string PersistentDir() const { return StrCat(temp_dir(), "/persistent"); }
 
-  // Runs `body(process, coordinator)` in kProcesses threads at once.
+  // Runs `body(process, coordinator)` in `processes` threads at once, in a job of `job_size`.
   template <typename Body>
-  void RunJob(int processes, Body body) {
-    auto group = std::make_shared<InProcessCoordinatorGroup>(kProcesses);
+  void RunJob(int processes, Body body, int job_size = kProcesses) {
+    auto group = std::make_shared<InProcessCoordinatorGroup>(job_size);
     std::vector<std::thread> threads;
     for (int p = 0; p < processes; ++p) {
       threads.emplace_back([&, p] {
@@ -250,6 +251,91 @@ TEST_F(MultiTierManagerTest, ALostSliceIsRestoredFromPeersInAnyProcessOrder) {
     EXPECT_EQ(own->step, 3);
     EXPECT_EQ(own->chunks.at("w"), (std::vector<int64_t>{2 * (p % 2), 2 * (p % 2) + 1}));
     EXPECT_EQ(own->save_id, restore->save->save_id);  // it joins the restored save
+  });
+}
+
+TEST_F(MultiTierManagerTest, ARestartWithMoreProcessesThanSavedGivesTheNewOnesNoValue) {
+  // Two processes save step 3 to their nodes' RAM (each holds half of "w").
+  RunJob(
+      2,
+      [&](int p, Coordinator& c) {
+        Result<std::unique_ptr<KvStore>> kv = OpenKvStore(PersistentDir(), {.create = true});
+        TS_ASSERT_OK(kv.status());
+        Result<std::unique_ptr<MultiTierManager>> mgr =
+            MultiTierManager::Open(kv->get(), Options(p, &c));
+        TS_ASSERT_OK(mgr.status());
+        std::vector<char> data;
+        TS_ASSERT_OK((*mgr)->Save(3, Request(p, 3, &data)).status());
+        TS_EXPECT_OK((*mgr)->Close());
+      },
+      2);
+  // Four come back (nodes 0..3): step 3 restores everywhere; processes 2 and 3, which the
+  // saving job did not have, get no per-process value (as from the persistent tier).
+  RunJob(kProcesses, [&](int p, Coordinator& c) {
+    Result<std::unique_ptr<KvStore>> kv = OpenKvStore(PersistentDir(), {.create = true});
+    TS_ASSERT_OK(kv.status());
+    Result<std::unique_ptr<MultiTierManager>> mgr =
+        MultiTierManager::Open(kv->get(), Options(p, &c));
+    TS_ASSERT_OK(mgr.status());
+    Result<std::optional<int64_t>> latest = (*mgr)->LatestStep();
+    TS_ASSERT_OK(latest.status());
+    ASSERT_EQ(*latest, std::optional<int64_t>(3));
+    Result<TieredRestore> restore = (*mgr)->OpenRestore(3);
+    TS_EXPECT_OK(restore.status()) << "process " << p;
+    if (restore.ok()) {
+      if (p < 2) {
+        EXPECT_EQ(restore->extras.per_process, StrCat("iterator of process ", p, " at step 3"));
+      } else {
+        EXPECT_EQ(restore->extras.per_process, std::nullopt) << p;
+      }
+      std::vector<char> got;
+      TS_EXPECT_OK(RestoreToHost(*restore->source, {{"w", BoxOf(p), DType::kFloat32}},
+                                 {.map = false}, [&](HostBatch& batch) {
+                                   got.assign(batch.buffers[0]->data(),
+                                              batch.buffers[0]->data() +
+                                                  batch.buffers[0]->size());
+                                   return OkStatus();
+                                 }));
+      EXPECT_TRUE(test::BytesEqual(
+          test::MakeBoxData(DType::kFloat32, kShape, kSeed + 3, BoxOf(p)), got));
+    }
+    TS_EXPECT_OK((*mgr)->FinishRestore(restore.ok() ? &*restore : nullptr, nullptr));
+    TS_EXPECT_OK((*mgr)->Close());
+  });
+}
+
+TEST_F(MultiTierManagerTest, AReusedLocalDirNeverRestoresAnotherRun) {
+  // Run A saves step 5 into the nodes' RAM.
+  RunJob(kProcesses, [&](int p, Coordinator& c) {
+    Result<std::unique_ptr<KvStore>> kv = OpenKvStore(PersistentDir(), {.create = true});
+    TS_ASSERT_OK(kv.status());
+    Result<std::unique_ptr<MultiTierManager>> mgr =
+        MultiTierManager::Open(kv->get(), Options(p, &c));
+    TS_ASSERT_OK(mgr.status());
+    std::vector<char> data;
+    TS_ASSERT_OK((*mgr)->Save(5, Request(p, 5, &data)).status());
+    TS_EXPECT_OK((*mgr)->Close());
+  });
+  // Run B: a new persistent root, the same local folders. A's step is not B's: nothing to
+  // restore, B's own saves are kept by retention, and A's holdings are gone.
+  RunJob(kProcesses, [&](int p, Coordinator& c) {
+    Result<std::unique_ptr<KvStore>> kv =
+        OpenKvStore(StrCat(temp_dir(), "/persistent-b"), {.create = true});
+    TS_ASSERT_OK(kv.status());
+    Result<std::unique_ptr<MultiTierManager>> mgr =
+        MultiTierManager::Open(kv->get(), Options(p, &c));
+    TS_ASSERT_OK(mgr.status());
+    Result<std::optional<int64_t>> latest = (*mgr)->LatestStep();
+    TS_ASSERT_OK(latest.status());
+    EXPECT_EQ(*latest, std::nullopt);
+    std::vector<char> data;
+    TS_ASSERT_OK((*mgr)->Save(2, Request(p, 2, &data)).status());
+    EXPECT_THAT((*mgr)->local().LocalSteps(), ElementsAre(2));
+    latest = (*mgr)->LatestStep();
+    TS_ASSERT_OK(latest.status());
+    EXPECT_EQ(*latest, std::optional<int64_t>(2));
+    TS_EXPECT_OK((*mgr)->Close());
+    for (const Holding& h : DescribeHoldings(NodeDir(p), p)) EXPECT_NE(h.step, 5) << h.folder;
   });
 }
 
