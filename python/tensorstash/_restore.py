@@ -220,6 +220,15 @@ class _Leaf:
         return target, shape, buffers
 
 
+def _leaf_dtype(adapter: Any, target: Any) -> np.dtype:
+    """The dtype an array target's leaf is read in and built of: the target's, in native byte
+    order (what the engine writes; NumpyAdapter.build converts a big-endian target's array to
+    its byte order once read), or what the adapter makes of it (restore_dtype, optional: JAX
+    narrows 64-bit types when they are off, as jax.device_put does)."""
+    own = getattr(adapter, "restore_dtype", None)
+    return own(target) if own is not None else np.dtype(target.dtype).newbyteorder("=")
+
+
 def _plan_target(plan: _Plan, leaves: dict[str, dict], path: str, target: Any) -> None:
     """Plans the restore of target leaf `target` at `path` (errors name the leaf)."""
     stored = leaves.get(path)
@@ -245,12 +254,10 @@ def _plan_target(plan: _Plan, leaves: dict[str, dict], path: str, target: Any) -
                  lambda buffers: _cast_scalar(buffers[None].item(), target, path, ckpt))
         return
     shape = tuple(target.shape)
-    # Read in native byte order (what the engine writes); the adapter converts a big-endian
-    # target's array to its byte order once read.
-    dtype = np.dtype(target.dtype).newbyteorder("=")
+    adapter = _adapters.adapter_for(target)
+    dtype = _leaf_dtype(adapter, target)
     plan.check_shape(path, shape)
     tnp.dtype_name(dtype)  # TypeError for a dtype the engine does not have
-    adapter = _adapters.adapter_for(target)
     together = (adapter, target, shape) if hasattr(adapter, "build_many") else None
     plan.add(path, dtype, adapter.restore_boxes(target, shape),
              lambda buffers: adapter.build(target, shape, buffers), together)

@@ -129,6 +129,16 @@ def assemble(shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sha
                                         lambda index: buffers[box_of_index(index, shape)])
 
 
+def restore_dtype(dtype: Any) -> np.dtype:
+    """The dtype of a jax.Array restored for a target of `dtype`: what jax.device_put makes of a
+    NumPy array of that dtype (jax.dtypes.canonicalize_dtype), in native byte order. With 64-bit
+    types off (jax_enable_x64, JAX's default) that narrows float64, int64, uint64 and complex128
+    to float32, int32, uint32 and complex64; an array whose type claimed the wide dtype over
+    narrow buffers failed at its first use in XLA (RuntimeProgramInputMismatch, issue 36 item
+    7). Asked per restore, not cached: the setting can change while a process runs."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(dtype).newbyteorder("=")))
+
+
 class _HostCopy:
     """A copy of a device array in host memory that start_save made for one save."""
 
@@ -182,6 +192,10 @@ class JaxAdapter:
     def restore_boxes(self, target: Any, shape: tuple[int, ...]) -> dict[Any, tuple]:
         return distinct_boxes(self._sharding(target), shape)
 
+    def restore_dtype(self, target: Any) -> np.dtype:
+        """The dtype the engine reads `target`'s leaf in, and the leaf's: restore_dtype()."""
+        return restore_dtype(target.dtype)
+
     def build(self, target: Any, shape: tuple[int, ...], buffers: dict[Any, np.ndarray]):
         return self.build_many([(target, shape, buffers)])[0]
 
@@ -192,8 +206,8 @@ class JaxAdapter:
         jax.device_put split them copied every byte again (profile of 4,000 arrays on 8 CPU
         devices: device_put took 370 ms of a 675 ms restore, placing per-device buffers 93 ms).
         Returns once the devices hold their data, so that the host buffers can go."""
-        out = [assemble(shape, np.dtype(target.dtype).newbyteorder("="), self._sharding(target),
-                        buffers) for target, shape, buffers in items]
+        out = [assemble(shape, restore_dtype(target.dtype), self._sharding(target), buffers)
+               for target, shape, buffers in items]
         jax.block_until_ready(out)
         return out
 

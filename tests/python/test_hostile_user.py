@@ -507,3 +507,121 @@ def test_stores_open_by_url(tmp_path):
     assert_same_tree(tensorstash.restore(str(tmp_path / "0000000002")), tree)
     with pytest.raises(FileNotFoundError):
         tensorstash.restore("memory://url-test-never-made/0000000001")
+
+
+# --- issue 36: 64-bit targets with JAX's 64-bit types off; scalar leaves into array targets ------
+
+def _run_jax_x64_off(tmp_path, script: str, *args: str) -> None:
+    """Runs `script` in a fresh Python with JAX's 64-bit types off (JAX_ENABLE_X64=0, JAX's
+    default, which this suite's own process turns on) on 8 CPU devices; fails with its output
+    unless it exits 0."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_ENABLE_X64", "PYTHONPATH")}
+    env.update(JAX_ENABLE_X64="0", JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    p = subprocess.run([sys.executable, "-c", script, *args], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout}\n{p.stderr}"
+
+
+# The child of the item 7 test: every type JAX narrows, saved wide (in both formats), restored
+# into targets of the wide type on every sharding and both placement paths, must come back as
+# jax.device_put of the saved NumPy array would: the narrow dtype, the same bits on every
+# device, and usable in arithmetic.
+_X64_OFF_TARGETS = r'''
+import sys
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+import tensorstash
+from tensorstash import jax as tjax
+
+assert not jax.config.jax_enable_x64
+root = sys.argv[1]
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+base = np.arange(64, dtype=np.float64).reshape(8, 8)
+saved = {  # values in the narrow types' range; floats that float32 must round
+    "float64": base / 3 - 7.1,
+    "int64": (base.astype(np.int64) - 32) * 40_000_001,
+    "uint64": base.astype(np.uint64) * 67_000_003 + 7,
+    "complex128": base / 7 + 1j * (base / 3 - 5),
+}
+shardings = {"sharded": NamedSharding(mesh, P("a", "b")), "rows": NamedSharding(mesh, P("a")),
+             "replicated": NamedSharding(mesh, P()),
+             "one device": SingleDeviceSharding(jax.devices()[3]), "no sharding": None}
+failures = []
+
+def check(got, name, sharding, where):
+    want = jax.device_put(saved[name], sharding)  # what JAX itself makes of the saved array
+    narrow = jax.dtypes.canonicalize_dtype(np.dtype(name))
+    if got.dtype != narrow or want.dtype != narrow:
+        # (x + 1 is not tried: XLA fails on, or kills the process over, such an array.)
+        failures.append(f"{where}: dtype {got.dtype}, jax.device_put gives {want.dtype}")
+        return
+    if sharding is not None and not got.sharding.is_equivalent_to(sharding, got.ndim):
+        failures.append(f"{where}: sharding {got.sharding}")
+    for mine, theirs in zip(sorted(got.addressable_shards, key=lambda s: s.device.id),
+                            sorted(want.addressable_shards, key=lambda s: s.device.id)):
+        a, b = np.asarray(mine.data), np.asarray(theirs.data)
+        if a.dtype != narrow or a.tobytes() != b.tobytes() or a.shape != b.shape:
+            failures.append(f"{where}: device {mine.device.id} holds {a.dtype} {a.shape}, "
+                            f"not the bits of jax.device_put's {b.dtype} {b.shape}")
+    try:
+        total = np.asarray(got + 1)
+    except Exception as e:
+        failures.append(f"{where}: x + 1 fails: {type(e).__name__}: {str(e)[:200]}")
+        return
+    if total.tobytes() != np.asarray(want + 1).tobytes():
+        failures.append(f"{where}: x + 1 differs from jax.device_put's")
+
+for fmt in ("native", "orbax"):
+    step = f"{root}/{fmt}/0000000001"
+    tensorstash.save(step, saved, format=fmt)
+    # Without a target: the saved NumPy arrays, which jax.device_put narrows itself.
+    plain = tensorstash.restore(step)
+    for name, a in saved.items():
+        if plain[name].dtype != a.dtype or plain[name].tobytes() != a.tobytes():
+            failures.append(f"{fmt}, no target, {name}: {plain[name].dtype}")
+        check(jax.device_put(plain[name], shardings["sharded"]), name, shardings["sharded"],
+              f"{fmt}, no target then jax.device_put, {name}")
+    batched = tjax._batched_put
+    for placement in ("batched", "make_array_from_callback"):
+        tjax._batched_put = batched if placement == "batched" else None
+        for where, sharding in shardings.items():
+            kw = {} if sharding is None else {"sharding": sharding}
+            abstract = {n: jax.ShapeDtypeStruct(a.shape, np.dtype(n), **kw)
+                        for n, a in saved.items()}
+            concrete = {n: jax.device_put(np.zeros(a.shape, np.dtype(n)), sharding)
+                        for n, a in saved.items()}
+            for kind, target in (("ShapeDtypeStruct", abstract), ("jax.Array", concrete)):
+                got = tensorstash.restore(step, target=target)
+                one = {n: tensorstash.restore(step, target={n: t})[n] for n, t in target.items()}
+                for name in saved:
+                    for how, tree in (("batch of 4", got), ("alone", one)):
+                        check(tree[name], name, sharding,
+                              f"{fmt}, {placement}, {where}, {kind} target, {how}, {name}")
+    tjax._batched_put = batched
+# Where jax.device_put would wrap (an int64 beyond int32), restore refuses, naming the leaf, as it
+# refuses every cast that loses a value.
+tensorstash.save(f"{root}/0000000002", {"i": np.array([2**40, 1])})
+try:
+    tensorstash.restore(f"{root}/0000000002", target={"i": jax.ShapeDtypeStruct((2,), np.int64)})
+except ValueError as e:
+    if "'i'" not in str(e) or "int32" not in str(e):
+        failures.append(f"2**40 into int64 (int32): {e}")
+else:
+    failures.append("2**40 into int64 (int32): no error")
+assert not failures, f"{len(failures)} failures, the first:\n" + "\n".join(failures[:30])
+print("ok")
+'''
+
+
+def test_64_bit_targets_with_jax_x64_off_get_jaxs_narrow_types(tmp_path):
+    """Issue 36 item 7: with jax_enable_x64 off, a float64 (int64, uint64, complex128) target
+    gave a jax.Array that claimed float64 over float32 buffers, and `x + 1` failed in XLA
+    (RuntimeProgramInputMismatch). It is now what jax.device_put gives: float32 (int32, uint32,
+    complex64), the same bits on every device, usable in arithmetic, on every sharding, through
+    the batched placement and the public one, from both formats."""
+    _run_jax_x64_off(tmp_path, _X64_OFF_TARGETS, str(tmp_path / "root"))
+
