@@ -229,6 +229,25 @@ def _leaf_dtype(adapter: Any, target: Any) -> np.dtype:
     return own(target) if own is not None else np.dtype(target.dtype).newbyteorder("=")
 
 
+def _scalar_into_array(value: Any, target: Any, path: str, ckpt: str) -> Any:
+    """The scalar leaf `value` at `path` of checkpoint `ckpt` as the array target `target`
+    asks for: a 0-d array of the target's kind (NumPy, or a jax.Array on its sharding) and
+    dtype, the value cast as a NumPy scalar target of that dtype casts it (_cast_scalar, with
+    its errors). A scalar fills no shape but (), as an array fills no target of another rank:
+    ValueError naming the leaf for any other. (It returned the scalar itself, whatever the
+    target: issue 36 item 10.)"""
+    shape = tuple(target.shape)
+    if shape != ():
+        raise ValueError(f"{path!r} in {ckpt} holds {_shown(value)}, a scalar; the target's "
+                         f"shape {shape} is not 0-d (a scalar restores into a 0-d array or a "
+                         "scalar target)")
+    adapter = _adapters.adapter_for(target)
+    dtype = _leaf_dtype(adapter, target)
+    tnp.dtype_name(dtype)  # TypeError for a dtype the engine does not have
+    data = np.array(_cast_scalar(value, dtype.type(0), path, ckpt), dtype)
+    return adapter.build(target, (), {key: data for key in adapter.restore_boxes(target, ())})
+
+
 def _plan_target(plan: _Plan, leaves: dict[str, dict], path: str, target: Any) -> None:
     """Plans the restore of target leaf `target` at `path` (errors name the leaf)."""
     stored = leaves.get(path)
@@ -242,7 +261,7 @@ def _plan_target(plan: _Plan, leaves: dict[str, dict], path: str, target: Any) -
     if stored["kind"] != "array":
         value = _tree.scalar_value(stored)
         plan.values[path] = (_cast_scalar(value, target, path, plan.ckpt) if scalar_target
-                             else value)
+                             else _scalar_into_array(value, target, path, plan.ckpt))
         return
     if isinstance(target, (str, bytes)):
         raise TypeError(f"{path!r} in {plan.ckpt} holds an array, the target a {type(target).__name__}")
@@ -276,11 +295,17 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     the saved shapes and dtypes. With `target` (a pytree of jax.ShapeDtypeStruct with .sharding,
     jax.Array, np.ndarray, or scalars): the target's structure, each array with the target's
     shape, dtype (a cast when it differs; in the target's byte order) and sharding, each device
-    reading just its own block. Only the target's arrays are read. A target shape larger than
-    the stored one is zero-filled; a smaller one is a ValueError unless `truncate`. Scalar
-    targets (bool, int, float, NumPy scalars) take the casts arrays take: ints and bools into
-    ints, bools and floats, each value exactly; floats into floats; complex into complex; any
-    other (a float into an int, say) is a ValueError naming the leaf.
+    reading just its own block. A JAX target's dtype is what jax.device_put makes of it: with
+    JAX's 64-bit types off (jax_enable_x64), float64, int64, uint64 and complex128 restore as
+    float32, int32, uint32 and complex64 (a value the narrower type cannot hold is a ValueError
+    naming the leaf, where jax.device_put would wrap it). Only the target's arrays are read. A
+    target shape larger than the stored one is zero-filled; a smaller one is a ValueError unless
+    `truncate`. Scalar targets (bool, int, float, NumPy scalars) take the casts arrays take: ints
+    and bools into ints, bools and floats, each value exactly; floats into floats; complex into
+    complex; any other (a float into an int, say) is a ValueError naming the leaf. A saved
+    scalar (bool, int, float) restored into a 0-d array target is a 0-d array of the target's
+    kind and dtype, by the same casts; an array target of any other shape is a ValueError
+    naming the leaf.
 
     `progress`: None shows a tqdm bar on stderr when tqdm is installed, stderr is a terminal and
     the restore fills more than 1 GiB; True always shows one (a plain line without tqdm); False

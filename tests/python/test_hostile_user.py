@@ -625,3 +625,84 @@ def test_64_bit_targets_with_jax_x64_off_get_jaxs_narrow_types(tmp_path):
     the batched placement and the public one, from both formats."""
     _run_jax_x64_off(tmp_path, _X64_OFF_TARGETS, str(tmp_path / "root"))
 
+
+_SCALARS = {"step": 5, "lr": 0.5, "flag": True, "neg": -3, "big": 2**40, "name": "run-7"}
+
+
+def test_scalar_leaves_into_0d_array_targets_are_0d_arrays_of_the_targets_dtype(step):
+    """Issue 36 item 10: a saved Python scalar restored into an array target came back as the
+    scalar itself, whatever the target's dtype and shape. A 0-d target now gets a 0-d array of
+    its own kind (NumPy, or jax.Array on the target's sharding) and dtype (byte order too), the
+    value cast as a NumPy scalar target of that dtype gets it."""
+    import ml_dtypes
+    from tshelpers import assert_jax_array
+    tensorstash.save(step, _SCALARS)
+    for key, dtype in [("step", np.int32), ("step", np.float64), ("step", np.uint8),
+                       ("step", ">i4"), ("lr", np.float32), ("lr", ml_dtypes.bfloat16),
+                       ("flag", np.int8), ("flag", np.bool_),
+                       ("neg", np.int16), ("big", np.int64), ("big", np.float64)]:
+        want = np.array(_SCALARS[key], dtype)
+        got = tensorstash.restore(step, target={key: np.zeros((), dtype)})[key]
+        assert_same_array(got, want, f"{key} into a 0-d {np.dtype(dtype)} array")
+        # The same value as a NumPy scalar target of that dtype gets (test item 13 above).
+        scalar = tensorstash.restore(step, target={key: np.dtype(dtype).type(0)})[key]
+        assert got.tobytes() == np.array(scalar, dtype).tobytes()
+    sharding = named(mesh((2, 4)))
+    for target in (jax.ShapeDtypeStruct((), np.int32, sharding=sharding),
+                   jax.device_put(np.zeros((), np.int32), sharding)):
+        got = tensorstash.restore(step, target={"step": target, "lr": 0.0})
+        assert_jax_array(got["step"], np.array(5, np.int32), sharding, type(target).__name__)
+        assert int(got["step"] + 1) == 6 and got["lr"] == 0.5
+    got = tensorstash.restore(step, target={"step": jax.ShapeDtypeStruct((), np.float32)})
+    assert_jax_array(got["step"], np.array(5, np.float32),
+                     jax.sharding.SingleDeviceSharding(jax.devices()[0]), "no sharding")
+
+
+def test_scalar_leaves_refuse_array_targets_they_cannot_fill_naming_the_leaf(step):
+    """A scalar fills no array target but a 0-d one (as an array fills no target of another
+    rank), and takes the casts a NumPy scalar target takes: the same errors, naming the leaf.
+    (Before, every such target got the scalar back, silently.)"""
+    import re
+    tensorstash.save(step, _SCALARS)
+    for key, target in [("step", np.zeros((3,), np.int32)), ("step", np.zeros((1,), np.int64)),
+                        ("lr", np.zeros((2, 2), np.float32)),
+                        ("step", jax.ShapeDtypeStruct((3,), np.int32)),
+                        ("flag", jax.ShapeDtypeStruct((1, 1), np.bool_,
+                                                      sharding=named(mesh((2, 4)))))]:
+        with pytest.raises(ValueError, match=rf"'{key}'.*{re.escape(str(target.shape))}"):
+            tensorstash.restore(step, target={key: target})
+    for key, dtype, error in [("lr", np.int32, ValueError), ("lr", np.bool_, ValueError),
+                              ("big", np.int32, ValueError), ("neg", np.uint8, ValueError),
+                              ("step", np.complex64, ValueError), ("lr", np.uint64, ValueError),
+                              ("name", np.int32, TypeError), ("name", np.uint8, TypeError)]:
+        for target in (np.zeros((), dtype), jax.ShapeDtypeStruct((), dtype),
+                       np.dtype(dtype).type(0)):
+            with pytest.raises(error, match=f"'{key}'"):
+                tensorstash.restore(step, target={key: target})
+
+
+_X64_OFF_SCALARS = r'''
+import sys
+import jax, numpy as np
+import tensorstash
+assert not jax.config.jax_enable_x64
+step = sys.argv[1]
+tensorstash.save(step, {"step": 5, "big": 2**40})
+got = tensorstash.restore(step, target={"step": jax.ShapeDtypeStruct((), np.int64)})["step"]
+assert isinstance(got, jax.Array) and got.dtype == np.int32, (type(got), got.dtype)
+assert np.asarray(got).dtype == np.int32 and int(got + 1) == 6, np.asarray(got)
+try:
+    tensorstash.restore(step, target={"big": jax.ShapeDtypeStruct((), np.int64)})
+except ValueError as e:
+    assert "'big'" in str(e) and "int32" in str(e), str(e)
+else:
+    raise AssertionError("2**40 into JAX's 32-bit int restored")
+print("ok")
+'''
+
+
+def test_scalar_leaves_into_64_bit_jax_targets_with_x64_off_get_jaxs_narrow_types(tmp_path):
+    """With JAX's 64-bit types off, a 0-d int64 target of a saved int is a 0-d int32 jax.Array
+    (as jax.device_put gives), and an int that int32 cannot hold is a ValueError naming the leaf
+    and the type, never a wrapped value."""
+    _run_jax_x64_off(tmp_path, _X64_OFF_SCALARS, str(tmp_path / "root" / "0000000001"))
