@@ -384,6 +384,7 @@ Result<std::unique_ptr<LocalTier>> LocalTier::Open(LocalTierOptions options) {
     server.port = t.options.server_port;
     server.secret = t.secret;
     server.may_serve = CommittedHoldingKeys(t.options.dir);
+    server.process_count = t.collective.count();  // sizes its connection limits
     Result<std::unique_ptr<PeerServer>> started =
         PeerServer::Start(t.options.dir, std::move(server));
     if (!started.ok()) return started.status();

@@ -6,16 +6,22 @@
 #include <linux/openat2.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <string>
 #include <system_error>
+#include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -43,6 +49,70 @@ namespace {
 constexpr char kObjectPath[] = "/v1/object/";
 constexpr char kListPath[] = "/v1/list";
 
+// The derived limits (peer_server.h, PeerServer::max_connections).
+constexpr int kSpareConnections = 8;
+constexpr int kConnectionsWhenJobSizeUnknown = 1024;
+
+// A quarter of RLIMIT_NOFILE's soft limit: the most connections the server may hold, so that
+// the process keeps the rest of its descriptors for its own files.
+long long DescriptorShare() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) {
+    return 1 << 20;
+  }
+  return static_cast<long long>(limit.rlim_cur) / 4;
+}
+
+// Fills in the limits the caller left at 0 and checks the others.
+Status SizeLimits(PeerServerOptions& options) {
+  if (options.max_connections < 0 || options.max_connections_per_address < 0 ||
+      options.process_count < 0) {
+    return InvalidArgumentError(StrCat(
+        "the peer server's connection limits and process count must not be negative (got ",
+        options.max_connections, ", ", options.max_connections_per_address, ", ",
+        options.process_count, ")"));
+  }
+  if (options.header_timeout < std::chrono::seconds(1) ||
+      options.idle_timeout < std::chrono::seconds(1)) {
+    return InvalidArgumentError(StrCat("the peer server's timeouts must be at least 1 s (got ",
+                                       options.header_timeout.count(), " s for the headers, ",
+                                       options.idle_timeout.count(), " s idle)"));
+  }
+  options.threads = std::max(1, options.threads);
+  const long long share = DescriptorShare();
+  if (options.max_connections > share) {
+    return InvalidArgumentError(
+        StrCat("the peer server may hold at most ", share,
+               " connections, a quarter of this process's RLIMIT_NOFILE soft limit (",
+               options.max_connections, " asked)"));
+  }
+  if (options.max_connections == 0) {
+    const long long wanted =
+        options.process_count > 0
+            ? static_cast<long long>(kPeerConnectionsPerProcess) *
+                      std::max(1, options.process_count - 1) +
+                  kSpareConnections
+            : kConnectionsWhenJobSizeUnknown;
+    options.max_connections = static_cast<int>(std::min(wanted, share));
+  }
+  // MHD divides the total among its threads; each needs one.
+  if (options.max_connections < options.threads) {
+    if (options.threads > share) {
+      return InvalidArgumentError(StrCat("the peer server's ", options.threads,
+                                         " threads need more connections than the ", share,
+                                         " this process's RLIMIT_NOFILE allows it"));
+    }
+    options.max_connections = options.threads;
+  }
+  if (options.max_connections_per_address == 0) {
+    options.max_connections_per_address =
+        std::max(options.max_connections / 2, kPeerConnectionsPerProcess);
+  }
+  options.max_connections_per_address =
+      std::min(options.max_connections_per_address, options.max_connections);
+  return OkStatus();
+}
+
 // Compares in time that depends on the lengths only, so that the secret cannot be guessed a
 // character at a time from the answers' timing.
 bool SameSecret(std::string_view given, std::string_view secret) {
@@ -57,6 +127,10 @@ MHD_Result Answer(MHD_Connection* connection, unsigned int code, std::string_vie
       body.size(), const_cast<char*>(body.data()), MHD_RESPMEM_MUST_COPY);
   if (response == nullptr) return MHD_NO;
   MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_TYPE, "text/plain");
+  // Whoever lacks the secret does not keep the connection.
+  if (code == MHD_HTTP_FORBIDDEN) {
+    MHD_add_response_header(response, MHD_HTTP_HEADER_CONNECTION, "close");
+  }
   const MHD_Result queued = MHD_queue_response(connection, code, response);
   MHD_destroy_response(response);
   return queued;
@@ -100,6 +174,13 @@ int OpenBeneath(int root_fd, const std::string& key) {
 
 }  // namespace
 
+// The header deadline. MHD's own timeout is one of inactivity, which a client that sends a byte
+// now and then never reaches; so every accepted connection is recorded (MHD's notification of a
+// connection started) with the time its headers are due, the request handler forgets it once it
+// has seen the secret, and a thread shuts down the socket of every one still recorded when its
+// time comes: MHD then sees the end of the stream and closes it. MHD reports a connection closed
+// before it closes the descriptor, and the record is dropped under the same mutex, so the thread
+// never touches a descriptor that has been reused.
 struct PeerServer::Impl {
   std::string root;
   int root_fd = -1;
@@ -107,9 +188,72 @@ struct PeerServer::Impl {
   MHD_Daemon* daemon = nullptr;
   int port = 0;
 
+  struct Unauthenticated {
+    int fd;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  std::mutex mu;
+  std::condition_variable wake;
+  bool stopping = false;  // guarded by mu
+  std::unordered_map<MHD_Connection*, Unauthenticated> unauthenticated;  // guarded by mu
+  std::thread reaper;
+
   ~Impl() {
+    if (reaper.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        stopping = true;
+      }
+      wake.notify_all();
+      reaper.join();
+    }
     if (daemon != nullptr) MHD_stop_daemon(daemon);
     if (root_fd >= 0) ::close(root_fd);
+  }
+
+  void Reap() {
+    std::unique_lock<std::mutex> lock(mu);
+    while (!stopping) {
+      const auto now = std::chrono::steady_clock::now();
+      auto next = now + std::chrono::hours(1);
+      for (auto it = unauthenticated.begin(); it != unauthenticated.end();) {
+        if (it->second.deadline <= now) {
+          ::shutdown(it->second.fd, SHUT_RDWR);
+          it = unauthenticated.erase(it);
+        } else {
+          next = std::min(next, it->second.deadline);
+          ++it;
+        }
+      }
+      wake.wait_until(lock, next);
+    }
+  }
+
+  static void NotifyConnection(void* cls, MHD_Connection* connection, void** /*socket_context*/,
+                               MHD_ConnectionNotificationCode event) {
+    Impl& self = *static_cast<Impl*>(cls);
+    std::lock_guard<std::mutex> lock(self.mu);
+    if (event == MHD_CONNECTION_NOTIFY_CLOSED) {
+      self.unauthenticated.erase(connection);
+      return;
+    }
+    const MHD_ConnectionInfo* info =
+        MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (info == nullptr) return;
+    // Every deadline is the same time after its start, so only a first one moves the next wake.
+    if (self.unauthenticated.empty()) self.wake.notify_one();
+    self.unauthenticated[connection] = {
+        info->connect_fd, std::chrono::steady_clock::now() + self.options.header_timeout};
+  }
+
+  // The connection has sent the secret: no header deadline, and only a long inactivity ends it.
+  void Authenticated(MHD_Connection* connection) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      unauthenticated.erase(connection);
+    }
+    MHD_set_connection_option(connection, MHD_CONNECTION_OPTION_TIMEOUT,
+                              static_cast<unsigned int>(options.idle_timeout.count()));
   }
 
   // For keys that passed IsSafeRelativeKey.
@@ -181,12 +325,13 @@ struct PeerServer::Impl {
   static MHD_Result Handle(void* cls, MHD_Connection* connection, const char* url,
                            const char* method, const char* /*version*/, const char* /*upload_data*/,
                            size_t* upload_data_size, void** /*con_cls*/) {
-    const Impl& self = *static_cast<const Impl*>(cls);
+    Impl& self = *static_cast<Impl*>(cls);
     const char* secret =
         MHD_lookup_connection_value(connection, MHD_HEADER_KIND, kPeerSecretHeader);
     if (secret == nullptr || !SameSecret(secret, self.options.secret)) {
       return Answer(connection, MHD_HTTP_FORBIDDEN, "a request without the job's secret\n");
     }
+    self.Authenticated(connection);
     const std::string_view verb(method);
     if ((verb != "GET" && verb != "HEAD") || *upload_data_size != 0) {
       return Answer(connection, MHD_HTTP_METHOD_NOT_ALLOWED, "read-only\n");
@@ -220,6 +365,7 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(std::string root, PeerServ
     return InvalidArgumentError(StrCat("the peer server's address '", options.bind_address, ":",
                                        options.port, "' is not an IPv4 address and port"));
   }
+  if (Status s = SizeLimits(options); !s.ok()) return s;
   auto impl = std::make_unique<Impl>();
   impl->root_fd = ::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
   if (impl->root_fd < 0) {
@@ -233,11 +379,19 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(std::string root, PeerServ
   }
   impl->root = std::move(root);
   impl->options = std::move(options);
+  impl->reaper = std::thread([self = impl.get()] { self->Reap(); });
+  // Until a connection sends the secret, MHD closes it after header_timeout without a byte
+  // (the reaper, after header_timeout in all).
   impl->daemon = MHD_start_daemon(
       MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL_LINUX_ONLY, 0, nullptr, nullptr,
       &Impl::Handle, impl.get(), MHD_OPTION_SOCK_ADDR, reinterpret_cast<sockaddr*>(&address),
-      MHD_OPTION_THREAD_POOL_SIZE, static_cast<unsigned int>(std::max(1, impl->options.threads)),
-      MHD_OPTION_CONNECTION_TIMEOUT, 120u, MHD_OPTION_END);
+      MHD_OPTION_THREAD_POOL_SIZE, static_cast<unsigned int>(impl->options.threads),
+      MHD_OPTION_CONNECTION_LIMIT, static_cast<unsigned int>(impl->options.max_connections),
+      MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+      static_cast<unsigned int>(impl->options.max_connections_per_address),
+      MHD_OPTION_CONNECTION_TIMEOUT,
+      static_cast<unsigned int>(impl->options.header_timeout.count()),
+      MHD_OPTION_NOTIFY_CONNECTION, &Impl::NotifyConnection, impl.get(), MHD_OPTION_END);
   if (impl->daemon == nullptr) {
     return UnavailableError(StrCat("cannot serve peers on ", impl->options.bind_address, ":",
                                    impl->options.port, " (address in use or not of this host)"));
@@ -251,6 +405,11 @@ int PeerServer::port() const { return impl_->port; }
 
 std::string PeerServer::url() const {
   return StrCat("http://", impl_->options.bind_address, ":", impl_->port);
+}
+
+int PeerServer::max_connections() const { return impl_->options.max_connections; }
+int PeerServer::max_connections_per_address() const {
+  return impl_->options.max_connections_per_address;
 }
 
 }  // namespace tensorstash

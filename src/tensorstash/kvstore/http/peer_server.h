@@ -14,11 +14,21 @@
 // backslash is 400. `may_serve(key)` decides what is visible (e.g. only committed steps): a key
 // it refuses is 404, as is a missing file or a symbolic link. Files are sent with sendfile().
 //
+// Connections cost descriptors, which the process needs for its own saves, so anyone who can
+// reach the port could otherwise starve it without knowing the secret. The server therefore
+// holds at most `max_connections` at once (never more than a quarter of RLIMIT_NOFILE's soft
+// limit), at most `max_connections_per_address` from one address (a connection past either
+// limit is closed when it is accepted, or waits in the kernel's queue), and closes every
+// connection that has not sent complete headers with the secret within `header_timeout` of
+// being accepted, whether or not it trickles bytes. A connection that has sent the secret is
+// closed only after `idle_timeout` without a byte moving either way: a transfer is never cut.
+//
 // Thread-safety: Start and the destructor on one thread; may_serve is called from the server's
 // threads at once and must be thread-safe.
 #ifndef TENSORSTASH_KVSTORE_HTTP_PEER_SERVER_H_
 #define TENSORSTASH_KVSTORE_HTTP_PEER_SERVER_H_
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -40,12 +50,29 @@ struct PeerServerOptions {
   // Null: every file under the root.
   std::function<bool(std::string_view key)> may_serve;
   int threads = 4;
+  // The job's number of processes, when the caller knows it (0: unknown). Sizes the default
+  // limits: each other process may hold kPeerConnectionsPerProcess connections.
+  int process_count = 0;
+  // Connections held at once, in all and from one IPv4 address; 0: derived (see
+  // PeerServer::max_connections). An explicit total above a quarter of RLIMIT_NOFILE's soft
+  // limit is refused.
+  int max_connections = 0;
+  int max_connections_per_address = 0;
+  // From accept to complete headers carrying the secret; at least 1 s.
+  std::chrono::seconds header_timeout{5};
+  // An authenticated connection with no byte moving either way; at least 1 s.
+  std::chrono::seconds idle_timeout{120};
 };
+
+// The connections one reading process may open to a server at once: its reads run on at most
+// DefaultIoThreads() (32) threads.
+inline constexpr int kPeerConnectionsPerProcess = 32;
 
 class PeerServer {
  public:
-  // Starts serving `root` (a folder that must exist). InvalidArgument for a bad address or a
-  // short secret, NotFound for a missing root, Unavailable when the address cannot be bound.
+  // Starts serving `root` (a folder that must exist). InvalidArgument for a bad address, a
+  // short secret, a negative limit or a total above a quarter of RLIMIT_NOFILE, a timeout under
+  // 1 s; NotFound for a missing root, Unavailable when the address cannot be bound.
   static Result<std::unique_ptr<PeerServer>> Start(std::string root, PeerServerOptions options);
   // Stops: closes the socket and waits for the requests in flight.
   ~PeerServer();
@@ -55,6 +82,14 @@ class PeerServer {
   int port() const;
   // "http://<bind address>:<port>".
   std::string url() const;
+
+  // The limits in force. Derived when not given: the total is kPeerConnectionsPerProcess for
+  // each other process plus a few spare (1,024 when the job's size is unknown), capped at a
+  // quarter of RLIMIT_NOFILE's soft limit and at least `threads`; one address may take half of
+  // it, at least kPeerConnectionsPerProcess (so one hostile host cannot take every slot, while a
+  // node running several processes still gets in).
+  int max_connections() const;
+  int max_connections_per_address() const;
 
  private:
   struct Impl;
