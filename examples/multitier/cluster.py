@@ -104,8 +104,9 @@ class Cluster:
         os.makedirs(self.node_dir(k))
 
     def start(self, nodes: list[int], args: list[str], extra: dict[int, list[str]] | None = None,
-              persistent: str | None = None) -> Job:
-        """Starts process i of len(nodes) on node nodes[i], each in its own mount namespace."""
+              persistent: str | None = None, worker: str | None = None) -> Job:
+        """Starts process i of len(nodes) on node nodes[i], each in its own mount namespace,
+        running `worker` (default: worker.py here; another script takes the same arguments)."""
         self.runs += 1
         out = os.path.join(self.workdir, f"run{self.runs}")
         os.makedirs(out, exist_ok=True)
@@ -113,7 +114,7 @@ class Cluster:
         env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
         procs, logs = [], []
         for pid, node in enumerate(nodes):
-            cmd = [sys.executable, WORKER, "--pid", str(pid), "--nproc", str(len(nodes)),
+            cmd = [sys.executable, worker or WORKER, "--pid", str(pid), "--nproc", str(len(nodes)),
                    "--port", str(port), "--persistent", persistent or self.persistent,
                    "--local-dir", self.local_dir, "--out", out, *args,
                    *((extra or {}).get(pid, []))]
