@@ -262,10 +262,31 @@ struct S3KvStore::Impl {
     }
     if (!etag.empty()) call.headers.emplace_back("if-match", std::string(etag));
     TS_ASSIGN_OR_RETURN(HttpResponse response, Send(call, what));
+    // A ranged GET answered 200 that is not the whole object asked for (more bytes than asked,
+    // or any part but the start): the server ignored the Range header, or (rclone's "serve s3")
+    // sent a part with 200 and a Content-Range, which HTTP gives no meaning to in a 200. Said as
+    // what it is, and never FailedPrecondition or NotFound: a committed step's reader takes those
+    // for an object replaced or removed after the commit.
+    if (size > 0 && response.status == 200 && (response.overflow || offset > 0)) {
+      const std::string asked = StrCat("bytes ", offset, "-", offset + size - 1);
+      const std::string content_range = response.Header("content-range");
+      if (!response.overflow && !content_range.empty()) {
+        return UnimplementedError(StrCat(
+            what, ": the server answered a request for ", asked, " with 200 and Content-Range '",
+            content_range, "' instead of 206 (Partial Content); ", Describe(),
+            " does not implement range requests as HTTP specifies them, which reading a "
+            "checkpoint needs"));
+      }
+      const std::string length = response.Header("content-length");
+      return UnimplementedError(StrCat(
+          what, ": the server ignored the Range header and answered 200 with the whole object",
+          length.empty() ? "" : StrCat(" (", length, " bytes)"), " to a request for ", asked, "; ",
+          Describe(), " does not support range requests, which reading a checkpoint needs"));
+    }
     if (response.overflow) {
-      return FailedPreconditionError(StrCat(what, ": ", Describe(), " sent more than the ", size,
-                                            " bytes asked for at offset ", offset,
-                                            "; the server does not honour range requests"));
+      return DataLossError(StrCat(what, ": the server answered HTTP ", response.status,
+                                  " with more than the ", size, " bytes asked for (bytes ",
+                                  offset, "-", offset + size - 1, ")"));
     }
     if (response.status == 412 && !etag.empty()) {
       return FailedPreconditionError(StrCat(what, ": the object was replaced after it was ",
@@ -275,11 +296,6 @@ struct S3KvStore::Impl {
       return ErrorFor(response, what, key);
     }
     if (size > 0) {
-      if (response.status == 200 && offset > 0) {
-        return FailedPreconditionError(StrCat(
-            what,
-            ": the server answered a range request with the whole object (no Range support)"));
-      }
       if (response.received != size) {
         return DataLossError(StrCat(what, " is truncated: ", response.received, " of the ", size,
                                     " bytes at offset ", offset, " exist"));
