@@ -554,12 +554,9 @@ Result<TieredRestore> LocalTier::OpenStep(int64_t step, const JobHoldings& job, 
     return metadata.status();
   }
   const std::vector<int> ring = ValueRing(index, count);
-  if (restore.save) {
-    // A process the saving job did not have (a restart with more processes) saved no value.
-    for (int p : ring) {
-      if (p >= restore.save->process_count) extras.ring_values.emplace(p, std::nullopt);
-    }
-  }
+  // The values the chosen save's holdings can carry: those of the processes of the job that
+  // saved it (a restart with more processes has indices that job did not have).
+  const auto held_by_save = [&](int p) { return !restore.save || p < restore.save->process_count; };
   std::vector<const Holding*> candidates;
   for (const Holding* h : of_save) {
     if (std::any_of(ring.begin(), ring.end(),
@@ -576,7 +573,8 @@ Result<TieredRestore> LocalTier::OpenStep(int64_t step, const JobHoldings& job, 
   });
   std::vector<std::string> errors;
   for (const Holding* h : candidates) {
-    if (std::all_of(ring.begin(), ring.end(), [&](int p) { return extras.ring_values.count(p); })) {
+    if (std::all_of(ring.begin(), ring.end(),
+                    [&](int p) { return !held_by_save(p) || extras.ring_values.count(p); })) {
       break;
     }
     Result<StepHolder> holder = holder_of(*h);
@@ -599,16 +597,29 @@ Result<TieredRestore> LocalTier::OpenStep(int64_t step, const JobHoldings& job, 
       if (std::count(ring.begin(), ring.end(), p)) extras.ring_values.emplace(p, std::move(value));
     }
   }
-  if (!extras.ring_values.count(index) && in_persistent) {
-    Result<std::unique_ptr<CheckpointReader>> reader =
-        CheckpointReader::Open(persistent, *step_dir);
-    if (!reader.ok()) return reader.status();
-    Result<std::string> value = (*reader)->ReadFile(ProcessStateFileName(index));
+  // What the holdings did not give comes from the persistent step, when there is one: this
+  // process's own value, and those of indices the saving job did not have (a local save made by
+  // a smaller job, e.g. the write-back of a persistent restore, while the persistent step was
+  // saved by a job of this size). Otherwise such an index saved no value: None.
+  std::unique_ptr<CheckpointReader> persistent_reader;
+  for (int p : ring) {
+    if (extras.ring_values.count(p) || (p != index && held_by_save(p))) continue;
+    if (!in_persistent) {
+      if (!held_by_save(p)) extras.ring_values.emplace(p, std::nullopt);
+      continue;
+    }
+    if (persistent_reader == nullptr) {
+      Result<std::unique_ptr<CheckpointReader>> reader =
+          CheckpointReader::Open(persistent, *step_dir);
+      if (!reader.ok()) return reader.status();
+      persistent_reader = *std::move(reader);
+    }
+    Result<std::string> value = persistent_reader->ReadFile(ProcessStateFileName(p));
     if (value.ok()) {
-      extras.ring_values[index] = *std::move(value);
+      extras.ring_values[p] = *std::move(value);
     } else if (absl::IsNotFound(value.status())) {
-      extras.ring_values[index] = std::nullopt;
-    } else {
+      extras.ring_values[p] = std::nullopt;
+    } else if (p == index) {
       return value.status();
     }
   }

@@ -304,6 +304,52 @@ TEST_F(MultiTierManagerTest, ARestartWithMoreProcessesThanSavedGivesTheNewOnesNo
   });
 }
 
+TEST_F(MultiTierManagerTest, ValuesTheLocalSaveLacksComeFromThePersistentStep) {
+  // Four processes save step 3 to both tiers; then every node loses its RAM.
+  const auto open = [&](int p, Coordinator& c) {
+    Result<std::unique_ptr<KvStore>> kv = OpenKvStore(PersistentDir(), {.create = true});
+    EXPECT_TRUE(kv.ok());
+    Result<std::unique_ptr<MultiTierManager>> mgr =
+        MultiTierManager::Open(kv->get(), Options(p, &c));
+    EXPECT_TRUE(mgr.ok()) << mgr.status();
+    return std::make_pair(*std::move(kv), *std::move(mgr));
+  };
+  RunJob(kProcesses, [&](int p, Coordinator& c) {
+    auto [kv, mgr] = open(p, c);
+    std::vector<char> data;
+    TS_ASSERT_OK(mgr->Save(3, Request(p, 3, &data), /*async=*/false, /*force=*/true).status());
+    TS_EXPECT_OK(mgr->Close());
+  });
+  for (int node = 0; node < kProcesses; ++node) std::filesystem::remove_all(NodeDir(node));
+  // Two processes restore it from the persistent tier and write their shards back: local
+  // holdings of a job of 2, carrying the values of processes 0 and 1 only.
+  RunJob(
+      2,
+      [&](int p, Coordinator& c) {
+        auto [kv, mgr] = open(p, c);
+        Result<TieredRestore> restore = mgr->OpenRestore(3);
+        TS_ASSERT_OK(restore.status());
+        TS_EXPECT_OK(RestoreToHost(*restore->source, {{"w", BoxOf(p), DType::kFloat32}},
+                                   {.map = false}, [](HostBatch&) { return OkStatus(); }));
+        std::vector<char> data;
+        SaveRequest write_back = Request(p, 3, &data);
+        TS_EXPECT_OK(mgr->FinishRestore(&*restore, &write_back));
+        TS_EXPECT_OK(mgr->Close());
+      },
+      2);
+  // Four again: the local save is chosen, and processes 2 and 3 get the values the persistent
+  // step holds for them, not None.
+  RunJob(kProcesses, [&](int p, Coordinator& c) {
+    auto [kv, mgr] = open(p, c);
+    Result<TieredRestore> restore = mgr->OpenRestore(3);
+    TS_ASSERT_OK(restore.status());
+    EXPECT_TRUE(restore->save.has_value());
+    EXPECT_EQ(restore->extras.per_process, StrCat("iterator of process ", p, " at step 3")) << p;
+    TS_EXPECT_OK(mgr->FinishRestore(&*restore, nullptr));
+    TS_EXPECT_OK(mgr->Close());
+  });
+}
+
 TEST_F(MultiTierManagerTest, AReusedLocalDirNeverRestoresAnotherRun) {
   // Run A saves step 5 into the nodes' RAM.
   RunJob(kProcesses, [&](int p, Coordinator& c) {
