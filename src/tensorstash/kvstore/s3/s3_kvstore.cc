@@ -106,6 +106,18 @@ struct S3Call {
   size_t dest_size = 0;
 };
 
+// S3 takes any UTF-8 in a key, but SeaweedFS stores a backslash as '/': an object written as
+// "a\b" is read back, listed and deleted as "a/b", so a step written under such a name is found
+// empty. Keys and prefixes with a backslash are therefore refused before anything is sent (AWS
+// lists it among the characters to avoid in keys, too).
+Status RefuseBackslash(std::string_view what, std::string_view name, std::string_view where) {
+  if (name.find('\\') == std::string_view::npos) return OkStatus();
+  return InvalidArgumentError(StrCat(
+      "the ", what, " '", name, "' in ", where,
+      " has a backslash, which tensorstash refuses in S3 keys: some S3 servers (SeaweedFS) "
+      "store it as '/', so the object would be written, listed and read under another name"));
+}
+
 }  // namespace
 
 struct S3KvStore::Impl {
@@ -126,6 +138,15 @@ struct S3KvStore::Impl {
                                   : StrCat("s3://", options.bucket, "/", options.prefix);
   }
   std::string Object(std::string_view key) const { return StrCat(root, key); }
+  // ValidateKey / ValidatePrefix, and no backslash (RefuseBackslash).
+  Status CheckKey(std::string_view key) const {
+    TS_RETURN_IF_ERROR(ValidateKey(key));
+    return RefuseBackslash("key", key, Describe());
+  }
+  Status CheckPrefix(std::string_view prefix) const {
+    TS_RETURN_IF_ERROR(ValidatePrefix(prefix));
+    return RefuseBackslash("prefix", prefix, Describe());
+  }
   std::string Where(std::string_view key) const { return StrCat("'", key, "' in ", Describe()); }
 
   // The URL and the path to sign for `object` ("" = the bucket).
@@ -252,7 +273,7 @@ struct S3KvStore::Impl {
   // A GET of `key` (a range when `size` > 0), with If-Match when `etag` is not empty.
   Status Get(std::string_view key, uint64_t offset, size_t size, void* dest, std::string* text,
              std::string_view etag) {
-    TS_RETURN_IF_ERROR(ValidateKey(key));
+    TS_RETURN_IF_ERROR(CheckKey(key));
     const std::string what = StrCat("reading ", Where(key));
     S3Call call("GET", Object(key));
     if (size > 0) {
@@ -306,7 +327,7 @@ struct S3KvStore::Impl {
   }
 
   Result<ObjectInfo> Head(std::string_view key) {
-    TS_RETURN_IF_ERROR(ValidateKey(key));
+    TS_RETURN_IF_ERROR(CheckKey(key));
     const std::string what = StrCat("looking up ", Where(key));
     TS_ASSIGN_OR_RETURN(HttpResponse response, Send(S3Call("HEAD", Object(key)), what));
     if (response.status != 200) return ErrorFor(response, what, key);
@@ -320,7 +341,7 @@ struct S3KvStore::Impl {
 
   // A PUT of a whole object; with `if_absent`, If-None-Match: * (AlreadyExists when it exists).
   Status Put(std::string_view key, std::string_view value, bool if_absent) {
-    TS_RETURN_IF_ERROR(ValidateKey(key));
+    TS_RETURN_IF_ERROR(CheckKey(key));
     const std::string what = StrCat("writing ", Where(key));
     S3Call call("PUT", Object(key), value);
     call.headers.emplace_back("content-length", std::to_string(value.size()));
@@ -359,7 +380,7 @@ struct S3KvStore::Impl {
   // Every object (and with `delimiter`, every common prefix) under `prefix` of this store.
   Status ListAll(std::string_view prefix, bool delimiter, std::vector<S3ListedObject>* objects,
                  std::vector<std::string>* prefixes) {
-    TS_RETURN_IF_ERROR(ValidatePrefix(prefix));
+    TS_RETURN_IF_ERROR(CheckPrefix(prefix));
     const std::string full = Object(prefix);
     std::string token;
     do {
@@ -742,6 +763,8 @@ Result<std::unique_ptr<S3KvStore>> S3KvStore::Open(S3KvStoreOptions options) {
       return InvalidArgumentError(StrCat("the prefix of s3://", options.bucket, "/", options.prefix,
                                          ": ", valid.message()));
     }
+    TS_RETURN_IF_ERROR(
+        RefuseBackslash("prefix", options.prefix, StrCat("s3://", options.bucket)));
   }
   if (options.part_size < kMinPartSize) {
     return InvalidArgumentError(
@@ -849,7 +872,7 @@ Status S3KvStore::WriteIfAbsent(std::string_view key, std::string_view value) {
 }
 
 Result<std::unique_ptr<WritableFile>> S3KvStore::OpenForWrite(std::string_view key) {
-  TS_RETURN_IF_ERROR(ValidateKey(key));
+  TS_RETURN_IF_ERROR(impl_->CheckKey(key));
   return std::unique_ptr<WritableFile>(new S3WritableFile(impl_, std::string(key)));
 }
 
@@ -904,8 +927,8 @@ Status S3KvStore::DeletePrefix(std::string_view prefix) {
 }
 
 Status S3KvStore::RenameDirectory(std::string_view from, std::string_view to) {
-  TS_RETURN_IF_ERROR(ValidateKey(from));
-  TS_RETURN_IF_ERROR(ValidateKey(to));
+  TS_RETURN_IF_ERROR(impl_->CheckKey(from));
+  TS_RETURN_IF_ERROR(impl_->CheckKey(to));
   return UnimplementedError(StrCat("renaming '", from, "' to '", to, "' in ", Describe(),
                                    ": object stores cannot rename"));
 }
@@ -913,7 +936,7 @@ Status S3KvStore::RenameDirectory(std::string_view from, std::string_view to) {
 Status S3KvStore::Sync(std::string_view key) { return impl_->Head(key).status(); }
 
 Status S3KvStore::SyncDirectory(std::string_view dir) {
-  TS_RETURN_IF_ERROR(ValidatePrefix(dir));
+  TS_RETURN_IF_ERROR(impl_->CheckPrefix(dir));
   if (dir.empty()) return OkStatus();
   // Nothing to make durable; but a folder that holds nothing is NotFound, as on a file system.
   const std::string folder = dir.ends_with('/') ? std::string(dir) : StrCat(dir, "/");
@@ -926,7 +949,7 @@ Status S3KvStore::SyncDirectory(std::string_view dir) {
 }
 
 Result<std::unique_ptr<KvLock>> S3KvStore::TryLock(std::string_view key) {
-  TS_RETURN_IF_ERROR(ValidateKey(key));
+  TS_RETURN_IF_ERROR(impl_->CheckKey(key));
   const std::string holder = RandomHexId();
   const std::string record = S3Lease::Record(holder, impl_->options.lease_duration);
   Status created = WriteIfAbsent(key, record);
@@ -972,7 +995,7 @@ Result<std::unique_ptr<KvLock>> S3KvStore::TryLock(std::string_view key) {
 
 Result<std::vector<S3KvStore::PendingUpload>> S3KvStore::ListPendingUploads(
     std::string_view prefix) {
-  TS_RETURN_IF_ERROR(ValidatePrefix(prefix));
+  TS_RETURN_IF_ERROR(impl_->CheckPrefix(prefix));
   std::vector<PendingUpload> uploads;
   std::string key_marker;
   std::string id_marker;

@@ -6,7 +6,8 @@
 //   TS_ASSIGN_OR_RETURN(options.settings, ResolveS3Settings({}, ProcessEnv()));
 //   TS_ASSIGN_OR_RETURN(auto store, S3KvStore::Open(std::move(options)));
 //
-// Keys are object names under the prefix. Requests are signed with AWS Signature V4 (sigv4.h)
+// Keys are object names under the prefix; a key or prefix with a backslash is InvalidArgument
+// (SeaweedFS would store it as '/'). Requests are signed with AWS Signature V4 (sigv4.h)
 // and sent over HttpClient (http/http_client.h), at most `max_concurrent_requests` at once;
 // 5xx answers, SlowDown and lost connections are retried with exponential backoff and jitter,
 // while 304 and 412 are answers and never retried. Every PUT and part carries its CRC-32C

@@ -129,6 +129,35 @@ TEST_F(S3StoreTest, KeysThatNeedEncodingRoundTrip) {
   EXPECT_EQ(children->keys.size(), keys.size() - 1);
 }
 
+// SeaweedFS stores a backslash as '/', so a key or prefix with one is refused before anything is
+// sent, naming it and saying why (issue 36 item 10).
+TEST_F(S3StoreTest, KeysAndPrefixesWithABackslashAreRefusedByName) {
+  std::unique_ptr<S3KvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  char byte[1];
+  const std::vector<Status> refused = {
+      store->Write("dir\\x", "v"), store->Read("dir\\x").status(),
+      store->ReadRange("a/b\\c", 0, 1, byte), store->Size("dir\\x").status(),
+      store->List("dir\\").status(), store->Delete("dir\\x"), store->DeletePrefix("dir\\/")};
+  for (const Status& status : refused) {
+    EXPECT_TRUE(absl::IsInvalidArgument(status)) << status;
+    EXPECT_THAT(MessageOf(status), HasSubstr("\\"));
+    EXPECT_THAT(MessageOf(status), HasSubstr("has a backslash"));
+    EXPECT_THAT(MessageOf(status), HasSubstr(store->Describe()));
+  }
+  EXPECT_THAT(MessageOf(refused[0]), HasSubstr("'dir\\x'"));
+  Result<std::vector<std::string>> listed = store->List("");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_TRUE(listed->empty()) << "nothing was written: " << (*listed)[0];
+
+  S3KvStoreOptions options = TestOptions("run\\1");
+  const std::string bucket = options.bucket;
+  const Status prefix = S3KvStore::Open(std::move(options)).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(prefix)) << prefix;
+  EXPECT_THAT(MessageOf(prefix), HasSubstr("the prefix 'run\\1' in s3://" + bucket));
+  EXPECT_THAT(MessageOf(prefix), HasSubstr("has a backslash"));
+}
+
 TEST_F(S3StoreTest, ListingGoesPastOnePage) {
   S3KvStoreOptions options = TestOptions();
   options.list_page_size = 7;
