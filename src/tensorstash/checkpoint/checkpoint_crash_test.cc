@@ -131,7 +131,7 @@ TEST_F(CheckpointCrashTest, KilledWriterLeavesOnlyCompleteSteps) {
   // At least kRounds kills, and more (up to kMaxRounds) until three have landed mid-save: on a
   // loaded machine (ctest -j with ASan) the writer can spend most of a short window starting up,
   // and 25 kills once caught it mid-save only once.
-  constexpr int kRounds = 25;
+  constexpr int kRounds = 40;
   constexpr int kMaxRounds = 100;
   int round = 0;
   for (; round < kMaxRounds && (round < kRounds || rounds_with_leftovers < 3); ++round) {

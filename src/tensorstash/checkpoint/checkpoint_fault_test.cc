@@ -111,7 +111,7 @@ TEST_P(CheckpointFaultTest, InjectedSaveErrorsReachTheCallerAndHarmNothingCommit
   const int threads = test::CountThreads();
   int failed_saves = 0;
   int visible_after_failure = 0;
-  for (int iteration = 0; iteration < 60; ++iteration) {
+  for (int iteration = 0; iteration < 150; ++iteration) {
     const auto [op, count] = ops[rng_() % ops.size()];
     const FaultKind kind = std::vector<FaultKind>{FaultKind::kIoError, FaultKind::kNoSpace,
                                                   FaultKind::kShortWrite}[rng_() % 3];
@@ -188,7 +188,7 @@ TEST_P(CheckpointFaultTest, InjectedRestoreErrorsReachTheCallerAndNeverGiveWrong
   const int fds = test::CountProcEntries("fd");
   const int threads = test::CountThreads();
   int failed = 0;
-  for (int iteration = 0; iteration < 40; ++iteration) {
+  for (int iteration = 0; iteration < 100; ++iteration) {
     const auto [op, count] = ops[rng_() % ops.size()];
     FaultRule rule;
     rule.ops = Mask(op);
