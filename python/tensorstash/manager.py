@@ -448,35 +448,62 @@ class CheckpointManager:
         if self._local is not None:
             fallback = asked is None or asked == self._last_latest
             return self._restore_tiered(step, target, args, started, fallback)
+        # Without a local tier a restore is not collective (a process may restore alone), so
+        # only a single process can decide alone to fall back.
         single = self._coordinator is None or self._coordinator.process_count() == 1
         candidates = [step]
         if single and (asked is None or asked == self._ext.latest_step()):
             candidates = [s for s in reversed(self.all_steps()) if s <= step] or [step]
-        for i, candidate in enumerate(candidates):
+
+        def attempt(candidate: int):
             args.arguments["path"] = self.step_path(candidate)
-            try:
-                tree, nbytes = _restore(*args.args, **args.kwargs)
-            except OSError as e:
-                if i + 1 == len(candidates) or not _is_data_error(e):
-                    raise
-                self._skipped(step, candidate, f"{type(e).__name__}: {e}", candidates[i + 1])
-                continue
-            break
-        stats = RestoreStats(step=candidate, bytes=nbytes, seconds=time.perf_counter() - started,
+            return _restore(*args.args, **args.kwargs), None
+
+        step, (tree, nbytes), _ = self._first_that_restores(
+            step, candidates, attempt, lambda _candidate, _handle, word: [word])
+        stats = RestoreStats(step=step, bytes=nbytes, seconds=time.perf_counter() - started,
                              bytes_from={"local": 0, "peer": 0, "persistent": nbytes},
                              seconds_from={"local": 0.0, "peer": 0.0,
                                            "persistent": time.perf_counter() - started})
         self._restored(stats)
         return tree
 
-    def _skipped(self, asked: int, step: int, why: str, instead: int | None) -> None:
+    def _first_that_restores(self, asked: int, candidates: list[int], attempt: Callable,
+                             agree: Callable) -> tuple[int, Any, Any]:
+        """Restores the first of `candidates` (newest first) that every process restores whole:
+        attempt(step) -> (result, handle) reads it in this process; agree(step, handle, word)
+        -> every process's word (collective: "" when that process read everything), so that
+        all of them give up, or all try the next step, together. Only a failure that says the
+        step's bytes are bad (_is_data_error) in every process that failed moves on, with a
+        warning naming the step and why; any other is raised in every process (this process's
+        own error, else an OSError naming the processes that failed). Returns (step, result,
+        handle)."""
+        for i, candidate in enumerate(candidates):
+            result, handle, error, word = None, None, None, ""
+            try:
+                result, handle = attempt(candidate)
+            except Exception as e:  # noqa: BLE001 - every process must hear of it (below)
+                error = e
+                word = f"{'data' if _is_data_error(e) else 'other'}:{type(e).__name__}: {e}"
+            failed = {p: w for p, w in enumerate(agree(candidate, handle, word)) if w}
+            if not failed:
+                return candidate, result, handle
+            why = "; ".join(f"process {p}: {w.split(':', 1)[1]}" for p, w in failed.items())
+            if i + 1 == len(candidates) or not all(w.startswith("data:")
+                                                   for w in failed.values()):
+                if error is not None:
+                    raise error
+                raise OSError(f"restoring step {candidate} from {self.root} failed in other "
+                              f"processes: {why}")
+            self._skipped(asked, candidate, why, candidates[i + 1])
+        raise AssertionError("unreachable: the last candidate returns or raises")
+
+    def _skipped(self, asked: int, step: int, why: str, instead: int) -> None:
         """Logs that `step` did not restore whole, and records what `asked` now means."""
-        self.logger.warning("tensorstash: step %d in %s does not restore whole (%s)%s", step,
-                            self.root, why, f"; trying step {instead}, the next older one"
-                            if instead is not None else "")
-        if instead is not None:
-            self._redirected[asked] = instead
-            self._last_latest = instead
+        self.logger.warning("tensorstash: step %d in %s does not restore whole (%s); trying "
+                            "step %d, the next older one", step, self.root, why, instead)
+        self._redirected[asked] = instead
+        self._last_latest = instead
 
     def _restore_tiered(self, step: int, target: Any, args: Any, started: float,
                         fallback: bool) -> Any:
@@ -493,36 +520,19 @@ class CheckpointManager:
         candidates = [step]
         if fallback:
             candidates = [s for s in reversed(job.restorable_steps()) if s <= step] or [step]
-        for i, candidate in enumerate(candidates):
-            restore, error, word = None, None, ""
-            try:
-                opened = local.open_step(candidate, job, self.root,
-                                         verify_checksums=kwargs["verify_checksums"],
-                                         max_inflight_bytes=kwargs["max_inflight_bytes"],
-                                         io_threads=kwargs["io_threads"])
-                with contextlib.closing(opened.reader) as reader:
-                    tree, _ = _restore(self.step_path(candidate), target, reader=reader,
-                                       **kwargs)
-                    tier = reader.tier_stats()
-                    stored = {a["path"]: a for a in reader.arrays()}
-                restore = opened
-            except Exception as e:  # noqa: BLE001 - every process must hear of it (below)
-                error = e
-                word = f"{'data' if _is_data_error(e) else 'other'}:{type(e).__name__}: {e}"
-            # Every process has read (or failed): all of them see the same words.
-            words = local.finish_restore(restore, word)
-            failed = {p: w for p, w in enumerate(words) if w}
-            if not failed:
-                break
-            why = "; ".join(f"process {p}: {w.split(':', 1)[1]}" for p, w in failed.items())
-            last = i + 1 == len(candidates)
-            if last or not all(w.startswith("data:") for w in failed.values()):
-                if error is not None:
-                    raise error
-                raise OSError(f"restoring step {candidate} from {self.root} failed in other "
-                              f"processes: {why}")
-            self._skipped(step, candidate, why, candidates[i + 1])
-        step = candidate
+
+        def attempt(candidate: int):
+            opened = local.open_step(candidate, job, self.root,
+                                     verify_checksums=kwargs["verify_checksums"],
+                                     max_inflight_bytes=kwargs["max_inflight_bytes"],
+                                     io_threads=kwargs["io_threads"])
+            with contextlib.closing(opened.reader) as reader:
+                tree, _ = _restore(self.step_path(candidate), target, reader=reader, **kwargs)
+                return (tree, reader.tier_stats(), {a["path"]: a for a in reader.arrays()}), opened
+
+        # finish_restore: after every process has read, this node's abandoned holdings go.
+        step, (tree, tier, stored), restore = self._first_that_restores(
+            step, candidates, attempt, lambda _, opened, word: local.finish_restore(opened, word))
         for problem in tier["open_errors"] + tier["failures"]:
             self.logger.warning("tensorstash: restoring step %d: %s", step, problem)
         self._restored_from_tiers[step] = restore

@@ -131,7 +131,7 @@ def test_a_corrupt_only_local_copy_falls_back_to_an_intact_older_step(tmp_path, 
             mgr.save(step, {"w": np.full(4096, float(step), np.float32)},
                      per_process={"step": step})
         assert mgr.all_steps() == [10]
-        assert mgr.local_steps() == [11]
+        assert 11 in mgr.local_steps()  # (10 may be going: retention deletes in the background)
     # Step 11 lives only in this node's RAM, and a byte of it flips.
     flip_a_byte(data_files(str(local / "p0-of-1" / "0000000011"))[0])
     with tensorstash.CheckpointManager(tmp_path / "p", **options) as mgr:
