@@ -54,6 +54,10 @@ class FrameworkAdapter(Protocol):
 
     def build(self, target: Any, shape: tuple[int, ...], buffers: dict[Any, Any]) -> Any: ...
 
+    # Optional: the dtype a leaf is read in for `target` when it is not the target's own (JAX
+    # with 64-bit types off narrows float64 to float32, and so on: jax.restore_dtype).
+    # def restore_dtype(self, target: Any) -> np.dtype: ...
+
     def orbax_sharding(self, x: Any) -> str | None: ...
 
 

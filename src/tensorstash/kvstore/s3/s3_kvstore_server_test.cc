@@ -1,6 +1,6 @@
 // The S3 store against real servers (tests/s3/s3_servers.py): SeaweedFS (signatures checked) and
 // moto run the conformance suites and the tests below; rclone's "serve s3", which ignores
-// conditional headers and ranges, runs the S3DegradedServer tests. ctest starts each server
+// conditional headers and answers ranges with 200, runs the S3DegradedServer tests. ctest starts each server
 // (fixtures in CMakeLists.txt) and names its server.env in TS_S3_ENV_FILE; without it every
 // test here fails (a missing server is an error, never a pass).
 #include <sys/wait.h>
@@ -511,7 +511,8 @@ TEST_F(S3CheckpointTest, GcRemovesWhatKilledSavesLeftAndNoCommittedStep) {
   EXPECT_TRUE(pending->empty());
 }
 
-// --- rclone's "serve s3": ignores If-None-Match and Range. ---
+// --- rclone's "serve s3": ignores If-None-Match, and answers a Range with 200 (and a
+// Content-Range) instead of 206. ---
 using S3DegradedServerTest = S3ServerTest;
 
 TEST_F(S3DegradedServerTest, ProbeRefusesCreateOnlyWritesAndSaysWhy) {
