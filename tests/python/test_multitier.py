@@ -238,6 +238,18 @@ def first_run(tmp_path, last_step: int = 14) -> Cluster:
     return cluster
 
 
+def hide_persistent_steps(cluster: Cluster) -> None:
+    """Moves every step folder of the persistent root away, so that the restart can read none
+    of them. The root itself, and its RUN_ID, stay: an empty root in their place would be
+    another run, whose restart never restores this run's RAM tier (docs/multitier.md)."""
+    away = cluster.persistent + ".away"
+    os.makedirs(away, exist_ok=True)
+    for name in os.listdir(cluster.persistent):
+        if name.isdigit():
+            os.rename(os.path.join(cluster.persistent, name), os.path.join(away, name))
+    assert os.path.exists(os.path.join(cluster.persistent, "RUN_ID"))
+
+
 def check_resumed(results: dict, reference: dict, step: int) -> None:
     for pid, r in results.items():
         assert r["resumed_from"] == step, (pid, r)
@@ -249,7 +261,7 @@ def test_a_lost_slice_resumes_from_peers_without_persistent_storage(tmp_path, re
     cluster = first_run(tmp_path)
     cluster.lose_node(2)
     cluster.lose_node(3)
-    os.rename(cluster.persistent, cluster.persistent + ".away")  # unreadable during the restore
+    hide_persistent_steps(cluster)  # unreadable during the restore
     results = cluster.start([0, 1, 2, 3], ["--last-step", "20", *STEPS]).wait()
     check_resumed(results, reference_losses, 14)
     for pid, r in results.items():
@@ -285,7 +297,7 @@ def test_a_flipped_local_byte_is_fetched_from_a_peer_and_healed(tmp_path, refere
     assert results[0]["restore"]["failures"], results[0]
     assert results[0]["restore"]["bytes_from"]["peer"] > 0
     # Healed: the next restore finds all of process 0's shards intact on its own node.
-    os.rename(cluster.persistent, cluster.persistent + ".away")
+    hide_persistent_steps(cluster)
     results = cluster.start([0, 1, 2, 3], ["--last-step", "16", *STEPS]).wait()
     check_resumed(results, reference_losses, 14)
     assert results[0]["restore"]["failures"] == []
