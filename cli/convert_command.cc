@@ -25,7 +25,7 @@
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/checkpoint/orbax_writer.h"
 #include "tensorstash/checkpoint/step_folder.h"
-#include "tensorstash/checkpoint/step_source.h"
+#include "tensorstash/checkpoint/open_step.h"
 #include "tensorstash/format/orbax_names.h"
 #include "tensorstash/kvstore/registry.h"
 #include "tensorstash/util/str_util.h"

@@ -1,12 +1,12 @@
 // `tensorstash gc ROOT`: removes what killed and failed saves left under a checkpoint root
 // (unnamed attempts and superseded commit records on object stores, stale multipart uploads,
 // crashed saves' folders, Orbax's temporary folders), never a committed step, and nothing
-// written within --min-age (a save in flight). The logic is checkpoint/garbage.h.
+// written within --min-age (a save in flight). The logic is manager/garbage.h.
 #include <cstdio>
 
 #include "commands.h"
 #include "common.h"
-#include "tensorstash/checkpoint/garbage.h"
+#include "tensorstash/manager/garbage.h"
 #include "tensorstash/kvstore/registry.h"
 #include "tensorstash/util/str_util.h"
 

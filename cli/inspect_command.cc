@@ -5,7 +5,7 @@
 #include "commands.h"
 #include "common.h"
 #include "nlohmann/json.hpp"
-#include "tensorstash/checkpoint/step_source.h"
+#include "tensorstash/checkpoint/open_step.h"
 
 namespace tensorstash::cli {
 namespace {

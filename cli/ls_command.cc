@@ -1,11 +1,11 @@
 // `tensorstash ls ROOT`: the steps under a checkpoint root, complete or not. Orbax manager roots
 // and zarr-group roots are recognized too (their steps show their format as status).
-// The listing itself is library logic (checkpoint/step_listing.h); this prints it.
+// The listing itself is library logic (manager/step_listing.h); this prints it.
 #include <cstdio>
 
 #include "commands.h"
 #include "common.h"
-#include "tensorstash/checkpoint/step_listing.h"
+#include "tensorstash/manager/step_listing.h"
 #include "tensorstash/kvstore/registry.h"
 
 namespace tensorstash::cli {

@@ -6,7 +6,7 @@
 
 #include "commands.h"
 #include "common.h"
-#include "tensorstash/checkpoint/step_source.h"
+#include "tensorstash/checkpoint/open_step.h"
 
 namespace tensorstash::cli {
 namespace {

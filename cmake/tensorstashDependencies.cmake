@@ -12,14 +12,26 @@ pkg_check_modules(ZSTD REQUIRED IMPORTED_TARGET libzstd)
 pkg_check_modules(SIMDJSON REQUIRED IMPORTED_TARGET simdjson)
 # zarr codecs (src/tensorstash/format/zarr/): blosc and gzip/zlib.
 pkg_check_modules(BLOSC REQUIRED IMPORTED_TARGET blosc)
-# The peer transport of the node-local tier (src/tensorstash/kvstore/http/): libcurl is the
-# client, libmicrohttpd the server of a process's committed local steps.
-pkg_check_modules(CURL REQUIRED IMPORTED_TARGET libcurl)
-pkg_check_modules(MICROHTTPD REQUIRED IMPORTED_TARGET libmicrohttpd)
-# SHA-256 and HMAC of the S3 request signer (src/tensorstash/kvstore/s3/sigv4.h).
-find_package(OpenSSL REQUIRED COMPONENTS Crypto)
-# The XML answers of S3 (listings, multipart uploads, errors): src/tensorstash/kvstore/s3/.
-pkg_check_modules(EXPAT REQUIRED IMPORTED_TARGET expat)
+# Only for the parts that need them (TENSORSTASH_WITH_S3, TENSORSTASH_WITH_TIERS; both default
+# to ON, and an installed package records how it was built).
+if(NOT DEFINED TENSORSTASH_WITH_S3)
+  set(TENSORSTASH_WITH_S3 ON)
+endif()
+if(NOT DEFINED TENSORSTASH_WITH_TIERS)
+  set(TENSORSTASH_WITH_TIERS ON)
+endif()
+if(TENSORSTASH_WITH_S3 OR TENSORSTASH_WITH_TIERS)
+  # The HTTP transport (src/tensorstash/kvstore/http/): libcurl is the client of S3 and of the
+  # peers, libmicrohttpd the server of a process's committed local steps.
+  pkg_check_modules(CURL REQUIRED IMPORTED_TARGET libcurl)
+  pkg_check_modules(MICROHTTPD REQUIRED IMPORTED_TARGET libmicrohttpd)
+endif()
+if(TENSORSTASH_WITH_S3)
+  # SHA-256 and HMAC of the S3 request signer (src/tensorstash/kvstore/s3/sigv4.h).
+  find_package(OpenSSL REQUIRED COMPONENTS Crypto)
+  # The XML answers of S3 (listings, multipart uploads, errors): src/tensorstash/kvstore/s3/.
+  pkg_check_modules(EXPAT REQUIRED IMPORTED_TARGET expat)
+endif()
 # ISA-L (CRC-32C) has no CMake or pkg-config files in Debian: an imported target of our own.
 if(NOT TARGET tensorstash_deps::isal)
   find_path(TENSORSTASH_ISAL_INCLUDE_DIR isa-l/crc.h REQUIRED)

@@ -7,7 +7,7 @@
 
 #include "tensorstash/array/dtype.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
-#include "tensorstash/checkpoint/step_source.h"
+#include "tensorstash/checkpoint/open_step.h"
 #include "tensorstash/format/chunk_codec.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/format/index_format.h"

@@ -13,7 +13,8 @@
 # Exits non-zero when either demo fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh build
+# Only what the demo runs: the CLI and the C++ example (and the Python package), not the tests.
+scripts/setup.sh build tensorstash_cli sharded_save_restore
 OUT=${TENSORSTASH_DEMO_DIR:-$PWD/demo_checkpoints}
 mkdir -p "$OUT"
 status=0

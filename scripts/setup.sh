@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Installs what tensorstash needs to build and test, idempotently: Debian packages (only the
 # missing ones), a Python virtual environment for the cross-check tests, and the CMake build.
-# Usage: scripts/setup.sh [build-dir]   (default: build)
+# Usage: scripts/setup.sh [build-dir [target...]]   (default: build, every target)
+# With targets, only those are built (the demo builds the CLI and its example, not the tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${1:-build}
+shift || true
+TARGETS=("$@")
 
 DEB_PACKAGES=(
   build-essential cmake ninja-build pkg-config python3-venv
@@ -64,7 +67,11 @@ if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
   cmake -S . -B "$BUILD_DIR" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DTENSORSTASH_PYTHON="$PWD/.venv/bin/python"
 fi
-cmake --build "$BUILD_DIR" -j "$(nproc)"
+if ((${#TARGETS[@]})); then
+  cmake --build "$BUILD_DIR" -j "$(nproc)" --target "${TARGETS[@]}"
+else
+  cmake --build "$BUILD_DIR" -j "$(nproc)"
+fi
 
 # The Python package (the C++ engine under nanobind), built incrementally in build/py.
 echo "setup: building and installing the Python package into .venv"

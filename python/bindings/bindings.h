@@ -7,7 +7,7 @@
 
 #include <memory>
 
-#include "tensorstash/checkpoint/step_source.h"
+#include "tensorstash/checkpoint/open_step.h"
 #include "tensorstash/kvstore/kvstore.h"
 
 namespace tensorstash::python {

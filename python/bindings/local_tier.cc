@@ -1,5 +1,5 @@
 // tensorstash._ext.LocalTier: one process's part of the node-local tier
-// (checkpoint/local_tier.h), under the package's CheckpointManager(local_dir=...). Every call
+// (tiers/local_tier.h), under the package's CheckpointManager(local_dir=...). Every call
 // releases the GIL: the collective ones wait on the coordinator, a Python object that takes
 // the GIL itself, and on the other processes.
 #include <nanobind/nanobind.h>
@@ -25,8 +25,8 @@
 #include "errors.h"
 #include "gc_slots.h"
 #include "save_args.h"
-#include "tensorstash/checkpoint/holdings.h"
-#include "tensorstash/checkpoint/local_tier.h"
+#include "tensorstash/tiers/holdings.h"
+#include "tensorstash/tiers/local_tier.h"
 #include "tensorstash/kvstore/registry.h"
 
 namespace nb = nanobind;
@@ -269,7 +269,7 @@ void DefineLocalTier(nb::module_& m) {
         return out;
       },
       nb::arg("holdings_json"),
-      "For each step the holdings (a JSON list, checkpoint/holdings.h) restore alone, the id of "
+      "For each step the holdings (a JSON list, tiers/holdings.h) restore alone, the id of "
       "the save to restore. ValueError for a list that is not valid.");
   m.def("value_ring", &ValueRing, nb::arg("index"), nb::arg("count"),
         "The processes whose per-process values the holding of process `index` carries.");
@@ -301,7 +301,7 @@ void DefineLocalTier(nb::module_& m) {
       .def_prop_ro("save_id", [](const PyTieredRestore& r) { return r.extras.save_id; });
 
   nb::class_<PyLocalTier>(m, "LocalTier",
-                          "This process's part of the node-local tier (checkpoint/local_tier.h).",
+                          "This process's part of the node-local tier (tiers/local_tier.h).",
                           nb::type_slots(GcSlots<PyLocalTier>()))
       .def("__init__", &InitLocalTier, nb::arg("local_dir"), nb::kw_only(), nb::arg("run") = "",
            nb::arg("coordinator").none() = nb::none(), nb::arg("save_interval_steps") = 1,

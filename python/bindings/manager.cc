@@ -35,7 +35,7 @@
 #include "errors.h"
 #include "gc_slots.h"
 #include "save_args.h"
-#include "tensorstash/checkpoint/checkpoint_manager.h"
+#include "tensorstash/manager/checkpoint_manager.h"
 #include "tensorstash/format/tree.h"
 #include "tensorstash/kvstore/kvstore.h"
 

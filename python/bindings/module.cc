@@ -18,7 +18,7 @@
 #include "tensorstash/array/dtype.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
-#include "tensorstash/checkpoint/host_restore.h"
+#include "tensorstash/engine/host_restore.h"
 #include "tensorstash/kvstore/registry.h"
 #include "tensorstash/kvstore/s3/s3_kvstore.h"
 #include "tensorstash/util/staging_buffer.h"

@@ -12,7 +12,7 @@
 
 #include "bindings.h"
 #include "errors.h"
-#include "tensorstash/checkpoint/holdings.h"
+#include "tensorstash/tiers/holdings.h"
 #include "tensorstash/kvstore/http/peer_server.h"
 
 namespace nb = nanobind;

@@ -32,9 +32,9 @@
 #include "buffers.h"
 #include "errors.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
-#include "tensorstash/checkpoint/host_restore.h"
-#include "tensorstash/checkpoint/step_source.h"
-#include "tensorstash/checkpoint/tiered_source.h"
+#include "tensorstash/engine/host_restore.h"
+#include "tensorstash/checkpoint/open_step.h"
+#include "tensorstash/tiers/tiered_source.h"
 #include "tensorstash/format/tree.h"
 #include "tensorstash/kvstore/http/http_kvstore.h"
 #include "tensorstash/kvstore/registry.h"
@@ -336,7 +336,7 @@ class Reader {
     return result;
   }
 
-  // RestoreToHost (checkpoint/host_restore.h): every box at once; on_batch(list of (request
+  // RestoreToHost (engine/host_restore.h): every box at once; on_batch(list of (request
   // index, uint8 array)) with the GIL held, once per batch; requests for the same box share one
   // array. An exception of on_batch or progress stops the restore and is raised.
   nb::dict RestoreToHost(const std::vector<MapRequestTuple>& requests, nb::object on_batch,
@@ -538,7 +538,7 @@ void DefineReader(nb::module_& m) {
                   "location, dir, secret)] with tier \"local\" (a folder), \"peer\" (a "
                   "PeerServer's URL and the job's secret) or \"persistent\" (a store URL or "
                   "path). Each chunk is read from the first holder with an intact copy "
-                  "(checkpoint/tiered_source.h). Holders that do not open are left out "
+                  "(tiers/tiered_source.h). Holders that do not open are left out "
                   "(tier_stats()[\"open_errors\"]); FileNotFoundError when none opens.")
       .def("tier_stats", &Reader::TierStats,
            "For a tiered reader: {bytes: {tier: n}, seconds: {tier: s}, failures: [text], "

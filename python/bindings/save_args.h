@@ -20,7 +20,7 @@
 
 #include "buffers.h"
 #include "coordinator.h"
-#include "tensorstash/checkpoint/checkpoint_manager.h"
+#include "tensorstash/manager/checkpoint_manager.h"
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/util/status.h"
 

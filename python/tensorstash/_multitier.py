@@ -1,5 +1,5 @@
 """The node-local tier of CheckpointManager (docs/multitier.md): what the package adds to the
-engine's LocalTier (checkpoint/local_tier.h, _ext.LocalTier), which does the saving, the
+engine's LocalTier (tiers/local_tier.h, _ext.LocalTier), which does the saving, the
 bookkeeping of who holds what, the peer server and the collective steps: the address the
 server listens on, found from JAX's coordinator, and a warning when peers cannot reach it."""
 

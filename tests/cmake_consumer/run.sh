@@ -16,7 +16,8 @@ test -f "$work/prefix/lib/cmake/tensorstash/tensorstashConfig.cmake"
 test -f "$work/prefix/include/tensorstash/checkpoint/checkpoint_writer.h"
 test -f "$work/prefix/include/tensorstash/version.h"
 # Test-only headers stay out of the package.
-if find "$work/prefix/include" -name '*_test_util.h' -o -name 'kvstore_conformance.h' | grep -q .; then
+if find "$work/prefix/include" -name '*_test_util.h' -o -name 'kvstore_conformance.h' \
+    -o -name 'testing' | grep -q .; then
   echo "cmake_consumer: test headers were installed" >&2
   exit 1
 fi
@@ -29,4 +30,19 @@ cmake -S "$here/subproject" -B "$work/subproject" -G Ninja \
   -DTENSORSTASH_SOURCE_DIR="$(cd "$here/../.." && pwd)" > "$work/subproject.log" \
   || { cat "$work/subproject.log"; exit 1; }
 grep "subproject: only" "$work/subproject.log"
+grep -q "kvstore_s3" "$work/subproject/build.ninja"  # the default build has the S3 driver
+# Without the S3 driver and the tiers, a consumer links no libcurl, libmicrohttpd, OpenSSL or
+# expat (the link line ninja would run for the parent's program says so), and the library
+# has no s3 or tiers layer.
+cmake -S "$here/subproject" -B "$work/slim" -G Ninja -DTENSORSTASH_WITH_S3=OFF \
+  -DTENSORSTASH_WITH_TIERS=OFF -DTENSORSTASH_SOURCE_DIR="$(cd "$here/../.." && pwd)" \
+  > "$work/slim.log" || { cat "$work/slim.log"; exit 1; }
+link_line=$(grep -A3 "^build parent_consumer" "$work/slim/build.ninja")
+if echo "$link_line" | grep -Eq "curl|microhttpd|ssl|crypto|expat|kvstore_s3|tensorstash_tiers"; then
+  echo "cmake_consumer: a build without S3 and tiers still links them:" >&2
+  echo "$link_line" >&2
+  exit 1
+fi
+echo "$link_line" | grep -q "tensorstash_kvstore_file" || {
+  echo "cmake_consumer: unexpected link line: $link_line" >&2; exit 1; }
 echo "cmake_consumer: ok"

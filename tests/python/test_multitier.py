@@ -29,7 +29,7 @@ from cluster import Cluster  # noqa: E402
 
 def holding(holder: int, saved_by: int, step: int, chunks: dict[str, list[int]],
             count: int = 4, digest: str = "d", save_id: str = "s1") -> dict:
-    """One holding as processes publish it (checkpoint/holdings.h, HoldingsToJson)."""
+    """One holding as processes publish it (tiers/holdings.h, HoldingsToJson)."""
     return dict(holder=holder, folder=f"p{saved_by}-of-{count}", step=step, digest=digest,
                 num_chunks={"w": 4, "b": 1}, chunks=chunks, save_id=save_id,
                 values=_ext.value_ring(saved_by, count))

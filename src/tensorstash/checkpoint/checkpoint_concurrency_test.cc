@@ -14,7 +14,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tensorstash/checkpoint/reliability_test_util.h"
+#include "tensorstash/testing/reliability_test_util.h"
 
 namespace tensorstash {
 namespace {

@@ -26,7 +26,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
-#include "tensorstash/checkpoint/checkpoint_test_util.h"
+#include "tensorstash/testing/checkpoint_test_util.h"
 #include "tensorstash/checkpoint/layout.h"
 #include "tensorstash/format/commit_record.h"
 

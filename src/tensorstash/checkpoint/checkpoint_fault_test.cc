@@ -18,8 +18,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tensorstash/checkpoint/reliability_test_util.h"
-#include "tensorstash/kvstore/fault/fault_injection_kvstore.h"
+#include "tensorstash/testing/reliability_test_util.h"
+#include "tensorstash/testing/fault_injection_kvstore.h"
 
 namespace tensorstash {
 namespace {

@@ -12,7 +12,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tensorstash/checkpoint/reliability_test_util.h"
+#include "tensorstash/testing/reliability_test_util.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/format/tree.h"
 #include "tensorstash/util/crc32c.h"

@@ -10,7 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
-#include "tensorstash/checkpoint/checkpoint_test_util.h"
+#include "tensorstash/testing/checkpoint_test_util.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/checkpoint/layout.h"
 #include "tensorstash/kvstore/file/file_kvstore.h"

@@ -14,9 +14,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
-#include "tensorstash/checkpoint/checkpoint_test_util.h"
+#include "tensorstash/testing/checkpoint_test_util.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
-#include "tensorstash/coordination/in_process_coordinator.h"
+#include "tensorstash/testing/in_process_coordinator.h"
 #include "tensorstash/kvstore/forwarding_kvstore.h"
 
 namespace tensorstash {

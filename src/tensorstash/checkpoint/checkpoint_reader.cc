@@ -162,27 +162,6 @@ Result<std::string> ReadCommitText(KvStore* kv, const std::string& commit_key) {
 
 }  // namespace
 
-Status ValidateReadRequest(const ReadRequest& req, const ArrayMetadata& a,
-                           std::optional<DType> cast_to) {
-  // The text naming the array is made for errors only: a restore checks thousands of requests.
-  auto what = [&] { return StrCat("read of array '", a.path, "'"); };
-  if (req.box.rank() != a.grid.rank()) {
-    return InvalidArgumentError(StrCat(what(), ": box ", req.box.ToString(), " has rank ",
-                                       req.box.rank(), " but the array has rank ", a.grid.rank()));
-  }
-  const size_t item = ItemSize(cast_to.value_or(a.dtype));
-  if (!ValidateBox(req.box, item, "").ok()) return ValidateBox(req.box, item, what());
-  if (!cast_to) return OkStatus();
-  if (!CanConvert(a.dtype, *cast_to)) {
-    return InvalidArgumentError(StrCat(what(), ": cannot convert stored ", DTypeName(a.dtype),
-                                       " to ", DTypeName(*cast_to)));
-  }
-  if (!req.box.empty() && req.dest == nullptr) {
-    return InvalidArgumentError(StrCat(what(), ": no destination"));
-  }
-  return OkStatus();
-}
-
 Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, std::string dir,
                                                                  ReaderOptions options) {
   TS_RETURN_IF_ERROR(ValidateKey(dir));
@@ -564,27 +543,6 @@ Status CheckpointReader::ReadMany(const std::vector<ReadRequest>& requests, Read
   local.peak_staging_bytes = run.peak_staging_bytes();
   if (stats != nullptr) *stats = local;
   return status;
-}
-
-MappedBox::MappedBox(MappedBox&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0)),
-      mapped_size_(std::exchange(other.mapped_size_, 0)),
-      region_(std::move(other.region_)) {}
-
-MappedBox& MappedBox::operator=(MappedBox&& other) noexcept {
-  if (this != &other) {
-    if (data_ != nullptr && region_ == nullptr) ::munmap(data_, mapped_size_);
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
-    mapped_size_ = std::exchange(other.mapped_size_, 0);
-    region_ = std::move(other.region_);
-  }
-  return *this;
-}
-
-MappedBox::~MappedBox() {
-  if (data_ != nullptr && region_ == nullptr) ::munmap(data_, mapped_size_);
 }
 
 namespace {

@@ -19,7 +19,7 @@
 #include "gtest/gtest.h"
 #include "tensorstash/array/convert.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
-#include "tensorstash/checkpoint/checkpoint_test_util.h"
+#include "tensorstash/testing/checkpoint_test_util.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/checkpoint/layout.h"
 #include "tensorstash/format/commit_record.h"

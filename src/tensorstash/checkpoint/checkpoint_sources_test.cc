@@ -8,9 +8,9 @@
 #include "gtest/gtest.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
-#include "tensorstash/kvstore/fault/fault_injection_kvstore.h"
+#include "tensorstash/testing/fault_injection_kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
-#include "tensorstash/util/status_test_macros.h"
+#include "tensorstash/testing/status_test_macros.h"
 
 namespace tensorstash {
 namespace {

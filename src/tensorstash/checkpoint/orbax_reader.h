@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "tensorstash/checkpoint/step_source.h"
+#include "tensorstash/engine/step_source.h"
 #include "tensorstash/format/zarr/zarr_array.h"
 #include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/ocdbt/ocdbt_kvstore.h"

@@ -10,11 +10,11 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tensorstash/checkpoint/step_source.h"
+#include "tensorstash/checkpoint/open_step.h"
 #include "tensorstash/format/zarr/zarr_metadata.h"
 #include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
-#include "tensorstash/util/status_test_macros.h"
+#include "tensorstash/testing/status_test_macros.h"
 
 namespace tensorstash {
 namespace {

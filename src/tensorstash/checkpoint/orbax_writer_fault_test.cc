@@ -15,9 +15,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tensorstash/checkpoint/orbax_writer.h"
-#include "tensorstash/checkpoint/reliability_test_util.h"
-#include "tensorstash/checkpoint/step_source.h"
-#include "tensorstash/kvstore/fault/fault_injection_kvstore.h"
+#include "tensorstash/testing/reliability_test_util.h"
+#include "tensorstash/checkpoint/open_step.h"
+#include "tensorstash/testing/fault_injection_kvstore.h"
 
 namespace tensorstash {
 namespace {

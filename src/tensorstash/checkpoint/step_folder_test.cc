@@ -10,9 +10,9 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tensorstash/checkpoint/checkpoint_manager.h"
+#include "tensorstash/manager/checkpoint_manager.h"
 #include "tensorstash/checkpoint/orbax_writer.h"
-#include "tensorstash/checkpoint/reliability_test_util.h"
+#include "tensorstash/testing/reliability_test_util.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 
 namespace tensorstash {

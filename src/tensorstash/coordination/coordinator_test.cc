@@ -2,7 +2,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "tensorstash/coordination/in_process_coordinator.h"
+#include "tensorstash/testing/in_process_coordinator.h"
 #include "tensorstash/coordination/single_process_coordinator.h"
 
 namespace tensorstash {

@@ -13,11 +13,11 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tensorstash/kvstore/fault/fault_injection_kvstore.h"
+#include "tensorstash/testing/fault_injection_kvstore.h"
 #include "tensorstash/kvstore/file/file_kvstore.h"
 #include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
-#include "tensorstash/util/status_test_macros.h"
+#include "tensorstash/testing/status_test_macros.h"
 
 namespace tensorstash {
 namespace {

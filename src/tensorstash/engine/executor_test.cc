@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "tensorstash/util/status_test_macros.h"
+#include "tensorstash/testing/status_test_macros.h"
 
 namespace tensorstash {
 namespace {

@@ -7,7 +7,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tensorstash/util/status_test_macros.h"
+#include "tensorstash/testing/status_test_macros.h"
 
 namespace tensorstash {
 namespace {

@@ -57,6 +57,12 @@ class ForwardingKvStore : public KvStore {
   Result<std::vector<std::string>> List(std::string_view prefix) override {
     return base_->List(prefix);
   }
+  Result<std::vector<PendingWrite>> ListPendingWrites(std::string_view prefix) override {
+    return base_->ListPendingWrites(prefix);
+  }
+  Status AbortPendingWrite(const PendingWrite& write) override {
+    return base_->AbortPendingWrite(write);
+  }
   Status Delete(std::string_view key) override { return base_->Delete(key); }
   Status DeletePrefix(std::string_view prefix) override { return base_->DeletePrefix(prefix); }
   bool SupportsRename() const override { return base_->SupportsRename(); }

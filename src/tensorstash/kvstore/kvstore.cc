@@ -193,4 +193,13 @@ Status KvStore::WriteIfAbsent(std::string_view key, std::string_view) {
   return UnimplementedError(StrCat(Describe(), " has no create-only write (write of '", key, "')"));
 }
 
+Result<std::vector<PendingWrite>> KvStore::ListPendingWrites(std::string_view /*prefix*/) {
+  return std::vector<PendingWrite>{};
+}
+
+Status KvStore::AbortPendingWrite(const PendingWrite& write) {
+  return UnimplementedError(
+      StrCat(Describe(), " keeps no pending writes; there is none to abort for '", write.key, "'"));
+}
+
 }  // namespace tensorstash

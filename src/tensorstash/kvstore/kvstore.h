@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -117,6 +118,15 @@ struct ListedObject {
   ObjectInfo info;
 };
 
+// A write the store began and keeps apart from its keys until it ends or is abandoned (an S3
+// multipart upload): the key it is for, the store's id of it, and when it began (nullopt where
+// the store cannot tell: take it as recent).
+struct PendingWrite {
+  std::string key;
+  std::string id;
+  std::optional<std::chrono::system_clock::time_point> started;
+};
+
 // The immediate children of a prefix (ListChildren): the keys right under it and the
 // "sub-folders" (prefixes ending in '/') that hold more keys. Both sorted, both with the prefix.
 struct ListedChildren {
@@ -176,6 +186,13 @@ class KvStore {
   // durable until Sync(key). Unimplemented by default.
   virtual Status WriteIfAbsent(std::string_view key, std::string_view value);
   // Deletes one object; NotFound if absent.
+  // The writes begun under `prefix` and neither finished nor abandoned (the leftovers of killed
+  // saves, for `tensorstash gc`). Empty for stores that keep none apart (file, memory).
+  virtual Result<std::vector<PendingWrite>> ListPendingWrites(std::string_view prefix);
+  // Abandons `write`, deleting what it stored; OK when it is already gone. Unimplemented for
+  // stores that keep no pending writes.
+  virtual Status AbortPendingWrite(const PendingWrite& write);
+
   virtual Status Delete(std::string_view key) = 0;
   // Deletes every key under `prefix` (and, for the file backend, the emptied directories,
   // including the directory named by `prefix` itself when it ends in '/'). Missing is OK.

@@ -18,9 +18,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tensorstash/kvstore/kvstore.h"
-#include "tensorstash/kvstore/kvstore_conformance.h"
+#include "tensorstash/testing/kvstore_conformance.h"
 #include "tensorstash/util/staging_buffer.h"
-#include "tensorstash/util/status_test_macros.h"
+#include "tensorstash/testing/status_test_macros.h"
 
 namespace tensorstash {
 namespace {

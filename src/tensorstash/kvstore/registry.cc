@@ -1,13 +1,12 @@
 #include "tensorstash/kvstore/registry.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <mutex>
 #include <utility>
 
-#include "tensorstash/kvstore/file/file_kvstore.h"
-#include "tensorstash/kvstore/memory/memory_kvstore.h"
-#include "tensorstash/kvstore/s3/s3_kvstore.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
@@ -21,18 +20,6 @@ struct Registry {
 Registry& TheRegistry() {
   static Registry* registry = new Registry();  // never destroyed: used until the process ends
   return *registry;
-}
-
-// The built-in backends, registered once before the first lookup. Registration is explicit
-// (not a static initializer in each backend's file), so that linking the static library never
-// drops a backend nobody else refers to.
-void EnsureBuiltins() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    (void)RegisterFileKvStore();
-    (void)RegisterMemoryKvStore();
-    (void)RegisterS3KvStore();
-  });
 }
 
 size_t SchemeEnd(std::string_view text) {
@@ -61,8 +48,16 @@ Status RegisterKvStoreScheme(std::string scheme, KvStoreOpener opener) {
   return OkStatus();
 }
 
+KvStoreDriverRegistration::KvStoreDriverRegistration(Status (*register_driver)()) {
+  const Status status = register_driver();
+  // A scheme taken twice is a build that links a driver twice: fail loudly, at start-up.
+  if (!status.ok()) {
+    std::fprintf(stderr, "tensorstash: %s\n", status.ToString().c_str());
+    std::abort();
+  }
+}
+
 std::vector<std::string> RegisteredKvStoreSchemes() {
-  EnsureBuiltins();
   Registry& registry = TheRegistry();
   std::lock_guard<std::mutex> lock(registry.mutex);
   std::vector<std::string> schemes;
@@ -72,7 +67,6 @@ std::vector<std::string> RegisteredKvStoreSchemes() {
 
 Result<std::unique_ptr<KvStore>> OpenKvStore(std::string_view url, OpenStoreOptions options) {
   if (url.empty()) return InvalidArgumentError("empty store URL or path");
-  EnsureBuiltins();
   const size_t end = SchemeEnd(url);
   const std::string_view scheme = end == std::string_view::npos ? "file" : url.substr(0, end);
   const std::string_view rest = end == std::string_view::npos ? url : url.substr(end + 3);

@@ -2,8 +2,11 @@
 // stores here, and no front constructs a backend itself.
 //
 // A URL is "<scheme>://<rest>", or a plain path, which is a local folder (the file backend).
-// Backends register their scheme from their own folders (RegisterFileKvStore in file/,
-// RegisterMemoryKvStore in memory/); the built-in ones are registered before the first open.
+// Each driver registers its scheme from its own folder, at static initialization, with a
+// KvStoreDriverRegistration (file/, memory/, s3/); this file knows none of them. The build links
+// the driver libraries whole (CMake's WHOLE_ARCHIVE), so that a static link keeps a driver that
+// nothing else refers to; a driver left out of the build (TENSORSTASH_WITH_S3=OFF) is a scheme
+// that OpenKvStore reports as unknown.
 //
 //   file://<path> or <path>   the folder <path> (FileKvStore); relative paths are taken from the
 //                             working directory
@@ -37,6 +40,13 @@ using KvStoreOpener =
 
 // Registers `opener` for URLs "<scheme>://...". AlreadyExists when the scheme is taken.
 Status RegisterKvStoreScheme(std::string scheme, KvStoreOpener opener);
+
+// Registers a driver while the program starts: a namespace-scope
+//   const KvStoreDriverRegistration kRegistered(&RegisterS3KvStore);
+// in the driver's .cc. Aborts with a message when `register_driver` fails (a scheme taken twice).
+struct KvStoreDriverRegistration {
+  explicit KvStoreDriverRegistration(Status (*register_driver)());
+};
 
 // The registered schemes, sorted ("file", "memory", ...).
 std::vector<std::string> RegisteredKvStoreSchemes();

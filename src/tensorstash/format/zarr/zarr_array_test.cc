@@ -19,7 +19,7 @@
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/endian.h"
-#include "tensorstash/util/status_test_macros.h"
+#include "tensorstash/testing/status_test_macros.h"
 
 #ifndef TS_ASSERT_OK
 #endif

@@ -1173,4 +1173,8 @@ Status RegisterFileKvStore() {
       });
 }
 
+namespace {
+const KvStoreDriverRegistration kRegistered(&RegisterFileKvStore);
+}  // namespace
+
 }  // namespace tensorstash

@@ -20,7 +20,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tensorstash/kvstore/kvstore_conformance.h"
+#include "tensorstash/testing/kvstore_conformance.h"
 
 namespace tensorstash {
 namespace {

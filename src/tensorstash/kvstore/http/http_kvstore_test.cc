@@ -32,8 +32,8 @@
 #include "tensorstash/kvstore/file/file_kvstore.h"
 #include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/http/peer_server.h"
-#include "tensorstash/kvstore/kvstore_conformance.h"
-#include "tensorstash/util/status_test_macros.h"
+#include "tensorstash/testing/kvstore_conformance.h"
+#include "tensorstash/testing/status_test_macros.h"
 
 namespace tensorstash {
 namespace {

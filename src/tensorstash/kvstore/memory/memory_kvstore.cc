@@ -512,4 +512,8 @@ Status RegisterMemoryKvStore() {
       });
 }
 
+namespace {
+const KvStoreDriverRegistration kRegistered(&RegisterMemoryKvStore);
+}  // namespace
+
 }  // namespace tensorstash

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "tensorstash/kvstore/kvstore_conformance.h"
+#include "tensorstash/testing/kvstore_conformance.h"
 
 namespace tensorstash {
 

@@ -11,7 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tensorstash/kvstore/forwarding_kvstore.h"
-#include "tensorstash/kvstore/kvstore_conformance.h"
+#include "tensorstash/testing/kvstore_conformance.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/kvstore/ocdbt/ocdbt_format.h"
 #include "tensorstash/util/crc32c.h"

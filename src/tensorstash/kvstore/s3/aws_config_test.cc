@@ -28,7 +28,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tensorstash/kvstore/http/http_client.h"
-#include "tensorstash/util/status_test_macros.h"
+#include "tensorstash/testing/status_test_macros.h"
 
 namespace tensorstash {
 namespace {

@@ -993,10 +993,9 @@ Result<std::unique_ptr<KvLock>> S3KvStore::TryLock(std::string_view key) {
   return std::unique_ptr<KvLock>(std::move(lease));
 }
 
-Result<std::vector<S3KvStore::PendingUpload>> S3KvStore::ListPendingUploads(
-    std::string_view prefix) {
+Result<std::vector<PendingWrite>> S3KvStore::ListPendingWrites(std::string_view prefix) {
   TS_RETURN_IF_ERROR(impl_->CheckPrefix(prefix));
-  std::vector<PendingUpload> uploads;
+  std::vector<PendingWrite> uploads;
   std::string key_marker;
   std::string id_marker;
   const std::string what =
@@ -1011,8 +1010,9 @@ Result<std::vector<S3KvStore::PendingUpload>> S3KvStore::ListPendingUploads(
     TS_ASSIGN_OR_RETURN(S3UploadsPage page, ParseListMultipartUploads(response.body, what));
     for (S3Upload& upload : page.uploads) {
       if (!upload.key.starts_with(impl_->root)) continue;
+      Result<std::chrono::system_clock::time_point> started = ParseAwsTimestamp(upload.initiated);
       uploads.push_back({upload.key.substr(impl_->root.size()), std::move(upload.upload_id),
-                         std::move(upload.initiated)});
+                         started.ok() ? std::optional(*started) : std::nullopt});
     }
     if (!page.truncated || (page.next_key_marker.empty() && page.next_upload_id_marker.empty())) {
       break;
@@ -1023,10 +1023,10 @@ Result<std::vector<S3KvStore::PendingUpload>> S3KvStore::ListPendingUploads(
   return uploads;
 }
 
-Status S3KvStore::AbortUpload(const PendingUpload& upload) {
+Status S3KvStore::AbortPendingWrite(const PendingWrite& upload) {
   const std::string what = StrCat("aborting the upload of ", impl_->Where(upload.key));
   S3Call call("DELETE", impl_->Object(upload.key));
-  call.query = {{"uploadId", upload.upload_id}};
+  call.query = {{"uploadId", upload.id}};
   TS_ASSIGN_OR_RETURN(HttpResponse response, impl_->Send(call, what));
   if (response.status == 204 || response.status == 200 || response.status == 404) {
     return OkStatus();
@@ -1076,5 +1076,9 @@ Status RegisterS3KvStore() {
         return std::unique_ptr<KvStore>(std::move(store));
       });
 }
+
+namespace {
+const KvStoreDriverRegistration kRegistered(&RegisterS3KvStore);
+}  // namespace
 
 }  // namespace tensorstash

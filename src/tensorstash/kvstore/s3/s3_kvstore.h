@@ -120,15 +120,10 @@ class S3KvStore final : public KvStore {
   // FailedPrecondition ("... is locked by another manager ...") while another holds it.
   Result<std::unique_ptr<KvLock>> TryLock(std::string_view key) override;
 
-  // Multipart uploads started under `prefix` (of this store) before `older_than` ago, and
-  // aborting them (the leftovers of killed saves; `tensorstash gc`).
-  struct PendingUpload {
-    std::string key;
-    std::string upload_id;
-    std::string initiated;
-  };
-  Result<std::vector<PendingUpload>> ListPendingUploads(std::string_view prefix);
-  Status AbortUpload(const PendingUpload& upload);
+  // The multipart uploads started under `prefix` (of this store): id, key and Initiated time.
+  Result<std::vector<PendingWrite>> ListPendingWrites(std::string_view prefix) override;
+  // Aborts one (its parts are deleted); OK when the server no longer knows it.
+  Status AbortPendingWrite(const PendingWrite& upload) override;
 
   struct Impl;
 

@@ -19,11 +19,11 @@
 #include "gtest/gtest.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
-#include "tensorstash/checkpoint/garbage.h"
-#include "tensorstash/kvstore/kvstore_conformance.h"
+#include "tensorstash/manager/garbage.h"
+#include "tensorstash/testing/kvstore_conformance.h"
 #include "tensorstash/kvstore/s3/s3_kvstore.h"
 #include "tensorstash/util/random_id.h"
-#include "tensorstash/util/status_test_macros.h"
+#include "tensorstash/testing/status_test_macros.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
@@ -309,12 +309,13 @@ TEST_F(S3StoreTest, UploadsOfAKilledWriterAreListedAndAborted) {
   ASSERT_TRUE(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0) << wstatus;
   std::unique_ptr<S3KvStore> store = OpenOrNull(options);
   ASSERT_NE(store, nullptr);
-  Result<std::vector<S3KvStore::PendingUpload>> pending = store->ListPendingUploads("");
+  Result<std::vector<PendingWrite>> pending = store->ListPendingWrites("");
   ASSERT_TRUE(pending.ok()) << pending.status();
   ASSERT_EQ(pending->size(), 1u);
   EXPECT_EQ((*pending)[0].key, "dying/data");
-  TS_ASSERT_OK(store->AbortUpload((*pending)[0]));
-  pending = store->ListPendingUploads("");
+  TS_ASSERT_OK(store->AbortPendingWrite((*pending)[0]));
+  EXPECT_TRUE((*pending)[0].started.has_value());
+  pending = store->ListPendingWrites("");
   ASSERT_TRUE(pending.ok()) << pending.status();
   EXPECT_TRUE(pending->empty());
   EXPECT_TRUE(absl::IsNotFound(store->Size("dying/data").status()));
@@ -506,7 +507,7 @@ TEST_F(S3CheckpointTest, GcRemovesWhatKilledSavesLeftAndNoCommittedStep) {
   ASSERT_TRUE(one.ok() && two.ok()) << one.status() << two.status();
   EXPECT_EQ(*one, 11);
   EXPECT_EQ(*two, 22);
-  Result<std::vector<S3KvStore::PendingUpload>> pending = store->ListPendingUploads("");
+  Result<std::vector<PendingWrite>> pending = store->ListPendingWrites("");
   ASSERT_TRUE(pending.ok()) << pending.status();
   EXPECT_TRUE(pending->empty());
 }

@@ -1,0 +1,490 @@
+#include "tensorstash/manager/checkpoint_manager.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <future>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "nlohmann/json.hpp"
+#include "tensorstash/manager/background_worker.h"
+#include "tensorstash/checkpoint/checkpoint_reader.h"
+#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/manager/retention.h"
+#include "tensorstash/manager/step_store.h"
+#include "tensorstash/coordination/single_process_coordinator.h"
+#include "tensorstash/format/commit_record.h"
+#include "tensorstash/util/crc32c.h"
+#include "tensorstash/util/random_id.h"
+#include "tensorstash/util/staging_pool.h"
+
+namespace tensorstash {
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Counts SIGTERMs caught by the handler; process-wide, as signals are. Each manager compares it
+// with its value at Open, so a signal seen by one manager does not preempt later ones.
+std::atomic<uint64_t> g_sigterms{0};
+extern "C" void OnSigterm(int) { g_sigterms.fetch_add(1); }
+
+uint64_t DefaultStagingBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page_size <= 0) return uint64_t{4} << 30;
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size) / 4;
+}
+
+std::string EncodeSteps(const std::vector<int64_t>& steps) { return StrJoin(steps, ","); }
+Result<std::vector<int64_t>> DecodeSteps(std::string_view text) {
+  std::vector<int64_t> steps;
+  if (text.empty()) return steps;
+  for (std::string_view part : StrSplit(text, ',')) {
+    int64_t step = 0;
+    if (!ParseInt(part, &step)) {
+      return InternalError(StrCat("malformed step list from process 0: ", text));
+    }
+    steps.push_back(step);
+  }
+  return steps;
+}
+
+// The value of metric `name` in the step's metrics file, if it has one. A step whose metrics
+// cannot be read (none saved, or damaged) simply has no metric: it ranks last, which must not
+// stop the manager from opening.
+std::optional<double> ReadMetric(const CheckpointReader& reader, const std::string& name) {
+  // The reader checks the file's size before reading it, and its CRC-32C.
+  Result<std::string> text = reader.ReadFile(kMetricsFileName);
+  if (!text.ok()) return std::nullopt;
+  json doc = json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  if (!doc.is_object() || !doc.contains(name)) return std::nullopt;
+  const json& value = doc[name];
+  if (!value.is_number()) return std::nullopt;
+  return value.get<double>();
+}
+
+// A save that has been checked and set up, ready to commit.
+struct SaveJob {
+  int64_t step = 0;
+  std::unique_ptr<CheckpointWriter> writer;
+  std::optional<double> metric;  // best_metric's value, when given
+  Clock::time_point start;
+  std::shared_ptr<void> keep_alive;  // SaveRequest::keep_alive, dropped once Commit returns
+};
+
+}  // namespace
+
+struct CheckpointManager::Impl {
+  KvStore* kv = nullptr;
+  ManagerOptions options;
+  Coordinator* coordinator = nullptr;
+  SingleProcessCoordinator own_coordinator;
+  // The steps on the store: names, listing, cleanup, the root's lock (process 0), deletion.
+  std::unique_ptr<StepStore> step_store;
+  bool closed = false;
+  bool sigterm_installed = false;
+  struct sigaction previous_sigterm {};
+  uint64_t preemption_checks = 0;
+  uint64_t sigterms_at_open = 0;
+
+  // The complete steps. Cached rather than listed on every call: with the lock held, only this
+  // manager adds or removes steps, and listing a root lists every data file of every step.
+  mutable std::mutex mutex;
+  std::set<int64_t> steps;            // Guarded by mutex.
+  std::map<int64_t, double> metrics;  // best_metric per step (process 0). Guarded by mutex.
+  // Steps with a COMMIT that do not open, and why (process 0, at open). Guarded by mutex.
+  std::map<int64_t, std::string> damaged;
+
+  // The staging buffers of async saves, kept from one save to the next (under
+  // max_staging_bytes): mapping them afresh for every save cost a page fault and a page
+  // zeroing per 4 KiB, most of what a save's caller waited for. Declared before the worker,
+  // so that a save in flight ends (and returns its leases) before the pool goes.
+  std::unique_ptr<StagingPool> staging_pool;
+
+  // Held for the whole of every call that joins or starts the worker (Save, SaveAsync,
+  // WaitUntilFinished, Close): calls from several threads at once run one after the other,
+  // instead of joining and reassigning `worker` at the same time.
+  std::mutex calls_mutex;
+  // The background work in flight (an async save, or deletions) and the error of the last one
+  // not yet returned to the caller. Guarded by calls_mutex.
+  BackgroundWorker worker;
+
+  bool is_leader() const { return coordinator->process_index() == 0; }
+  Status OpenSteps();
+  // Cleans up and lists the steps (process 0), and with best_metric reads each one's metric
+  // from the reader the listing opened it with.
+  Status CleanUpAndListSteps();
+  Result<SaveJob> Prepare(int64_t step, SaveRequest request, bool async);
+  // After a successful commit: lists the step, applies retention (unlisting the doomed steps,
+  // which process 0 returns for deletion) and calls on_commit.
+  Result<std::vector<int64_t>> Committed(const SaveJob& job, const SaveStats& stats);
+  std::vector<int64_t> ChooseDoomed();  // with mutex held
+  Status DeleteSteps(const std::vector<int64_t>& doomed);
+  Status DeleteStep(int64_t step);
+  // Joins the worker and returns (and clears) its error.
+  Status JoinWorker();
+  Status CheckOpen() const {
+    return closed ? FailedPreconditionError("the checkpoint manager is closed") : OkStatus();
+  }
+  void RestoreSigterm() {
+    if (sigterm_installed) sigaction(SIGTERM, &previous_sigterm, nullptr);
+    sigterm_installed = false;
+  }
+};
+
+CheckpointManager::CheckpointManager(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+CheckpointManager::~CheckpointManager() {
+  impl_->JoinWorker().IgnoreError();
+  impl_->RestoreSigterm();
+}
+
+Result<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(KvStore* kv,
+                                                                   ManagerOptions options) {
+  if (kv == nullptr) return InvalidArgumentError("CheckpointManager::Open: null store");
+  if (options.max_to_keep < 0 || options.keep_period < 0 || options.save_interval_steps < 0) {
+    return InvalidArgumentError(StrCat(
+        "max_to_keep, keep_period and save_interval_steps must be >= 0 (got ", options.max_to_keep,
+        ", ", options.keep_period, ", ", options.save_interval_steps, ")"));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->kv = kv;
+  impl->step_store = std::make_unique<StepStore>(kv);
+  impl->options = std::move(options);
+  impl->coordinator =
+      impl->options.coordinator != nullptr ? impl->options.coordinator : &impl->own_coordinator;
+  if (impl->options.max_staging_bytes == 0) impl->options.max_staging_bytes = DefaultStagingBytes();
+  impl->staging_pool = std::make_unique<StagingPool>(impl->options.max_staging_bytes);
+  TS_RETURN_IF_ERROR(impl->OpenSteps());
+  if (impl->options.handle_sigterm) {
+    struct sigaction action {};
+    action.sa_handler = OnSigterm;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART;
+    if (sigaction(SIGTERM, &action, &impl->previous_sigterm) != 0) {
+      return ErrnoToStatus(errno, "sigaction(SIGTERM)", "the SIGTERM handler");
+    }
+    impl->sigterm_installed = true;
+    impl->sigterms_at_open = g_sigterms.load();
+  }
+  return std::unique_ptr<CheckpointManager>(new CheckpointManager(std::move(impl)));
+}
+
+Status CheckpointManager::Impl::OpenSteps() {
+  Coordinator& c = *coordinator;
+  if (c.process_count() == 1) {
+    TS_RETURN_IF_ERROR(step_store->Lock());
+    return Annotate(CleanUpAndListSteps(), StrCat("opening the checkpoints in ", kv->Describe()));
+  }
+  // Process 0 locks and cleans up, then tells the others the steps (or its error).
+  const std::string key = StrCat("tensorstash-manager/", c.NextOperationId(), "/open");
+  if (is_leader()) {
+    Status status = step_store->Lock();
+    if (status.ok()) {
+      status =
+          Annotate(CleanUpAndListSteps(), StrCat("opening the checkpoints in ", kv->Describe()));
+    }
+    std::vector<int64_t> listed;
+    {
+      std::lock_guard<std::mutex> guard(mutex);
+      listed.assign(steps.begin(), steps.end());
+    }
+    TS_RETURN_IF_ERROR(c.KeyValueSet(
+        key, status.ok() ? StrCat("+", EncodeSteps(listed)) : EncodeStatusForPeers(status)));
+    return status;
+  }
+  TS_ASSIGN_OR_RETURN(std::string value, c.KeyValueGet(key, options.writer.coordination_timeout));
+  if (value.empty() || value[0] != '+') {
+    return Annotate(DecodeStatusFromPeer(value), "process 0 could not open the checkpoints");
+  }
+  TS_ASSIGN_OR_RETURN(std::vector<int64_t> listed, DecodeSteps(std::string_view(value).substr(1)));
+  std::lock_guard<std::mutex> guard(mutex);
+  steps = std::set<int64_t>(listed.begin(), listed.end());
+  return OkStatus();
+}
+
+Status CheckpointManager::Impl::CleanUpAndListSteps() {
+  std::map<int64_t, double> loaded;
+  StepStore::OpenedStep read_metric;
+  if (!options.best_metric.empty()) {
+    read_metric = [&](int64_t step, const CheckpointReader& reader) {
+      if (std::optional<double> metric = ReadMetric(reader, options.best_metric)) {
+        loaded[step] = *metric;
+      }
+    };
+  }
+  TS_ASSIGN_OR_RETURN(StepStore::StepListing listing, step_store->CleanUpAndList(read_metric));
+  std::lock_guard<std::mutex> guard(mutex);
+  steps = std::move(listing.complete);
+  damaged = std::move(listing.damaged);
+  metrics = std::move(loaded);
+  return OkStatus();
+}
+
+Result<std::string> CheckpointManager::StepDir(int64_t step) { return StepStore::StepDir(step); }
+
+Result<std::string> CheckpointManager::RunId() {
+  Impl& m = *impl_;
+  if (!m.is_leader()) return FailedPreconditionError("the run id is read by process 0");
+  constexpr char kRunIdKey[] = "RUN_ID";
+  Result<std::string> text = m.kv->Read(kRunIdKey);
+  if (text.ok()) {
+    std::string id(absl::StripAsciiWhitespace(*text));
+    if (IsHexId(id)) return id;
+  } else if (!absl::IsNotFound(text.status())) {
+    return text.status();
+  }
+  // Missing (or not an id: replaced, as nothing else may live under this name).
+  const std::string id = RandomHexId();
+  TS_RETURN_IF_ERROR(m.kv->Write(kRunIdKey, id + "\n"));
+  TS_RETURN_IF_ERROR(m.kv->Sync(kRunIdKey));
+  return id;
+}
+
+std::vector<int64_t> CheckpointManager::AllSteps() const {
+  std::lock_guard<std::mutex> guard(impl_->mutex);
+  return std::vector<int64_t>(impl_->steps.begin(), impl_->steps.end());
+}
+
+std::map<int64_t, std::string> CheckpointManager::DamagedSteps() const {
+  std::lock_guard<std::mutex> guard(impl_->mutex);
+  return impl_->damaged;
+}
+
+std::optional<int64_t> CheckpointManager::LatestStep() const {
+  std::lock_guard<std::mutex> guard(impl_->mutex);
+  if (impl_->steps.empty()) return std::nullopt;
+  return *impl_->steps.rbegin();
+}
+
+bool CheckpointManager::ShouldSave(int64_t step) const {
+  const int64_t interval = impl_->options.save_interval_steps;
+  return interval <= 1 || step % interval == 0;
+}
+
+Result<SaveJob> CheckpointManager::Impl::Prepare(int64_t step, SaveRequest request, bool async) {
+  SaveJob job;
+  job.step = step;
+  job.start = Clock::now();
+  job.keep_alive = std::move(request.keep_alive);
+  TS_ASSIGN_OR_RETURN(std::string dir, StepDir(step));
+  if (!options.writer.overwrite) {
+    std::lock_guard<std::mutex> guard(mutex);
+    if (steps.count(step) > 0) {
+      return AlreadyExistsError(
+          StrCat("step ", step, " (", dir, ") is already complete in ", kv->Describe()));
+    }
+  }
+  if (!request.metadata_json.empty() &&
+      !json::accept(request.metadata_json.begin(), request.metadata_json.end())) {
+    return InvalidArgumentError(StrCat("the metadata of step ", step, " is not valid JSON"));
+  }
+  json metrics_doc = json::object();
+  for (const auto& [name, value] : request.metrics) {
+    if (!std::isfinite(value)) {
+      return InvalidArgumentError(
+          StrCat("metric '", name, "' of step ", step, " is not a finite number"));
+    }
+    metrics_doc[name] = value;
+  }
+  if (auto it = request.metrics.find(options.best_metric);
+      !options.best_metric.empty() && it != request.metrics.end()) {
+    job.metric = it->second;
+  }
+  WriterOptions writer_options = options.writer;
+  if (async) {
+    // The writer copies every chunk before writing it, under the staging cap.
+    writer_options.copy_sources = true;
+    writer_options.max_inflight_bytes = options.max_staging_bytes;
+    writer_options.staging_pool = staging_pool.get();
+  }
+  // Everything the writer can refuse is refused here, before anything is copied or written.
+  TS_ASSIGN_OR_RETURN(job.writer, CheckpointWriter::Create(kv, dir, writer_options, coordinator));
+  for (ArrayToSave& array : request.arrays) {
+    TS_RETURN_IF_ERROR(job.writer->AddArray(std::move(array.spec), std::move(array.shards)));
+  }
+  if (request.tree.has_value()) job.writer->SetTree(std::move(*request.tree));
+  if (is_leader()) {
+    if (!request.metadata_json.empty()) {
+      TS_RETURN_IF_ERROR(job.writer->AddFile(kMetadataFileName, std::move(request.metadata_json)));
+    }
+    if (!request.metrics.empty()) {
+      TS_RETURN_IF_ERROR(job.writer->AddFile(kMetricsFileName, metrics_doc.dump()));
+    }
+  }
+  if (request.process_state.has_value()) {
+    TS_RETURN_IF_ERROR(job.writer->AddFile(ProcessStateFileName(coordinator->process_index()),
+                                           std::move(*request.process_state)));
+  }
+  return job;
+}
+
+Result<std::vector<int64_t>> CheckpointManager::Impl::Committed(const SaveJob& job,
+                                                                const SaveStats& stats) {
+  std::vector<int64_t> doomed;
+  {
+    std::lock_guard<std::mutex> guard(mutex);
+    steps.insert(job.step);
+    if (job.metric.has_value()) {
+      metrics[job.step] = *job.metric;
+    } else {
+      metrics.erase(job.step);
+    }
+    if (is_leader()) {
+      doomed = ChooseDoomed();
+      // Unlisted at once, so that no caller picks a step that is being deleted.
+      for (int64_t step : doomed) {
+        steps.erase(step);
+        metrics.erase(step);
+      }
+    }
+  }
+  Coordinator& c = *coordinator;
+  if (c.process_count() > 1) {
+    // Process 0 decides; the others follow its list, so that every process lists the same steps.
+    const std::string key = StrCat("tensorstash-manager/", c.NextOperationId(), "/retained");
+    if (is_leader()) {
+      std::vector<int64_t> kept;
+      {
+        std::lock_guard<std::mutex> guard(mutex);
+        kept.assign(steps.begin(), steps.end());
+      }
+      TS_RETURN_IF_ERROR(c.KeyValueSet(key, EncodeSteps(kept)));
+    } else {
+      TS_ASSIGN_OR_RETURN(std::string value,
+                          c.KeyValueGet(key, options.writer.coordination_timeout));
+      TS_ASSIGN_OR_RETURN(std::vector<int64_t> kept, DecodeSteps(value));
+      std::lock_guard<std::mutex> guard(mutex);
+      steps = std::set<int64_t>(kept.begin(), kept.end());
+    }
+  }
+  if (options.on_commit) options.on_commit(stats);
+  return doomed;
+}
+
+std::vector<int64_t> CheckpointManager::Impl::ChooseDoomed() {
+  RetentionPolicy policy;
+  policy.max_to_keep = options.max_to_keep;
+  policy.keep_period = options.keep_period;
+  policy.by_metric = !options.best_metric.empty();
+  policy.best_mode = options.best_mode;
+  return StepsToDelete(steps, metrics, policy);
+}
+
+Status CheckpointManager::Impl::DeleteSteps(const std::vector<int64_t>& doomed) {
+  Status result;
+  for (int64_t step : doomed) {
+    Status deleted = Annotate(DeleteStep(step), StrCat("deleting step ", step, " (retention)"));
+    if (result.ok()) result = deleted;
+  }
+  return result;
+}
+
+Status CheckpointManager::Impl::DeleteStep(int64_t step) { return step_store->DeleteStep(step); }
+
+Status CheckpointManager::Impl::JoinWorker() { return worker.Join(); }
+
+Status CheckpointManager::Save(int64_t step, SaveRequest request, SaveStats* stats) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> call(s.calls_mutex);
+  TS_RETURN_IF_ERROR(s.CheckOpen());
+  TS_RETURN_IF_ERROR(s.JoinWorker());
+  TS_ASSIGN_OR_RETURN(SaveJob job, s.Prepare(step, std::move(request), /*async=*/false));
+  WriteStats written;
+  TS_RETURN_IF_ERROR(job.writer->Commit(&written));
+  SaveStats local{step, false, written.raw_bytes, written.stored_bytes, 0, 0};
+  local.total_seconds = local.blocking_seconds = SecondsSince(job.start);
+  if (stats != nullptr) *stats = local;
+  TS_ASSIGN_OR_RETURN(std::vector<int64_t> doomed, s.Committed(job, local));
+  if (!doomed.empty()) {
+    Impl* impl = impl_.get();
+    s.worker.Start([impl, doomed = std::move(doomed)] { return impl->DeleteSteps(doomed); });
+  }
+  return OkStatus();
+}
+
+Status CheckpointManager::SaveAsync(int64_t step, SaveRequest request) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> call(s.calls_mutex);
+  TS_RETURN_IF_ERROR(s.CheckOpen());
+  TS_RETURN_IF_ERROR(s.JoinWorker());
+  TS_ASSIGN_OR_RETURN(SaveJob job, s.Prepare(step, std::move(request), /*async=*/true));
+  // The writer says when it has copied everything out of the caller's buffers; only then may
+  // this return.
+  auto released = std::make_shared<std::promise<void>>();
+  std::future<void> copied = released->get_future();
+  Impl* impl = impl_.get();
+  auto shared_job = std::make_shared<SaveJob>(std::move(job));
+  auto blocking = std::make_shared<std::atomic<double>>(0.0);
+  s.worker.Start([impl, shared_job, released, blocking] {
+    WriteStats written;
+    Status status = shared_job->writer->Commit(&written, [&] {
+      blocking->store(SecondsSince(shared_job->start));
+      released->set_value();
+    });
+    shared_job->keep_alive.reset();  // no buffer of the caller's is read any more
+    if (status.ok()) {
+      SaveStats stats{shared_job->step,  true,
+                      written.raw_bytes, written.stored_bytes,
+                      blocking->load(),  SecondsSince(shared_job->start)};
+      Result<std::vector<int64_t>> doomed = impl->Committed(*shared_job, stats);
+      status = doomed.ok() ? impl->DeleteSteps(*doomed) : doomed.status();
+    }
+    shared_job->writer.reset();
+    return Annotate(status, StrCat("background save of step ", shared_job->step));
+  });
+  copied.wait();
+  return OkStatus();
+}
+
+bool CheckpointManager::ReachedPreemption(int64_t step) {
+  Impl& s = *impl_;
+  const bool local = s.options.handle_sigterm && g_sigterms.load() > s.sigterms_at_open;
+  Coordinator& c = *s.coordinator;
+  if (c.process_count() == 1) return local;
+  // Collective: any process signalled makes every process save at the same step. Keys count
+  // the calls (every process makes the same calls), so they never repeat.
+  const std::string prefix =
+      StrCat("tensorstash-manager/preemption/", s.preemption_checks++, "-", step, "/");
+  if (!c.KeyValueSet(StrCat(prefix, c.process_index()), local ? "1" : "0").ok()) return local;
+  bool any = local;
+  for (int p = 0; p < c.process_count(); ++p) {
+    if (p == c.process_index()) continue;
+    Result<std::string> value =
+        c.KeyValueGet(StrCat(prefix, p), s.options.writer.coordination_timeout);
+    if (value.ok() && *value == "1") any = true;
+  }
+  return any;
+}
+
+Status CheckpointManager::WaitUntilFinished() {
+  std::lock_guard<std::mutex> call(impl_->calls_mutex);
+  return impl_->JoinWorker();
+}
+
+Status CheckpointManager::Close() {
+  std::lock_guard<std::mutex> call(impl_->calls_mutex);
+  if (impl_->closed) return OkStatus();
+  Status result = impl_->JoinWorker();
+  impl_->step_store->ReleaseLock();
+  impl_->RestoreSigterm();
+  impl_->closed = true;
+  return result;
+}
+
+}  // namespace tensorstash

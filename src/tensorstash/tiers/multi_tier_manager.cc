@@ -1,0 +1,109 @@
+#include "tensorstash/tiers/multi_tier_manager.h"
+
+#include <cstdio>
+#include <utility>
+
+#include "tensorstash/util/str_util.h"
+
+namespace tensorstash {
+
+MultiTierManager::MultiTierManager(std::unique_ptr<CheckpointManager> persistent,
+                                   std::unique_ptr<LocalTier> local, KvStore* persistent_kv)
+    : persistent_(std::move(persistent)), local_(std::move(local)), persistent_kv_(persistent_kv) {}
+
+MultiTierManager::~MultiTierManager() { (void)Close(); }
+
+Result<std::unique_ptr<MultiTierManager>> MultiTierManager::Open(KvStore* persistent,
+                                                                 MultiTierOptions options) {
+  if (options.local.coordinator == nullptr) {
+    options.local.coordinator = options.persistent.coordinator;
+  }
+  Result<std::unique_ptr<CheckpointManager>> manager =
+      CheckpointManager::Open(persistent, std::move(options.persistent));
+  if (!manager.ok()) return manager.status();
+  if (options.local.run.empty() &&
+      (options.local.coordinator == nullptr || options.local.coordinator->process_index() == 0)) {
+    Result<std::string> run_id = (*manager)->RunId();
+    if (!run_id.ok()) return run_id.status();
+    options.local.run = StrCat(persistent->Describe(), " ", *run_id);
+  }
+  Result<std::unique_ptr<LocalTier>> local = LocalTier::Open(std::move(options.local));
+  if (!local.ok()) return local.status();
+  return std::unique_ptr<MultiTierManager>(
+      new MultiTierManager(*std::move(manager), *std::move(local), persistent));
+}
+
+bool MultiTierManager::ShouldSave(int64_t step) const {
+  return persistent_->ShouldSave(step) || local_->ShouldSave(step);
+}
+
+Result<bool> MultiTierManager::Save(int64_t step, SaveRequest request, bool async, bool force) {
+  const bool persistent_due = force || persistent_->ShouldSave(step);
+  const bool local_due = force || local_->ShouldSave(step);
+  if (local_due) {
+    // A copy: the request's arrays point at the caller's buffers, which both tiers read.
+    Result<bool> saved = local_->Save(step, persistent_due ? request : std::move(request), async);
+    if (!saved.ok() && !persistent_due) return saved.status();
+    // The persistent save is collective: this process takes part whatever became of its local
+    // one (the others are waiting for it); the local failure is a warning then.
+    if (!saved.ok()) {
+      local_->Warn(StrCat("local save of step ", step, " failed: ", saved.status().message()));
+    }
+  }
+  if (!persistent_due) return local_due;
+  TS_RETURN_IF_ERROR(async ? persistent_->SaveAsync(step, std::move(request))
+                           : persistent_->Save(step, std::move(request)));
+  return true;
+}
+
+Result<std::optional<int64_t>> MultiTierManager::LatestStep() {
+  Result<JobHoldings> job = local_->Gather(persistent_->AllSteps());
+  if (!job.ok()) return job.status();
+  job_ = *std::move(job);
+  return job_->LatestStep();
+}
+
+Result<TieredRestore> MultiTierManager::OpenRestore(int64_t step) {
+  Result<JobHoldings> job = local_->Gather(persistent_->AllSteps());
+  if (!job.ok()) return job.status();
+  job_ = *std::move(job);
+  return local_->OpenStep(step, *job_, persistent_kv_);
+}
+
+Status MultiTierManager::FinishRestore(const TieredRestore* restore_or_null,
+                                       SaveRequest* write_back) {
+  TS_ASSIGN_OR_RETURN(std::vector<std::string> words, local_->FinishRestore(restore_or_null));
+  if (restore_or_null == nullptr) return OkStatus();
+  std::string failed;
+  for (size_t p = 0; p < words.size(); ++p) {
+    if (!words[p].empty()) failed += StrCat(failed.empty() ? "" : "; ", "process ", p, ": ", words[p]);
+  }
+  if (!failed.empty()) {
+    return AbortedError(StrCat("the restore of step ", restore_or_null->step,
+                               " failed in other processes: ", failed));
+  }
+  if (restore_or_null->source == nullptr || write_back == nullptr) return OkStatus();
+  const TieredRestore& restore = *restore_or_null;
+  if (!restore.verified) return OkStatus();  // unchecked bytes are never stored (local_tier.h)
+  const TierStats& stats = restore.source->tier_stats();
+  if (!stats.local_failed && stats.bytes[static_cast<int>(Tier::kPeer)] == 0 &&
+      stats.bytes[static_cast<int>(Tier::kPersistent)] == 0) {
+    return OkStatus();
+  }
+  if (restore.extras.metadata) write_back->metadata_json = *restore.extras.metadata;
+  return local_
+      ->SaveHolding(restore.step, std::move(*write_back), restore.extras.save_id,
+                    restore.extras.ring_values, /*async=*/false)
+      .status();
+}
+
+CheckpointManager& MultiTierManager::persistent() { return *persistent_; }
+LocalTier& MultiTierManager::local() { return *local_; }
+
+Status MultiTierManager::Close() {
+  Status local = local_->Close();
+  Status persistent = persistent_->Close();
+  return local.ok() ? persistent : local;
+}
+
+}  // namespace tensorstash
