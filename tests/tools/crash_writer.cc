@@ -15,7 +15,7 @@
 #include <vector>
 
 #define TS_CHECKPOINT_TEST_UTIL_NO_GTEST
-#include "tensorstash/checkpoint/checkpoint_test_util.h"
+#include "tensorstash/testing/checkpoint_test_util.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/kvstore/file/file_kvstore.h"
