@@ -20,7 +20,8 @@ The package's modules, each small and none importing another in a circle:
     _save.py      save (native and Orbax formats)
     _restore.py   restore, metadata (the engine plans and reads every box in one call)
     manager.py    CheckpointManager, SaveStats, RestoreStats
-    _adapters.py  the framework adapter protocol; numpy.py and jax.py implement it
+    _adapters.py  the framework adapter protocol and its registry (register_adapter, the entry
+                  point group "tensorstash.adapters"); numpy.py and jax.py implement it
     _tree.py      pytrees <-> the engine's tree JSON
     _options.py   the engine's defaults; _paths.py step paths and URLs; _progress.py progress
 """
@@ -28,6 +29,7 @@ The package's modules, each small and none importing another in a circle:
 from __future__ import annotations
 
 from . import _ext
+from ._adapters import register_adapter
 from ._paths import configure_s3
 from ._restore import ArrayMetadata, metadata, restore
 from ._save import save
@@ -35,7 +37,7 @@ from .manager import CheckpointManager, RestoreStats, SaveStats
 
 __version__ = _ext.__version__
 __all__ = ["save", "restore", "metadata", "ArrayMetadata", "CheckpointManager", "SaveStats",
-           "RestoreStats", "store_schemes", "configure_s3", "__version__"]
+           "RestoreStats", "store_schemes", "configure_s3", "register_adapter", "__version__"]
 
 
 def store_schemes() -> list[str]:

@@ -1,11 +1,22 @@
-"""Framework adapters: what is NumPy- or JAX-specific in saving and restoring a leaf.
+"""Framework adapters: what is NumPy-, JAX- or another framework's in saving and restoring a leaf.
 
-An adapter is a small object with these methods (see numpy.NumpyAdapter, jax.JaxAdapter):
+An adapter is a small object with these methods (numpy.NumpyAdapter and jax.JaxAdapter have
+all of them; those marked optional may be left out, and the functions of this module named
+after them stand in with the default given):
 
     owns(x) -> bool
         Whether leaf `x` (a leaf to save, or a target leaf to restore into) is the adapter's.
     check_savable(x, path) -> None
         TypeError naming `path` when `x` cannot be saved (an abstract array, say).
+    dtype_name(x) -> str   (optional; default numpy.dtype_name(x.dtype))
+        The engine's name of the dtype of `x` (a leaf to save, or a target), one of
+        numpy.DTYPE_NAMES ("float32", "bfloat16", ...); TypeError for a dtype the engine does
+        not store. The names are the engine's, not NumPy's, so a framework whose dtypes are not
+        NumPy dtypes maps its own here (torch.bfloat16 -> "bfloat16").
+    restore_dtype(target) -> np.dtype   (optional; default numpy.dtype_from_name(dtype_name))
+        The NumPy dtype, in native byte order, that the engine reads `target`'s leaf in and
+        hands to build(): the target's own dtype, or what the framework makes of it (JAX with
+        64-bit types off narrows float64 to float32, as jax.device_put does).
     start_save(xs) -> list   (optional)
         Starts what save_shards will wait for (copies of device memory to the host) for every
         leaf of `xs` (the adapter's leaves of one save, in one call, so that the copies can be
@@ -23,29 +34,56 @@ An adapter is a small object with these methods (see numpy.NumpyAdapter, jax.Jax
         The boxes of the array this process holds under `target`, each read once: one per
         distinct device block (keyed by the block), or one for the whole array.
     build(target, shape, buffers) -> leaf
-        The restored leaf from `buffers` ({key: NumPy array of the box, native byte order}).
+        The restored leaf from `buffers` ({key: NumPy array of the box, of restore_dtype}).
     build_many(items) -> list   (optional)
         The leaves of [(target, shape, buffers)], finished in the same batch, built together
         (jax.JaxAdapter places each on all its devices in one call, then waits once).
     orbax_sharding(x) -> str | None
         The JSON Orbax records in `_sharding` for the leaf's sharding (save(format="orbax")),
         or None: the leaf is then recorded as a NumPy array.
+    default_coordinator() -> Coordinator | None   (optional; default None)
+        The framework's distributed runtime as a Coordinator (the protocol of
+        jax.JaxCoordinator) when it runs several processes, else None. A save or a
+        CheckpointManager given no coordinator takes the first adapter's that is not None.
 
-A new framework is one new module with one such class, registered here. The first adapter that
-owns a leaf handles it; NumPy's takes every target leaf that is left.
+Adapters are registered, not listed here: register_adapter(adapter) (tensorstash.register_adapter)
+from code, or an entry point of the group "tensorstash.adapters" in a distribution's metadata
+that loads to an adapter class, instance or zero-argument factory:
+
+    [project.entry-points."tensorstash.adapters"]
+    torch = "tensorstash_torch:TorchAdapter"
+
+The entry points (in the order of their names), then JAX's adapter (when jax imports) are
+registered at the first lookup, once, each after the adapters registered before it; an entry
+point that fails to load is left out with a warning naming it. The first adapter that owns a
+leaf handles it; NumPy's is asked last and takes every target leaf that is left.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import threading
+import warnings
 from typing import Any, Protocol
+
+import numpy as np
 
 from . import numpy as tnp
 
+ENTRY_POINT_GROUP = "tensorstash.adapters"
+
 
 class FrameworkAdapter(Protocol):
+    """The protocol of the module docstring (optional methods: dtype_name, restore_dtype,
+    start_save, immutable, build_many, default_coordinator)."""
+
     def owns(self, x: Any) -> bool: ...
 
     def check_savable(self, x: Any, path: str) -> None: ...
+
+    def dtype_name(self, x: Any) -> str: ...
+
+    def restore_dtype(self, target: Any) -> np.dtype: ...
 
     def save_shards(self, x: Any, process_index: int,
                     process_count: int) -> tuple[tuple[int, ...], list[tuple], bool]: ...
@@ -54,33 +92,148 @@ class FrameworkAdapter(Protocol):
 
     def build(self, target: Any, shape: tuple[int, ...], buffers: dict[Any, Any]) -> Any: ...
 
-    # Optional: the dtype a leaf is read in for `target` when it is not the target's own (JAX
-    # with 64-bit types off narrows float64 to float32, and so on: jax.restore_dtype).
-    # def restore_dtype(self, target: Any) -> np.dtype: ...
-
     def orbax_sharding(self, x: Any) -> str | None: ...
 
+    def default_coordinator(self) -> Any: ...
 
-def _adapters() -> list[FrameworkAdapter]:
-    adapters: list[FrameworkAdapter] = []
-    try:
-        import jax  # noqa: F401  (JAX is optional: NumPy-only use works without it)
-    except ImportError:
-        pass
-    else:
-        from . import jax as tjax
-        adapters.append(tjax.JaxAdapter())
-    adapters.append(NUMPY)
-    return adapters
 
+# The methods an adapter cannot do without.
+_REQUIRED = ("owns", "check_savable", "save_shards", "restore_boxes", "build", "orbax_sharding")
 
 NUMPY = tnp.NumpyAdapter()
-ADAPTERS: list[FrameworkAdapter] = _adapters()
+
+# The registered adapters in the order they are asked, NumPy's last. Replaced, never changed in
+# place, so that a lookup iterates a list no registration changes under it.
+ADAPTERS: list[FrameworkAdapter] = [NUMPY]
+# The list of ADAPTERS once the entry points and built-in adapters are in it: a lookup loads
+# them when ADAPTERS is another list (a test may put a list of its own there).
+_loaded_into: list | None = None
+# The adapters loaded from entry points and the built-in modules, once.
+_discovered: list | None = None
+_loading = False  # (an entry point's module being imported may look adapters up)
+_lock = threading.RLock()
+
+
+def _missing_methods(adapter: Any) -> list[str]:
+    return [name for name in _REQUIRED if not callable(getattr(adapter, name, None))]
+
+
+def _placed(adapters: list, adapter: Any, first: bool) -> list:
+    """A copy of `adapters` with `adapter` (moved, if there already) first, or last before
+    NumPy's."""
+    out = [a for a in adapters if a is not adapter]
+    if first:
+        out.insert(0, adapter)
+    else:
+        out.insert(len(out) - 1 if out and out[-1] is NUMPY else len(out), adapter)
+    return out
+
+
+def register_adapter(adapter: Any, *, first: bool = True) -> Any:
+    """Registers framework adapter `adapter` (an instance; the protocol is in
+    tensorstash._adapters): its owns() is asked before every adapter registered so far
+    (`first`, the default: an adapter for a kind of another framework's array wins), or after
+    all of them. NumPy's adapter is always asked last. Registering an adapter again moves it.
+    Returns `adapter`. TypeError naming what is missing when `adapter` lacks a method the
+    protocol requires (a class passed instead of an instance, say)."""
+    if isinstance(adapter, type):
+        raise TypeError(f"register_adapter takes an adapter instance, not the class "
+                        f"{adapter.__name__}: register_adapter({adapter.__name__}())")
+    missing = _missing_methods(adapter)
+    if missing:
+        raise TypeError(f"{adapter!r} is not a framework adapter: it has no "
+                        f"{', '.join(missing)} (tensorstash._adapters describes the protocol)")
+    global ADAPTERS, _loaded_into
+    if adapter is NUMPY:
+        return adapter  # always there, last
+    with _lock:
+        loaded = ADAPTERS is _loaded_into
+        ADAPTERS = _placed(ADAPTERS, adapter, first)
+        if loaded:
+            _loaded_into = ADAPTERS
+    return adapter
+
+
+def _adapter_of(obj: Any) -> Any:
+    """The adapter an entry point loads to: a class or a factory is called, an instance
+    taken."""
+    if isinstance(obj, type):
+        return obj()
+    if _missing_methods(obj) and callable(obj):
+        return obj()
+    return obj
+
+
+def _entry_point_adapters() -> list:
+    """The adapters of the entry points of ENTRY_POINT_GROUP, by name; each that fails to load
+    (or loads to no adapter) warns, naming it, and is left out."""
+    out = []
+    for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
+                     key=lambda ep: (ep.name, ep.value)):
+        try:
+            adapter = _adapter_of(ep.load())
+            missing = _missing_methods(adapter)
+            if missing:
+                raise TypeError(f"{adapter!r} has no {', '.join(missing)}")
+        except Exception as e:  # a third party's bug: tensorstash still works without it
+            warnings.warn(f"tensorstash: the framework adapter of entry point {ep.name!r} "
+                          f"({ep.value}, group {ENTRY_POINT_GROUP!r}) is left out: it failed "
+                          f"to load: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+            continue
+        out.append(adapter)
+    return out
+
+
+def _builtin_adapters() -> list:
+    """JAX's adapter when jax imports (JAX is optional: NumPy-only use works without it)."""
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        return []
+    from . import jax as tjax
+    return [tjax.JaxAdapter()]
+
+
+def _load() -> list:
+    """ADAPTERS with the entry points' and built-in adapters registered (found once)."""
+    global ADAPTERS, _loaded_into, _discovered, _loading
+    with _lock:
+        if _loading or ADAPTERS is _loaded_into:
+            return ADAPTERS
+        if _discovered is None:
+            _loading = True
+            try:
+                _discovered = _entry_point_adapters() + _builtin_adapters()
+            finally:
+                _loading = False
+        adapters = ADAPTERS
+        for adapter in _discovered:
+            if not any(a is adapter for a in adapters):
+                adapters = _placed(adapters, adapter, first=False)
+        ADAPTERS = _loaded_into = adapters
+        return adapters
+
+
+def registered() -> list[FrameworkAdapter]:
+    """The registered adapters, in the order they are asked (NumPy's last)."""
+    adapters = ADAPTERS
+    return adapters if adapters is _loaded_into else _load()
+
+
+def _reset() -> None:
+    """For tests: back to NumPy's adapter alone; the next lookup finds the entry points (and
+    JAX's adapter) again, as at the first."""
+    global ADAPTERS, _loaded_into, _discovered
+    with _lock:
+        ADAPTERS, _loaded_into, _discovered = [NUMPY], None, None
 
 
 def owner(x: Any) -> FrameworkAdapter | None:
     """The adapter whose array `x` is, or None (`x` is not an array leaf)."""
-    for adapter in ADAPTERS:
+    adapters = ADAPTERS  # asked per leaf: one identity check once loaded
+    if adapters is not _loaded_into:
+        adapters = _load()
+    for adapter in adapters:
         if adapter.owns(x):
             return adapter
     return None
@@ -90,3 +243,29 @@ def adapter_for(x: Any) -> FrameworkAdapter:
     """The adapter that handles leaf `x`: its owner, else NumPy's (which takes any target with
     .shape and .dtype, and anything np.asarray takes)."""
     return owner(x) or NUMPY
+
+
+def dtype_name(adapter: Any, x: Any) -> str:
+    """adapter.dtype_name(x), or its default: the engine's name of NumPy dtype x.dtype."""
+    own = getattr(adapter, "dtype_name", None)
+    return own(x) if own is not None else tnp.dtype_name(x.dtype)
+
+
+def restore_dtype(adapter: Any, target: Any) -> np.dtype:
+    """adapter.restore_dtype(target), or its default: the NumPy dtype of the target's
+    dtype_name, in native byte order (the format's; NumpyAdapter.build converts a big-endian
+    target's array to its byte order once read). TypeError for a dtype the engine does not
+    store."""
+    own = getattr(adapter, "restore_dtype", None)
+    return own(target) if own is not None else tnp.dtype_from_name(dtype_name(adapter, target))
+
+
+def default_coordinator() -> Any:
+    """The first registered adapter's default_coordinator() that is not None (the framework
+    runs several processes), else None."""
+    for adapter in registered():
+        ask = getattr(adapter, "default_coordinator", None)
+        coordinator = ask() if ask is not None else None
+        if coordinator is not None:
+            return coordinator
+    return None

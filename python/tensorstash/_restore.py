@@ -220,15 +220,6 @@ class _Leaf:
         return target, shape, buffers
 
 
-def _leaf_dtype(adapter: Any, target: Any) -> np.dtype:
-    """The dtype an array target's leaf is read in and built of: the target's, in native byte
-    order (what the engine writes; NumpyAdapter.build converts a big-endian target's array to
-    its byte order once read), or what the adapter makes of it (restore_dtype, optional: JAX
-    narrows 64-bit types when they are off, as jax.device_put does)."""
-    own = getattr(adapter, "restore_dtype", None)
-    return own(target) if own is not None else np.dtype(target.dtype).newbyteorder("=")
-
-
 def _scalar_into_array(value: Any, target: Any, path: str, ckpt: str) -> Any:
     """The scalar leaf `value` at `path` of checkpoint `ckpt` as the array target `target`
     asks for: a 0-d array of the target's kind (NumPy, or a jax.Array on its sharding) and
@@ -242,7 +233,7 @@ def _scalar_into_array(value: Any, target: Any, path: str, ckpt: str) -> Any:
                          f"shape {shape} is not 0-d (a scalar restores into a 0-d array or a "
                          "scalar target)")
     adapter = _adapters.adapter_for(target)
-    dtype = _leaf_dtype(adapter, target)
+    dtype = _adapters.restore_dtype(adapter, target)
     tnp.dtype_name(dtype)  # TypeError for a dtype the engine does not have
     data = np.array(_cast_scalar(value, dtype.type(0), path, ckpt), dtype)
     return adapter.build(target, (), {key: data for key in adapter.restore_boxes(target, ())})
@@ -274,7 +265,7 @@ def _plan_target(plan: _Plan, leaves: dict[str, dict], path: str, target: Any) -
         return
     shape = tuple(target.shape)
     adapter = _adapters.adapter_for(target)
-    dtype = _leaf_dtype(adapter, target)
+    dtype = _adapters.restore_dtype(adapter, target)
     plan.check_shape(path, shape)
     tnp.dtype_name(dtype)  # TypeError for a dtype the engine does not have
     together = (adapter, target, shape) if hasattr(adapter, "build_many") else None

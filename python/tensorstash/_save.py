@@ -8,16 +8,12 @@ import os
 from typing import Any
 
 from . import _adapters, _ext, _gc, _options, _paths, _tree
-from . import numpy as tnp
 
 
 def default_coordinator() -> Any:
-    """The JAX distributed runtime's coordinator when JAX runs several processes, else None."""
-    try:
-        from . import jax as tjax
-    except ImportError:  # JAX is optional
-        return None
-    return tjax.default_coordinator()
+    """The coordinator of the framework that runs several processes (JAX's distributed
+    runtime, say), asked of the registered adapters in order; None in a single process."""
+    return _adapters.default_coordinator()
 
 
 def arrays_to_save(tree: Any, coordinator: Any, *,
@@ -73,7 +69,7 @@ def _arrays_to_save(tree: Any, process_index: int, process_count: int,
     arrays = []
     for (array_path, x), adapter, handle in zip(leaves, adapters, started):
         try:
-            dtype = tnp.dtype_name(x.dtype)
+            dtype = _adapters.dtype_name(adapter, x)
         except TypeError as e:
             raise TypeError(f"cannot save the array at {array_path!r}: {e}") from None
         shape, shards, stable = adapter.save_shards(handle, process_index, process_count)
@@ -104,10 +100,13 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
 
     Leaves may be jax.Array (any sharding; each process writes its own shards, replicated data
     once), np.ndarray (big-endian ones are stored by value, in the format's little-endian
-    order) and NumPy scalars, bool, int (any number of digits), float, str and bytes. The tree
-    may be nested up to 512 levels below its root (docs/format.md, section 10). In a job with
-    several processes every process calls save with the same tree; NumPy arrays are taken to be
-    the same in every process and are written once, the work split across processes.
+    order) and NumPy scalars, bool, int (any number of digits), float, str and bytes, and the
+    arrays of any adapter registered with tensorstash.register_adapter. The tree may be nested
+    up to 512 levels below its root (docs/format.md, section 10). In a job with several
+    processes every process calls save with the same tree; NumPy arrays are taken to be the
+    same in every process and are written once, the work split across processes. Without
+    `coordinator`, the first registered adapter's default_coordinator() that is not None is
+    the job's (JAX's distributed runtime when it runs several processes).
 
     A jax.Array in accelerator memory is first copied into JAX's pinned host memory (every
     leaf's copy started before the first is waited for), and written from there: far faster

@@ -37,10 +37,6 @@ def escape_key(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
-def join_path(parent: str | None, segment: str) -> str:
-    return segment if parent is None else f"{parent}/{segment}"
-
-
 def is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 

@@ -157,6 +157,9 @@ class JaxAdapter:
         if isinstance(x, jax.ShapeDtypeStruct):
             raise TypeError(f"cannot save the abstract array at {path!r} (a ShapeDtypeStruct)")
 
+    def dtype_name(self, x: Any) -> str:
+        return tnp.dtype_name(x.dtype)  # JAX's dtypes are NumPy's (and ml_dtypes')
+
     def start_save(self, xs: list) -> list:
         # The leaves in host memory need no copy (their shards are views). The others are
         # copied into pinned host memory in one batched jax.device_put, or have every shard's
@@ -213,6 +216,9 @@ class JaxAdapter:
 
     def orbax_sharding(self, x: Any) -> str | None:
         return orbax_sharding(x.sharding)
+
+    def default_coordinator(self) -> JaxCoordinator | None:
+        return default_coordinator()
 
     @staticmethod
     def _sharding(target: Any) -> jax.sharding.Sharding:

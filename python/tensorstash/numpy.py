@@ -121,6 +121,13 @@ class NumpyAdapter:
     def check_savable(self, x, path: str) -> None:
         pass
 
+    def dtype_name(self, x) -> str:
+        return dtype_name(x.dtype)
+
+    def restore_dtype(self, target) -> np.dtype:
+        # Native byte order, the format's: build() converts to a big-endian target's order.
+        return np.dtype(target.dtype).newbyteorder("=")
+
     def save_shards(self, x, process_index: int, process_count: int):
         a = native_contiguous(np.asarray(x))
         # Every process holds the whole array: they share the writing as replicas.
@@ -139,3 +146,6 @@ class NumpyAdapter:
 
     def orbax_sharding(self, x) -> None:
         return None
+
+    def default_coordinator(self) -> None:
+        return None  # NumPy has no distributed runtime: pass save(coordinator=) for one
