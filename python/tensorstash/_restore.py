@@ -1,6 +1,6 @@
 """tensorstash.restore and tensorstash.metadata: a step (any format the engine reads) into
 NumPy arrays, jax.Arrays or scalars, planned by the engine in one call (Reader.restore_to_host,
-checkpoint/host_restore.h): this module turns the target into boxes and the boxes into leaves."""
+engine/host_restore.h): this module turns the target into boxes and the boxes into leaves."""
 
 from __future__ import annotations
 
