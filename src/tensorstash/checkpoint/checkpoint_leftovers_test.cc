@@ -5,7 +5,7 @@
 #include "gtest/gtest.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
-#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/engine/layout.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 

@@ -15,8 +15,9 @@
 
 #include "tensorstash/array/chunk_grid.h"
 #include "tensorstash/array/convert.h"
-#include "tensorstash/checkpoint/layout.h"
-#include "tensorstash/checkpoint/object_store_commit.h"
+#include "tensorstash/engine/layout.h"
+#include "tensorstash/engine/object_store_commit.h"
+#include "tensorstash/engine/step_committer.h"
 #include "tensorstash/engine/executor.h"
 #include "tensorstash/engine/read_plan.h"
 #include "tensorstash/format/chunk_codec.h"
@@ -182,7 +183,7 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, st
     if (impl->options.io_threads <= 0) impl->options.io_threads = DefaultIoThreads();
     // Everything is read through a view of the folder pinned now (where the store can pin):
     // COMMIT, tree.json, the index and the data files all come from one version of the step.
-    Result<std::unique_ptr<KvStore>> view = OpenCommittedStep(kv, dir);
+    Result<std::unique_ptr<KvStore>> view = StepCommitter(kv).OpenCommitted(dir);
     Status loaded = view.status();
     if (view.ok()) {
       impl->folder_view = *std::move(view);
@@ -201,7 +202,7 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, st
     const bool may_be_replacement =
         absl::IsDataLoss(loaded) || absl::IsNotFound(loaded) || absl::IsFailedPrecondition(loaded);
     if (attempt + 1 >= kMaxAttempts || !may_be_replacement) return loaded;
-    Result<std::unique_ptr<KvStore>> again = OpenCommittedStep(kv, dir);
+    Result<std::unique_ptr<KvStore>> again = StepCommitter(kv).OpenCommitted(dir);
     Result<std::string> now = again.ok()
                                   ? ReadCommitText(again->get(), StrCat(dir, "/", kCommitFileName))
                                   : again.status();

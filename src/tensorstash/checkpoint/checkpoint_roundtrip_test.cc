@@ -21,7 +21,7 @@
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/testing/checkpoint_test_util.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
-#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/engine/layout.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/kvstore/forwarding_kvstore.h"
 

@@ -38,13 +38,14 @@
 #include <thread>
 
 #include "tensorstash/array/chunk_grid.h"
-#include "tensorstash/checkpoint/layout.h"
-#include "tensorstash/checkpoint/object_store_commit.h"
-#include "tensorstash/checkpoint/step_folder.h"
+#include "tensorstash/engine/layout.h"
+#include "tensorstash/engine/object_store_commit.h"
+#include "tensorstash/engine/step_folder.h"
 #include "tensorstash/coordination/single_process_coordinator.h"
 #include "tensorstash/engine/data_file_set.h"
 #include "tensorstash/engine/executor.h"
 #include "tensorstash/engine/publish.h"
+#include "tensorstash/engine/step_committer.h"
 #include "tensorstash/engine/write_plan.h"
 #include "tensorstash/format/chunk_codec.h"
 #include "tensorstash/format/commit_record.h"
@@ -181,7 +182,6 @@ struct CheckpointWriter::Impl {
   bool commit_outcome_unknown = false;  // object stores: the record may exist (CommitAttempt)
   std::string nonce;
 
-  Result<std::string> PrepareStepFolder();
   Status AgreeOnGrids();
   Status WriteLocal(ChunkIndex* local, WriteStats* stats);
   Status GatherChunk(const ChunkTask& task, char* out) const;
@@ -288,7 +288,9 @@ Status CheckpointWriter::Commit(WriteStats* stats,
 
   // 1. Process 0 prepares the folder.
   if (c.process_index() == 0) {
-    Result<std::string> work_dir = s.PrepareStepFolder();
+    s.nonce = RandomHexId();
+    Result<std::string> work_dir = StepCommitter(s.kv).Prepare(
+        s.dir, s.nonce, {.overwrite = s.options.overwrite, .writers = c.process_count()});
     TS_RETURN_IF_ERROR(c.KeyValueSet(
         s.key_prefix + "workdir",
         work_dir.ok() ? StrCat("+", *work_dir) : EncodeStatusForPeers(work_dir.status())));
@@ -352,89 +354,6 @@ Status CheckpointWriter::Commit(WriteStats* stats,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (stats != nullptr) *stats = local_stats;
   return result;
-}
-
-Result<std::string> CheckpointWriter::Impl::PrepareStepFolder() {
-  // What is at <dir> decides what the save may do (step_folder.h): never delete a folder that
-  // tensorstash did not write.
-  TS_ASSIGN_OR_RETURN(FolderContent content, ClassifyStepFolder(kv, dir));
-  nonce = RandomHexId();
-  if (UsesCommitRecords(*kv)) {
-    // An object store: the files go under a fresh attempt prefix, and nothing is deleted here
-    // (an attempt without a record may be another writer's, in progress; object_store_commit.h).
-    TS_ASSIGN_OR_RETURN(content, CheckSaveDestination(kv, dir, options.overwrite));
-    if (content == FolderContent::kOrbaxCheckpoint) {
-      return FailedPreconditionError(
-          StrCat("'", dir, "' in ", kv->Describe(),
-                 " holds an Orbax checkpoint, which an object store cannot replace in place; "
-                 "delete it first"));
-    }
-    return StrCat(dir, "/", kAttemptPrefix, nonce);
-  }
-  if (kv->Capabilities().object_store &&
-      ((options.overwrite && content == FolderContent::kTensorstashStep) ||
-       coordinator->process_count() > 1)) {
-    // Without create-only writes a step can only be written in place, by one writer.
-    return FailedPreconditionError(
-        StrCat(kv->Describe(), " does not honour create-only writes (If-None-Match), so ",
-               options.overwrite ? "overwriting a step" : "a save by several processes",
-               " cannot be made safe there and is refused"));
-  }
-  if (kv->SupportsRename()) {
-    // Leftovers of earlier saves of this step: "<dir>.tmp-<id>" (failed or crashed saves) and
-    // "<dir>.old-<id>" (a replaced step whose removal was cut short). When <dir> has no COMMIT
-    // (nor anything else but our leftovers) and an ".old-" folder has one, a crash hit an
-    // overwrite between its two renames: the old step is put back first so that it is not lost.
-    // (One save per step at a time: a second writer of the same step would see the first one's
-    // folder as a leftover.)
-    TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, kv->List(dir + "."));
-    std::set<std::string> leftovers;
-    for (const std::string& key : keys) {
-      const size_t slash = key.find('/', dir.size());
-      if (slash == std::string::npos) continue;
-      const std::string folder = key.substr(0, slash);
-      // Only "<dir>.tmp-<id>" and "<dir>.old-<id>": not "<dir>.b.tmp-<id>" (step "<dir>.b").
-      if (LeftoverBase(folder) == std::string_view(dir)) leftovers.insert(folder);
-    }
-    for (const std::string& folder : leftovers) {
-      const bool rollback_possible =
-          content == FolderContent::kEmpty || content == FolderContent::kTensorstashLeftover;
-      if (rollback_possible &&
-          folder.compare(dir.size(), std::strlen(kOldMarker), kOldMarker) == 0) {
-        // An error here must not read as "no COMMIT": the folder may hold the only copy of a
-        // committed step, which the deletion below would destroy.
-        Result<uint64_t> old_commit = kv->Size(StrCat(folder, "/", kCommitFileName));
-        if (!old_commit.ok() && !absl::IsNotFound(old_commit.status())) {
-          return old_commit.status();
-        }
-        if (old_commit.ok()) {
-          TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
-          TS_RETURN_IF_ERROR(kv->RenameDirectory(folder, dir));
-          content = FolderContent::kTensorstashStep;
-          continue;
-        }
-      }
-      TS_RETURN_IF_ERROR(kv->DeletePrefix(folder + "/"));
-    }
-  }
-  // AlreadyExists for a complete step without `overwrite`, and for anything not ours.
-  TS_ASSIGN_OR_RETURN(content, CheckSaveDestination(kv, dir, options.overwrite));
-  // An empty folder, or a crashed save's or deletion's leftover: nothing in it is ever read.
-  if (content == FolderContent::kEmpty || content == FolderContent::kTensorstashLeftover) {
-    TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
-  }
-  if (kv->SupportsRename()) {
-    // What is left at <dir> (a step or an Orbax checkpoint to overwrite) is replaced at publish.
-    const std::string temp = StrCat(dir, kTempMarker, nonce);
-    TS_RETURN_IF_ERROR(kv->DeletePrefix(temp + "/"));
-    return temp;
-  }
-  // Without rename the step is rewritten in place; removing COMMIT first makes it invisible.
-  if (content == FolderContent::kTensorstashStep) {
-    TS_RETURN_IF_ERROR(kv->Delete(StrCat(dir, "/", kCommitFileName)));
-  }
-  TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
-  return dir;
 }
 
 Status CheckpointWriter::Impl::AgreeOnGrids() {
@@ -775,20 +694,9 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local,
   written[StrCat(item_folder, "/", kTreeFileName)] = tree_json.size();
   for (const auto& [name, f] : committed_files) written[name] = f.size;
   record.files = std::move(committed_files);
-  if (UsesCommitRecords(*kv)) {  // an object store: a create-only record names the attempt
-    return CommitAttempt(kv, dir, work_dir, std::move(record), written, options.overwrite,
-                         &commit_outcome_unknown);
-  }
-  TS_RETURN_IF_ERROR(CheckWrittenFiles(kv, work_dir, written).status());
-  const std::string commit_key = StrCat(work_dir, "/", kCommitFileName);
-  TS_RETURN_IF_ERROR(kv->Write(commit_key, EncodeCommitRecord(record)));
-  // Sync(key) also syncs the key's folder, work_dir: its entries (COMMIT, state/) are durable.
-  if (options.sync) TS_RETURN_IF_ERROR(kv->Sync(commit_key));
-  if (work_dir == dir) return OkStatus();  // no rename: COMMIT written last was the commit
-
-  // Rename the finished folder into place; what <dir> held (an overwrite) is moved aside first
-  // and removed after. On failure PublishFolder puts everything back as it was.
-  return PublishFolder(kv, work_dir, dir, StrCat(dir, kOldMarker, nonce), options.sync);
+  return StepCommitter(kv).Commit(dir, work_dir, nonce, std::move(record), written,
+                                  {.overwrite = options.overwrite, .sync = options.sync},
+                                  &commit_outcome_unknown);
 }
 
 void CheckpointWriter::Impl::RemoveWorkDir() {

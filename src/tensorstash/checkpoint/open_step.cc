@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/engine/layout.h"
 #include "tensorstash/checkpoint/orbax_reader.h"
 #include "tensorstash/util/str_util.h"
 

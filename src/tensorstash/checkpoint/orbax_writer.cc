@@ -31,9 +31,10 @@
 #include <nlohmann/json.hpp>
 
 #include "tensorstash/array/chunk_grid.h"
-#include "tensorstash/checkpoint/step_folder.h"
+#include "tensorstash/engine/step_folder.h"
 #include "tensorstash/engine/executor.h"
 #include "tensorstash/engine/publish.h"
+#include "tensorstash/engine/step_committer.h"
 #include "tensorstash/engine/write_plan.h"
 #include "tensorstash/format/orbax_names.h"
 #include "tensorstash/format/zarr/zarr_array.h"
@@ -448,12 +449,15 @@ Status OrbaxWriter::Impl::CommitImpl(OrbaxWriteStats* stats,
   }
 
   // 2. The destination, and the temporary folder.
-  if (!kv->SupportsRename() && kv->Capabilities().object_store)
+  // Orbax's layout has no commit record: where the store cannot rename folders (an object
+  // store), it is written in place as Orbax writes it (engine/step_committer.h).
+  if (StepCommitter(kv).protocol() != CommitProtocol::kRename) {
+    if (!kv->Capabilities().object_store) {
+      return UnimplementedError(StrCat(kv->Describe(),
+                                       " cannot rename folders, which the Orbax "
+                                       "writer needs to publish a checkpoint whole"));
+    }
     return WriteInPlace(leaves, stats, progress);
-  if (!kv->SupportsRename()) {
-    return UnimplementedError(StrCat(kv->Describe(),
-                                     " cannot rename folders, which the Orbax "
-                                     "writer needs to publish a checkpoint whole"));
   }
   // Never replaces what tensorstash did not write, nor a complete checkpoint without
   // `overwrite` (step_folder.h).

@@ -19,7 +19,7 @@
 #include "nlohmann/json.hpp"
 #include "tensorstash/manager/background_worker.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
-#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/engine/layout.h"
 #include "tensorstash/manager/retention.h"
 #include "tensorstash/manager/step_store.h"
 #include "tensorstash/coordination/single_process_coordinator.h"

@@ -39,7 +39,7 @@
 #include <vector>
 
 #include "tensorstash/checkpoint/checkpoint_writer.h"
-#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/engine/layout.h"
 #include "tensorstash/manager/retention.h"
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/util/status.h"

@@ -17,7 +17,7 @@
 #include "tensorstash/manager/checkpoint_manager.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/testing/checkpoint_test_util.h"
-#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/engine/layout.h"
 #include "tensorstash/testing/in_process_coordinator.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/kvstore/forwarding_kvstore.h"

@@ -16,7 +16,7 @@
 #include "gtest/gtest.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/testing/checkpoint_test_util.h"
-#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/engine/layout.h"
 #include "tensorstash/kvstore/file/file_kvstore.h"
 #include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"

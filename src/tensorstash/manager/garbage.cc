@@ -2,8 +2,9 @@
 
 #include <cstring>
 
-#include "tensorstash/checkpoint/object_store_commit.h"
-#include "tensorstash/checkpoint/step_folder.h"
+#include "tensorstash/engine/object_store_commit.h"
+#include "tensorstash/engine/step_committer.h"
+#include "tensorstash/engine/step_folder.h"
 #include "tensorstash/manager/step_store.h"
 #include "tensorstash/format/orbax_names.h"
 #include "tensorstash/util/str_util.h"
@@ -139,7 +140,7 @@ Result<GarbageReport> CollectGarbage(KvStore* kv, const GarbageOptions& options)
   Collector collector(kv, options);
   TS_RETURN_IF_ERROR(collector.ListUploads());
   TS_ASSIGN_OR_RETURN(ListedChildren top, kv->ListChildren(""));
-  if (UsesCommitRecords(*kv)) {
+  if (StepCommitter(kv).protocol() == CommitProtocol::kRecord) {
     for (const std::string& prefix : top.prefixes) {
       const std::string name = prefix.substr(0, prefix.size() - 1);
       if (StepStore::ParseStepName(name)) TS_RETURN_IF_ERROR(collector.CollectStep(name));

@@ -11,7 +11,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tensorstash/checkpoint/object_store_commit.h"
+#include "tensorstash/engine/step_committer.h"
+#include "tensorstash/engine/object_store_commit.h"
 #include "tensorstash/testing/reliability_test_util.h"
 #include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
@@ -55,7 +56,7 @@ TEST_P(CommitChecksTest, ASaveWhoseFilesWereRemovedFailsAndTheOldVersionStays) {
   TS_ASSERT_OK(base.status());
   RemoveDataBeforeTreeKvStore kv(base->get());
   kv.as_object_store = GetParam() == StoreKind::kMemoryNoRename;
-  ASSERT_EQ(UsesCommitRecords(kv), kv.as_object_store);
+  ASSERT_EQ((StepCommitter(&kv).protocol() == CommitProtocol::kRecord), kv.as_object_store);
   WriterOptions options = test::SmallFilesOptions();
   TS_ASSERT_OK(test::SaveReliabilityStep(&kv, "0000000001", 1, 1, options));
 
@@ -100,7 +101,7 @@ TEST_P(GarbageAgeTest, WhatWasJustWrittenIsLeftAloneUntilItIsOld) {
   WriterOptions options = test::SmallFilesOptions();
   TS_ASSERT_OK(test::SaveReliabilityStep(&kv, "0000000001", 1, 1, options));
   std::set<std::string> leftovers;
-  if (UsesCommitRecords(kv)) {
+  if ((StepCommitter(&kv).protocol() == CommitProtocol::kRecord)) {
     // An attempt no record names (an overwrite in flight), a step never committed.
     TS_ASSERT_OK(kv.Write("0000000001/attempt-00000000000000aa/state/data/0-0.dat", "x"));
     TS_ASSERT_OK(kv.Write("0000000002/attempt-00000000000000bb/state/data/0-0.dat", "y"));

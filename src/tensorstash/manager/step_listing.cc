@@ -3,7 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tensorstash/checkpoint/checkpoint_reader.h"
-#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/engine/layout.h"
 #include "tensorstash/checkpoint/open_step.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/format/orbax_names.h"

@@ -1,11 +1,12 @@
+#include "tensorstash/engine/step_committer.h"
 #include "tensorstash/manager/step_store.h"
 
 #include <cstring>
 #include <vector>
 
 #include "tensorstash/checkpoint/checkpoint_reader.h"
-#include "tensorstash/checkpoint/layout.h"
-#include "tensorstash/checkpoint/step_folder.h"
+#include "tensorstash/engine/layout.h"
+#include "tensorstash/engine/step_folder.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/util/str_util.h"
 
@@ -69,7 +70,8 @@ Result<StepStore::StepListing> StepStore::CleanUpAndList(const OpenedStep& on_op
   // does). Only the first such folder by name, like the writer.
   std::set<std::string> restored;
   std::set<std::string> left_alone;  // not `cleanable`
-  if (kv_->SupportsRename()) {
+  const StepCommitter committer(kv_);
+  if (committer.protocol() == CommitProtocol::kRename) {
     for (const auto& [name, complete] : folders) {
       const std::optional<std::string_view> base_view = LeftoverBase(name);
       if (!base_view || !complete || !ParseStepName(*base_view) ||
@@ -91,9 +93,8 @@ Result<StepStore::StepListing> StepStore::CleanUpAndList(const OpenedStep& on_op
       if (base_it != folders.end()) {
         TS_ASSIGN_OR_RETURN(bool ours, is_ours_incomplete(base));
         if (!ours) continue;  // someone else's folder took the step's name: leave both
-        TS_RETURN_IF_ERROR(kv_->DeletePrefix(base + "/"));
       }
-      TS_RETURN_IF_ERROR(kv_->RenameDirectory(name, base));
+      TS_RETURN_IF_ERROR(committer.RollBack(name, base));
       restored.insert(base);
       restored.insert(name);
     }
@@ -145,9 +146,7 @@ Result<StepStore::StepListing> StepStore::CleanUpAndList(const OpenedStep& on_op
 
 Status StepStore::DeleteStep(int64_t step) {
   TS_ASSIGN_OR_RETURN(std::string dir, StepDir(step));
-  Status commit = kv_->Delete(StrCat(dir, "/", kCommitFileName));
-  if (!commit.ok() && !absl::IsNotFound(commit)) return commit;
-  return kv_->DeletePrefix(dir + "/");
+  return StepCommitter(kv_).Delete(dir);
 }
 
 }  // namespace tensorstash

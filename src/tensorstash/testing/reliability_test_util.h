@@ -19,7 +19,7 @@
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/testing/checkpoint_test_util.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
-#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/engine/layout.h"
 
 namespace tensorstash {
 namespace test {

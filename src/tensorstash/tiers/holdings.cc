@@ -9,7 +9,7 @@
 
 #include "nlohmann/json.hpp"
 #include "tensorstash/array/dtype.h"
-#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/engine/layout.h"
 #include "tensorstash/manager/step_store.h"
 #include "tensorstash/tiers/tiered_source.h"
 #include "tensorstash/format/commit_record.h"

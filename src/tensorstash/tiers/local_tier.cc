@@ -16,7 +16,7 @@
 #include "nlohmann/json.hpp"
 #include "tensorstash/array/dtype.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
-#include "tensorstash/checkpoint/layout.h"
+#include "tensorstash/engine/layout.h"
 #include "tensorstash/manager/step_store.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/kvstore/forwarding_kvstore.h"

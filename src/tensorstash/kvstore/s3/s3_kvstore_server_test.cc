@@ -347,7 +347,7 @@ TEST_F(S3StoreTest, AMissingBucketIsNotFound) {
   EXPECT_NE(store.status().message().find("does not exist"), std::string_view::npos);
 }
 
-// --- Checkpoints on the store: commit without rename (checkpoint/object_store_commit.h). ---
+// --- Checkpoints on the store: commit without rename (engine/object_store_commit.h). ---
 using S3CheckpointTest = S3ServerTest;
 
 // Saves step `dir` holding one int64 array of 1000 elements, all `value`.

@@ -1,10 +1,10 @@
-#include "tensorstash/checkpoint/step_folder.h"
+#include "tensorstash/engine/step_folder.h"
 
 #include <cstring>
 #include <vector>
 
-#include "tensorstash/checkpoint/layout.h"
-#include "tensorstash/checkpoint/object_store_commit.h"
+#include "tensorstash/engine/layout.h"
+#include "tensorstash/engine/object_store_commit.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/format/orbax_names.h"
 #include "tensorstash/util/random_id.h"

@@ -1,6 +1,6 @@
 // What a save may replace (step_folder.h), through the native writer, the Orbax writer and the
 // manager: a folder tensorstash did not write is never deleted, with or without overwrite.
-#include "tensorstash/checkpoint/step_folder.h"
+#include "tensorstash/engine/step_folder.h"
 
 #include <filesystem>
 #include <fstream>

@@ -6,8 +6,8 @@
 // overwrite, replaces a complete tensorstash step or an Orbax checkpoint.
 //
 // Thread-safety: stateless functions; safe to call from any thread.
-#ifndef TENSORSTASH_CHECKPOINT_STEP_FOLDER_H_
-#define TENSORSTASH_CHECKPOINT_STEP_FOLDER_H_
+#ifndef TENSORSTASH_ENGINE_STEP_FOLDER_H_
+#define TENSORSTASH_ENGINE_STEP_FOLDER_H_
 
 #include <optional>
 #include <string>
@@ -44,4 +44,4 @@ std::optional<std::string_view> LeftoverBase(std::string_view name);
 
 }  // namespace tensorstash
 
-#endif  // TENSORSTASH_CHECKPOINT_STEP_FOLDER_H_
+#endif  // TENSORSTASH_ENGINE_STEP_FOLDER_H_

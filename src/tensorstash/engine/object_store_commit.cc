@@ -1,4 +1,4 @@
-#include "tensorstash/checkpoint/object_store_commit.h"
+#include "tensorstash/engine/object_store_commit.h"
 
 #include <algorithm>
 #include <map>
@@ -140,11 +140,6 @@ Result<std::vector<int64_t>> CommitRecordNumbers(KvStore* kv, std::string_view d
   return numbers;
 }
 
-bool UsesCommitRecords(const KvStore& kv) {
-  const KvStoreCapabilities caps = kv.Capabilities();
-  return caps.object_store && caps.conditional_write;
-}
-
 std::string CommitRecordKey(std::string_view dir, int64_t number) {
   if (number <= 1) return StrCat(dir, "/", kCommitFileName);
   std::string digits = std::to_string(number);
@@ -260,7 +255,6 @@ Status CommitAttempt(KvStore* kv, std::string_view dir, std::string_view work_di
 }
 
 Result<std::unique_ptr<KvStore>> OpenCommittedStep(KvStore* kv, std::string_view dir) {
-  if (!UsesCommitRecords(*kv)) return kv->OpenFolderView(dir);
   TS_ASSIGN_OR_RETURN(std::vector<int64_t> numbers, CommitRecordNumbers(kv, dir));
   if (numbers.empty() || numbers.front() != 1) return kv->OpenFolderView(dir);  // no step
   const std::string key = CommitRecordKey(dir, numbers.back());

@@ -13,10 +13,11 @@
 // record. Readers read every object with its committed generation (ReadRangeAtGeneration), so
 // an object replaced after the commit is an error naming it, never other bytes.
 //
-// Used where KvStoreCapabilities::object_store and conditional_write hold (UsesCommitRecords).
+// The record protocol of engine/step_committer.h (kRecord), which explains when it is used and
+// is the one caller of CommitAttempt and OpenCommittedStep outside tests.
 // Thread-safety: functions of their arguments; the store must be thread-safe as KvStore is.
-#ifndef TENSORSTASH_CHECKPOINT_OBJECT_STORE_COMMIT_H_
-#define TENSORSTASH_CHECKPOINT_OBJECT_STORE_COMMIT_H_
+#ifndef TENSORSTASH_ENGINE_OBJECT_STORE_COMMIT_H_
+#define TENSORSTASH_ENGINE_OBJECT_STORE_COMMIT_H_
 
 #include <cstdint>
 #include <map>
@@ -33,9 +34,6 @@
 namespace tensorstash {
 
 inline constexpr char kAttemptPrefix[] = "attempt-";
-
-// Whether steps on `kv` commit with attempts and create-only records.
-bool UsesCommitRecords(const KvStore& kv);
 
 // The key of record `number` of step folder `dir`: 1 is "<dir>/COMMIT", n > 1 is
 // "<dir>/COMMIT.<n, 10 digits>".
@@ -66,7 +64,7 @@ Status CommitAttempt(KvStore* kv, std::string_view dir, std::string_view work_di
                      CommitRecord record, const std::map<std::string, uint64_t>& written,
                      bool overwrite, bool* outcome_unknown = nullptr);
 
-// A read-only view of committed step `dir` on a store that UsesCommitRecords, keys as in the
+// A read-only view of committed step `dir` on a store that commits by records, keys as in the
 // store ("<dir>/state/index", ...), resolved in the attempt of the highest record and read at
 // their committed generations; "<dir>/COMMIT" reads as that record. NotFound without
 // "<dir>/COMMIT". For a step without attempts (written in place), the store's own folder view.
@@ -74,4 +72,4 @@ Result<std::unique_ptr<KvStore>> OpenCommittedStep(KvStore* kv, std::string_view
 
 }  // namespace tensorstash
 
-#endif  // TENSORSTASH_CHECKPOINT_OBJECT_STORE_COMMIT_H_
+#endif  // TENSORSTASH_ENGINE_OBJECT_STORE_COMMIT_H_

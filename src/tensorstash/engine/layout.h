@@ -1,7 +1,7 @@
 // Names of the files and folders of a step, shared by the writer, the reader and the CLI
 // (docs/format.md, "Layout").
-#ifndef TENSORSTASH_CHECKPOINT_LAYOUT_H_
-#define TENSORSTASH_CHECKPOINT_LAYOUT_H_
+#ifndef TENSORSTASH_ENGINE_LAYOUT_H_
+#define TENSORSTASH_ENGINE_LAYOUT_H_
 
 #include <string>
 #include <string_view>
@@ -42,4 +42,4 @@ inline std::string ParentKey(std::string_view key) {
 
 }  // namespace tensorstash
 
-#endif  // TENSORSTASH_CHECKPOINT_LAYOUT_H_
+#endif  // TENSORSTASH_ENGINE_LAYOUT_H_
