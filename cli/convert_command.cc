@@ -24,7 +24,7 @@
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/checkpoint/orbax_writer.h"
-#include "tensorstash/checkpoint/step_folder.h"
+#include "tensorstash/engine/step_folder.h"
 #include "tensorstash/checkpoint/open_step.h"
 #include "tensorstash/format/orbax_names.h"
 #include "tensorstash/kvstore/registry.h"
