@@ -1,5 +1,4 @@
 #include "tensorstash/checkpoint/orbax_reader.h"
-#include "tensorstash/format/orbax_names.h"
 
 #include <algorithm>
 #include <cctype>
@@ -11,6 +10,8 @@
 #include "tensorstash/array/convert.h"
 #include "tensorstash/engine/executor.h"
 #include "tensorstash/engine/read_plan.h"
+#include "tensorstash/format/orbax_metadata.h"
+#include "tensorstash/format/orbax_names.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
@@ -18,14 +19,8 @@ namespace {
 
 using OrderedJson = nlohmann::ordered_json;
 
-// Orbax's file names (orbax/checkpoint/_src: metadata/tree.py, serialization/type_handlers.py,
-// metadata/checkpoint.py).
+// The values of Orbax's string leaves (orbax/checkpoint/_src/serialization/type_handlers.py).
 constexpr char kOrbaxStringsFile[] = "_strings.json";
-// Metadata documents larger than this are rejected unread.
-constexpr uint64_t kMaxOrbaxMetadataBytes = uint64_t{256} << 20;
-// KeyType in _METADATA's key_metadata.
-constexpr int kOrbaxSequenceKey = 1;
-constexpr int kOrbaxDictKey = 2;
 
 struct KeyPart {
   std::string name;
@@ -40,7 +35,7 @@ std::string KeysText(const std::vector<KeyPart>& keys) {
   return out + ")";
 }
 
-// Reads a JSON document of at most kMaxOrbaxMetadataBytes. NotFound passes through.
+// Reads a metadata document of at most kMaxOrbaxMetadataBytes. NotFound passes through.
 Result<std::string> ReadSmallFile(KvStore* kv, const std::string& key) {
   TS_ASSIGN_OR_RETURN(uint64_t size, kv->Size(key));
   if (size > kMaxOrbaxMetadataBytes) {
@@ -55,69 +50,6 @@ Result<OrderedJson> ParseJsonFile(KvStore* kv, const std::string& key) {
   OrderedJson doc = OrderedJson::parse(text, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) return DataLossError(StrCat("'", key, "' is not valid JSON"));
   return doc;
-}
-
-// _METADATA, parsed with nlohmann::json (objects as std::map) rather than ordered_json, whose
-// objects insert each key by a linear search: quadratic in tree_metadata's entries (profiled:
-// the top cost of opening a checkpoint of 20k leaves). The order in which tree_metadata's
-// entries were written, which is the pytree's order, is recorded by a second, SAX pass.
-struct OrbaxMetadataDoc {
-  nlohmann::json doc;
-  std::vector<std::string> leaf_order;  // tree_metadata's keys, as written
-};
-
-// A SAX pass that records the keys of the top-level "tree_metadata" object in order. (A parser
-// callback would do it in the same pass, but nlohmann's callback parser walks the parent object
-// at every object's end: quadratic again.)
-class TreeMetadataKeys final : public nlohmann::json_sax<nlohmann::json> {
- public:
-  explicit TreeMetadataKeys(std::vector<std::string>* out) : out_(out) {}
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override {
-    ++depth_;
-    return true;
-  }
-  bool end_object() override {
-    --depth_;
-    return true;
-  }
-  bool start_array(std::size_t) override {
-    ++depth_;
-    return true;
-  }
-  bool end_array() override {
-    --depth_;
-    return true;
-  }
-  bool key(string_t& key) override {
-    if (depth_ == 1) in_tree_ = key == "tree_metadata";
-    if (depth_ == 2 && in_tree_) out_->push_back(key);
-    return true;
-  }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
-    return false;
-  }
-
- private:
-  std::vector<std::string>* out_;
-  int depth_ = 0;
-  bool in_tree_ = false;
-};
-
-Result<OrbaxMetadataDoc> ParseOrbaxMetadata(KvStore* kv, const std::string& key) {
-  TS_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(kv, key));
-  OrbaxMetadataDoc out;
-  out.doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (out.doc.is_discarded()) return DataLossError(StrCat("'", key, "' is not valid JSON"));
-  TreeMetadataKeys keys(&out.leaf_order);
-  nlohmann::json::sax_parse(text, &keys);
-  return out;
 }
 
 // Parses a jax.tree_util.keystr path ("['params']['w'][0].bias") into keys. Returns false when
@@ -347,17 +279,11 @@ Status OrbaxReader::CheckGridIsPlausible(const ZarrArray& array, const std::stri
 
 Status OrbaxReader::LoadOrbax() {
   const std::string metadata_key = StrCat(dir_, "/", kOrbaxMetadataFileName);
-  TS_ASSIGN_OR_RETURN(OrbaxMetadataDoc metadata, ParseOrbaxMetadata(base_, metadata_key));
-  const nlohmann::json& doc = metadata.doc;
   const std::string where = StrCat("Orbax metadata '", metadata_key, "'");
-  if (!doc.is_object() || !doc.contains("tree_metadata") || !doc["tree_metadata"].is_object()) {
-    return DataLossError(StrCat(where,
-                                " has no \"tree_metadata\" object (an Orbax version "
-                                "before 0.5 or not an Orbax PyTree checkpoint)"));
-  }
-  if (doc.contains("store_array_data_equal_to_fill_value") &&
-      doc["store_array_data_equal_to_fill_value"].is_boolean()) {
-    all_chunks_stored_ = doc["store_array_data_equal_to_fill_value"].get<bool>();
+  TS_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(base_, metadata_key));
+  TS_ASSIGN_OR_RETURN(OrbaxMetadata metadata, DecodeOrbaxMetadata(text, where));
+  if (metadata.store_array_data_equal_to_fill_value.has_value()) {
+    all_chunks_stored_ = *metadata.store_array_data_equal_to_fill_value;
   }
   if (format_ == StepFormat::kOrbaxOcdbt) {
     TS_ASSIGN_OR_RETURN(ocdbt_, OcdbtKvStore::Open(base_, dir_));
@@ -369,55 +295,35 @@ Status OrbaxReader::LoadOrbax() {
 
   Builder root;
   std::optional<OrderedJson> strings;
-  const nlohmann::json& tree_metadata = doc["tree_metadata"];
-  for (const std::string& entry_key : metadata.leaf_order) {
-    const std::string leaf_where = StrCat(where, ", entry ", entry_key);
-    auto found = tree_metadata.find(entry_key);
-    if (found == tree_metadata.end()) continue;  // a key of a nested object, not an entry
-    const nlohmann::json& entry = *found;
-    if (!entry.is_object() || !entry.contains("key_metadata") ||
-        !entry["key_metadata"].is_array() || !entry.contains("value_metadata") ||
-        !entry["value_metadata"].is_object()) {
-      return DataLossError(StrCat(leaf_where, ": expected key_metadata and value_metadata"));
-    }
+  for (const OrbaxTreeEntry& entry : metadata.tree) {
+    const std::string leaf_where = StrCat(where, ", entry ", entry.name);
     std::vector<KeyPart> keys;
-    for (const nlohmann::json& k : entry["key_metadata"]) {
-      if (!k.is_object() || !k.contains("key") || !k["key"].is_string() ||
-          !k.contains("key_type") || !k["key_type"].is_number_integer()) {
-        return DataLossError(StrCat(leaf_where, ": malformed key_metadata"));
-      }
-      const int type = k["key_type"].get<int>();
-      if (type != kOrbaxSequenceKey && type != kOrbaxDictKey) {
-        return DataLossError(StrCat(leaf_where, ": unknown key_type ", type));
-      }
-      keys.push_back({k["key"].get<std::string>(), type == kOrbaxSequenceKey});
+    keys.reserve(entry.keys.size());
+    for (const OrbaxKey& k : entry.keys) {
+      keys.push_back({k.name, k.type == OrbaxKeyType::kSequence});
     }
-    const nlohmann::json& value = entry["value_metadata"];
-    if (!value.contains("value_type") || !value["value_type"].is_string()) {
-      return DataLossError(StrCat(leaf_where, ": value_metadata has no value_type"));
-    }
-    const std::string type = value["value_type"].get<std::string>();
+    const std::string& type = entry.value_type;
     TS_ASSIGN_OR_RETURN(Builder * leaf, Builder::Leaf(&root, keys, leaf_where));
     leaf->where = StrCat("leaf ", KeysText(keys), " of ", dir_);
     // Orbax names a parameter by its keys joined with '.'.
     std::vector<std::string> names;
     for (const KeyPart& k : keys) names.push_back(k.name);
     const std::string param = StrJoin(names, ".");
-    if (type == "jax.Array" || type == "np.ndarray") {
+    if (type == kOrbaxJaxArrayType || type == kOrbaxNumpyArrayType) {
       leaf->leaf_kind = Builder::LeafKind::kArray;
       leaf->prefix = param;
-    } else if (type == "scalar") {
+    } else if (type == kOrbaxScalarType) {
       leaf->leaf_kind = Builder::LeafKind::kScalar;
       leaf->prefix = param;
-    } else if (type == "None" || type == "NamedTuple") {
+    } else if (type == kOrbaxNoneType || type == kOrbaxNamedTupleType) {
       leaf->value.kind = TreeNode::Kind::kNone;
-    } else if (type == "Dict") {
+    } else if (type == kOrbaxEmptyDictType) {
       leaf->value.kind = TreeNode::Kind::kDict;
-    } else if (type == "List") {
+    } else if (type == kOrbaxEmptyListType) {
       leaf->value.kind = TreeNode::Kind::kList;
-    } else if (type == "Tuple") {
+    } else if (type == kOrbaxEmptyTupleType) {
       leaf->value.kind = TreeNode::Kind::kTuple;
-    } else if (type == "string") {
+    } else if (type == kOrbaxStringType) {
       if (!strings.has_value()) {
         TS_ASSIGN_OR_RETURN(strings, ParseJsonFile(base_, StrCat(dir_, "/", kOrbaxStringsFile)));
       }

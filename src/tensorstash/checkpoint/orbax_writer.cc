@@ -36,6 +36,7 @@
 #include "tensorstash/engine/publish.h"
 #include "tensorstash/engine/step_committer.h"
 #include "tensorstash/engine/write_plan.h"
+#include "tensorstash/format/orbax_metadata.h"
 #include "tensorstash/format/orbax_names.h"
 #include "tensorstash/format/zarr/zarr_array.h"
 #include "tensorstash/kvstore/ocdbt/ocdbt_kvstore.h"
@@ -50,8 +51,6 @@ using Json = nlohmann::ordered_json;
 
 constexpr std::string_view kStandardHandler =
     "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler";
-constexpr int kSequenceKey = 1;  // Orbax's KeyType.SEQUENCE
-constexpr int kDictKey = 2;      // Orbax's KeyType.DICT
 
 // `dir` + kOrbaxTmpMarker + "-<tag><random id>": a temporary name as Orbax makes them, which
 // Orbax's CheckpointManager and our format detection and listing skip.
@@ -100,8 +99,8 @@ class OcdbtSink final : public KvStore {
 
 // One leaf of the tree as Orbax records it.
 struct Leaf {
-  std::vector<std::pair<std::string, int>> keys;  // (name, kSequenceKey / kDictKey)
-  std::string name;                               // Orbax's parameter name
+  std::vector<OrbaxKey> keys;
+  std::string name;  // Orbax's parameter name
   const TreeNode* node = nullptr;  // kArray, kInt, kFloat, kBool, or None / an empty container
 
   bool has_data() const { return IsScalar() || node->kind == TreeNode::Kind::kArray; }
@@ -115,31 +114,31 @@ struct Leaf {
 const char* EmptyValueType(const TreeNode& node) {
   switch (node.kind) {
     case TreeNode::Kind::kDict:
-      return "Dict";
+      return kOrbaxEmptyDictType;
     case TreeNode::Kind::kList:
-      return "List";
+      return kOrbaxEmptyListType;
     case TreeNode::Kind::kTuple:
-      return "Tuple";
+      return kOrbaxEmptyTupleType;
     default:
-      return "None";
+      return kOrbaxNoneType;
   }
 }
 
-Status CollectLeaves(const TreeNode& node, std::vector<std::pair<std::string, int>>* keys,
+Status CollectLeaves(const TreeNode& node, std::vector<OrbaxKey>* keys,
                      std::vector<Leaf>* out, int depth) {
   if (depth > kMaxTreeDepth) {
     return InvalidArgumentError(StrCat("the tree is nested deeper than ", kMaxTreeDepth));
   }
   const auto where = [&] {
     std::string path;
-    for (const auto& k : *keys) path += (path.empty() ? "" : "/") + EscapePathKey(k.first);
+    for (const auto& k : *keys) path += (path.empty() ? "" : "/") + EscapePathKey(k.name);
     return path.empty() ? std::string("the root") : StrCat("'", path, "'");
   };
   // A leaf named by its keys joined with '.', as Orbax names parameters.
   const auto add_leaf = [&] {
     Leaf leaf;
     leaf.keys = *keys;
-    for (const auto& k : *keys) leaf.name += (leaf.name.empty() ? "" : ".") + k.first;
+    for (const auto& k : *keys) leaf.name += (leaf.name.empty() ? "" : ".") + k.name;
     leaf.node = &node;
     out->push_back(std::move(leaf));
     return OkStatus();
@@ -162,7 +161,7 @@ Status CollectLeaves(const TreeNode& node, std::vector<std::pair<std::string, in
                                              " cannot be an Orbax parameter name (empty or "
                                              "containing '/')"));
         }
-        keys->emplace_back(key, kDictKey);
+        keys->push_back({key, OrbaxKeyType::kDict});
         TS_RETURN_IF_ERROR(CollectLeaves(child, keys, out, depth + 1));
         keys->pop_back();
       }
@@ -170,7 +169,7 @@ Status CollectLeaves(const TreeNode& node, std::vector<std::pair<std::string, in
     case TreeNode::Kind::kList:
     case TreeNode::Kind::kTuple:
       for (size_t i = 0; i < node.items.size(); ++i) {
-        keys->emplace_back(std::to_string(i), kSequenceKey);
+        keys->push_back({std::to_string(i), OrbaxKeyType::kSequence});
         TS_RETURN_IF_ERROR(CollectLeaves(node.items[i], keys, out, depth + 1));
         keys->pop_back();
       }
@@ -190,46 +189,6 @@ Status CollectLeaves(const TreeNode& node, std::vector<std::pair<std::string, in
     }
   }
   return InternalError("unknown tree node kind");
-}
-
-// Python's repr() of a str, as Orbax's `str(tuple(keys))` spells each key (the _METADATA entry
-// names; Orbax reads the keys from key_metadata, so this is cosmetic).
-std::string PyRepr(const std::string& s) {
-  const bool has_single = s.find('\'') != std::string::npos;
-  const bool has_double = s.find('"') != std::string::npos;
-  const char quote = has_single && !has_double ? '"' : '\'';
-  std::string out(1, quote);
-  for (unsigned char c : s) {
-    if (c == '\\' || c == static_cast<unsigned char>(quote)) {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c == '\n') {
-      out += "\\n";
-    } else if (c == '\r') {
-      out += "\\r";
-    } else if (c == '\t') {
-      out += "\\t";
-    } else if (c < 0x20 || c == 0x7f) {
-      static const char* kHex = "0123456789abcdef";
-      out += "\\x";
-      out += kHex[c >> 4];
-      out += kHex[c & 15];
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  out += quote;
-  return out;
-}
-
-std::string KeypathRepr(const Leaf& leaf) {
-  std::string out = "(";
-  for (size_t i = 0; i < leaf.keys.size(); ++i) {
-    if (i > 0) out += ", ";
-    out += PyRepr(leaf.keys[i].first);
-  }
-  if (leaf.keys.size() == 1) out += ",";
-  return out + ")";
 }
 
 int64_t NowNanos() {
@@ -413,7 +372,7 @@ Status OrbaxWriter::Impl::CommitImpl(OrbaxWriteStats* stats,
     tree = std::move(built);
   }
   std::vector<Leaf> leaves;
-  std::vector<std::pair<std::string, int>> keys;
+  std::vector<OrbaxKey> keys;
   TS_RETURN_IF_ERROR(CollectLeaves(*tree, &keys, &leaves, 0));
   if (leaves.empty()) return InvalidArgumentError("the tree is empty; Orbax needs a leaf");
   std::map<std::string, const Leaf*> names;
@@ -422,8 +381,8 @@ Status OrbaxWriter::Impl::CommitImpl(OrbaxWriteStats* stats,
     TS_RETURN_IF_ERROR(Annotate(ValidateKey(leaf.name), "Orbax parameter name"));
     auto [it, inserted] = names.emplace(leaf.name, &leaf);
     if (!inserted) {
-      return InvalidArgumentError(StrCat("leaves ", KeypathRepr(*it->second), " and ",
-                                         KeypathRepr(leaf), " have the same Orbax name '",
+      return InvalidArgumentError(StrCat("leaves ", OrbaxEntryName(it->second->keys), " and ",
+                                         OrbaxEntryName(leaf.keys), " have the same Orbax name '",
                                          leaf.name, "'"));
     }
     if (leaf.node->kind == TreeNode::Kind::kArray) {
@@ -636,45 +595,39 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
   stats->chunks = chunks.load();
 
   // 4. The metadata files.
-  Json tree_metadata = Json::object();
+  OrbaxMetadata metadata;
   Json array_metadatas = Json::array();
+  metadata.tree.reserve(leaves.size());
   for (const Leaf& leaf : leaves) {
-    Json key_metadata = Json::array();
-    for (const auto& [key, type] : leaf.keys) {
-      key_metadata.push_back(Json{{"key", key}, {"key_type", type}});
-    }
-    Json value = Json::object();
+    OrbaxTreeEntry entry;
+    entry.name = OrbaxEntryName(leaf.keys);
+    entry.keys = leaf.keys;
+    entry.skip_deserialize = false;
     if (!leaf.has_data()) {
-      value["value_type"] = EmptyValueType(*leaf.node);
-      value["skip_deserialize"] = true;
+      entry.value_type = EmptyValueType(*leaf.node);
+      entry.skip_deserialize = true;
     } else if (leaf.IsScalar()) {
-      value["value_type"] = "scalar";
-      value["skip_deserialize"] = false;
+      entry.value_type = kOrbaxScalarType;
     } else {
       const ArrayEntry& a = arrays[leaf.node->array_id];
       if (a.spec.value_type == OrbaxValueType::kJaxArray) {
-        value["value_type"] = "jax.Array";
-        value["skip_deserialize"] = false;
-        value["write_shape"] = a.chunk_shape;
+        entry.value_type = kOrbaxJaxArrayType;
+        entry.write_shape = a.chunk_shape;
         array_metadatas.push_back(Json{{"array_metadata", Json{{"param_name", leaf.name},
                                                                {"write_shape", a.chunk_shape},
                                                                {"chunk_shape", a.chunk_shape},
                                                                {"ext_metadata", nullptr}}}});
       } else {
-        value["value_type"] = "np.ndarray";
-        value["skip_deserialize"] = false;
+        entry.value_type = kOrbaxNumpyArrayType;
       }
     }
-    tree_metadata[KeypathRepr(leaf)] =
-        Json{{"key_metadata", std::move(key_metadata)}, {"value_metadata", std::move(value)}};
+    metadata.tree.push_back(std::move(entry));
   }
+  metadata.use_ocdbt = true;
+  metadata.use_zarr3 = true;
   // Chunks equal to the fill value are left out, so Orbax must not treat them as missing data.
-  Json metadata = {{"tree_metadata", std::move(tree_metadata)},
-                   {"use_ocdbt", true},
-                   {"use_zarr3", true},
-                   {"store_array_data_equal_to_fill_value", false},
-                   {"custom_metadata", nullptr}};
-  status = WriteFile(StrCat(item_dir, "/", kOrbaxMetadataFileName), metadata.dump());
+  metadata.store_array_data_equal_to_fill_value = false;
+  status = WriteFile(StrCat(item_dir, "/", kOrbaxMetadataFileName), EncodeOrbaxMetadata(metadata));
   if (status.ok() && !array_metadatas.empty()) {
     status = WriteFile(item_dir + "/array_metadatas/process_0",
                        Json{{"array_metadatas", std::move(array_metadatas)}}.dump());
