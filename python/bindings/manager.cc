@@ -258,7 +258,7 @@ void DefineManager(nb::module_& m) {
            nb::arg("target_data_file_bytes") = WriterOptions{}.target_data_file_bytes,
            nb::arg("max_inflight_bytes") = int64_t(WriterOptions{}.max_inflight_bytes),
            nb::arg("io_threads") = 0, nb::arg("sync") = true, nb::arg("overwrite") = false,
-           nb::arg("coordination_timeout_s") = 1800.0,
+           nb::arg("coordination_timeout_s") = kDefaultCoordinationTimeoutSeconds,
            "Creates `root` if needed, takes its lock and removes the leftovers of crashed saves. "
            "ValueError when another manager holds the lock or for bad options. on_commit(stats: "
            "dict) is called after each commit, on the committing thread, with the GIL.")

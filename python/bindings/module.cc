@@ -7,6 +7,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -18,6 +19,7 @@
 #include "tensorstash/array/dtype.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/coordination/collectives.h"
 #include "tensorstash/engine/host_restore.h"
 #include "tensorstash/kvstore/registry.h"
 #include "tensorstash/kvstore/s3/s3_kvstore.h"
@@ -78,6 +80,8 @@ nb::dict Defaults() {
   d["io_threads"] = writer.io_threads;
   d["zstd_level"] = ArraySpec{}.zstd_level;
   d["host_batch_bytes"] = kDefaultHostBatchBytes;
+  d["coordination_timeout_s"] =
+      std::chrono::duration<double>(kDefaultCoordinationTimeout).count();
   return d;
 }
 
@@ -95,7 +99,8 @@ NB_MODULE(_ext, m) {
   m.def("defaults", &py::Defaults,
         "The engine's defaults: chunk_bytes, data_file_bytes, max_inflight_bytes (writes), "
         "read_max_inflight_bytes, io_threads, zstd_level, host_batch_bytes (restores hand "
-        "buffers over in batches of about this size).");
+        "buffers over in batches of about this size), coordination_timeout_s (seconds each "
+        "collective step waits for the other processes).");
   m.def("item_size", &py::ItemSizeOf, nb::arg("dtype"),
         "Bytes per element of `dtype`; ValueError for an unknown name.");
   m.def("host_buffer", &py::HostBuffer, nb::arg("nbytes"),

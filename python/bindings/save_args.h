@@ -20,6 +20,7 @@
 
 #include "buffers.h"
 #include "coordinator.h"
+#include "tensorstash/coordination/collectives.h"
 #include "tensorstash/manager/checkpoint_manager.h"
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/util/status.h"
@@ -32,6 +33,11 @@ using ShardTuple =
 
 // "none" or "zstd"; InvalidArgument otherwise.
 Result<Codec> ParseCodec(std::string_view name);
+
+// kDefaultCoordinationTimeout in seconds: the default of every coordination timeout of the
+// binding, and defaults()["coordination_timeout_s"].
+inline constexpr double kDefaultCoordinationTimeoutSeconds =
+    std::chrono::duration<double>(kDefaultCoordinationTimeout).count();
 
 // A timeout given in seconds (the `coordination_timeout_s` arguments); InvalidArgument unless
 // it is a positive finite number of at most 1e9 seconds.

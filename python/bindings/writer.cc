@@ -134,7 +134,7 @@ void DefineWriter(nb::module_& m) {
            nb::arg("max_inflight_bytes") = int64_t(WriterOptions{}.max_inflight_bytes),
            nb::arg("io_threads") = 0, nb::arg("sync") = true, nb::arg("overwrite") = false,
            nb::arg("split_replicated_writes") = true, nb::arg("coordinator").none() = nb::none(),
-           nb::arg("coordination_timeout_s") = 1800.0)
+           nb::arg("coordination_timeout_s") = kDefaultCoordinationTimeoutSeconds)
       .def("add_array", &Writer::AddArray, nb::arg("path"), nb::arg("dtype"), nb::arg("shape"),
            nb::arg("shards"), nb::kw_only(), nb::arg("codec") = "none",
            nb::arg("zstd_level") = ArraySpec{}.zstd_level, nb::arg("target_chunk_bytes") = 0,

@@ -13,6 +13,9 @@ CHUNK_BYTES: int = _DEFAULTS["chunk_bytes"]
 DATA_FILE_BYTES: int = _DEFAULTS["data_file_bytes"]
 MAX_INFLIGHT_BYTES: int = _DEFAULTS["max_inflight_bytes"]
 ZSTD_LEVEL: int = _DEFAULTS["zstd_level"]
+# How long a collective step (a save's commit, a manager's agreement, the RAM tier's exchanges)
+# waits for every process before it fails naming the ones that did not arrive.
+COORDINATION_TIMEOUT_S: float = _DEFAULTS["coordination_timeout_s"]
 # Restored buffers are handed to devices in batches of about this many bytes; the engine reads the
 # next batch while this one is placed, so host memory holds about two.
 HOST_BATCH_BYTES: int = _DEFAULTS["host_batch_bytes"]

@@ -169,8 +169,9 @@ class CheckpointManager:
     reports the bytes per tier in last_restore_stats.bytes_from. With several processes each
     serves its local tier on `local_server_address` (default: this host's address towards the
     JAX coordinator; port `local_server_port`, 0: any) to requests carrying a secret handed out
-    through the coordinator. Each collective wait is bounded by `coordination_timeout`
-    seconds; a process that does not arrive is named in a TimeoutError.
+    through the coordinator. Each collective wait (of a save, of the manager, of the local tier)
+    is bounded by `coordination_timeout` seconds (default 30 min, the engine's); a process that
+    does not arrive is named in a TimeoutError.
 
     Raises ValueError when another manager holds the root's lock (until it is closed or its
     process ends) or for bad options. A context manager: close() on exit.
@@ -190,7 +191,7 @@ class CheckpointManager:
                  logger: logging.Logger | None = None, local_dir: str | os.PathLike | None = None,
                  local_save_interval_steps: int = 1, local_max_to_keep: int = 1,
                  local_server_address: str | None = None, local_server_port: int = 0,
-                 coordination_timeout: float = 300.0):
+                 coordination_timeout: float = _options.COORDINATION_TIMEOUT_S):
         _options.check_codec(codec)
         for name, value in (("max_to_keep", max_to_keep), ("keep_period", keep_period),
                             ("save_interval_steps", save_interval_steps),
@@ -199,6 +200,8 @@ class CheckpointManager:
                             ("local_max_to_keep", local_max_to_keep)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+        if not coordination_timeout > 0:
+            raise ValueError(f"coordination_timeout must be > 0, not {coordination_timeout!r}")
         if best_metric is not None and max_to_keep is None:
             raise ValueError("best_metric needs max_to_keep (how many of the best steps to keep)")
         self.root = _paths.abspath(root)
@@ -232,7 +235,8 @@ class CheckpointManager:
             best_mode=best_mode, max_staging_bytes=max_staging_bytes or 0,
             handle_sigterm=handle_sigterm, coordinator=self._coordinator, on_commit=on_commit,
             target_chunk_bytes=chunk_bytes, target_data_file_bytes=data_file_bytes,
-            max_inflight_bytes=max_inflight_bytes, io_threads=io_threads, sync=sync)
+            max_inflight_bytes=max_inflight_bytes, io_threads=io_threads, sync=sync,
+            coordination_timeout_s=coordination_timeout)
         self._local: _ext.LocalTier | None = None
         # What the last multi-tier restore of a step read besides the arrays, by step.
         self._restored_from_tiers: dict[int, _ext.TieredRestore] = {}
@@ -240,8 +244,6 @@ class CheckpointManager:
         # Steps that did not restore whole -> the older step restored instead (restore()).
         self._redirected: dict[int, int] = {}
         if local_dir is not None:
-            if not coordination_timeout > 0:
-                raise ValueError(f"coordination_timeout must be > 0, not {coordination_timeout!r}")
             try:
                 # The run the holdings belong to: the root and the id made when the run began
                 # (process 0's counts), so that a reused local_dir never restores another run.

@@ -74,6 +74,7 @@ def test_init_only_re_exports():
     (tensorstash.CheckpointManager, "max_inflight_bytes", "max_inflight_bytes"),
     (tensorstash.CheckpointManager, "chunk_bytes", "chunk_bytes"),
     (tensorstash.CheckpointManager, "zstd_level", "zstd_level"),
+    (tensorstash.CheckpointManager, "coordination_timeout", "coordination_timeout_s"),
 ])
 def test_defaults_come_from_the_engine(function, parameter, key):
     assert inspect.signature(function).parameters[parameter].default == _ext.defaults()[key]

@@ -1,7 +1,8 @@
 // The commit protocol.
 //
 // Every process runs the same steps; the coordinator's key-value store carries what they must
-// agree on, under keys "tensorstash/<dir>/<operation id>/...".
+// agree on, under keys "tensorstash/<dir>/<operation id>/...", through the collectives of
+// coordination/collectives.h (each wait bounded by `coordination_timeout`).
 //
 //  1. Process 0 prepares the step: it refuses a complete step unless `overwrite`, and anything
 //     at <dir> that tensorstash did not write (step_folder.h), removes tensorstash's own
@@ -38,6 +39,7 @@
 #include <thread>
 
 #include "tensorstash/array/chunk_grid.h"
+#include "tensorstash/coordination/collectives.h"
 #include "tensorstash/engine/layout.h"
 #include "tensorstash/engine/object_store_commit.h"
 #include "tensorstash/engine/step_folder.h"
@@ -287,69 +289,54 @@ Status CheckpointWriter::Commit(WriteStats* stats,
   s.key_prefix = StrCat("tensorstash/", s.dir, "/", c.NextOperationId(), "/");
 
   // 1. Process 0 prepares the folder.
+  Result<std::string> prepared = std::string();
   if (c.process_index() == 0) {
     s.nonce = RandomHexId();
-    Result<std::string> work_dir = StepCommitter(s.kv).Prepare(
+    prepared = StepCommitter(s.kv).Prepare(
         s.dir, s.nonce, {.overwrite = s.options.overwrite, .writers = c.process_count()});
-    TS_RETURN_IF_ERROR(c.KeyValueSet(
-        s.key_prefix + "workdir",
-        work_dir.ok() ? StrCat("+", *work_dir) : EncodeStatusForPeers(work_dir.status())));
-    if (!work_dir.ok()) return work_dir.status();
-    s.work_dir = *work_dir;
-  } else {
-    TS_ASSIGN_OR_RETURN(std::string value, c.KeyValueGet(s.key_prefix + "workdir", timeout));
-    if (value.empty() || value[0] != '+') {
-      return Annotate(DecodeStatusFromPeer(value), "process 0 could not prepare the step");
-    }
-    s.work_dir = value.substr(1);
   }
+  TS_ASSIGN_OR_RETURN(s.work_dir, Broadcast(c, s.key_prefix + "workdir", std::move(prepared),
+                                            /*root=*/0, timeout,
+                                            "process 0 could not prepare the step"));
 
   // 2-3. Agree on chunk grids, write this process's chunks.
   TS_RETURN_IF_ERROR(s.AgreeOnGrids());
   ChunkIndex local;
   Status written = s.WriteLocal(&local, &local_stats);
   s.ReleaseSources();
-  // Then this process's whole files; their checks travel to process 0 under "files/<p>".
+  // Then this process's whole files; their checks travel to process 0 under "files/<p>", set
+  // before the status, so that process 0 reads them without waiting once every status is OK.
   std::map<std::string, CommitFile> committed_files;
   if (written.ok()) written = s.WriteFiles(&committed_files);
-  if (c.process_count() > 1) {
-    std::string listing;
-    for (const auto& [name, f] : committed_files) {
-      listing += StrCat(f.size, " ", f.crc32c, " ", name, "\n");
-    }
-    TS_RETURN_IF_ERROR(c.KeyValueSet(StrCat(s.key_prefix, "files/", c.process_index()), listing));
+  std::string listing;
+  for (const auto& [name, f] : committed_files) {
+    listing += StrCat(f.size, " ", f.crc32c, " ", name, "\n");
   }
-  TS_RETURN_IF_ERROR(c.KeyValueSet(StrCat(s.key_prefix, "status/", c.process_index()),
-                                   EncodeStatusForPeers(written)));
+  const std::string files_prefix = StrCat(s.key_prefix, "files/");
+  TS_RETURN_IF_ERROR(PublishValue(c, files_prefix, listing));
 
-  Status result;
-  if (c.process_index() == 0) {
-    // 4. Gather every status, then commit or clean up.
-    // Every status is awaited, even after an error: the folder may only be removed once no
-    // process writes into it any more. The first error is the result.
-    result = written;
-    for (int p = 1; p < c.process_count(); ++p) {
-      Result<std::string> status = c.KeyValueGet(StrCat(s.key_prefix, "status/", p), timeout);
-      Status process_status = status.ok()
-                                  ? Annotate(DecodeStatusFromPeer(*status), StrCat("process ", p))
-                                  : status.status();
-      if (process_status.ok()) {
-        // Set before the status, so this does not wait.
-        Result<std::string> listing = c.KeyValueGet(StrCat(s.key_prefix, "files/", p), timeout);
-        process_status =
-            listing.ok() ? MergeFileListing(*listing, p, &committed_files) : listing.status();
+  // 4-5. Every status reaches process 0 (all of them, even after an error: the folder may only
+  // be removed once no process writes into it any more), which commits or cleans up, and every
+  // process learns the outcome.
+  auto commit_or_clean_up = [&](const Status& all_written) -> Status {
+    Status result = all_written;
+    if (result.ok()) {
+      std::vector<int> others;
+      for (int p = 1; p < c.process_count(); ++p) others.push_back(p);
+      Result<std::map<int, std::string>> listings = CollectValues(c, files_prefix, others, timeout);
+      result = listings.status();
+      for (int p : others) {
+        if (result.ok()) result = MergeFileListing((*listings)[p], p, &committed_files);
       }
-      if (result.ok()) result = process_status;
     }
     if (result.ok()) result = s.MergeAndCommit(std::move(local), std::move(committed_files));
     // A commit whose outcome is unknown may have made the attempt the step: it stays (gc).
     if (!result.ok() && !s.commit_outcome_unknown) s.RemoveWorkDir();
-    TS_RETURN_IF_ERROR(c.KeyValueSet(s.key_prefix + "result", EncodeStatusForPeers(result)));
-  } else {
-    // 5. Wait for process 0's verdict.
-    TS_ASSIGN_OR_RETURN(std::string value, c.KeyValueGet(s.key_prefix + "result", timeout));
-    result = written.ok() ? DecodeStatusFromPeer(value) : written;
-  }
+    return result;
+  };
+  const Status verdict = AgreeOnStatus(c, s.key_prefix, written, timeout, commit_or_clean_up);
+  // A process that failed reports its own error, the others the first error of any process.
+  const Status result = written.ok() ? verdict : written;
   local_stats.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (stats != nullptr) *stats = local_stats;
@@ -373,12 +360,13 @@ Status CheckpointWriter::Impl::AgreeOnGrids() {
   if (c.process_count() > 1) {
     // "<gcds>#<digest>,<digest>,...": the digests make processes that describe an array
     // differently (path, dtype, shape, codec, chunk size) fail here, each of them.
-    TS_RETURN_IF_ERROR(c.KeyValueSet(StrCat(key_prefix, "cells/", c.process_index()),
-                                     StrCat(EncodeGcds(gcds), "#", StrJoin(digests, ","))));
+    TS_ASSIGN_OR_RETURN(std::vector<std::string> cells,
+                        AllGather(c, StrCat(key_prefix, "cells/"),
+                                  StrCat(EncodeGcds(gcds), "#", StrJoin(digests, ",")),
+                                  options.coordination_timeout));
     for (int p = 0; p < c.process_count(); ++p) {
       if (p == c.process_index()) continue;
-      TS_ASSIGN_OR_RETURN(std::string other, c.KeyValueGet(StrCat(key_prefix, "cells/", p),
-                                                           options.coordination_timeout));
+      const std::string& other = cells[p];
       const size_t hash = other.find('#');
       const std::string_view other_gcds = std::string_view(other).substr(0, hash);
       TS_RETURN_IF_ERROR(MergeGcds(other_gcds, &gcds, p));

@@ -28,6 +28,7 @@
 
 #include "tensorstash/array/box.h"
 #include "tensorstash/array/dtype.h"
+#include "tensorstash/coordination/collectives.h"
 #include "tensorstash/coordination/coordinator.h"
 #include "tensorstash/engine/executor.h"
 #include "tensorstash/format/tree.h"
@@ -54,7 +55,7 @@ struct WriterOptions {
   // Replace an existing complete step instead of failing with AlreadyExists.
   bool overwrite = false;
   // How long to wait for the other processes at each step of the protocol.
-  std::chrono::milliseconds coordination_timeout = std::chrono::minutes(30);
+  std::chrono::milliseconds coordination_timeout = kDefaultCoordinationTimeout;
   // A holding (the node-local tier, docs/multitier.md): the step stores only the chunks of the
   // shards given, every one of them whatever its replica_id, and need not cover the arrays. A
   // reader of such a step finds the other chunks missing (DataLoss naming the chunk);

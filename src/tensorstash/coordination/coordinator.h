@@ -2,9 +2,10 @@
 //
 // Every process of a job holds one Coordinator. All processes must call the collective methods
 // (Barrier) in the same order. Keys of the key-value store are written once; values are small
-// (kilobytes). Implementations: SingleProcessCoordinator (here), InProcessCoordinator (several
-// "processes" as threads of one process, for tests), and later JAX's distributed runtime (from
-// Python) and MPI.
+// (kilobytes). The exchanges built on it (gather, broadcast, agreeing on a status, each with one
+// timeout) are in collectives.h. Implementations: SingleProcessCoordinator (here),
+// InProcessCoordinator (several "processes" as threads of one process, for tests), JAX's
+// distributed runtime (from Python), and later MPI.
 //
 // Thread-safety: one thread of each process uses its Coordinator at a time.
 #ifndef TENSORSTASH_COORDINATION_COORDINATOR_H_
@@ -44,11 +45,6 @@ class Coordinator {
  private:
   uint64_t next_operation_id_ = 0;
 };
-
-// Statuses cross process boundaries as text: "<code>|<message>".
-std::string EncodeStatusForPeers(const Status& status);
-// The inverse; Internal when `text` is not such a status.
-Status DecodeStatusFromPeer(std::string_view text);
 
 }  // namespace tensorstash
 

@@ -22,6 +22,7 @@
 #include "tensorstash/engine/layout.h"
 #include "tensorstash/manager/retention.h"
 #include "tensorstash/manager/step_store.h"
+#include "tensorstash/coordination/collectives.h"
 #include "tensorstash/coordination/single_process_coordinator.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/util/crc32c.h"
@@ -193,26 +194,25 @@ Status CheckpointManager::Impl::OpenSteps() {
   }
   // Process 0 locks and cleans up, then tells the others the steps (or its error).
   const std::string key = StrCat("tensorstash-manager/", c.NextOperationId(), "/open");
+  Result<std::string> opened = "";
   if (is_leader()) {
     Status status = step_store->Lock();
     if (status.ok()) {
       status =
           Annotate(CleanUpAndListSteps(), StrCat("opening the checkpoints in ", kv->Describe()));
     }
-    std::vector<int64_t> listed;
-    {
-      std::lock_guard<std::mutex> guard(mutex);
-      listed.assign(steps.begin(), steps.end());
+    std::lock_guard<std::mutex> guard(mutex);
+    if (status.ok()) {
+      opened = EncodeSteps(std::vector<int64_t>(steps.begin(), steps.end()));
+    } else {
+      opened = status;
     }
-    TS_RETURN_IF_ERROR(c.KeyValueSet(
-        key, status.ok() ? StrCat("+", EncodeSteps(listed)) : EncodeStatusForPeers(status)));
-    return status;
   }
-  TS_ASSIGN_OR_RETURN(std::string value, c.KeyValueGet(key, options.writer.coordination_timeout));
-  if (value.empty() || value[0] != '+') {
-    return Annotate(DecodeStatusFromPeer(value), "process 0 could not open the checkpoints");
-  }
-  TS_ASSIGN_OR_RETURN(std::vector<int64_t> listed, DecodeSteps(std::string_view(value).substr(1)));
+  TS_ASSIGN_OR_RETURN(std::string value,
+                      Broadcast(c, key, opened, /*root=*/0, options.writer.coordination_timeout,
+                                "process 0 could not open the checkpoints"));
+  if (is_leader()) return OkStatus();
+  TS_ASSIGN_OR_RETURN(std::vector<int64_t> listed, DecodeSteps(value));
   std::lock_guard<std::mutex> guard(mutex);
   steps = std::set<int64_t>(listed.begin(), listed.end());
   return OkStatus();
@@ -358,16 +358,14 @@ Result<std::vector<int64_t>> CheckpointManager::Impl::Committed(const SaveJob& j
   if (c.process_count() > 1) {
     // Process 0 decides; the others follow its list, so that every process lists the same steps.
     const std::string key = StrCat("tensorstash-manager/", c.NextOperationId(), "/retained");
+    std::string kept_by_leader;
     if (is_leader()) {
-      std::vector<int64_t> kept;
-      {
-        std::lock_guard<std::mutex> guard(mutex);
-        kept.assign(steps.begin(), steps.end());
-      }
-      TS_RETURN_IF_ERROR(c.KeyValueSet(key, EncodeSteps(kept)));
-    } else {
-      TS_ASSIGN_OR_RETURN(std::string value,
-                          c.KeyValueGet(key, options.writer.coordination_timeout));
+      std::lock_guard<std::mutex> guard(mutex);
+      kept_by_leader = EncodeSteps(std::vector<int64_t>(steps.begin(), steps.end()));
+    }
+    TS_ASSIGN_OR_RETURN(std::string value, Broadcast(c, key, kept_by_leader, /*root=*/0,
+                                                     options.writer.coordination_timeout));
+    if (!is_leader()) {
       TS_ASSIGN_OR_RETURN(std::vector<int64_t> kept, DecodeSteps(value));
       std::lock_guard<std::mutex> guard(mutex);
       steps = std::set<int64_t>(kept.begin(), kept.end());
@@ -461,15 +459,12 @@ bool CheckpointManager::ReachedPreemption(int64_t step) {
   // the calls (every process makes the same calls), so they never repeat.
   const std::string prefix =
       StrCat("tensorstash-manager/preemption/", s.preemption_checks++, "-", step, "/");
-  if (!c.KeyValueSet(StrCat(prefix, c.process_index()), local ? "1" : "0").ok()) return local;
-  bool any = local;
-  for (int p = 0; p < c.process_count(); ++p) {
-    if (p == c.process_index()) continue;
-    Result<std::string> value =
-        c.KeyValueGet(StrCat(prefix, p), s.options.writer.coordination_timeout);
-    if (value.ok() && *value == "1") any = true;
-  }
-  return any;
+  Result<std::vector<std::string>> signalled =
+      AllGather(c, prefix, local ? "1" : "0", s.options.writer.coordination_timeout);
+  // Without every process's answer this one goes by its own (the save that follows, collective,
+  // then fails on the process that is missing).
+  if (!signalled.ok()) return local;
+  return std::find(signalled->begin(), signalled->end(), "1") != signalled->end();
 }
 
 Status CheckpointManager::WaitUntilFinished() {

@@ -16,6 +16,8 @@
 #include "nlohmann/json.hpp"
 #include "tensorstash/array/dtype.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
+#include "tensorstash/coordination/collectives.h"
+#include "tensorstash/coordination/single_process_coordinator.h"
 #include "tensorstash/engine/layout.h"
 #include "tensorstash/manager/step_store.h"
 #include "tensorstash/format/commit_record.h"
@@ -32,66 +34,46 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-// The control plane: values exchanged through the coordinator's key-value store, every wait
-// bounded. Every process makes the same calls in the same order; the keys carry a sequence
-// number. Without a coordinator each exchange returns this process's value alone.
+// The control plane: values exchanged through the coordinator's key-value store
+// (coordination/collectives.h), every wait bounded by the tier's timeout. Every process makes the
+// same calls in the same order; the keys, "local-tier/<instance>/<sequence>/<name>/...", carry
+// a sequence number. Without a coordinator each exchange returns this process's value alone.
 class Collective {
  public:
   // Every process must construct its Collectives in the same order: each takes the next
   // operation id of the coordinator, so that a tier opened again on the same coordinator uses
   // keys of its own.
   Collective(Coordinator* coordinator, std::chrono::milliseconds timeout)
-      : coordinator_(coordinator),
+      : coordinator_(coordinator != nullptr ? *coordinator : own_coordinator_),
         timeout_(timeout),
-        index_(coordinator ? coordinator->process_index() : 0),
-        count_(coordinator ? coordinator->process_count() : 1),
-        instance_(coordinator ? coordinator->NextOperationId() : 0) {}
+        instance_(coordinator_.NextOperationId()) {}
 
-  int index() const { return index_; }
-  int count() const { return count_; }
+  int index() const { return coordinator_.process_index(); }
+  int count() const { return coordinator_.process_count(); }
 
   // Every process's value, by process index.
   Result<std::vector<std::string>> AllGather(std::string_view name, std::string value) {
-    ++sequence_;
-    if (coordinator_ == nullptr) return std::vector<std::string>{std::move(value)};
-    if (Status s = Publish(name, value); !s.ok()) return s;
-    std::vector<int> others;
-    for (int p = 0; p < count_; ++p) {
-      if (p != index_) others.push_back(p);
-    }
-    Result<std::map<int, std::string>> got = Collect(name, others, "every process");
-    if (!got.ok()) return got.status();
-    std::vector<std::string> out(count_);
-    for (int p = 0; p < count_; ++p) out[p] = p == index_ ? value : (*got)[p];
-    return out;
+    return tensorstash::AllGather(coordinator_, NextPrefix(name), value, timeout_);
   }
 
   // Process 0's value (`value` is ignored elsewhere).
   Result<std::string> Broadcast(std::string_view name, std::string value) {
-    ++sequence_;
-    if (coordinator_ == nullptr) return value;
-    if (index_ == 0) {
-      if (Status s = Publish(name, value); !s.ok()) return s;
-      return value;
-    }
-    Result<std::map<int, std::string>> got = Collect(name, {0}, "process 0's value");
-    if (!got.ok()) return got.status();
-    return (*got)[0];
+    return tensorstash::Broadcast(coordinator_, StrCat(NextPrefix(name), 0), value, /*root=*/0,
+                                  timeout_);
   }
 
   // Publishes this process's per-process value; returns those of ValueRing(index).
   Result<ProcessValues> ExchangeRing(std::string_view name, std::optional<std::string> value) {
-    ++sequence_;
+    const std::string prefix = NextPrefix(name);
     ProcessValues out;
-    out[index_] = value;
-    if (coordinator_ == nullptr) return out;
+    out[index()] = value;
+    if (count() == 1) return out;
     // Base64: values are bytes, the store carries text.
-    if (Status s = Publish(name, value ? "+" + absl::Base64Escape(*value) : "-"); !s.ok()) {
-      return s;
-    }
-    std::vector<int> ring = ValueRing(index_, count_);
+    const std::string mine = value ? "+" + absl::Base64Escape(*value) : "-";
+    if (Status s = PublishValue(coordinator_, prefix, mine); !s.ok()) return s;
+    std::vector<int> ring = ValueRing(index(), count());
     ring.erase(ring.begin());
-    Result<std::map<int, std::string>> got = Collect(name, ring, "per-process values");
+    Result<std::map<int, std::string>> got = CollectValues(coordinator_, prefix, ring, timeout_);
     if (!got.ok()) return got.status();
     for (const auto& [p, text] : *got) {
       std::string decoded;
@@ -106,42 +88,14 @@ class Collective {
   Status Barrier(std::string_view name) { return AllGather(name, "").status(); }
 
  private:
-  std::string Key(std::string_view name, int process) const {
-    return StrCat("local-tier/", instance_, "/", sequence_, "/", name, "/", process);
+  // The key prefix of the next exchange: "local-tier/<instance>/<sequence>/<name>/".
+  std::string NextPrefix(std::string_view name) {
+    return StrCat("local-tier/", instance_, "/", ++sequence_, "/", name, "/");
   }
 
-  Status Publish(std::string_view name, std::string_view value) {
-    return coordinator_->KeyValueSet(Key(name, index_), value);
-  }
-
-  // The values `sources` published under `name` in this exchange, with one shared deadline:
-  // after the first missing process the others are only polled, and the error names all of them.
-  Result<std::map<int, std::string>> Collect(std::string_view name, const std::vector<int>& sources,
-                                             std::string_view what) {
-    std::map<int, std::string> out;
-    std::vector<int> missing;
-    for (int p : sources) {
-      Result<std::string> value = coordinator_->KeyValueGet(
-          Key(name, p), missing.empty() ? timeout_ : std::chrono::milliseconds(1));
-      if (value.ok()) {
-        out[p] = *std::move(value);
-      } else {
-        missing.push_back(p);
-      }
-    }
-    if (missing.empty()) return out;
-    std::string names;
-    for (int p : missing) names += StrCat(names.empty() ? "" : ", ", p);
-    return DeadlineExceededError(
-        StrCat("process", missing.size() > 1 ? "es " : " ", names, " of ", count_,
-               " did not arrive at '", name, "' (", what, ") within ", timeout_.count() / 1000.0,
-               " s (coordination_timeout): a process that was not restarted, or that is stuck"));
-  }
-
-  Coordinator* coordinator_;
+  SingleProcessCoordinator own_coordinator_;  // without a coordinator: a job of one process
+  Coordinator& coordinator_;
   std::chrono::milliseconds timeout_;
-  int index_;
-  int count_;
   uint64_t instance_;
   uint64_t sequence_ = 0;
 };

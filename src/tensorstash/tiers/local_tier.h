@@ -39,6 +39,7 @@
 #include "tensorstash/manager/checkpoint_manager.h"
 #include "tensorstash/tiers/holdings.h"
 #include "tensorstash/tiers/tiered_source.h"
+#include "tensorstash/coordination/collectives.h"
 #include "tensorstash/coordination/coordinator.h"
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/util/status.h"
@@ -62,7 +63,8 @@ struct LocalTierOptions {
   // on which port (0: any free one). Only with several processes.
   std::string server_address = "127.0.0.1";
   int server_port = 0;
-  std::chrono::milliseconds timeout = std::chrono::seconds(300);  // each collective wait
+  // Each collective step's wait on the other processes.
+  std::chrono::milliseconds timeout = kDefaultCoordinationTimeout;
   // A peer that sends nothing for this long is given up (its chunks come from the next holder).
   std::chrono::milliseconds peer_stall_timeout = std::chrono::seconds(30);
   // The holding writer's options (chunking, threads); holding, overwrite and sync are set here.
