@@ -64,7 +64,7 @@ TEST_P(CheckpointConcurrencyTest, ManyThreadsSaveAndRestoreDifferentCheckpoints)
   for (int t = 0; t < kThreads; ++t) {
     EXPECT_EQ(test::TopFolders(kv_.get(), StrCat("run", t, "/")).size(), size_t{kSteps});
   }
-  EXPECT_EQ(test::CountThreadsSettled(threads_before), threads_before) << "threads leaked";
+  EXPECT_LE(test::CountThreadsSettled(threads_before), threads_before) << "threads leaked";
 }
 
 TEST_P(CheckpointConcurrencyTest, ReaderDuringOverwritesSeesOldOrNewNeverHalf) {

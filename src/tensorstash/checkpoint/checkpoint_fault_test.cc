@@ -166,7 +166,7 @@ TEST_P(CheckpointFaultTest, InjectedSaveErrorsReachTheCallerAndHarmNothingCommit
     }
     ExpectCommittedStepsIntact();
     EXPECT_EQ(test::CountProcEntries("fd"), fds) << "file descriptors leaked";
-    EXPECT_EQ(test::CountThreadsSettled(threads), threads) << "threads leaked";
+    EXPECT_LE(test::CountThreadsSettled(threads), threads) << "threads leaked";
     if (HasFailure()) break;
   }
   EXPECT_GT(failed_saves, 10) << "too few faults hit a save to test anything";
@@ -208,7 +208,7 @@ TEST_P(CheckpointFaultTest, InjectedRestoreErrorsReachTheCallerAndNeverGiveWrong
       EXPECT_THAT(restored.message(), HasSubstr(log.back()));
     }
     EXPECT_EQ(test::CountProcEntries("fd"), fds) << "file descriptors leaked";
-    EXPECT_EQ(test::CountThreadsSettled(threads), threads) << "threads leaked";
+    EXPECT_LE(test::CountThreadsSettled(threads), threads) << "threads leaked";
     if (HasFailure()) break;
   }
   EXPECT_GT(failed, 10);

@@ -168,7 +168,7 @@ TEST_P(OrbaxWriterFaultTest, InjectedErrorsReachTheCallerAndLeaveNothingNewVisib
     }
     ExpectCommittedIntact();
     EXPECT_EQ(test::CountProcEntries("fd"), fds) << "file descriptors leaked";
-    EXPECT_EQ(test::CountThreadsSettled(threads), threads) << "threads leaked";
+    EXPECT_LE(test::CountThreadsSettled(threads), threads) << "threads leaked";
     if (HasFailure()) break;
   }
   EXPECT_GT(failed, 10) << "too few faults hit a save to test anything";

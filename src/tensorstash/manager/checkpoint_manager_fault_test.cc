@@ -116,7 +116,7 @@ TEST(ManagerFaultTest, KeepsWorkingAfterRandomFaults) {
     // The failed saves (sync and async) and retention left no thread or descriptor behind.
     TS_ASSERT_OK((*again)->Close());
     EXPECT_EQ(test::CountProcEntries("fd"), fds) << "file descriptors leaked";
-    EXPECT_EQ(test::CountThreadsSettled(threads), threads) << "threads leaked";
+    EXPECT_LE(test::CountThreadsSettled(threads), threads) << "threads leaked";
     std::printf("round %d: %d of 8 saves failed\n", round, failures);
   }
 }
