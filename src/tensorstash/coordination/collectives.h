@@ -7,7 +7,8 @@
 // same order. A key is written once, so the caller makes it unique per call (e.g. with
 // Coordinator::NextOperationId). Each call waits at most `timeout` in all, however many
 // processes it waits for; a process that has not arrived by then is named in DeadlineExceeded
-// with the key it was awaited under. With one process nothing is published and nothing waited.
+// with the key it was awaited under. With one process nothing is waited for, and only
+// AgreeOnStatus publishes (its status, where a caller's coordinator can see the operation).
 //
 // Thread-safety: as Coordinator (one thread of each process at a time).
 #ifndef TENSORSTASH_COORDINATION_COLLECTIVES_H_

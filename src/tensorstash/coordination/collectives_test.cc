@@ -149,7 +149,7 @@ TEST(CollectivesTest, ProcessZeroDecidesTheVerdict) {
   }
 }
 
-TEST(CollectivesTest, OneProcessPublishesNothing) {
+TEST(CollectivesTest, OneProcessPublishesOnlyItsStatus) {
   SingleProcessCoordinator c;
   Result<std::vector<std::string>> all = AllGather(c, "one/gather/", "mine", milliseconds(1));
   ASSERT_TRUE(all.ok()) << all.status();
@@ -165,9 +165,13 @@ TEST(CollectivesTest, OneProcessPublishesNothing) {
                           }),
             OkStatus());
   EXPECT_TRUE(decided);
-  for (const char* key : {"one/gather/0", "one/bcast", "one/agree/status/0", "one/agree/result"}) {
+  for (const char* key : {"one/gather/0", "one/bcast", "one/agree/result"}) {
     EXPECT_TRUE(absl::IsNotFound(c.KeyValueGet(key, milliseconds(1)).status())) << key;
   }
+  // Its status is there, where a coordinator of the caller's can follow the operation.
+  Result<std::string> status = c.KeyValueGet("one/agree/status/0", milliseconds(1));
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(DecodeStatusFromPeer(*status), NotFoundError("x"));
 }
 
 TEST(CollectivesTest, AProcessThatNeverArrivesIsNamedWithWhatWasAwaited) {

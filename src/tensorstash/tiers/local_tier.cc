@@ -100,19 +100,6 @@ class Collective {
   uint64_t sequence_ = 0;
 };
 
-// The committed step folders of `folder`, ascending.
-std::vector<int64_t> CommittedSteps(const fs::path& folder) {
-  std::vector<int64_t> steps;
-  std::error_code error;
-  for (const fs::directory_entry& entry : fs::directory_iterator(folder, error)) {
-    const std::string name = entry.path().filename().string();
-    std::optional<int64_t> step = StepStore::ParseStepName(name);
-    if (step && fs::exists(entry.path() / kCommitFileName, error)) steps.push_back(*step);
-  }
-  std::sort(steps.begin(), steps.end());
-  return steps;
-}
-
 // Creates `path` (0700) if missing; refuses one another user owns, and takes away the others'
 // write access: its holdings are published to the job and restored from.
 Status MakePrivateFolder(const std::string& path) {
