@@ -668,8 +668,8 @@ Status OrbaxReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats
                   ? 0
                   : chunk_bytes;
           run.RunHolding(hold, [&, n, p = &piece]() -> Status {
-            const ReadRequest& req = requests[p->read];
-            TS_RETURN_IF_ERROR(read_chunk(*n, p->region, req.box, req.dtype, req.dest));
+            const ReadRequest& to = requests[p->read];
+            TS_RETURN_IF_ERROR(read_chunk(*n, p->region, to.box, to.dtype, to.dest));
             report(*p);
             return OkStatus();
           });
@@ -677,12 +677,12 @@ Status OrbaxReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats
         continue;
       }
       run.Run(chunk_bytes, [&, n](char* decoded) -> Status {
-        const ArrayMetadata& a = metadata_[n->array_id];
-        TS_RETURN_IF_ERROR(read_chunk(*n, n->chunk_box, n->chunk_box, a.dtype, decoded));
+        const ArrayMetadata& stored = metadata_[n->array_id];
+        TS_RETURN_IF_ERROR(read_chunk(*n, n->chunk_box, n->chunk_box, stored.dtype, decoded));
         for (const ChunkPiece& p : n->pieces) {
           const ReadRequest& req = requests[p.read];
-          TS_RETURN_IF_ERROR(CopyBox(p.region, a.dtype, decoded, n->chunk_box, req.dtype, req.dest,
-                                     req.box, ArrayWhat(n->array_id)));
+          TS_RETURN_IF_ERROR(CopyBox(p.region, stored.dtype, decoded, n->chunk_box, req.dtype,
+                                     req.dest, req.box, ArrayWhat(n->array_id)));
           report(p);
         }
         return OkStatus();

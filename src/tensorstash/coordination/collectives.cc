@@ -125,9 +125,12 @@ Result<std::string> Broadcast(Coordinator& coordinator, std::string_view key,
     }
     return from_root;
   }
-  TS_ASSIGN_OR_RETURN(std::string value, AwaitKey(coordinator, key, root, Deadline(timeout)));
-  if (value.starts_with(kValueMark)) return value.substr(kValueMark.size());
-  return Annotate(DecodeStatusFromPeer(value),
+  // Kept as a Result (not unwrapped into a string) so that GCC's -Wmaybe-uninitialized does not
+  // misread the moved-from string.
+  Result<std::string> value = AwaitKey(coordinator, key, root, Deadline(timeout));
+  if (!value.ok()) return value.status();
+  if (value->starts_with(kValueMark)) return value->substr(kValueMark.size());
+  return Annotate(DecodeStatusFromPeer(*value),
                   root_failed.empty() ? StrCat("process ", root) : std::string(root_failed));
 }
 

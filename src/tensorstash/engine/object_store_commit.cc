@@ -209,16 +209,16 @@ Status CommitAttempt(KvStore* kv, std::string_view dir, std::string_view work_di
     if (!created.ok()) {
       // A create whose answer was lost may have landed (a retry then finds the key taken): the
       // record there is ours when it is byte for byte ours (it names our attempt).
-      Result<std::string> there = kv->Read(key);
-      if (there.ok() && *there == text) {
+      Result<std::string> found = kv->Read(key);
+      if (found.ok() && *found == text) {
         created = OkStatus();
-      } else if (there.ok() || absl::IsAlreadyExists(created)) {
+      } else if (found.ok() || absl::IsAlreadyExists(created)) {
         continue;  // another writer's record: the race is lost (or, overwriting, try the next)
-      } else if (!absl::IsNotFound(there.status())) {
+      } else if (!absl::IsNotFound(found.status())) {
         if (outcome_unknown != nullptr) *outcome_unknown = true;
         return Annotate(created,
                         StrCat("committing step '", dir, "' (whether the record ", key,
-                               " was created is unknown: ", there.status().message(), ")"));
+                               " was created is unknown: ", found.status().message(), ")"));
       } else {
         return created;  // it was not created
       }
