@@ -21,7 +21,7 @@ void DefineManager(nanobind::module_& m);      // manager.cc
 void DefineOrbaxWriter(nanobind::module_& m);  // orbax_writer.cc
 void DefineJson(nanobind::module_& m);         // json.cc
 void DefinePeerServer(nanobind::module_& m);   // peer_server.cc
-void DefineHoldings(nanobind::module_& m);     // local_tier.cc
+void DefineHoldings(nanobind::module_& m);     // holdings.cc
 
 // The boxes a Reader's restore_to_host handed over, buffers included (any thread adds, under
 // `mutex`).

@@ -1,5 +1,6 @@
 #include "tensorstash/tiers/multi_tier_manager.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <utility>
@@ -50,6 +51,11 @@ std::optional<SaveRequest> WriteBackRequest(const StepSource& source,
     array.spec.shape = a.shape();
     array.spec.codec = codec;
     array.spec.zstd_level = zstd_level;
+    // The stored chunks' size as the target, so that the holding gets the stored chunk grid (the
+    // one the other holdings of the save have) whatever the writer's default.
+    int64_t chunk_bytes = static_cast<int64_t>(ItemSize(a.dtype));
+    for (int64_t extent : a.grid.chunk_shape) chunk_bytes *= std::max<int64_t>(1, extent);
+    array.spec.target_chunk_bytes = chunk_bytes;
     request.arrays.push_back(std::move(array));
   }
   for (const RestoredBox& restored : boxes) {
@@ -126,19 +132,17 @@ Status MultiTierManager::FinishRestore(const TieredRestore* restore_or_null,
   TS_ASSIGN_OR_RETURN(std::vector<std::string> words,
                       local_->FinishRestore(restore_or_null, std::move(error)));
   if (words_out != nullptr) *words_out = words;
+  // This process failed already (and said so to the others): nothing to drop or write.
+  if (restore_or_null == nullptr) return OkStatus();
   std::string failed;
   for (size_t p = 0; p < words.size(); ++p) {
     if (!words[p].empty()) failed += StrCat(failed.empty() ? "" : "; ", "process ", p, ": ", words[p]);
   }
   if (!failed.empty()) {
-    return AbortedError(StrCat(restore_or_null != nullptr
-                                   ? StrCat("the restore of step ", restore_or_null->step)
-                                   : std::string("the restore"),
+    return AbortedError(StrCat("the restore of step ", restore_or_null->step,
                                " failed in processes: ", failed));
   }
-  if (restore_or_null == nullptr || restore_or_null->source == nullptr || write_back == nullptr) {
-    return OkStatus();
-  }
+  if (restore_or_null->source == nullptr || write_back == nullptr) return OkStatus();
   const TieredRestore& restore = *restore_or_null;
   if (!restore.verified) return OkStatus();  // unchecked bytes are never stored (local_tier.h)
   const TierStats& stats = restore.source->tier_stats();

@@ -54,7 +54,7 @@ struct RestoredBox {
 
 // The write-back of a restore of `source` from the host buffers it filled (`boxes`, which the
 // request keeps alive): each array's distinct boxes as its shards, the step's tree, each array
-// with `codec` and `zstd_level`. No copy is made: the engine's buffers are saved as they are.
+// with `codec`, `zstd_level` and the stored chunk grid. No copy is made: the engine's buffers are saved as they are.
 // nullopt when the boxes are not the arrays as stored (a box of an array the step lacks, in
 // another dtype, or reaching past the stored shape); whether every array was restored whole is
 // the caller's to know (a target of a part of the tree, or truncated).
@@ -89,9 +89,9 @@ class MultiTierManager {
   // to Open among them. Call FinishRestore after reading, whether this succeeded or not.
   Result<TieredRestore> OpenRestore(int64_t step, ReaderOptions options = {});
   // Collective: every process says how its restore ended (`error`: "" when it read everything;
-  // `restore` null after a failure) and waits for the others. `words` (may be null) gets every
-  // process's word, by index. Aborted naming them when any process failed (nothing is dropped or
-  // written then). After a successful restore in every process drops abandoned holdings and,
+  // `restore` null after a failure here, which returns OK once the others heard it) and waits for
+  // the others. `words` (may be null) gets every process's word, by index. Aborted naming them
+  // when any process failed (nothing is dropped or written then). After a successful restore in every process drops abandoned holdings and,
   // when anything came from elsewhere than this node (or a local chunk was damaged), saves
   // `write_back` (this process's restored shards as stored, WriteBackRequest; null: none) as its
   // holding of the step again, so that the next lost node is covered too; never after a restore
