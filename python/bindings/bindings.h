@@ -6,9 +6,12 @@
 #include <nanobind/nanobind.h>
 
 #include <memory>
+#include <mutex>
+#include <vector>
 
 #include "tensorstash/checkpoint/open_step.h"
 #include "tensorstash/kvstore/kvstore.h"
+#include "tensorstash/tiers/multi_tier_manager.h"
 
 namespace tensorstash::python {
 
@@ -18,11 +21,20 @@ void DefineManager(nanobind::module_& m);      // manager.cc
 void DefineOrbaxWriter(nanobind::module_& m);  // orbax_writer.cc
 void DefineJson(nanobind::module_& m);         // json.cc
 void DefinePeerServer(nanobind::module_& m);   // peer_server.cc
-void DefineLocalTier(nanobind::module_& m);    // local_tier.cc
+void DefineHoldings(nanobind::module_& m);     // holdings.cc
+
+// The boxes a Reader's restore_to_host handed over, buffers included (any thread adds, under
+// `mutex`).
+struct KeptBoxes {
+  std::mutex mutex;
+  std::vector<RestoredBox> boxes;
+};
 
 // A tensorstash._ext.Reader over `source`, which reads from `kv` (may be null; kept alive with
-// the source). Needs the GIL. (reader.cc)
-nanobind::object ReaderFromSource(std::unique_ptr<KvStore> kv, std::unique_ptr<StepSource> source);
+// the source); with `keep`, its restore_to_host also adds every box it hands over there. Needs
+// the GIL. (reader.cc)
+nanobind::object ReaderFromSource(std::unique_ptr<KvStore> kv, std::shared_ptr<StepSource> source,
+                                  std::shared_ptr<KeptBoxes> keep = nullptr);
 
 }  // namespace tensorstash::python
 

@@ -155,5 +155,5 @@ NB_MODULE(_ext, m) {
   py::DefineOrbaxWriter(m);
   py::DefineJson(m);
   py::DefinePeerServer(m);
-  py::DefineLocalTier(m);
+  py::DefineHoldings(m);
 }

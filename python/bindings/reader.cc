@@ -21,6 +21,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -113,7 +114,10 @@ using MapRequestTuple =
 // What an open Reader reads from; closing the Reader drops it.
 struct OpenStep {
   std::unique_ptr<KvStore> kv;  // declared first: `source` uses it, and is destroyed first
-  std::unique_ptr<StepSource> source;
+  std::shared_ptr<StepSource> source;
+  // Where restore_to_host keeps every box it hands over (a multi-tier restore's write-back
+  // saves them: MultiTierManager::FinishRestore); null: nothing is kept.
+  std::shared_ptr<KeptBoxes> keep;
 };
 
 // A tree node as the Python objects json.loads makes of its JSON (the "tree" schema of
@@ -363,6 +367,12 @@ class Reader {
       try {
         nb::list items;
         std::map<const HostBuffer*, nb::object> arrays;  // one array per distinct buffer
+        if (step->keep != nullptr) {
+          std::lock_guard<std::mutex> lock(step->keep->mutex);
+          for (size_t i = 0; i < batch.requests.size(); ++i) {
+            step->keep->boxes.push_back({boxes[batch.requests[i]], batch.buffers[i]});
+          }
+        }
         for (size_t i = 0; i < batch.requests.size(); ++i) {
           std::shared_ptr<HostBuffer>& buffer = batch.buffers[i];
           nb::object& array = arrays[buffer.get()];
@@ -514,10 +524,12 @@ Reader OpenTieredReader(const std::vector<HolderTuple>& holders, bool verify_che
 
 }  // namespace
 
-nb::object ReaderFromSource(std::unique_ptr<KvStore> kv, std::unique_ptr<StepSource> source) {
+nb::object ReaderFromSource(std::unique_ptr<KvStore> kv, std::shared_ptr<StepSource> source,
+                            std::shared_ptr<KeptBoxes> keep) {
   auto open = std::make_shared<OpenStep>();
   open->kv = std::move(kv);
   open->source = std::move(source);
+  open->keep = std::move(keep);
   return nb::cast(Reader(std::move(open)));
 }
 

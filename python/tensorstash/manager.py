@@ -9,8 +9,10 @@
 Each step is a folder `<root>/<step, 10 digits>` holding the state's arrays and, committed with
 them, metadata.json (the `metadata` of save, JSON), metrics.json (`metrics`) and
 process/<index> (each process's `per_process` value: its JSON text, or for bytes the marker
-b"\\0bytes\\n" followed by the bytes). The engine (C++) does the saving, retention and locking
-(tensorstash._ext.Manager); this module puts pytrees, statistics and logging around it.
+b"\\0bytes\\n" followed by the bytes). The engine (C++) does the saving, retention, locking and,
+with a local tier, the orchestration of the tiers (tensorstash._ext.Manager over
+tiers/multi_tier_manager.h: which tier is due, the latest step, the restore's holders and the
+write-back); this module puts pytrees, statistics and logging around it.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ import json
 import logging
 import operator
 import os
+import socket
 import time
 import weakref
 from typing import Any, Callable
 
-from . import _ext, _multitier, _options, _paths, _tree
+import numpy as np
+
+from . import _adapters, _ext, _options, _paths, _tree
+from . import numpy as _tnp
 from ._progress import format_bytes as _format_bytes
 from ._restore import _restore, restore as _restore_signature
 from ._save import arrays_to_save as _arrays_to_save, default_coordinator as _default_coordinator
@@ -98,6 +104,65 @@ def _is_data_error(e: BaseException) -> bool:
     """Whether a failed restore says the step's bytes are bad (corrupt, missing), so that an
     older step may restore instead: not a timeout, a permission or a caller's error."""
     return isinstance(e, OSError) and not isinstance(e, (TimeoutError, PermissionError))
+
+
+def _coordinator_address() -> str | None:
+    try:
+        from jax._src import distributed
+
+        return distributed.global_state.coordinator_address
+    except Exception:  # noqa: BLE001 - JAX absent or not initialised
+        return None
+
+
+def _coordinator_is_local() -> bool:
+    """Whether the JAX coordinator is on this host's loopback (a job on one host)."""
+    address = _coordinator_address() or ""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _default_server_address() -> str:
+    """The address of this host that the job's coordinator sees: the source address of a route
+    to the JAX coordinator (no packet is sent); 127.0.0.1 when there is none."""
+    address = _coordinator_address()
+    if not address:
+        return "127.0.0.1"
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _as_stored(target: Any, arrays: list[dict]) -> bool:
+    """Whether a restore into `target` gives every array of the step (`arrays`, the reader's)
+    whole and as stored: its shape and dtype (no cast, no part of the tree, no truncation), so
+    that the host buffers it filled may be saved again as this node's copy."""
+    if target is None:
+        return True
+    infos = {a["path"]: a for a in arrays}
+    seen: set[str] = set()
+    ok = [True]
+
+    def visit(path: str, leaf: Any) -> None:
+        info = infos.get(path)
+        if info is None:
+            return  # a scalar of the tree
+        seen.add(path)
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) or isinstance(leaf, np.generic):
+            ok[0] = False
+            return
+        adapter = _adapters.adapter_for(leaf)
+        stored = _tnp.dtype_from_name(info["dtype"])
+        if (tuple(leaf.shape) != tuple(info["shape"])
+                or _adapters.restore_dtype(adapter, leaf) != stored):
+            ok[0] = False
+
+    _tree.map_target(target, visit)
+    return ok[0] and seen == set(infos)
 
 
 def _encode_per_process(value: Any) -> bytes:
@@ -229,6 +294,23 @@ class CheckpointManager:
             if manager is not None:
                 manager._committed(stats)
 
+        local: dict[str, Any] = {}
+        if local_dir is not None:
+            several = self._coordinator is not None and self._coordinator.process_count() > 1
+            bind = local_server_address or _default_server_address()
+            if (several and local_server_address is None and bind.startswith("127.")
+                    and not _coordinator_is_local()):
+                self.logger.warning(
+                    "tensorstash: the local tier's server listens on %s: processes on other "
+                    "hosts cannot reach it (no route to a JAX coordinator was found); pass "
+                    "local_server_address", bind)
+            logger = self.logger
+            local = dict(local_dir=os.path.abspath(os.fspath(local_dir)),
+                         local_save_interval_steps=local_save_interval_steps,
+                         local_max_to_keep=local_max_to_keep, local_server_address=bind,
+                         local_server_port=local_server_port,
+                         warn=lambda text: logger.warning("tensorstash: %s", text))
+        # With local_dir the engine's MultiTierManager: both tiers, one coordination_timeout.
         self._ext = _ext.Manager(
             self.root, max_to_keep=max_to_keep or 0, keep_period=keep_period or 0,
             save_interval_steps=save_interval_steps, best_metric=best_metric or "",
@@ -236,35 +318,16 @@ class CheckpointManager:
             handle_sigterm=handle_sigterm, coordinator=self._coordinator, on_commit=on_commit,
             target_chunk_bytes=chunk_bytes, target_data_file_bytes=data_file_bytes,
             max_inflight_bytes=max_inflight_bytes, io_threads=io_threads, sync=sync,
-            coordination_timeout_s=coordination_timeout)
-        self._local: _ext.LocalTier | None = None
+            coordination_timeout_s=coordination_timeout, **local)
+        self._multi = local_dir is not None
         # What the last multi-tier restore of a step read besides the arrays, by step.
         self._restored_from_tiers: dict[int, _ext.TieredRestore] = {}
         self._last_latest: int | None = None  # what latest_step() last found, with local_dir
         # Steps that did not restore whole -> the older step restored instead (restore()).
         self._redirected: dict[int, int] = {}
-        if local_dir is not None:
-            try:
-                # The run the holdings belong to: the root and the id made when the run began
-                # (process 0's counts), so that a reused local_dir never restores another run.
-                run = (f"{self.root} {self._ext.run_id()}" if self._process_index == 0 else "")
-                self._local = _multitier.open_local_tier(
-                    local_dir, run=run, coordinator=self._coordinator,
-                    save_interval_steps=local_save_interval_steps,
-                    max_to_keep=local_max_to_keep, address=local_server_address,
-                    port=local_server_port, timeout_s=coordination_timeout,
-                    engine_options=dict(max_staging_bytes=max_staging_bytes or 0,
-                                        target_chunk_bytes=chunk_bytes,
-                                        target_data_file_bytes=data_file_bytes,
-                                        max_inflight_bytes=max_inflight_bytes,
-                                        io_threads=io_threads),
-                    logger=self.logger)
-            except BaseException:
-                self._ext.close()
-                raise
         # Closed at interpreter exit at the latest (waiting for a save in flight), while the
         # background thread can still take the GIL.
-        self._finalizer = weakref.finalize(self, _close_quietly, self._ext, self._local)
+        self._finalizer = weakref.finalize(self, _close_quietly, self._ext)
         for step, why in self.damaged_steps().items():
             self.logger.warning("tensorstash: step %d in %s is damaged and not listed (the latest "
                                 "step is the newest one that opens): %s", step, self.root, why)
@@ -288,9 +351,7 @@ class CheckpointManager:
         started = time.perf_counter()
         self._check_open()
         step = _check_step(step)
-        persistent_due = force or self._ext.should_save(step)
-        local_due = self._local is not None and (force or self._local.should_save(step))
-        if not persistent_due and not local_due:
+        if not force and not self._ext.should_save(step):
             return False
         arrays, tree_json = _arrays_to_save(state, self._coordinator,
                                             trust_immutable=not self.copy_host_jax_arrays)
@@ -304,25 +365,15 @@ class CheckpointManager:
             name = str(name)
             _tree.check_text(name, f"the metric name {name!r}")
             metrics_dict[name] = float(value)
-        if local_due:
-            # The local tier first: its copy to host memory is the stall a local save costs.
-            try:
-                self._local.save(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
-                                 process_state=process_state, codec=self.codec,
-                                 zstd_level=self.zstd_level, async_save=self.async_save)
-            except Exception as e:  # noqa: BLE001 - see below
-                if not persistent_due:
-                    raise
-                # The persistent save is collective: this process takes part whatever became
-                # of its local one (the others wait for it there).
-                self.logger.warning("tensorstash: local save of step %d failed: %s", step, e)
-        if not persistent_due:
-            return True
-        self._pre_engine_s[step] = time.perf_counter() - started
+        # The engine saves on the due tiers (the local one first; its failure is a warning when
+        # the persistent save, which is collective, goes on).
+        persistent_due = force or self._ext.persistent_due(step)
+        if persistent_due:
+            self._pre_engine_s[step] = time.perf_counter() - started
         try:
             self._ext.save(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
                            process_state=process_state, metrics=metrics_dict, codec=self.codec,
-                           zstd_level=self.zstd_level, async_save=self.async_save)
+                           zstd_level=self.zstd_level, async_save=self.async_save, force=force)
         except BaseException:
             self._pre_engine_s.pop(step, None)
             raise
@@ -350,9 +401,7 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether `step` is due under save_interval_steps (or, with a local tier,
         local_save_interval_steps)."""
-        step = _check_step(step)
-        return self._ext.should_save(step) or (
-            self._local is not None and self._local.should_save(step))
+        return self._ext.should_save(_check_step(step))
 
     def reached_preemption(self, step: int) -> bool:
         """True once a SIGTERM arrived (handle_sigterm): save `step` and stop. With several
@@ -363,8 +412,6 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Waits for the save in flight; raises its error, if it failed (once)."""
         self._check_open()
-        if self._local is not None:
-            self._local.wait_until_finished()
         self._ext.wait_until_finished()
 
     def close(self) -> None:
@@ -375,11 +422,7 @@ class CheckpointManager:
             return
         self._closed = True
         self._finalizer.detach()
-        try:
-            if self._local is not None:
-                self._local.close()
-        finally:
-            self._ext.close()
+        self._ext.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -401,15 +444,15 @@ class CheckpointManager:
     def local_steps(self) -> list[int]:
         """Steps this node's local tier holds a committed part of (any process's), ascending;
         empty without local_dir. Not collective."""
-        return self._local.local_steps() if self._local is not None else []
+        return self._ext.local_steps() if self._multi else []
 
     def latest_step(self) -> int | None:
         """The newest complete step, or None when there is none. With local_dir: the newest
         step that the persistent tier or the local tiers of all processes together can restore
         (collective: every process calls it)."""
-        if self._local is None:
+        if not self._multi:
             return self._ext.latest_step()
-        self._last_latest = self._local.gather(self.all_steps()).latest_step()
+        self._last_latest = self._ext.tiered_latest_step()
         return self._last_latest
 
     def damaged_steps(self) -> dict[int, str]:
@@ -447,7 +490,7 @@ class CheckpointManager:
         # tensorstash.restore's arguments, with its defaults (TypeError for unknown ones).
         args = inspect.signature(_restore_signature).bind(self.step_path(step), target, **kwargs)
         args.apply_defaults()
-        if self._local is not None:
+        if self._multi:
             fallback = asked is None or asked == self._last_latest
             return self._restore_tiered(step, target, args, started, fallback)
         # Without a local tier a restore is not collective (a process may restore alone), so
@@ -459,7 +502,13 @@ class CheckpointManager:
 
         def attempt(candidate: int):
             args.arguments["path"] = self.step_path(candidate)
-            return _restore(*args.args, **args.kwargs), None
+            kwargs = args.arguments
+            # Through the store the manager opened, not by reopening the root's path.
+            with contextlib.closing(self._ext.open_step(
+                    candidate, verify_checksums=kwargs["verify_checksums"],
+                    max_inflight_bytes=kwargs["max_inflight_bytes"],
+                    io_threads=kwargs["io_threads"], map_spans=kwargs["mmap"])) as reader:
+                return _restore(*args.args, reader=reader, **args.kwargs), None
 
         step, (tree, nbytes), _ = self._first_that_restores(
             step, candidates, attempt, lambda _candidate, _handle, word: [word])
@@ -509,67 +558,56 @@ class CheckpointManager:
 
     def _restore_tiered(self, step: int, target: Any, args: Any, started: float,
                         fallback: bool) -> Any:
-        """restore() with a local tier (collective): each chunk from the cheapest intact holder
-        of the chosen save; then every process says how its read ended (finish_restore), so
-        that no process drops or rewrites a holding (its write-back, its next local save) while
-        another still reads it, and so that all of them give up, or all try the next older step
-        (`fallback`), together; then this node's copy healed and the holdings of abandoned saves
-        removed."""
-        local = self._local
-        job = local.gather(self.all_steps())  # the same in every process
+        """restore() with a local tier (collective), through the engine's MultiTierManager:
+        open_restore picks each chunk's cheapest intact holder of the chosen save; then every
+        process says how its read ended (finish_restore), so that no process drops or rewrites a
+        holding (its write-back, its next local save) while another still reads it, and so that
+        all of them give up, or all try the next older step (`fallback`), together; then the
+        engine heals this node's copy from the host buffers it restored into (never a copy back
+        from the devices) and removes the holdings of abandoned saves."""
         kwargs = dict(args.arguments)
         kwargs.pop("path"), kwargs.pop("target")
         candidates = [step]
         if fallback:
-            candidates = [s for s in reversed(job.restorable_steps()) if s <= step] or [step]
+            candidates = [s for s in reversed(self._ext.restorable_steps()) if s <= step] or [step]
+        as_stored = {}  # by TieredRestore: whether its host buffers are the arrays as stored
+        wrote_back = [False]
 
         def attempt(candidate: int):
-            opened = local.open_step(candidate, job, self.root,
-                                     verify_checksums=kwargs["verify_checksums"],
-                                     max_inflight_bytes=kwargs["max_inflight_bytes"],
-                                     io_threads=kwargs["io_threads"])
+            opened = self._ext.open_restore(candidate, verify_checksums=kwargs["verify_checksums"],
+                                            max_inflight_bytes=kwargs["max_inflight_bytes"],
+                                            io_threads=kwargs["io_threads"])
             with contextlib.closing(opened.reader) as reader:
                 tree, _ = _restore(self.step_path(candidate), target, reader=reader, **kwargs)
-                return (tree, reader.tier_stats(), {a["path"]: a for a in reader.arrays()}), opened
+                as_stored[id(opened)] = _as_stored(target, reader.arrays())
+                return (tree, reader.tier_stats()), opened
 
-        # finish_restore: after every process has read, this node's abandoned holdings go.
-        step, (tree, tier, stored), restore = self._first_that_restores(
-            step, candidates, attempt, lambda _, opened, word: local.finish_restore(opened, word))
+        def agree(_candidate: int, opened: Any, word: str) -> list[str]:
+            words, wrote_back[0] = self._ext.finish_restore(
+                opened, word, as_stored=as_stored.get(id(opened), False), codec=self.codec,
+                zstd_level=self.zstd_level)
+            return words
+
+        step, (tree, tier), restore = self._first_that_restores(step, candidates, attempt, agree)
         for problem in tier["open_errors"] + tier["failures"]:
             self.logger.warning("tensorstash: restoring step %d: %s", step, problem)
         self._restored_from_tiers[step] = restore
-        if tier["local_failed"] or tier["bytes"]["peer"] or tier["bytes"]["persistent"]:
-            if kwargs["verify_checksums"]:
-                self._write_back(step, tree, restore, stored)
-            else:
+        if ((tier["local_failed"] or tier["bytes"]["peer"] or tier["bytes"]["persistent"])
+                and not wrote_back[0]):
+            if not kwargs["verify_checksums"]:
                 # The bytes were not checked: written back with fresh CRCs they would pass for
                 # good ones in the next restore, which prefers this node's copy.
                 self.logger.info("tensorstash: step %d restored without checksum verification: "
                                  "this node's copy is not rewritten", step)
+            elif not as_stored.get(id(restore), False):
+                self.logger.info("tensorstash: step %d restored into other dtypes, shapes or a "
+                                 "part of the arrays: this node's copy is not rewritten", step)
         stats = RestoreStats(step=step, bytes=sum(tier["bytes"].values()),
                              seconds=time.perf_counter() - started,
                              bytes_from=dict(tier["bytes"]), seconds_from=dict(tier["seconds"]),
                              failures=tuple(tier["failures"]))
         self._restored(stats)
         return tree
-
-    def _write_back(self, step: int, tree: Any, extras: Any, stored: dict) -> None:
-        """Saves this process's restored shards as its local holding of `step`, so that the
-        next lost node finds every chunk held again: only when the restore gave the arrays as
-        stored (every array, its dtype and shape: no casts, no partial restore), with the
-        restored save's id so that the holding joins the other holdings of that save."""
-        arrays, tree_json = _arrays_to_save(tree, self._coordinator)
-        as_stored = {a[0] for a in arrays} == set(stored) and all(
-            stored[path]["dtype"] == dtype and tuple(stored[path]["shape"]) == tuple(shape)
-            for path, dtype, shape, _shards, _stable in arrays)
-        if not as_stored:
-            self.logger.info("tensorstash: step %d restored into other dtypes, shapes or a part "
-                             "of the arrays: this node's copy is not rewritten", step)
-            return
-        metadata_json = extras.metadata.decode("utf-8") if extras.metadata is not None else ""
-        self._local.save_holding(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
-                                 save_id=extras.save_id, values=extras.ring_values,
-                                 codec=self.codec, zstd_level=self.zstd_level, async_save=False)
 
     def _restored(self, stats: RestoreStats) -> None:
         step = stats.step
@@ -613,7 +651,7 @@ class CheckpointManager:
 
     def _restored_extras(self, step: int | None) -> Any:
         """What the last multi-tier restore of `step` read besides the arrays, or None."""
-        if self._local is None:
+        if not self._multi:
             return None
         return self._restored_from_tiers.get(self._step_or_latest(step))
 
@@ -626,7 +664,7 @@ class CheckpointManager:
         if step is not None:
             step = _check_step(step)
             return step if collective else self._redirected.get(step, step)
-        if self._local is not None and not collective:
+        if self._multi and not collective:
             latest = self._last_latest if self._last_latest is not None else \
                 self._ext.latest_step()
         else:
@@ -638,7 +676,8 @@ class CheckpointManager:
     def _read_file(self, step: int | None, name: str) -> bytes | None:
         step = self._step_or_latest(step)
         # FileNotFoundError if the step is absent; closed at once, not when garbage collected.
-        with contextlib.closing(_ext.Reader(self.root, _ext.Manager.step_dir(step))) as reader:
+        # Read through the store the manager opened, not by reopening the root's path.
+        with contextlib.closing(self._ext.open_step(step)) as reader:
             try:
                 return reader.read_file(name)
             except FileNotFoundError:  # the step has no such file
@@ -649,11 +688,9 @@ class CheckpointManager:
         return f"CheckpointManager({self.root!r}, {state})"
 
 
-def _close_quietly(manager: _ext.Manager, local: Any = None) -> None:
+def _close_quietly(manager: _ext.Manager) -> None:
     """Closes a manager that was not closed; its error (a failed background save) is logged."""
     try:
-        if local is not None:
-            local.close()
         manager.close()
     except Exception:  # noqa: BLE001 - nobody is left to raise it to
         logging.getLogger("tensorstash").exception("tensorstash: closing an unclosed manager")

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import tensorstash
-from tensorstash import _ext
+from tensorstash import _adapters, _ext
+from tensorstash import numpy as tnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "multitier"))
 from cluster import Cluster  # noqa: E402
@@ -133,6 +134,121 @@ def test_single_process_local_tier(tmp_path):
         assert mgr.metadata(14) == {"m": 14}
         tree = mgr.restore(10)
         assert mgr.last_restore_stats.bytes_from["persistent"] == 4000
+
+
+class DeviceOnly:
+    """A stand-in for an array in device memory that cannot be copied back to the host."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+
+
+class DeviceOnlyAdapter:
+    """Restores into DeviceOnly arrays in two boxes (two devices), dropping the host buffers as
+    a device_put would; asking it for host copies of what it built fails. A write-back must
+    therefore save the host buffers the engine restored into, not ask the restored tree."""
+
+    def __init__(self):
+        self.built: list[dict] = []
+
+    def owns(self, x):
+        return isinstance(x, DeviceOnly)
+
+    def check_savable(self, x, path):
+        raise TypeError(f"{path}: a device-only array has no host copy")
+
+    def dtype_name(self, x):
+        return tnp.dtype_name(x.dtype)
+
+    def save_shards(self, x, process_index, process_count):
+        raise AssertionError("a restored device array was copied back to the host")
+
+    def restore_boxes(self, target, shape):
+        half = shape[0] // 2
+        return {0: ((0,), (half,)), 1: ((half,), (shape[0] - half,))}
+
+    def build(self, target, shape, buffers):
+        self.built.append({key: np.array(data) for key, data in buffers.items()})
+        return DeviceOnly(shape, target.dtype)
+
+    def orbax_sharding(self, x):
+        return None
+
+
+def test_a_write_back_saves_the_restored_host_buffers_not_a_device_copy(tmp_path):
+    w = np.arange(1000, dtype=np.float32)
+    options = dict(local_dir=tmp_path / "local", save_interval_steps=10,
+                   local_save_interval_steps=10)
+    with tensorstash.CheckpointManager(tmp_path / "persistent", **options) as mgr:
+        mgr.save(10, {"w": w}, per_process={"pos": 10})
+        mgr.wait_until_finished()
+    shutil.rmtree(tmp_path / "local")  # the node lost its RAM
+    adapter = DeviceOnlyAdapter()
+    _adapters.register_adapter(adapter)
+    try:
+        with tensorstash.CheckpointManager(tmp_path / "persistent", **options) as mgr:
+            assert mgr.local_steps() == []
+            tree = mgr.restore(10, target={"w": DeviceOnly((1000,), np.float32)})
+            assert isinstance(tree["w"], DeviceOnly)
+            assert mgr.last_restore_stats.bytes_from == {"local": 0, "peer": 0,
+                                                         "persistent": 4000}
+            np.testing.assert_array_equal(np.concatenate([adapter.built[0][0],
+                                                          adapter.built[0][1]]), w)
+            assert mgr.per_process(10) == {"pos": 10}
+            # Healed from the buffers the engine read into, although the tree holds no copy.
+            assert mgr.local_steps() == [10]
+        with tensorstash.CheckpointManager(tmp_path / "persistent", **options) as mgr:
+            np.testing.assert_array_equal(mgr.restore(10)["w"], w)
+            assert mgr.last_restore_stats.bytes_from == {"local": 4000, "peer": 0,
+                                                         "persistent": 0}
+            assert mgr.per_process(10) == {"pos": 10}
+    finally:
+        _adapters._reset()
+
+
+def test_a_restore_into_another_dtype_is_not_written_back(tmp_path, caplog):
+    w = np.arange(100, dtype=np.float32)
+    options = dict(local_dir=tmp_path / "local", save_interval_steps=10,
+                   local_save_interval_steps=10)
+    with tensorstash.CheckpointManager(tmp_path / "persistent", **options) as mgr:
+        mgr.save(10, {"w": w})
+        mgr.wait_until_finished()
+    shutil.rmtree(tmp_path / "local")
+    with tensorstash.CheckpointManager(tmp_path / "persistent", **options) as mgr:
+        caplog.set_level("INFO", logger="tensorstash")
+        tree = mgr.restore(10, target={"w": np.zeros(100, np.float64)})
+        np.testing.assert_array_equal(tree["w"], w.astype(np.float64))
+        assert mgr.local_steps() == []  # float64 bytes are not the step's float32 ones
+        assert "this node's copy is not rewritten" in caplog.text
+
+
+class RefusedReader:
+    def __init__(self, *args, **kwargs):
+        raise AssertionError("the manager reopened its root by path")
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["persistent-only", "multi-tier"])
+def test_a_manager_restores_through_the_store_it_opened(tmp_path, monkeypatch, local):
+    root = f"memory://restores-through-its-store-{local}/run"
+    options = dict(local_dir=tmp_path / "local") if local else {}
+    w = np.arange(64, dtype=np.int32)
+    with tensorstash.CheckpointManager(root, **options) as mgr:
+        mgr.save(3, {"w": w}, per_process={"pos": 3}, metadata={"m": 3}, metrics={"loss": 1.5})
+        mgr.wait_until_finished()
+    if local:
+        shutil.rmtree(tmp_path / "local")  # so that the restore reads the persistent tier
+    with tensorstash.CheckpointManager(root, **options) as mgr:
+        monkeypatch.setattr(_ext, "Reader", RefusedReader)  # no opening of the root by its URL
+        assert mgr.latest_step() == 3
+        np.testing.assert_array_equal(mgr.restore()["w"], w)
+        assert mgr.last_restore_stats.bytes_from["persistent"] == w.nbytes
+        assert mgr.metadata(3) == {"m": 3}
+        assert mgr.metrics(3) == {"loss": 1.5}
+        assert mgr.per_process(3) == {"pos": 3}
+        with pytest.raises(FileNotFoundError):
+            mgr.metadata(4)
+        if local:
+            assert mgr.local_steps() == [3]  # written back
 
 
 def test_fifty_local_saves_keep_at_most_two_steps(tmp_path):

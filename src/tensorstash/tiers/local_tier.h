@@ -100,7 +100,7 @@ struct RestoredExtras {
 struct TieredRestore {
   int64_t step = 0;
   std::optional<SaveKey> save;  // the local save restored; nullopt: the persistent step
-  std::unique_ptr<TieredStepSource> source;
+  std::shared_ptr<TieredStepSource> source;  // shared with a reader of the bindings
   RestoredExtras extras;
   // Whether every chunk read was checked against its CRC (ReaderOptions::verify_checksums). A
   // write-back only ever stores checked bytes: written back with fresh CRCs, unchecked ones

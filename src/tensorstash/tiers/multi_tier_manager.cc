@@ -1,8 +1,12 @@
 #include "tensorstash/tiers/multi_tier_manager.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <map>
 #include <utility>
 
+#include "tensorstash/array/box.h"
+#include "tensorstash/array/dtype.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
@@ -33,11 +37,55 @@ Result<std::unique_ptr<MultiTierManager>> MultiTierManager::Open(KvStore* persis
       new MultiTierManager(*std::move(manager), *std::move(local), persistent));
 }
 
+std::optional<SaveRequest> WriteBackRequest(const StepSource& source,
+                                            std::vector<RestoredBox> boxes, Codec codec,
+                                            int zstd_level) {
+  std::map<std::string_view, size_t> index;
+  for (size_t i = 0; i < source.arrays().size(); ++i) index[source.arrays()[i].path] = i;
+  SaveRequest request;
+  request.tree = source.tree();
+  for (const ArrayMetadata& a : source.arrays()) {
+    ArrayToSave array;
+    array.spec.path = a.path;
+    array.spec.dtype = a.dtype;
+    array.spec.shape = a.shape();
+    array.spec.codec = codec;
+    array.spec.zstd_level = zstd_level;
+    // The stored chunks' size as the target, so that the holding gets the stored chunk grid (the
+    // one the other holdings of the save have) whatever the writer's default.
+    int64_t chunk_bytes = static_cast<int64_t>(ItemSize(a.dtype));
+    for (int64_t extent : a.grid.chunk_shape) chunk_bytes *= std::max<int64_t>(1, extent);
+    array.spec.target_chunk_bytes = chunk_bytes;
+    request.arrays.push_back(std::move(array));
+  }
+  for (const RestoredBox& restored : boxes) {
+    auto found = index.find(restored.request.path);
+    if (found == index.end()) return std::nullopt;
+    const ArrayMetadata& stored = source.arrays()[found->second];
+    if (restored.request.dtype != stored.dtype ||
+        !Box::FromShape(stored.shape()).Contains(restored.request.box) ||
+        restored.buffer == nullptr ||
+        restored.buffer->size() !=
+            static_cast<uint64_t>(restored.request.box.num_elements()) * ItemSize(stored.dtype)) {
+      return std::nullopt;  // a cast, or zeros past the stored shape: not the bytes as stored
+    }
+    std::vector<ShardData>& shards = request.arrays[found->second].shards;
+    // Replicas of a box (devices holding the same block) are one shard of the holding.
+    bool seen = false;
+    for (const ShardData& shard : shards) seen = seen || shard.box == restored.request.box;
+    if (seen) continue;
+    shards.push_back({restored.request.box, restored.buffer->data(), 0, 1, /*stable=*/true});
+  }
+  request.keep_alive = std::make_shared<std::vector<RestoredBox>>(std::move(boxes));
+  return request;
+}
+
 bool MultiTierManager::ShouldSave(int64_t step) const {
   return persistent_->ShouldSave(step) || local_->ShouldSave(step);
 }
 
-Result<bool> MultiTierManager::Save(int64_t step, SaveRequest request, bool async, bool force) {
+Result<bool> MultiTierManager::Save(int64_t step, SaveRequest request, bool async, bool force,
+                                    SaveStats* stats) {
   const bool persistent_due = force || persistent_->ShouldSave(step);
   const bool local_due = force || local_->ShouldSave(step);
   if (local_due) {
@@ -52,7 +100,7 @@ Result<bool> MultiTierManager::Save(int64_t step, SaveRequest request, bool asyn
   }
   if (!persistent_due) return local_due;
   TS_RETURN_IF_ERROR(async ? persistent_->SaveAsync(step, std::move(request))
-                           : persistent_->Save(step, std::move(request)));
+                           : persistent_->Save(step, std::move(request), stats));
   return true;
 }
 
@@ -63,16 +111,28 @@ Result<std::optional<int64_t>> MultiTierManager::LatestStep() {
   return job_->LatestStep();
 }
 
-Result<TieredRestore> MultiTierManager::OpenRestore(int64_t step) {
+Result<std::vector<int64_t>> MultiTierManager::RestorableSteps() {
   Result<JobHoldings> job = local_->Gather(persistent_->AllSteps());
   if (!job.ok()) return job.status();
   job_ = *std::move(job);
-  return local_->OpenStep(step, *job_, persistent_kv_);
+  return job_->RestorableSteps();
+}
+
+Result<TieredRestore> MultiTierManager::OpenRestore(int64_t step, ReaderOptions options) {
+  Result<JobHoldings> job = local_->Gather(persistent_->AllSteps());
+  if (!job.ok()) return job.status();
+  job_ = *std::move(job);
+  return local_->OpenStep(step, *job_, persistent_kv_, options);
 }
 
 Status MultiTierManager::FinishRestore(const TieredRestore* restore_or_null,
-                                       SaveRequest* write_back) {
-  TS_ASSIGN_OR_RETURN(std::vector<std::string> words, local_->FinishRestore(restore_or_null));
+                                       SaveRequest* write_back, std::string error,
+                                       std::vector<std::string>* words_out, bool* wrote_back) {
+  if (wrote_back != nullptr) *wrote_back = false;
+  TS_ASSIGN_OR_RETURN(std::vector<std::string> words,
+                      local_->FinishRestore(restore_or_null, std::move(error)));
+  if (words_out != nullptr) *words_out = words;
+  // This process failed already (and said so to the others): nothing to drop or write.
   if (restore_or_null == nullptr) return OkStatus();
   std::string failed;
   for (size_t p = 0; p < words.size(); ++p) {
@@ -80,7 +140,7 @@ Status MultiTierManager::FinishRestore(const TieredRestore* restore_or_null,
   }
   if (!failed.empty()) {
     return AbortedError(StrCat("the restore of step ", restore_or_null->step,
-                               " failed in other processes: ", failed));
+                               " failed in processes: ", failed));
   }
   if (restore_or_null->source == nullptr || write_back == nullptr) return OkStatus();
   const TieredRestore& restore = *restore_or_null;
@@ -91,10 +151,12 @@ Status MultiTierManager::FinishRestore(const TieredRestore* restore_or_null,
     return OkStatus();
   }
   if (restore.extras.metadata) write_back->metadata_json = *restore.extras.metadata;
-  return local_
-      ->SaveHolding(restore.step, std::move(*write_back), restore.extras.save_id,
-                    restore.extras.ring_values, /*async=*/false)
-      .status();
+  TS_RETURN_IF_ERROR(local_
+                         ->SaveHolding(restore.step, std::move(*write_back), restore.extras.save_id,
+                                       restore.extras.ring_values, /*async=*/false)
+                         .status());
+  if (wrote_back != nullptr) *wrote_back = true;
+  return OkStatus();
 }
 
 CheckpointManager& MultiTierManager::persistent() { return *persistent_; }

@@ -9,9 +9,10 @@
 //                                                     .save_interval_steps = 10}}) -> mgr
 //   if (auto step = mgr->LatestStep(); step.ok() && *step) {          // collective
 //     auto restore = mgr->OpenRestore(**step);                        // collective
-//     RestoreToHost(*restore->source, requests, ...);                 // host_restore.h
+//     RestoreToHost(*restore->source, requests, ..., keep boxes);     // host_restore.h
 //     restore->extras.per_process                                     // this process's value
-//     mgr->FinishRestore(&*restore, &restored_shards)                 // collective
+//     auto write_back = WriteBackRequest(*restore->source, boxes)     // the host buffers read
+//     mgr->FinishRestore(&*restore, &*write_back)                     // collective
 //   }
 //   for (...) mgr->Save(step, request);                              // collective when due
 //
@@ -27,7 +28,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
+#include "tensorstash/engine/host_restore.h"
+#include "tensorstash/engine/step_source.h"
+#include "tensorstash/format/tree.h"
 #include "tensorstash/manager/checkpoint_manager.h"
 #include "tensorstash/tiers/local_tier.h"
 #include "tensorstash/kvstore/kvstore.h"
@@ -40,6 +45,22 @@ struct MultiTierOptions {
   // Its coordinator, when null, is persistent.coordinator.
   LocalTierOptions local;
 };
+
+// One box a restore read into host memory (RestoreToHost's HostBatch), kept for the write-back.
+struct RestoredBox {
+  HostBoxRequest request;
+  std::shared_ptr<HostBuffer> buffer;
+};
+
+// The write-back of a restore of `source` from the host buffers it filled (`boxes`, which the
+// request keeps alive): each array's distinct boxes as its shards, the step's tree, each array
+// with `codec`, `zstd_level` and the stored chunk grid. No copy is made: the engine's buffers are saved as they are.
+// nullopt when the boxes are not the arrays as stored (a box of an array the step lacks, in
+// another dtype, or reaching past the stored shape); whether every array was restored whole is
+// the caller's to know (a target of a part of the tree, or truncated).
+std::optional<SaveRequest> WriteBackRequest(const StepSource& source,
+                                            std::vector<RestoredBox> boxes, Codec codec,
+                                            int zstd_level);
 
 class MultiTierManager {
  public:
@@ -54,23 +75,30 @@ class MultiTierManager {
   bool ShouldSave(int64_t step) const;
   // Saves `step` on each tier it is due on (`force`: on both): the local tier first (its copy to
   // host memory is the stall a local save costs), then the persistent one. Returns whether
-  // anything was saved. The errors of CheckpointManager::Save/SaveAsync; those of
-  // LocalTier::Save when only the local tier was due (else they are warnings: the persistent
-  // save, which is collective, goes on).
-  Result<bool> Save(int64_t step, SaveRequest request, bool async = false, bool force = false);
+  // anything was saved; `stats` (may be null) gets a synchronous persistent save's. The errors of
+  // CheckpointManager::Save/SaveAsync; those of LocalTier::Save when only the local tier was due
+  // (else they are warnings: the persistent save, which is collective, goes on).
+  Result<bool> Save(int64_t step, SaveRequest request, bool async = false, bool force = false,
+                    SaveStats* stats = nullptr);
 
   // Collective: the newest step the persistent tier or the local tiers together restore.
   Result<std::optional<int64_t>> LatestStep();
-  // Collective: opens `step` over its holders (LocalTier::OpenStep). Call FinishRestore after
-  // reading, whether this succeeded or not.
-  Result<TieredRestore> OpenRestore(int64_t step);
-  // Collective: waits for every process to have read. Aborted naming them when other processes
-  // failed (`restore` not null; nothing is dropped or written then). After a successful restore
-  // in every process drops abandoned holdings and, when anything came from elsewhere than this node (or a
-  // local chunk was damaged), saves `write_back` (this process's restored shards, as stored;
-  // null: none) as its holding of the step again, so that the next lost node is covered too;
-  // never after a restore without checksums (TieredRestore::verified).
-  Status FinishRestore(const TieredRestore* restore, SaveRequest* write_back);
+  // Collective: every step the tiers together restore, ascending (a restore's candidates).
+  Result<std::vector<int64_t>> RestorableSteps();
+  // Collective: opens `step` over its holders (LocalTier::OpenStep), the persistent store given
+  // to Open among them. Call FinishRestore after reading, whether this succeeded or not.
+  Result<TieredRestore> OpenRestore(int64_t step, ReaderOptions options = {});
+  // Collective: every process says how its restore ended (`error`: "" when it read everything;
+  // `restore` null after a failure here, which returns OK once the others heard it) and waits for
+  // the others. `words` (may be null) gets every process's word, by index. Aborted naming them
+  // when any process failed (nothing is dropped or written then). After a successful restore in every process drops abandoned holdings and,
+  // when anything came from elsewhere than this node (or a local chunk was damaged), saves
+  // `write_back` (this process's restored shards as stored, WriteBackRequest; null: none) as its
+  // holding of the step again, so that the next lost node is covered too; never after a restore
+  // without checksums (TieredRestore::verified). `wrote_back` (may be null): whether it did.
+  Status FinishRestore(const TieredRestore* restore, SaveRequest* write_back,
+                       std::string error = "", std::vector<std::string>* words = nullptr,
+                       bool* wrote_back = nullptr);
 
   CheckpointManager& persistent();
   LocalTier& local();

@@ -218,12 +218,16 @@ TEST_F(MultiTierManagerTest, ALostSliceIsRestoredFromPeersInAnyProcessOrder) {
     Result<TieredRestore> restore = (*mgr)->OpenRestore(3);
     TS_ASSERT_OK(restore.status());
     std::vector<char> got;
-    TS_EXPECT_OK(RestoreToHost(*restore->source, {{"w", BoxOf(p), DType::kFloat32}}, {.map = false},
+    std::vector<RestoredBox> kept;  // the host buffers the engine filled, for the write-back
+    const HostBoxRequest request{"w", BoxOf(p), DType::kFloat32};
+    TS_EXPECT_OK(RestoreToHost(*restore->source, {request}, {.map = false},
                                [&](HostBatch& batch) {
                                  got.assign(batch.buffers[0]->data(),
                                             batch.buffers[0]->data() + batch.buffers[0]->size());
+                                 kept.push_back({request, batch.buffers[0]});
                                  return OkStatus();
                                }));
+    ASSERT_EQ(kept.size(), 1u);
     EXPECT_TRUE(
         test::BytesEqual(test::MakeBoxData(DType::kFloat32, kShape, kSeed + 3, BoxOf(p)), got));
     // Its own value, saved by the process that had its index, wherever that is held now.
@@ -237,9 +241,31 @@ TEST_F(MultiTierManagerTest, ALostSliceIsRestoredFromPeersInAnyProcessOrder) {
     EXPECT_EQ(stats.bytes[static_cast<int>(Tier::kPeer)], box_bytes) << p;
     EXPECT_EQ(stats.bytes[static_cast<int>(Tier::kLocal)], 0u) << p;
     EXPECT_THAT(stats.failures, IsEmpty());
-    std::vector<char> data;
-    SaveRequest write_back = Request(p, 3, &data);
-    TS_EXPECT_OK((*mgr)->FinishRestore(&*restore, &write_back));
+    // Boxes that are not the bytes as stored are no write-back: a cast, zeros past the shape.
+    EXPECT_FALSE(WriteBackRequest(*restore->source,
+                                  {{{"w", BoxOf(p), DType::kFloat64}, kept[0].buffer}},
+                                  Codec::kNone, 3)
+                     .has_value());
+    EXPECT_FALSE(WriteBackRequest(*restore->source,
+                                  {{{"w", Box({6, 0}, {4, kShape[1]}), DType::kFloat32},
+                                    kept[0].buffer}},
+                                  Codec::kNone, 3)
+                     .has_value());
+    // The write-back saves the engine's host buffer itself (no copy); a replica of the box (a
+    // second device's request for it) is not a second shard.
+    const char* restored = kept[0].buffer->data();
+    kept.push_back(kept[0]);
+    std::optional<SaveRequest> write_back =
+        WriteBackRequest(*restore->source, std::move(kept), Codec::kNone, 3);
+    ASSERT_TRUE(write_back.has_value());
+    ASSERT_EQ(write_back->arrays.size(), 1u);
+    ASSERT_EQ(write_back->arrays[0].shards.size(), 1u);
+    EXPECT_EQ(write_back->arrays[0].shards[0].data, restored);
+    EXPECT_EQ(write_back->arrays[0].shards[0].box, BoxOf(p));
+    EXPECT_EQ(write_back->arrays[0].spec.shape, kShape);
+    bool wrote_back = false;
+    TS_EXPECT_OK((*mgr)->FinishRestore(&*restore, &*write_back, "", nullptr, &wrote_back));
+    EXPECT_TRUE(wrote_back);
     TS_EXPECT_OK((*mgr)->Close());
     // Every node holds this process's part of step 3 again (the wiped ones included).
     EXPECT_THAT((*mgr)->local().LocalSteps(), ElementsAre(3));
