@@ -437,7 +437,8 @@ void InitManager(Manager* self, const std::string& root, int64_t max_to_keep, in
     Result<std::unique_ptr<MultiTierManager>> tiers = [&] {
       nb::gil_scoped_release release;  // Open waits for the other processes
       return MultiTierManager::Open(kv, {.persistent = std::move(options),
-                                         .local = *std::move(local)});
+                                         .local = *std::move(local),
+                                         .persistent_name = root});
     }();
     status = tiers.status();
     if (tiers.ok()) self->set_tiers(*std::move(tiers));

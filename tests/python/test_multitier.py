@@ -136,6 +136,23 @@ def test_single_process_local_tier(tmp_path):
         assert mgr.last_restore_stats.bytes_from["persistent"] == 4000
 
 
+def test_holdings_name_their_run_by_the_root_as_the_user_gave_it(tmp_path):
+    # The run a holding carries is "<root> <run id>", the name earlier releases wrote: were it
+    # named otherwise, an upgrade between two restarts would delete the node's newest holdings
+    # as another run's.
+    root = tmp_path / "persistent"
+    with tensorstash.CheckpointManager(root, local_dir=tmp_path / "local",
+                                       save_interval_steps=100) as mgr:
+        mgr.save(1, {"w": np.ones(8, np.float32)})
+        mgr.wait_until_finished()
+        run = f"{os.path.abspath(root)} {mgr._ext.run_id()}".encode()
+    values = [p for p in (tmp_path / "local").rglob("process/0")]
+    assert values, "the local save wrote no holding"
+    for path in values:
+        data = path.read_bytes()
+        assert len(run).to_bytes(4, "little") + run in data, (path, data[:200])
+
+
 class DeviceOnly:
     """A stand-in for an array in device memory that cannot be copied back to the host."""
 

@@ -29,7 +29,9 @@ Result<std::unique_ptr<MultiTierManager>> MultiTierManager::Open(KvStore* persis
       (options.local.coordinator == nullptr || options.local.coordinator->process_index() == 0)) {
     Result<std::string> run_id = (*manager)->RunId();
     if (!run_id.ok()) return run_id.status();
-    options.local.run = StrCat(persistent->Describe(), " ", *run_id);
+    options.local.run = StrCat(
+        options.persistent_name.empty() ? persistent->Describe() : options.persistent_name, " ",
+        *run_id);
   }
   Result<std::unique_ptr<LocalTier>> local = LocalTier::Open(std::move(options.local));
   if (!local.ok()) return local.status();

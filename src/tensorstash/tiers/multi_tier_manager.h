@@ -44,6 +44,11 @@ struct MultiTierOptions {
   ManagerOptions persistent;
   // Its coordinator, when null, is persistent.coordinator.
   LocalTierOptions local;
+  // How the local tier's run (when local.run is empty) names the persistent store, before its
+  // RunId; empty: the store's Describe(). The Python front passes the root as its user gave it,
+  // the name holdings written by earlier versions carry, so that an upgrade between two
+  // restarts keeps the node's holdings (a different run's holdings are deleted at open).
+  std::string persistent_name;
 };
 
 // One box a restore read into host memory (RestoreToHost's HostBatch), kept for the write-back.
