@@ -16,6 +16,8 @@
 #include "tensorstash/testing/checkpoint_test_util.h"
 #include "tensorstash/testing/in_process_coordinator.h"
 #include "tensorstash/testing/status_test_macros.h"
+#include "tensorstash/util/crc32c.h"
+#include "tensorstash/util/endian.h"
 
 namespace tensorstash {
 namespace {
@@ -240,6 +242,45 @@ TEST_F(CheckpointPhasedTest, TamperedOrForeignBytesAreRefused) {
   // Untouched, the same bytes commit.
   TS_ASSERT_OK(save.writers[0].writer->CommitParts(DecodeAll(save.bytes)));
   ExpectArraysRestore(kv_.get(), "job/0000000001");
+}
+
+// Every prefix of a part is refused, and so is a part whose CRC is right but whose counts are
+// absurd (no allocation follows what a hostile blob claims).
+TEST(WrittenPartEncodingTest, TruncationsAndHostileCountsAreErrors) {
+  WrittenPart part;
+  part.dir = "job/0000000001";
+  part.attempt = "00ab";
+  part.process_index = 1;
+  part.process_count = 2;
+  part.array_digests = {"d0", "d1"};
+  part.index.files = {{"data/1-0.dat", 96}};
+  part.index.entries = {{0, 0, 0, 0, 48, 7}, {1, 0, 0, 48, 48, 9}};
+  part.files["process/1"] = {5, 42};
+  part.stats.chunks = 2;
+  Result<std::string> bytes = EncodeWrittenPart(part);
+  TS_ASSERT_OK(bytes.status());
+  Result<WrittenPart> back = DecodeWrittenPart(*bytes, "part");
+  TS_ASSERT_OK(back.status());
+  EXPECT_EQ(back->dir, part.dir);
+  EXPECT_EQ(back->attempt, part.attempt);
+  EXPECT_EQ(back->process_index, 1);
+  EXPECT_EQ(back->array_digests, part.array_digests);
+  EXPECT_EQ(back->index.entries, part.index.entries);
+  EXPECT_EQ(back->index.files, part.index.files);
+  EXPECT_EQ(back->files.at("process/1").crc32c, 42u);
+  EXPECT_EQ(back->stats.chunks, 2u);
+  for (size_t n = 0; n < bytes->size(); ++n) {
+    EXPECT_FALSE(DecodeWrittenPart(std::string_view(*bytes).substr(0, n), "prefix").ok()) << n;
+  }
+  // The array count (after the header, dir and attempt) set to 2^31, the CRC made right.
+  std::string hostile = bytes->substr(0, bytes->size() - 4);
+  const size_t count_at = 16 + 4 + part.dir.size() + 4 + part.attempt.size() + 8;
+  ASSERT_EQ(GetLE32(hostile.data() + count_at), 2u);
+  hostile[count_at + 3] = static_cast<char>(0x80);
+  PutLE32(&hostile, Crc32c(hostile));
+  Result<WrittenPart> bad = DecodeWrittenPart(hostile, "hostile part");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kDataLoss) << bad.status();
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("hostile part"));
 }
 
 TEST_F(CheckpointPhasedTest, AMissingPartIsRefusedAndNothingIsLeft) {
