@@ -1,21 +1,23 @@
 // `tensorstash convert SRC DST`: rewrite a checkpoint in the other format.
 //
-// native -> Orbax (OCDBT + zarr3, what orbax-checkpoint restores) streams: each zarr chunk is
-// read from the source when the writer needs it, so memory stays at a few chunks. Orbax (or a
-// zarr group) -> native reads through StepSource; the native writer then holds each array whole
-// in memory until the commit. DST appears whole or not at all, and an
+// Both directions stream: each chunk is read from the source (StepSource: native, Orbax, a zarr
+// group) when the writer writes it (a ChunkSource, array/chunk_source.h), so memory stays at a
+// few chunks (the writer's max_inflight_bytes). DST appears whole or not at all, and an
 // existing DST is refused unless --overwrite. Ctrl-C (or SIGTERM) makes the next read of the
 // source fail, so that the writer removes its temporary folder before the command exits (130);
 // a second signal ends it at once.
 #include <signal.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
-#include <new>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -170,44 +172,59 @@ Status WriteOrbax(ConvertSource* source, StepLocation* dst, bool overwrite,
   return writer->Commit(nullptr, [&](uint64_t done, uint64_t) { bar.Update(done); });
 }
 
-Status WriteNative(ConvertSource* source, StepLocation* dst, bool overwrite) {
+// The bytes free (to an unprivileged user) on the filesystem of DST when it is a local path
+// (or file:// URL), from its nearest existing folder; nothing for another store.
+std::optional<uint64_t> FreeBytesAt(std::string_view dst) {
+  if (dst.rfind("file://", 0) == 0) {
+    dst.remove_prefix(7);
+  } else if (dst.find("://") != std::string_view::npos) {
+    return std::nullopt;
+  }
+  std::error_code error;
+  std::filesystem::path at = std::filesystem::absolute(std::filesystem::path(dst), error);
+  if (error) return std::nullopt;
+  while (!std::filesystem::exists(at, error) && at.has_parent_path() && at != at.root_path()) {
+    at = at.parent_path();
+  }
+  struct statvfs fs;
+  if (::statvfs(at.c_str(), &fs) != 0) return std::nullopt;
+  return static_cast<uint64_t>(fs.f_bavail) * static_cast<uint64_t>(fs.f_frsize);
+}
+
+Status WriteNative(ConvertSource* source, StepLocation* dst, bool overwrite,
+                   std::optional<uint64_t> free_at_dst) {
   WriterOptions options;
   options.overwrite = overwrite;
   TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
                       CheckpointWriter::Create(dst->kv.get(), dst->key, options));
-  // The native writer reads its shards during Commit: each array is read whole first, so the
-  // whole checkpoint is in memory at once. What the metadata claims is checked against the
-  // machine's memory before anything is allocated (a hostile shape must not abort us).
+  // Each chunk is read from the source when the writer writes it (a chunk source): at most
+  // max_inflight_bytes of the checkpoint is in memory at once, however large it is. What the
+  // metadata claims is checked first against the space free at a local DST, so that a hostile
+  // shape of fill values fails at once instead of filling the disk.
   const uint64_t total = TotalBytes(*source);
-  const uint64_t memory = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
-                          static_cast<uint64_t>(sysconf(_SC_PAGE_SIZE));
-  if (total > memory) {
-    return ResourceExhaustedError(StrCat(
-        "converting to the tensorstash format holds every array in memory: the source's arrays "
-        "claim ",
-        total, " bytes, more than this machine's ", memory, " bytes of memory"));
+  if (free_at_dst.has_value() && total > *free_at_dst) {
+    return ResourceExhaustedError(StrCat("the source's arrays claim ", total,
+                                         " bytes, more than the ", *free_at_dst,
+                                         " bytes free at '", dst->key, "'"));
   }
-  std::vector<std::unique_ptr<char[]>> buffers;
-  const std::vector<SourceArray>& arrays = source->arrays();
-  ProgressBar bar("read", total);
+  ProgressBar bar("convert", total);
+  std::mutex progress_mutex;  // chunks are read from several threads
   uint64_t done = 0;
+  const std::vector<SourceArray>& arrays = source->arrays();
   for (size_t id = 0; id < arrays.size(); ++id) {
     const SourceArray& a = arrays[id];
-    const Box box = Box::FromShape(a.shape);
-    const size_t bytes = static_cast<size_t>(box.num_elements()) * ItemSize(a.dtype);
-    buffers.emplace_back(new (std::nothrow) char[std::max<size_t>(bytes, 1)]);
-    if (buffers.back() == nullptr) {
-      return ResourceExhaustedError(
-          StrCat("no memory for the ", bytes, " bytes of array '", a.path, "'"));
-    }
-    TS_RETURN_IF_ERROR(source->Read(id, box, buffers.back().get()));
-    done += bytes;
-    bar.Update(done);
     ArraySpec spec;
     spec.path = a.path;
     spec.dtype = a.dtype;
     spec.shape = a.shape;
-    TS_RETURN_IF_ERROR(writer->AddArray(std::move(spec), {{box, buffers.back().get(), 0, 1}}));
+    ChunkSource read = [&, id](const Box& box, void* dest) {
+      TS_RETURN_IF_ERROR(source->Read(id, box, dest));
+      std::lock_guard<std::mutex> lock(progress_mutex);
+      done += static_cast<uint64_t>(box.num_elements()) * ItemSize(arrays[id].dtype);
+      bar.Update(done);
+      return OkStatus();
+    };
+    TS_RETURN_IF_ERROR(writer->AddArrayFromSource(std::move(spec), std::move(read)));
   }
   writer->SetTree(source->tree());
   return writer->Commit();
@@ -242,7 +259,8 @@ int RunConvert(const std::string& src, const std::string& dst, const std::string
   {
     InterruptGuard guard;
     status = target == Format::kOrbax ? WriteOrbax(source.get(), &*destination, overwrite, item)
-                                      : WriteNative(source.get(), &*destination, overwrite);
+                                      : WriteNative(source.get(), &*destination, overwrite,
+                                                    FreeBytesAt(dst));
     if (status.ok() && g_interrupted != 0) status = OkStatus();  // it finished all the same
   }
   if (absl::IsCancelled(status) && g_interrupted != 0) {

@@ -1,7 +1,10 @@
 // tensorstash._ext.Writer: CheckpointWriter on a store opened by URL (kvstore/registry.h).
 //
-// Shards are saved without a copy: the writer reads the caller's arrays during commit(), so the
-// Writer keeps a reference to each of them until commit() returns. commit() releases the GIL; a
+// Shards are saved without a copy: the writer reads the caller's arrays during commit() (or
+// write_part()), so the Writer keeps a reference to each of them until it returns. The save's
+// two phases are bound too (checkpoint_writer.h): write_part() on every process gives the bytes
+// of what it wrote, commit_parts() on one process commits every process's bytes (PyTorch DCP's
+// storage writer is built on them). commit() and write_part() release the GIL; a
 // Python coordinator takes it back for each call. The Writer takes part in garbage collection
 // because a coordinator can refer back to it (e.g. through the traceback of an exception it
 // keeps), a cycle that runs through C++ members the collector cannot otherwise see.
@@ -11,10 +14,12 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -28,6 +33,7 @@
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/format/tree.h"
 #include "tensorstash/kvstore/kvstore.h"
+#include "tensorstash/util/str_util.h"
 
 namespace nb = nanobind;
 
@@ -81,6 +87,51 @@ class Writer {
     committing_ = false;
     shard_arrays_.clear();  // The writer is done with them, whatever the outcome.
     ThrowIfError(status);
+    return StatsDict(stats);
+  }
+
+  nb::bytes WritePart() {
+    ThrowIfError(CheckUsable());
+    committing_ = true;
+    Result<std::string> bytes = std::string();
+    {
+      nb::gil_scoped_release release;
+      Result<WrittenPart> part = writer_->WritePart();
+      bytes = part.ok() ? EncodeWrittenPart(*part) : Result<std::string>(part.status());
+    }
+    committing_ = false;
+    shard_arrays_.clear();  // Written (or failed): the writer reads them no more.
+    ThrowIfError(bytes.status());
+    return nb::bytes(bytes->data(), bytes->size());
+  }
+
+  nb::dict CommitParts(const std::vector<nb::bytes>& encoded) {
+    ThrowIfError(CheckUsable());
+    std::vector<WrittenPart> parts;
+    WriteStats total;
+    for (size_t i = 0; i < encoded.size(); ++i) {
+      WrittenPart part = ValueOrThrow(DecodeWrittenPart(
+          std::string_view(encoded[i].c_str(), encoded[i].size()), StrCat("part ", i)));
+      total.raw_bytes += part.stats.raw_bytes;
+      total.stored_bytes += part.stats.stored_bytes;
+      total.chunks += part.stats.chunks;
+      total.data_files += part.stats.data_files;
+      total.seconds = std::max(total.seconds, part.stats.seconds);
+      parts.push_back(std::move(part));
+    }
+    committing_ = true;
+    Status status;
+    {
+      nb::gil_scoped_release release;
+      status = writer_->CommitParts(std::move(parts));
+    }
+    committing_ = false;
+    ThrowIfError(status);
+    return StatsDict(total);
+  }
+
+ private:
+  static nb::dict StatsDict(const WriteStats& stats) {
     nb::dict result;
     result["raw_bytes"] = stats.raw_bytes;
     result["stored_bytes"] = stats.stored_bytes;
@@ -90,7 +141,6 @@ class Writer {
     return result;
   }
 
- private:
   Status CheckUsable() const {
     // commit() runs without the GIL, so another Python thread could reach the writer meanwhile;
     // CheckpointWriter is used by one thread at a time.
@@ -151,7 +201,18 @@ void DefineWriter(nb::module_& m) {
            "Replaces the default tree with a node in the \"tree\" schema of docs/format.md.")
       .def("commit", &Writer::Commit, nb::sig("def commit(self) -> dict[str, int | float]"),
            "Writes the chunks and commits the step; returns raw_bytes, stored_bytes, chunks, "
-           "data_files and seconds. May be called once.");
+           "data_files and seconds. May be called once.")
+      .def("write_part", &Writer::WritePart, nb::sig("def write_part(self) -> bytes"),
+           "Phase 1 of a save, instead of commit(), on every process together: writes this "
+           "process's chunks and files and returns what it wrote, as bytes to carry to the "
+           "process that commits. Nothing is visible before commit_parts(). May be called once.")
+      .def("commit_parts", &Writer::CommitParts, nb::arg("parts"),
+           nb::sig("def commit_parts(self, parts: list[bytes]) -> dict[str, int | float]"),
+           "Phase 2, on one process whose writer ran write_part(), once every process's "
+           "write_part() has returned: commits the step with every process's bytes (any order). "
+           "Returns the totals of raw_bytes, stored_bytes, chunks, data_files, and the longest "
+           "seconds. ValueError naming the process for a missing, repeated or foreign part, or "
+           "an array not covered; on failure nothing is visible.");
 }
 
 }  // namespace tensorstash::python

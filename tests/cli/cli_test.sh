@@ -107,7 +107,7 @@ for what in grid shape; do
     (ulimit -v 2097152; timeout 60 "$CLI" "$cmd" "${args[@]}") > "$WORK/hostile.txt" 2>&1
     code=$?
     # A huge shape on a plausible grid with no chunk stored is a valid array of fill values:
-    # verify checks that nothing is stored and passes it; convert to native cannot hold it.
+    # verify checks that nothing is stored and passes it; convert to native cannot store it.
     want=2
     [ "$what/$cmd" = shape/verify ] && want=0
     check "$cmd of a checkpoint with a hostile $what exits $want (got $code)" test "$code" -eq "$want"
@@ -116,7 +116,7 @@ done
 "$CLI" verify "$WORK/hostile_grid" > "$WORK/hostile.txt" 2>&1
 check "the error names the absurd grid" grep -q "1099511627776 chunks" "$WORK/hostile.txt"
 "$CLI" convert --to native "$WORK/hostile_shape" "$WORK/converted_shape" > "$WORK/hostile.txt" 2>&1
-check "convert says the arrays do not fit in memory" grep -q "more than this machine's" "$WORK/hostile.txt"
+check "convert says the arrays do not fit on the disk" grep -q "bytes free at" "$WORK/hostile.txt"
 check "a failed convert leaves nothing at DST" test ! -e "$WORK/converted_shape"
 
 "$CLI" inspect "$WORK/nope" > "$WORK/missing.txt" 2>&1

@@ -13,12 +13,16 @@
 //  2. Each process publishes, per array, the gcd of its shard boundaries and a digest of the
 //     array's spec ("cells/<p>"). Every process checks that all digests agree (else every
 //     process fails with InvalidArgument) and merges the gcds into the same chunk grid per array.
-//  3. Each process writes its chunks into its own data files "state/data/<p>-<seq>.dat", syncs
-//     them, writes its index part "state/index.part-<p>" (processes > 0), and publishes its
-//     status ("status/<p>").
+//  3. Each process writes its chunks into its own data files "state/data/<p>-<seq>.dat" and its
+//     whole files, syncs them: what it wrote is its WrittenPart (steps 1-3 are WritePart).
+//     Processes > 0 write their part's bytes to "state/index.part-<p>" (the coordinator's store
+//     is meant for small values; a part lists every chunk), and each publishes its status
+//     ("status/<p>").
 //  4. Process 0 waits for every status (all of them, even after an error, so that it never
-//     removes the folder while another process still writes into it). If all are OK it merges
-//     the index parts, checks that every chunk of every array was written exactly once, writes
+//     removes the folder while another process still writes into it). If all are OK it reads
+//     the parts and commits them (CommitParts, which a caller carrying the parts itself runs on
+//     the process of its choice): checks that they belong to this save, that every process
+//     described the arrays alike, that every chunk of every array was written exactly once, writes
 //     state/index and state/tree.json, syncs them, and writes COMMIT last (with the CRC-32C of
 //     both files). With rename it then renames the temporary folder to <dir> and syncs the
 //     parent folder: the step appears whole, or not at all. It publishes the outcome
@@ -37,6 +41,7 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <utility>
 
 #include "tensorstash/array/chunk_grid.h"
 #include "tensorstash/coordination/collectives.h"
@@ -54,6 +59,7 @@
 #include "tensorstash/format/index_format.h"
 #include "tensorstash/util/copy_bytes.h"
 #include "tensorstash/util/crc32c.h"
+#include "tensorstash/util/endian.h"
 #include "tensorstash/util/random_id.h"
 #include "tensorstash/util/thread_pool.h"
 
@@ -64,6 +70,7 @@ struct ArrayEntry {
   ArraySpec spec;
   std::vector<ShardData> shards;
   ChunkGrid grid;
+  ChunkSource source;  // set: one whole-array shard whose chunks `source` produces
 };
 
 // A planned chunk write (engine/write_plan.h) and what executing it needs.
@@ -124,28 +131,51 @@ std::string ArrayDigest(const ArraySpec& spec, int64_t target_chunk_bytes) {
                     '\0', target_chunk_bytes)));
 }
 
-// Adds another process's "files/<p>" listing ("<size> <crc> <name>" lines) to `files`.
-Status MergeFileListing(std::string_view listing, int from,
-                        std::map<std::string, CommitFile>* files) {
-  for (std::string_view line : StrSplit(listing, '\n')) {
-    if (line.empty()) continue;
-    const size_t a = line.find(' ');
-    const size_t b = a == std::string_view::npos ? a : line.find(' ', a + 1);
-    CommitFile f;
-    uint64_t crc = 0;
-    if (b == std::string_view::npos || !ParseInt(line.substr(0, a), &f.size) ||
-        !ParseInt(line.substr(a + 1, b - a - 1), &crc) || crc > UINT32_MAX) {
-      return InternalError(StrCat("malformed file listing from process ", from));
-    }
-    f.crc32c = static_cast<uint32_t>(crc);
-    const std::string name(line.substr(b + 1));
-    if (!files->emplace(name, f).second) {
-      return InvalidArgumentError(StrCat("file '", name, "' was added by process ", from,
-                                         " and by another process; names must be unique"));
-    }
-  }
-  return OkStatus();
+// Written-part encoding: "TSPART\0\0", u16 major, u16 minor, u32 reserved, then the fields
+// (strings as u32 length + bytes), then u32 CRC-32C of everything before it.
+constexpr char kPartMagic[8] = {'T', 'S', 'P', 'A', 'R', 'T', '\0', '\0'};
+constexpr uint16_t kPartMajorVersion = 1;
+constexpr uint16_t kPartMinorVersion = 0;
+// Bounds on what a decoded part may claim, so that a hostile length cannot make us allocate.
+constexpr uint32_t kMaxPartStrings = uint32_t{1} << 24;
+
+void PutString(std::string* out, std::string_view v) {
+  PutLE32(out, static_cast<uint32_t>(v.size()));
+  out->append(v);
 }
+
+// Reads the fields of a part in order; the first short read makes it fail (and stay failed).
+class PartReader {
+ public:
+  explicit PartReader(std::string_view body) : rest_(body) {}
+  bool ok() const { return ok_; }
+  bool done() const { return rest_.empty(); }
+  uint32_t U32() { return static_cast<uint32_t>(Fixed(4)); }
+  uint64_t U64() { return Fixed(8); }
+  std::string String() {
+    const uint32_t n = U32();
+    if (!ok_ || n > rest_.size()) {
+      ok_ = false;
+      return {};
+    }
+    std::string v(rest_.substr(0, n));
+    rest_.remove_prefix(n);
+    return v;
+  }
+
+ private:
+  uint64_t Fixed(size_t n) {
+    if (!ok_ || rest_.size() < n) {
+      ok_ = false;
+      return 0;
+    }
+    const uint64_t v = n == 4 ? GetLE32(rest_.data()) : GetLE64(rest_.data());
+    rest_.remove_prefix(n);
+    return v;
+  }
+  std::string_view rest_;
+  bool ok_ = true;
+};
 
 }  // namespace
 
@@ -166,6 +196,89 @@ Status ValidateStepFileName(std::string_view name) {
   return OkStatus();
 }
 
+Result<std::string> EncodeWrittenPart(const WrittenPart& part) {
+  TS_ASSIGN_OR_RETURN(std::string index, EncodeIndex(part.index));
+  std::string out(kPartMagic, sizeof(kPartMagic));
+  PutLE16(&out, kPartMajorVersion);
+  PutLE16(&out, kPartMinorVersion);
+  PutLE32(&out, 0);  // reserved
+  PutString(&out, part.dir);
+  PutString(&out, part.attempt);
+  PutLE32(&out, static_cast<uint32_t>(part.process_index));
+  PutLE32(&out, static_cast<uint32_t>(part.process_count));
+  PutLE32(&out, static_cast<uint32_t>(part.array_digests.size()));
+  for (const std::string& d : part.array_digests) PutString(&out, d);
+  PutLE32(&out, static_cast<uint32_t>(part.files.size()));
+  for (const auto& [name, f] : part.files) {
+    PutString(&out, name);
+    PutLE64(&out, f.size);
+    PutLE32(&out, f.crc32c);
+  }
+  const WriteStats& st = part.stats;
+  for (uint64_t v : {st.raw_bytes, st.stored_bytes, st.chunks, st.data_files,
+                     st.peak_staged_bytes, static_cast<uint64_t>(st.seconds * 1e6)}) {
+    PutLE64(&out, v);
+  }
+  PutString(&out, index);
+  PutLE32(&out, Crc32c(out));
+  return out;
+}
+
+Result<WrittenPart> DecodeWrittenPart(std::string_view bytes, std::string_view where) {
+  constexpr size_t kHeader = sizeof(kPartMagic) + 8;
+  if (bytes.size() < kHeader + 4 || bytes.substr(0, sizeof(kPartMagic)) !=
+                                        std::string_view(kPartMagic, sizeof(kPartMagic))) {
+    return InvalidArgumentError(StrCat(where, ": not a written part of a tensorstash save (",
+                                       bytes.size(), " bytes without its magic)"));
+  }
+  const uint16_t major = GetLE16(bytes.data() + 8);
+  if (major != kPartMajorVersion) {
+    return InvalidArgumentError(StrCat(where, ": written part of version ", major,
+                                       ", this build reads version ", kPartMajorVersion));
+  }
+  const std::string_view body = bytes.substr(0, bytes.size() - 4);
+  if (GetLE32(bytes.data() + body.size()) != Crc32c(body)) {
+    return DataLossError(StrCat(where, ": the written part is corrupt (CRC-32C mismatch)"));
+  }
+  auto corrupt = [&](std::string_view what) {
+    return DataLossError(StrCat(where, ": the written part is corrupt: ", what));
+  };
+  PartReader r(body.substr(kHeader));
+  WrittenPart part;
+  part.dir = r.String();
+  part.attempt = r.String();
+  part.process_index = static_cast<int>(r.U32());
+  part.process_count = static_cast<int>(r.U32());
+  const uint32_t arrays = r.U32();
+  if (!r.ok() || arrays > kMaxPartStrings) return corrupt("bad array count");
+  for (uint32_t i = 0; i < arrays && r.ok(); ++i) part.array_digests.push_back(r.String());
+  const uint32_t files = r.U32();
+  if (!r.ok() || files > kMaxPartStrings) return corrupt("bad file count");
+  for (uint32_t i = 0; i < files && r.ok(); ++i) {
+    std::string name = r.String();
+    CommitFile f;
+    f.size = r.U64();
+    f.crc32c = r.U32();
+    if (r.ok() && !part.files.emplace(std::move(name), f).second) {
+      return corrupt("a file is listed twice");
+    }
+  }
+  WriteStats& st = part.stats;
+  for (uint64_t* v : {&st.raw_bytes, &st.stored_bytes, &st.chunks, &st.data_files,
+                      &st.peak_staged_bytes}) {
+    *v = r.U64();
+  }
+  st.seconds = static_cast<double>(r.U64()) / 1e6;
+  const std::string index = r.String();
+  if (!r.ok() || !r.done()) return corrupt("its fields do not fill it exactly");
+  if (part.process_count < 1 || part.process_index < 0 ||
+      part.process_index >= part.process_count) {
+    return corrupt(StrCat("process ", part.process_index, " of ", part.process_count));
+  }
+  TS_ASSIGN_OR_RETURN(part.index, DecodeIndex(index, StrCat(where, " (its chunk index)")));
+  return part;
+}
+
 struct CheckpointWriter::Impl {
   KvStore* kv;
   std::string dir;
@@ -182,15 +295,23 @@ struct CheckpointWriter::Impl {
   std::string key_prefix;               // for coordinator keys of this commit
   std::string work_dir;                 // where files are written (temporary folder, or dir)
   bool commit_outcome_unknown = false;  // object stores: the record may exist (CommitAttempt)
-  std::string nonce;
+  std::string nonce;                    // the save's id, process 0's (WrittenPart::attempt)
+  std::vector<std::string> part_digests;  // per array: spec and grid (WrittenPart)
+  bool part_written = false;              // WritePart succeeded
+  bool parts_committed = false;           // CommitParts was called
 
+  Status Begin();
   Status AgreeOnGrids();
+  Status WriteOwnPart(WrittenPart* part);
   Status WriteLocal(ChunkIndex* local, WriteStats* stats);
   Status GatherChunk(const ChunkTask& task, char* out) const;
   Status WriteChunk(const ChunkTask& task, std::string_view raw, DataFileSet* files,
                     std::mutex* mutex, std::vector<IndexEntry>* entries, WriteStats* stats);
   Status WriteFiles(std::map<std::string, CommitFile>* written);
-  Status MergeAndCommit(ChunkIndex local, std::map<std::string, CommitFile> committed_files);
+  Status PutPart(const WrittenPart& part);
+  Status TakeParts(std::vector<WrittenPart>* parts);
+  Status CheckAndCommitParts(std::vector<WrittenPart> parts);
+  Status MergeAndCommit(ChunkIndex merged, std::map<std::string, CommitFile> committed_files);
   void ReleaseSources() {
     if (on_sources_released) std::exchange(on_sources_released, nullptr)();
   }
@@ -252,7 +373,7 @@ Status CheckpointWriter::AddArray(ArraySpec spec, std::vector<ShardData> shards)
   if (!impl_->array_paths.insert(spec.path).second) {
     return InvalidArgumentError(StrCat(what, " was added twice"));
   }
-  impl_->arrays.push_back({std::move(spec), std::move(shards), {}});
+  impl_->arrays.push_back({std::move(spec), std::move(shards), {}, {}});
   return OkStatus();
 }
 
@@ -271,6 +392,72 @@ Status CheckpointWriter::AddFile(std::string name, std::string contents) {
   return OkStatus();
 }
 
+Status CheckpointWriter::AddArrayFromSource(ArraySpec spec, ChunkSource source) {
+  if (!source) return InvalidArgumentError(StrCat("array '", spec.path, "': no chunk source"));
+  const size_t before = impl_->arrays.size();
+  // One shard, the whole array, replica 0 of 1; its bytes come from `source`, never `data`
+  // (marked stable: copy_sources has nothing of the caller's to copy).
+  ShardData whole{Box::FromShape(spec.shape), nullptr, 0, 1, /*stable=*/true};
+  // The shard check wants data for a non-empty box; the source stands for it.
+  static const char kNoData = 0;
+  whole.data = &kNoData;
+  TS_RETURN_IF_ERROR(AddArray(std::move(spec), {whole}));
+  if (impl_->arrays.size() == before) return InternalError("array not added");
+  impl_->arrays.back().source = std::move(source);
+  impl_->arrays.back().shards[0].data = nullptr;
+  return OkStatus();
+}
+
+Status CheckpointWriter::Impl::Begin() {
+  Coordinator& c = *coordinator;
+  const auto timeout = options.coordination_timeout;
+  key_prefix = StrCat("tensorstash/", dir, "/", c.NextOperationId(), "/");
+
+  // 1. Process 0 prepares the folder and names the save ("<nonce>\n<work dir>").
+  Result<std::string> prepared = std::string();
+  if (c.process_index() == 0) {
+    nonce = RandomHexId();
+    prepared = StepCommitter(kv).Prepare(
+        dir, nonce, {.overwrite = options.overwrite, .writers = c.process_count()});
+    if (prepared.ok()) prepared = StrCat(nonce, "\n", *prepared);
+  }
+  TS_ASSIGN_OR_RETURN(std::string named, Broadcast(c, key_prefix + "workdir", std::move(prepared),
+                                                   /*root=*/0, timeout,
+                                                   "process 0 could not prepare the step"));
+  const size_t newline = named.find('\n');
+  if (newline == std::string::npos) {
+    return InternalError(StrCat("process 0 sent a malformed step folder for '", dir, "'"));
+  }
+  nonce = named.substr(0, newline);
+  work_dir = named.substr(newline + 1);
+
+  // 2. Agree on chunk grids.
+  TS_RETURN_IF_ERROR(AgreeOnGrids());
+  part_digests.clear();
+  for (const ArrayEntry& a : arrays) {
+    const int64_t target =
+        a.spec.target_chunk_bytes > 0 ? a.spec.target_chunk_bytes : options.target_chunk_bytes;
+    part_digests.push_back(StrCat(ArrayDigest(a.spec, target), ":",
+                                  StrJoin(a.grid.cell_shape, ","), ":",
+                                  StrJoin(a.grid.chunk_shape, ",")));
+  }
+  return OkStatus();
+}
+
+Status CheckpointWriter::Impl::WriteOwnPart(WrittenPart* part) {
+  // 3. This process's chunks, then its whole files.
+  Status written = WriteLocal(&part->index, &part->stats);
+  ReleaseSources();
+  TS_RETURN_IF_ERROR(written);
+  TS_RETURN_IF_ERROR(WriteFiles(&part->files));
+  part->dir = dir;
+  part->attempt = nonce;
+  part->process_index = coordinator->process_index();
+  part->process_count = coordinator->process_count();
+  part->array_digests = part_digests;
+  return OkStatus();
+}
+
 Status CheckpointWriter::Commit(WriteStats* stats,
                                 const std::function<void()>& on_sources_released) {
   Impl& s = *impl_;
@@ -283,64 +470,168 @@ Status CheckpointWriter::Commit(WriteStats* stats,
   if (s.commit_started) return FailedPreconditionError("Commit was already called");
   s.commit_started = true;
   const auto start = std::chrono::steady_clock::now();
-  WriteStats local_stats;
   Coordinator& c = *s.coordinator;
-  const auto timeout = s.options.coordination_timeout;
-  s.key_prefix = StrCat("tensorstash/", s.dir, "/", c.NextOperationId(), "/");
 
-  // 1. Process 0 prepares the folder.
-  Result<std::string> prepared = std::string();
-  if (c.process_index() == 0) {
-    s.nonce = RandomHexId();
-    prepared = StepCommitter(s.kv).Prepare(
-        s.dir, s.nonce, {.overwrite = s.options.overwrite, .writers = c.process_count()});
-  }
-  TS_ASSIGN_OR_RETURN(s.work_dir, Broadcast(c, s.key_prefix + "workdir", std::move(prepared),
-                                            /*root=*/0, timeout,
-                                            "process 0 could not prepare the step"));
+  // Phase 1 (steps 1-3): every process writes its part; processes > 0 hand it to process 0
+  // through the step's folder.
+  TS_RETURN_IF_ERROR(s.Begin());
+  WrittenPart part;
+  Status written = s.WriteOwnPart(&part);
+  if (written.ok() && c.process_index() > 0) written = s.PutPart(part);
+  WriteStats local_stats = part.stats;
 
-  // 2-3. Agree on chunk grids, write this process's chunks.
-  TS_RETURN_IF_ERROR(s.AgreeOnGrids());
-  ChunkIndex local;
-  Status written = s.WriteLocal(&local, &local_stats);
-  s.ReleaseSources();
-  // Then this process's whole files; their checks travel to process 0 under "files/<p>", set
-  // before the status, so that process 0 reads them without waiting once every status is OK.
-  std::map<std::string, CommitFile> committed_files;
-  if (written.ok()) written = s.WriteFiles(&committed_files);
-  std::string listing;
-  for (const auto& [name, f] : committed_files) {
-    listing += StrCat(f.size, " ", f.crc32c, " ", name, "\n");
-  }
-  const std::string files_prefix = StrCat(s.key_prefix, "files/");
-  TS_RETURN_IF_ERROR(PublishValue(c, files_prefix, listing));
-
-  // 4-5. Every status reaches process 0 (all of them, even after an error: the folder may only
-  // be removed once no process writes into it any more), which commits or cleans up, and every
-  // process learns the outcome.
+  // Phase 2 (steps 4-5): every status reaches process 0 (all of them, even after an error: the
+  // folder may only be removed once no process writes into it any more), which commits the
+  // parts or cleans up, and every process learns the outcome.
   auto commit_or_clean_up = [&](const Status& all_written) -> Status {
     Status result = all_written;
+    std::vector<WrittenPart> parts;
+    if (result.ok()) result = s.TakeParts(&parts);
     if (result.ok()) {
-      std::vector<int> others;
-      for (int p = 1; p < c.process_count(); ++p) others.push_back(p);
-      Result<std::map<int, std::string>> listings = CollectValues(c, files_prefix, others, timeout);
-      result = listings.status();
-      for (int p : others) {
-        if (result.ok()) result = MergeFileListing((*listings)[p], p, &committed_files);
-      }
+      parts.push_back(std::move(part));
+      result = s.CheckAndCommitParts(std::move(parts));
     }
-    if (result.ok()) result = s.MergeAndCommit(std::move(local), std::move(committed_files));
     // A commit whose outcome is unknown may have made the attempt the step: it stays (gc).
     if (!result.ok() && !s.commit_outcome_unknown) s.RemoveWorkDir();
     return result;
   };
-  const Status verdict = AgreeOnStatus(c, s.key_prefix, written, timeout, commit_or_clean_up);
+  const Status verdict = AgreeOnStatus(c, s.key_prefix, written, s.options.coordination_timeout,
+                                       commit_or_clean_up);
   // A process that failed reports its own error, the others the first error of any process.
   const Status result = written.ok() ? verdict : written;
   local_stats.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (stats != nullptr) *stats = local_stats;
   return result;
+}
+
+Result<WrittenPart> CheckpointWriter::WritePart(const std::function<void()>& on_sources_released) {
+  Impl& s = *impl_;
+  if (on_sources_released) s.on_sources_released = on_sources_released;
+  struct ReleaseOnExit {
+    Impl* impl;
+    ~ReleaseOnExit() { impl->ReleaseSources(); }
+  } release_on_exit{&s};
+  if (s.commit_started) return FailedPreconditionError("Commit or WritePart was already called");
+  s.commit_started = true;
+  const auto start = std::chrono::steady_clock::now();
+  TS_RETURN_IF_ERROR(s.Begin());
+  WrittenPart part;
+  TS_RETURN_IF_ERROR(s.WriteOwnPart(&part));
+  part.stats.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  s.part_written = true;
+  return part;
+}
+
+Status CheckpointWriter::CommitParts(std::vector<WrittenPart> parts) {
+  Impl& s = *impl_;
+  if (!s.part_written) {
+    return FailedPreconditionError(
+        StrCat("CommitParts of step '", s.dir, "' needs this writer's own WritePart first"));
+  }
+  if (s.parts_committed) return FailedPreconditionError("CommitParts was already called");
+  s.parts_committed = true;
+  Status result = s.CheckAndCommitParts(std::move(parts));
+  if (!result.ok() && !s.commit_outcome_unknown) s.RemoveWorkDir();
+  return result;
+}
+
+Status CheckpointWriter::Impl::PutPart(const WrittenPart& part) {
+  TS_ASSIGN_OR_RETURN(std::string bytes, EncodeWrittenPart(part));
+  const std::string key = StrCat(ItemDir(work_dir, kStateItem), "/", kIndexFileName, ".part-",
+                                 part.process_index);
+  TS_RETURN_IF_ERROR(kv->Write(key, bytes));
+  if (options.sync) TS_RETURN_IF_ERROR(kv->Sync(key));
+  return OkStatus();
+}
+
+Status CheckpointWriter::Impl::TakeParts(std::vector<WrittenPart>* parts) {
+  const std::string item_dir = ItemDir(work_dir, kStateItem);
+  for (int p = 1; p < coordinator->process_count(); ++p) {
+    const std::string key = StrCat(item_dir, "/", kIndexFileName, ".part-", p);
+    TS_ASSIGN_OR_RETURN(std::string bytes, kv->Read(key));
+    TS_ASSIGN_OR_RETURN(WrittenPart part, DecodeWrittenPart(bytes, key));
+    parts->push_back(std::move(part));
+    TS_RETURN_IF_ERROR(kv->Delete(key));
+  }
+  return OkStatus();
+}
+
+Status CheckpointWriter::Impl::CheckAndCommitParts(std::vector<WrittenPart> parts) {
+  const int n = coordinator->process_count();
+  std::sort(parts.begin(), parts.end(), [](const WrittenPart& a, const WrittenPart& b) {
+    return a.process_index < b.process_index;
+  });
+  std::vector<bool> seen(static_cast<size_t>(n), false);
+  for (const WrittenPart& part : parts) {
+    const int p = part.process_index;
+    if (part.dir != dir || part.attempt != nonce) {
+      return InvalidArgumentError(StrCat("the part of process ", p,
+                                         " belongs to another save (step '", part.dir,
+                                         "', attempt ", part.attempt, "), not to step '", dir,
+                                         "', attempt ", nonce));
+    }
+    if (part.process_count != n || p < 0 || p >= n) {
+      return InvalidArgumentError(StrCat("the part of process ", p, " of ", part.process_count,
+                                         " does not fit a save by ", n, " processes"));
+    }
+    if (seen[static_cast<size_t>(p)]) {
+      return InvalidArgumentError(StrCat("two parts come from process ", p));
+    }
+    seen[static_cast<size_t>(p)] = true;
+  }
+  for (int p = 0; p < n; ++p) {
+    if (!seen[static_cast<size_t>(p)]) {
+      return InvalidArgumentError(StrCat("no part from process ", p, " of ", n,
+                                         ": the step is committed with every process's part"));
+    }
+  }
+  ChunkIndex merged;
+  std::map<std::string, CommitFile> committed_files;
+  for (WrittenPart& part : parts) {
+    const int p = part.process_index;
+    if (part.array_digests.size() != arrays.size()) {
+      return InvalidArgumentError(StrCat("process ", p, " described ", part.array_digests.size(),
+                                         " arrays, this one ", arrays.size(),
+                                         "; every process must add the same arrays in the "
+                                         "same order"));
+    }
+    for (size_t i = 0; i < arrays.size(); ++i) {
+      if (part.array_digests[i] != part_digests[i]) {
+        return InvalidArgumentError(
+            StrCat("array '", arrays[i].spec.path, "' (number ", i, ") is described differently ",
+                   "by process ", p, " and by process ", coordinator->process_index(),
+                   " (path, dtype, shape, codec, chunk size or grid)"));
+      }
+    }
+    const std::string own_files = StrCat("data/", p, "-");
+    for (const DataFileInfo& f : part.index.files) {
+      if (f.name.rfind(own_files, 0) != 0) {
+        return InvalidArgumentError(StrCat("the part of process ", p, " names data file '",
+                                           f.name, "', which is not one of its own"));
+      }
+    }
+    const uint32_t base = static_cast<uint32_t>(merged.files.size());
+    for (DataFileInfo& f : part.index.files) merged.files.push_back(std::move(f));
+    for (IndexEntry e : part.index.entries) {
+      if (e.array_id >= arrays.size() ||
+          e.chunk >= static_cast<uint64_t>(arrays[e.array_id].grid.NumChunks())) {
+        return InvalidArgumentError(StrCat("the part of process ", p, " has chunk ", e.chunk,
+                                           " of array number ", e.array_id,
+                                           ", which the step does not have"));
+      }
+      e.file_id += base;
+      merged.entries.push_back(e);
+    }
+    for (auto& [name, f] : part.files) {
+      if (!committed_files.emplace(name, f).second) {
+        return InvalidArgumentError(StrCat("file '", name, "' was added by process ", p,
+                                           " and by another process; names must be unique"));
+      }
+    }
+  }
+  return MergeAndCommit(std::move(merged), std::move(committed_files));
 }
 
 Status CheckpointWriter::Impl::AgreeOnGrids() {
@@ -504,7 +795,17 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
       auto write = [&, task, raw_size](const char* raw) {
         return WriteChunk(*task, std::string_view(raw, raw_size), &files, &mutex, &entries, stats);
       };
-      if (copied(task)) {
+      if (a.source) {
+        // Pulled from the array's source into staging (under the cap), then written.
+        const ArrayEntry* entry = &a;
+        run.Run(raw_size + encoded, [entry, task, write](char* staged) {
+          TS_RETURN_IF_ERROR(
+              Annotate(entry->source(task->plan.chunk_box, staged),
+                       StrCat("reading chunk ", entry->grid.ChunkName(task->plan.chunk),
+                              " of array '", entry->spec.path, "' from its source")));
+          return write(staged);
+        });
+      } else if (copied(task)) {
         // Copied by this thread and the pool's, in waves when the cap is reached (waiting for
         // writes to free staging), and written by the pool.
         run.RunPrepared(
@@ -530,19 +831,13 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
     }
     // After a failure the copying stopped early: what runs still reads staging only.
     if (options.copy_sources) ReleaseSources();
-    TS_RETURN_IF_ERROR(run.Wait());
+    const Status ran = run.Wait();
+    stats->peak_staged_bytes = run.peak_bytes();
+    TS_RETURN_IF_ERROR(ran);
   }
   TS_RETURN_IF_ERROR(files.Finish(options.sync, &local->files, &pool));
   stats->data_files = local->files.size();
   local->entries = std::move(entries);
-  if (c.process_index() > 0) {
-    // Process 0 merges the other processes' parts.
-    TS_ASSIGN_OR_RETURN(std::string part, EncodeIndex(*local));
-    const std::string key =
-        StrCat(ItemDir(work_dir, kStateItem), "/", kIndexFileName, ".part-", c.process_index());
-    TS_RETURN_IF_ERROR(kv->Write(key, part));
-    if (options.sync) TS_RETURN_IF_ERROR(kv->Sync(key));
-  }
   return OkStatus();
 }
 
@@ -598,32 +893,32 @@ Status CheckpointWriter::Impl::WriteFiles(std::map<std::string, CommitFile>* wri
   return OkStatus();
 }
 
-Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex local,
+Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex merged,
                                               std::map<std::string, CommitFile> committed_files) {
   Coordinator& c = *coordinator;
   const std::string item_dir = ItemDir(work_dir, kStateItem);
-  ChunkIndex merged = std::move(local);
-  for (int p = 1; p < c.process_count(); ++p) {
-    const std::string key = StrCat(item_dir, "/", kIndexFileName, ".part-", p);
-    TS_ASSIGN_OR_RETURN(std::string bytes, kv->Read(key));
-    TS_ASSIGN_OR_RETURN(ChunkIndex part, DecodeIndex(bytes, key));
-    const uint32_t base = static_cast<uint32_t>(merged.files.size());
-    for (DataFileInfo& f : part.files) merged.files.push_back(std::move(f));
-    for (IndexEntry e : part.entries) {
-      e.file_id += base;
-      merged.entries.push_back(e);
-    }
-    TS_RETURN_IF_ERROR(kv->Delete(key));
-  }
-
   if (merged.files.size() > kMaxDataFiles) {
     return ResourceExhaustedError(StrCat("the processes wrote ", merged.files.size(),
                                          " data files, more than the format's limit of ",
                                          kMaxDataFiles, "; raise target_data_file_bytes"));
   }
   // Every chunk of every array must have been written exactly once.
+  std::sort(merged.entries.begin(), merged.entries.end(),
+            [](const IndexEntry& a, const IndexEntry& b) {
+              return std::pair(a.array_id, a.chunk) < std::pair(b.array_id, b.chunk);
+            });
   std::vector<int64_t> counts(arrays.size(), 0);
-  for (const IndexEntry& e : merged.entries) ++counts[e.array_id];
+  for (size_t i = 0; i < merged.entries.size(); ++i) {
+    const IndexEntry& e = merged.entries[i];
+    if (i > 0 && merged.entries[i - 1].array_id == e.array_id &&
+        merged.entries[i - 1].chunk == e.chunk) {
+      return InvalidArgumentError(StrCat("array '", arrays[e.array_id].spec.path, "': chunk ",
+                                         arrays[e.array_id].grid.ChunkName(
+                                             static_cast<int64_t>(e.chunk)),
+                                         " was written twice"));
+    }
+    ++counts[e.array_id];
+  }
   for (size_t i = 0; i < arrays.size(); ++i) {
     const int64_t expected = arrays[i].grid.NumStoredChunks();
     if (counts[i] < expected && !options.holding) {

@@ -12,14 +12,25 @@
 //   writer->AddArray({"params/w", DType::kFloat32, {1024, 512}}, {{box, data, replica, n}})
 //   writer->Commit()
 //
+// A save has two phases, public for callers that carry the results between processes
+// themselves (PyTorch DCP's storage writer: every rank writes, one rank commits with every
+// rank's results):
+//   1. WritePart, on every process together: writes this process's chunks and files and
+//      returns what it wrote (a WrittenPart, which EncodeWrittenPart turns into bytes);
+//   2. CommitParts, on one process, with every process's part: checks them together and makes
+//      the step visible.
+// Commit is exactly these two: WritePart, the parts gathered to process 0, CommitParts there,
+// and its outcome agreed by every process.
+//
 // Thread-safety: one thread uses a writer. The shard buffers must stay valid and unchanged
-// until Commit returns.
+// until Commit (or WritePart) returns.
 #ifndef TENSORSTASH_CHECKPOINT_CHECKPOINT_WRITER_H_
 #define TENSORSTASH_CHECKPOINT_CHECKPOINT_WRITER_H_
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -27,10 +38,13 @@
 #include <vector>
 
 #include "tensorstash/array/box.h"
+#include "tensorstash/array/chunk_source.h"
 #include "tensorstash/array/dtype.h"
 #include "tensorstash/coordination/collectives.h"
 #include "tensorstash/coordination/coordinator.h"
 #include "tensorstash/engine/executor.h"
+#include "tensorstash/format/commit_record.h"
+#include "tensorstash/format/index_format.h"
 #include "tensorstash/format/tree.h"
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/util/status.h"
@@ -97,8 +111,33 @@ struct WriteStats {
   uint64_t stored_bytes = 0;  // bytes this process wrote to data files
   uint64_t chunks = 0;        // chunks this process wrote
   uint64_t data_files = 0;    // data files this process wrote
-  double seconds = 0;         // wall time of Commit
+  // The most bytes this process held at once in staging buffers (gathers, copies, chunks
+  // pulled from a ChunkSource, codec output): at most max(max_inflight_bytes, largest chunk).
+  uint64_t peak_staged_bytes = 0;
+  double seconds = 0;  // wall time of Commit (of WritePart in a WrittenPart)
 };
+
+// What one process wrote of a step (CheckpointWriter::WritePart), everything the process that
+// commits needs from it: which save it belongs to, its data files and chunk entries, its whole
+// files, and its stats.
+struct WrittenPart {
+  std::string dir;        // the step folder
+  std::string attempt;    // the save's id (process 0 picks it): a part of another save differs
+  int process_index = 0;  // which process wrote it, of `process_count`
+  int process_count = 1;
+  std::vector<std::string> array_digests;  // per array in AddArray order: spec and chunk grid
+  ChunkIndex index;                        // data files ("data/<process>-<seq>.dat") and chunks
+  std::map<std::string, CommitFile> files;  // AddFile's files: name -> size and CRC-32C
+  WriteStats stats;
+};
+
+// A part as bytes, to carry between processes: versioned and ending with a CRC-32C of the rest
+// (the chunk entries in format/index_format.h's encoding inside). InvalidArgument when the
+// index does not encode (format/index_format.h).
+Result<std::string> EncodeWrittenPart(const WrittenPart& part);
+// The inverse. InvalidArgument naming `where` for bytes that are not a written part or one of a
+// newer major version; DataLoss naming `where` for a corrupt or truncated one.
+Result<WrittenPart> DecodeWrittenPart(std::string_view bytes, std::string_view where);
 
 // The largest file AddFile takes (metadata and per-process state are meant to be small).
 inline constexpr uint64_t kMaxStepFileBytes = uint64_t{64} << 20;
@@ -121,6 +160,12 @@ class CheckpointWriter {
   // same arrays in the same order. InvalidArgument naming the array for a bad path, shape,
   // shard box outside the shape, null data, or replica ids out of range.
   Status AddArray(ArraySpec spec, std::vector<ShardData> shards);
+  // Adds an array held whole by this process whose chunks' bytes `source` produces when each
+  // chunk is written (array/chunk_source.h), so that the array is never in memory whole: at most
+  // max_inflight_bytes of chunks are staged at once. The other processes of the job add the
+  // array with no shards. The chunk grid follows spec.target_chunk_bytes (or the option).
+  // InvalidArgument naming the array as above, or for an empty `source`.
+  Status AddArrayFromSource(ArraySpec spec, ChunkSource source);
 
   // Adds a whole file of this process to the step, at `name` inside the step folder (e.g.
   // "metadata.json", "process/3"). COMMIT records its size and CRC-32C, so it is committed
@@ -143,6 +188,25 @@ class CheckpointWriter {
   // otherwise once every chunk is written; on failure: when the failure is known).
   Status Commit(WriteStats* stats = nullptr,
                 const std::function<void()>& on_sources_released = nullptr);
+
+  // Phase 1 of a save (Commit's first half), called by every process of the job together: they
+  // agree on the folder (process 0 prepares it) and the chunk grids through the coordinator,
+  // then each writes its own chunks and files and returns what it wrote. Nothing is visible
+  // until CommitParts. Errors: as Commit's, for this process (the others may succeed; the
+  // folder written into is left for the next save of the step, or gc, to remove). May be called
+  // once, instead of Commit. `on_sources_released`: as Commit's, before WritePart returns.
+  Result<WrittenPart> WritePart(const std::function<void()>& on_sources_released = nullptr);
+
+  // Phase 2, on one process whose writer ran WritePart, with every process's part (its own
+  // included, in any order): checks them together, then writes the step's index and tree and
+  // commits it (engine/step_committer.h). Call it only once every process's WritePart has
+  // returned. InvalidArgument naming the process for a part of another save or step, a missing
+  // or repeated process, or arrays described differently (naming the array); naming the array
+  // for chunks no part wrote (the shards do not cover it) or wrote twice; naming the file for a
+  // file added by two processes. On any failure nothing becomes visible and the folder written
+  // into is removed (unless the store could not say whether the commit happened).
+  // AlreadyExists as Commit. May be called once.
+  Status CommitParts(std::vector<WrittenPart> parts);
 
  private:
   struct Impl;

@@ -204,7 +204,7 @@ struct OrbaxWriter::Impl {
     OrbaxArraySpec spec;
     std::vector<ShardData> shards;  // replica 0 only; unused with `source`
     std::vector<int64_t> chunk_shape;
-    OrbaxChunkSource source;
+    ChunkSource source;
   };
 
   KvStore* kv;
@@ -315,7 +315,7 @@ Status OrbaxWriter::AddArray(OrbaxArraySpec spec, std::vector<ShardData> shards)
 }
 
 Status OrbaxWriter::AddArray(OrbaxArraySpec spec, std::vector<int64_t> chunk_shape,
-                             OrbaxChunkSource source) {
+                             ChunkSource source) {
   const std::string what = StrCat("array '", spec.path, "'");
   TS_RETURN_IF_ERROR(Annotate(CheckedNumElements(spec.shape, what).status(), what));
   if (chunk_shape.size() != spec.shape.size()) {

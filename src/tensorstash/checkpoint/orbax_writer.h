@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "tensorstash/array/box.h"
+#include "tensorstash/array/chunk_source.h"
 #include "tensorstash/array/dtype.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/format/tree.h"
@@ -54,10 +55,6 @@ struct OrbaxArraySpec {
   std::vector<int64_t> shape;
   OrbaxValueType value_type = OrbaxValueType::kNumpyArray;
 };
-
-// Fills `dest` (C order over `box`, the array's dtype) with the array's values over `box`.
-// Called during Commit, from several threads at once.
-using OrbaxChunkSource = std::function<Status(const Box& box, void* dest)>;
 
 struct OrbaxWriterOptions {
   // "": `dir` is the item folder (what StandardCheckpointer writes). Otherwise `dir` is a
@@ -91,9 +88,9 @@ class OrbaxWriter {
   // where it is cut by the array's end (what a jax.Array's sharding gives). That shape is the
   // zarr chunk shape. InvalidArgument naming the array otherwise (checked here or at Commit).
   Status AddArray(OrbaxArraySpec spec, std::vector<ShardData> shards);
-  // Adds an array whose chunks of `chunk_shape` (each >= 1) are produced by `source` during
-  // Commit, a few at a time, so that converting a large checkpoint holds little memory.
-  Status AddArray(OrbaxArraySpec spec, std::vector<int64_t> chunk_shape, OrbaxChunkSource source);
+  // Adds an array whose chunks of `chunk_shape` (each >= 1) are produced by `source`
+  // (array/chunk_source.h) during Commit, a few at a time, so that converting a large checkpoint holds little memory.
+  Status AddArray(OrbaxArraySpec spec, std::vector<int64_t> chunk_shape, ChunkSource source);
 
   // Adds a file to the item folder (e.g. "_sharding"). InvalidArgument for a name that is not a
   // plain relative key or that the writer writes itself.
