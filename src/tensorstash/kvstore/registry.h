@@ -38,7 +38,7 @@ struct OpenStoreOptions {
   // region, path_style, profile, access_key_id, secret_access_key, session_token, anonymous;
   // kvstore/s3/s3_kvstore.h). Each driver checks them (CheckDriverOptions): a name it does not
   // know, or a value it cannot take, is InvalidArgument naming it. file and memory take none.
-  std::map<std::string, std::string> driver_options;
+  std::map<std::string, std::string> driver_options = {};
 };
 
 // For a driver's opener: InvalidArgument naming the first of `options.driver_options` that is

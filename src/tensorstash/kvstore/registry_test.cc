@@ -57,12 +57,14 @@ TEST(KvStoreRegistryTest, MemoryStoresAreSharedByName) {
 
 TEST(KvStoreRegistryTest, AStoreOptionTheDriverDoesNotTakeIsAnErrorNamingIt) {
   OpenStoreOptions options;
+  options.create = true;
   options.driver_options["colour"] = "blue";
   Result<std::unique_ptr<KvStore>> memory = OpenKvStore("memory://options-test", options);
   EXPECT_TRUE(absl::IsInvalidArgument(memory.status())) << memory.status();
   EXPECT_NE(memory.status().message().find("'colour'"), std::string_view::npos)
       << memory.status();
-  Result<std::unique_ptr<KvStore>> plain = OpenKvStore("memory://options-test");
+  options.driver_options.clear();
+  Result<std::unique_ptr<KvStore>> plain = OpenKvStore("memory://options-test", options);
   EXPECT_TRUE(plain.ok()) << plain.status();
 }
 

@@ -109,6 +109,7 @@ struct S3KvStore::Impl {
   // (EnsureProbed).
   std::mutex probe_mu;
   bool probed = false;
+  bool probe_tried = false;  // by this store, successfully or not
   bool conditional_write = true;
   bool generations = true;
   std::string probe_finding;  // why a capability is off, for errors
@@ -450,6 +451,7 @@ struct S3KvStore::Impl {
     if (!options.probe) return OkStatus();
     std::lock_guard<std::mutex> lock(probe_mu);
     if (probed) return OkStatus();
+    probe_tried = true;
     const std::string cache_key = StrCat(options.settings.endpoint, " ", options.bucket);
     // Held through the probe, so that stores opened at once on one bucket probe it once.
     std::lock_guard<std::mutex> cache_lock(ProbeCacheMutex());
@@ -660,8 +662,14 @@ std::string S3KvStore::Describe() const { return impl_->Describe(); }
 KvStoreCapabilities S3KvStore::Capabilities() const {
   // With `probe`, what the server honours is known here, from this process's one probe of the
   // endpoint and bucket (EnsureProbed). A probe that fails (the server unreachable, the bucket
-  // missing) leaves it trusted: the operations that follow report the server's error.
-  (void)impl_->EnsureProbed();
+  // missing) leaves it trusted: the operations that follow report the server's error (and this
+  // store does not probe again here, so that an unreachable server costs one round of retries).
+  bool tried = false;
+  {
+    std::lock_guard<std::mutex> lock(impl_->probe_mu);
+    tried = impl_->probe_tried;
+  }
+  if (!tried) (void)impl_->EnsureProbed();
   KvStoreCapabilities caps;
   {
     std::lock_guard<std::mutex> lock(impl_->probe_mu);
