@@ -123,8 +123,10 @@ NB_MODULE(_ext, m) {
       [](std::optional<std::string> endpoint, std::optional<std::string> region,
          std::optional<bool> path_style, std::optional<std::string> profile,
          std::optional<std::string> access_key_id, std::optional<std::string> secret_access_key,
-         std::optional<std::string> session_token, bool anonymous) {
+         std::optional<std::string> session_token, bool anonymous,
+         std::optional<std::string> prefix) {
         tensorstash::S3Defaults defaults;
+        defaults.url_prefix = prefix.value_or("");
         defaults.settings.endpoint = std::move(endpoint);
         defaults.settings.region = std::move(region);
         defaults.settings.path_style = path_style;
@@ -145,8 +147,11 @@ NB_MODULE(_ext, m) {
       nb::arg("path_style") = nb::none(), nb::arg("profile") = nb::none(),
       nb::arg("access_key_id") = nb::none(), nb::arg("secret_access_key") = nb::none(),
       nb::arg("session_token") = nb::none(), nb::arg("anonymous") = false,
-      "Process-wide settings for s3:// URLs (kvstore/s3/s3_kvstore.h, SetS3Defaults); None "
-      "keeps the environment's. ValueError for settings that do not resolve.");
+      nb::arg("prefix") = nb::none(),
+      "Settings for s3:// URLs (kvstore/s3/s3_kvstore.h, SetS3Defaults); None keeps the "
+      "environment's. With `prefix` (\"s3://bucket[/path]\"), only for URLs at or under it (the "
+      "longest prefix wins). ValueError for settings that do not resolve or a prefix that is "
+      "not an s3:// URL.");
   m.def("store_schemes", &tensorstash::RegisteredKvStoreSchemes,
         "The URL schemes stores can be opened with (plain paths are local folders).");
   py::DefineWriter(m);

@@ -27,16 +27,29 @@ def split(path: str | os.PathLike) -> tuple[str, str]:
 def configure_s3(*, endpoint: str | None = None, region: str | None = None,
                  path_style: bool | None = None, profile: str | None = None,
                  access_key_id: str | None = None, secret_access_key: str | None = None,
-                 session_token: str | None = None, anonymous: bool = False) -> None:
-    """Explicit settings for every ``s3://`` path opened from now on in this process.
+                 session_token: str | None = None, anonymous: bool = False,
+                 prefix: str | None = None) -> None:
+    """Explicit settings for the ``s3://`` paths opened from now on in this process.
 
     Each argument given wins over the environment (``AWS_ENDPOINT_URL``, ``AWS_REGION``,
     ``AWS_PROFILE``) and the AWS config files; ``None`` keeps what they say. ``endpoint`` is
     ``"http(s)://host[:port]"``; ``path_style`` chooses ``host/bucket/key`` over
     ``bucket.host/key`` (custom endpoints default to path style). Keys given here replace the
     credential chain (environment, shared files, web identity, container, instance metadata);
-    ``anonymous=True`` sends unsigned requests. Each call replaces the previous one; a call
-    without arguments goes back to the environment. ValueError for settings that do not resolve.
+    ``anonymous=True`` sends unsigned requests.
+
+    ``prefix`` (``"s3://bucket"`` or ``"s3://bucket/path"``) scopes the settings to the paths at
+    or under it, so that two buckets in one process can have different endpoints or keys::
+
+        tensorstash.configure_s3(endpoint="http://minio-a:9000", prefix="s3://bucket-a")
+        tensorstash.configure_s3(endpoint="http://minio-b:9000", prefix="s3://bucket-b")
+
+    A path takes the settings of the longest prefix it lies under (``"s3://b"`` covers
+    ``"s3://b/run"``, not ``"s3://bb"``), and the settings given without ``prefix`` when none
+    matches. Each call replaces the previous one for the same prefix (a call with only
+    ``prefix`` makes the paths under it go back to the environment); a call without arguments
+    does so for the unscoped settings. ValueError for settings that do not resolve or a prefix
+    that is not an ``s3://`` URL.
     """
     _ext.configure_s3(endpoint, region, path_style, profile, access_key_id, secret_access_key,
-                      session_token, anonymous)
+                      session_token, anonymous, prefix)

@@ -533,3 +533,55 @@ def test_a_multi_tier_manager_keeps_its_persistent_steps_on_s3(s3, tmp_path):
                                        local_save_interval_steps=1) as mgr:
         assert mgr.latest_step() == 4
         assert_same_tree(mgr.restore(4), trees[4])
+
+
+# --- opening for a write is not a probe; settings per URL prefix ---------------------------------
+
+def test_saves_to_one_bucket_probe_it_once_per_process(s3, monkeypatch):
+    # Through a proxy that lists the requests. The first save may probe the server (one small
+    # object, written and deleted; none when this process probed the endpoint before); the
+    # saves after it send no probe request.
+    with fault_proxy.FaultProxy(s3.server.endpoint, p_503=0, p_reset=0) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        tensorstash.save(s3.step("0000000001"), small_tree(1))
+        first = [r for r in proxy.seen_requests() if "tensorstash-probe" in r[1]]
+        assert len([r for r in first if r[0] == "PUT"]) <= 2, first
+        before = len(proxy.seen_requests())
+        for step in ("0000000002", "0000000003", "0000000004"):
+            tensorstash.save(s3.step(step), small_tree(2))
+        later = proxy.seen_requests()[before:]
+        assert later, "the saves went through the proxy"
+        assert [r for r in later if "tensorstash-probe" in r[1]] == []
+        assert_same_tree(tensorstash.restore(s3.step("0000000004")), small_tree(2))
+    assert not [k for k in s3.keys() if "tensorstash-probe" in k]
+
+
+def test_configure_s3_with_a_prefix_gives_two_prefixes_different_settings(s3, monkeypatch):
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    a, b, c = f"{s3.url}/a", f"{s3.url}/b", f"{s3.url}/c"
+    with fault_proxy.FaultProxy(s3.server.endpoint, p_503=0, p_reset=0) as proxy:
+        try:
+            # Without a prefix: the server itself. Under a: through the proxy. Under c: a wrong
+            # secret. "s3://bucket/x/a" does not cover "s3://bucket/x/ab".
+            tensorstash.configure_s3(endpoint=s3.server.endpoint, region=s3.server.region)
+            tensorstash.configure_s3(endpoint=proxy.endpoint, region=s3.server.region, prefix=a)
+            tensorstash.configure_s3(endpoint=s3.server.endpoint, region=s3.server.region,
+                                     access_key_id=s3.server.access_key,
+                                     secret_access_key="not-the-secret", prefix=c + "/")
+            tensorstash.save(f"{b}/0000000001", small_tree(5))
+            assert proxy.seen_requests() == [], "b is not under a"
+            tensorstash.save(f"{s3.url}/ab/0000000001", small_tree(5))
+            assert proxy.seen_requests() == [], "ab is not under a"
+            tensorstash.save(f"{a}/0000000001", small_tree(6))
+            assert proxy.seen_requests(), "a goes through the proxy"
+            assert_same_tree(tensorstash.restore(f"{a}/0000000001"), small_tree(6))
+            assert_same_tree(tensorstash.restore(f"{b}/0000000001"), small_tree(5))
+            with pytest.raises(PermissionError):
+                tensorstash.save(f"{c}/0000000001", small_tree(7))
+            with pytest.raises(ValueError, match="s3://"):
+                tensorstash.configure_s3(endpoint=proxy.endpoint, prefix="gs://elsewhere")
+        finally:
+            for prefix in (a, c):
+                tensorstash.configure_s3(prefix=prefix)
+            tensorstash.configure_s3()
+    assert [k for k in s3.keys() if k.startswith(f"{s3.prefix}/c/")] == []

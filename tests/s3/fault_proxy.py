@@ -164,6 +164,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path.startswith(CONTROL_PREFIX):
             return self._control()
         p = self.proxy
+        with p._lock:
+            p.seen.append((self.command, self.path))
         action = p._decide()
         try:
             if action == "503":
@@ -307,7 +309,8 @@ class FaultProxy:
     """See the module docstring. start() binds 127.0.0.1:port (0: a free one) and serves in a
     background thread; stop() shuts it down. Counters (all updated before the client sees the
     answer): requests (all non-control requests), served (forwarded, upstream answered, no fault
-    injected), injected_503, injected_resets, upstream_errors (502 sent)."""
+    injected), injected_503, injected_resets, upstream_errors (502 sent); seen_requests() lists
+    the (method, path) of every non-control request, in arrival order."""
 
     def __init__(self, target_endpoint: str, p_503: float = 0.10, p_reset: float = 0.02,
                  seed: int = 0, port: int = 0, verbose: bool = False,
@@ -329,6 +332,7 @@ class FaultProxy:
         self.set_probabilities(p_503, p_reset)
         self.requests = self.served = self.injected_503 = self.injected_resets = 0
         self.upstream_errors = 0
+        self.seen: list[tuple[str, str]] = []  # (method, path) of each non-control request
         self._httpd: Optional[_Server] = None
         self._thread: Optional[threading.Thread] = None
 
@@ -357,6 +361,10 @@ class FaultProxy:
                     "requests": self.requests, "served": self.served,
                     "injected_503": self.injected_503, "injected_resets": self.injected_resets,
                     "upstream_errors": self.upstream_errors}
+
+    def seen_requests(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return list(self.seen)
 
     @property
     def port(self) -> int:

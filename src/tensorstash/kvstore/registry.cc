@@ -1,11 +1,13 @@
 #include "tensorstash/kvstore/registry.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "tensorstash/util/str_util.h"
 
@@ -83,6 +85,20 @@ Result<std::unique_ptr<KvStore>> OpenKvStore(std::string_view url, OpenStoreOpti
         StrJoin(RegisteredKvStoreSchemes(), ", "), " (and plain paths)"));
   }
   return opener(rest, options);
+}
+
+Status CheckDriverOptions(std::string_view scheme, std::string_view rest,
+                          const OpenStoreOptions& options,
+                          std::initializer_list<std::string_view> known) {
+  for (const auto& [name, value] : options.driver_options) {
+    if (std::find(known.begin(), known.end(), name) != known.end()) continue;
+    return InvalidArgumentError(StrCat(
+        "opening ", scheme, "://", rest, ": unknown store option '", name, "' (",
+        known.size() == 0 ? std::string("this store takes none")
+                          : StrCat("it takes ", StrJoin(std::vector<std::string_view>(known), ", ")),
+        ")"));
+  }
+  return OkStatus();
 }
 
 Result<StepUrl> SplitStepUrl(std::string_view url) {

@@ -18,6 +18,8 @@
 #define TENSORSTASH_KVSTORE_REGISTRY_H_
 
 #include <functional>
+#include <initializer_list>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -32,7 +34,18 @@ struct OpenStoreOptions {
   // Create the store's root when it does not exist (file: mkdir -p). Otherwise a missing root
   // is NotFound.
   bool create = false;
+  // Settings for this one store, by name, over the driver's process-wide defaults (s3: endpoint,
+  // region, path_style, profile, access_key_id, secret_access_key, session_token, anonymous;
+  // kvstore/s3/s3_kvstore.h). Each driver checks them (CheckDriverOptions): a name it does not
+  // know, or a value it cannot take, is InvalidArgument naming it. file and memory take none.
+  std::map<std::string, std::string> driver_options = {};
 };
+
+// For a driver's opener: InvalidArgument naming the first of `options.driver_options` that is
+// not in `known` (and the names that are), for the store "<scheme>://<rest>"; else OK.
+Status CheckDriverOptions(std::string_view scheme, std::string_view rest,
+                          const OpenStoreOptions& options,
+                          std::initializer_list<std::string_view> known);
 
 // Opens the store whose root `rest` names (the URL after "<scheme>://").
 using KvStoreOpener =

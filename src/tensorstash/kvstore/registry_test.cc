@@ -55,6 +55,19 @@ TEST(KvStoreRegistryTest, MemoryStoresAreSharedByName) {
   EXPECT_TRUE(absl::IsNotFound(other->Read("k").status()));
 }
 
+TEST(KvStoreRegistryTest, AStoreOptionTheDriverDoesNotTakeIsAnErrorNamingIt) {
+  OpenStoreOptions options;
+  options.create = true;
+  options.driver_options["colour"] = "blue";
+  Result<std::unique_ptr<KvStore>> memory = OpenKvStore("memory://options-test", options);
+  EXPECT_TRUE(absl::IsInvalidArgument(memory.status())) << memory.status();
+  EXPECT_NE(memory.status().message().find("'colour'"), std::string_view::npos)
+      << memory.status();
+  options.driver_options.clear();
+  Result<std::unique_ptr<KvStore>> plain = OpenKvStore("memory://options-test", options);
+  EXPECT_TRUE(plain.ok()) << plain.status();
+}
+
 TEST(KvStoreRegistryTest, SplitStepUrl) {
   StepUrl split = SplitStepUrl("/ckpt/run/0000001000/").value();
   EXPECT_EQ(split.root, "/ckpt/run");

@@ -1167,6 +1167,7 @@ Status RegisterFileKvStore() {
       "file",
       [](std::string_view rest,
          const OpenStoreOptions& options) -> Result<std::unique_ptr<KvStore>> {
+        TS_RETURN_IF_ERROR(CheckDriverOptions("file", rest, options, {}));
         TS_ASSIGN_OR_RETURN(std::unique_ptr<FileKvStore> store,
                             FileKvStore::Open(std::string(rest), options.create));
         return std::unique_ptr<KvStore>(std::move(store));

@@ -497,6 +497,7 @@ Status RegisterMemoryKvStore() {
       "memory",
       [](std::string_view name,
          const OpenStoreOptions& options) -> Result<std::unique_ptr<KvStore>> {
+        TS_RETURN_IF_ERROR(CheckDriverOptions("memory", name, options, {}));
         static std::mutex mutex;
         static auto* stores =
             new std::map<std::string, std::shared_ptr<MemoryKvStore>, std::less<>>();

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "tensorstash/kvstore/http/http_client.h"
+#include "tensorstash/kvstore/object_store/credentials.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
@@ -227,10 +228,8 @@ Result<std::optional<bool>> ParseAddressingStyle(std::string_view value, std::st
 // ---------------------------------------------------------------------------------------------
 // Parsing the answers of credential services.
 
-struct TimedCredentials {
-  AwsCredentials credentials;
-  std::optional<Clock::time_point> expiration;  // none: never expire
-};
+// Credentials and when they expire (none: never), as the kit's credential cache keeps them.
+using TimedCredentials = ExpiringCredential<AwsCredentials>;
 
 // The text of each element of an XML document, by the path of local names from the root
 // ("AssumeRoleWithWebIdentityResponse/AssumeRoleWithWebIdentityResult/Credentials/AccessKeyId").
@@ -321,17 +320,17 @@ Result<TimedCredentials> CredentialsFromJson(std::string_view body, std::string_
         StrCat(what, ": the answer says Code '", code, "': ", Excerpt(field("Message"))));
   }
   TimedCredentials out;
-  out.credentials.access_key_id = field("AccessKeyId");
-  out.credentials.secret_access_key = field("SecretAccessKey");
-  out.credentials.session_token = field("Token");
-  if (out.credentials.access_key_id.empty() || out.credentials.secret_access_key.empty()) {
+  out.value.access_key_id = field("AccessKeyId");
+  out.value.secret_access_key = field("SecretAccessKey");
+  out.value.session_token = field("Token");
+  if (out.value.access_key_id.empty() || out.value.secret_access_key.empty()) {
     return UnavailableError(StrCat(what, ": the answer has no AccessKeyId or SecretAccessKey"));
   }
   if (const std::string expiration = field("Expiration"); !expiration.empty()) {
     Result<Clock::time_point> when = ParseAwsTimestamp(expiration);
     if (!when.ok())
       return UnavailableError(StrCat(what, ": bad Expiration: ", when.status().message()));
-    out.expiration = *when;
+    out.expires = *when;
   }
   return out;
 }
@@ -375,7 +374,7 @@ class EnvSource final : public CredentialSource {
                  " is not (both are needed)"));
     }
     TimedCredentials out;
-    out.credentials = {*id, *secret, GetEnv(env_, "AWS_SESSION_TOKEN").value_or("")};
+    out.value = {*id, *secret, GetEnv(env_, "AWS_SESSION_TOKEN").value_or("")};
     return out;
   }
   std::string Describe() const override { return "environment"; }
@@ -442,10 +441,10 @@ class ProfileFileSource final : public CredentialSource {
           has_id ? "aws_secret_access_key" : "aws_access_key_id", " is not (both are needed)"));
     }
     TimedCredentials out;
-    out.credentials.access_key_id = *id;
-    out.credentials.secret_access_key = *secret;
+    out.value.access_key_id = *id;
+    out.value.secret_access_key = *secret;
     if (const std::string* token = section->Find("aws_session_token"); token != nullptr) {
-      out.credentials.session_token = *token;
+      out.value.session_token = *token;
     }
     return out;
   }
@@ -550,10 +549,10 @@ class WebIdentitySource final : public CredentialSource {
       return UnavailableError(StrCat(what, ": the answer is not XML: ", Excerpt(response.body)));
     }
     TimedCredentials out;
-    out.credentials.access_key_id = FindLeaf(*leaves, "Credentials/AccessKeyId");
-    out.credentials.secret_access_key = FindLeaf(*leaves, "Credentials/SecretAccessKey");
-    out.credentials.session_token = FindLeaf(*leaves, "Credentials/SessionToken");
-    if (out.credentials.access_key_id.empty() || out.credentials.secret_access_key.empty()) {
+    out.value.access_key_id = FindLeaf(*leaves, "Credentials/AccessKeyId");
+    out.value.secret_access_key = FindLeaf(*leaves, "Credentials/SecretAccessKey");
+    out.value.session_token = FindLeaf(*leaves, "Credentials/SessionToken");
+    if (out.value.access_key_id.empty() || out.value.secret_access_key.empty()) {
       return UnavailableError(
           StrCat(what, ": the answer has no <Credentials>: ", Excerpt(response.body)));
     }
@@ -563,7 +562,7 @@ class WebIdentitySource final : public CredentialSource {
       if (!when.ok()) {
         return UnavailableError(StrCat(what, ": bad Expiration: ", when.status().message()));
       }
-      out.expiration = *when;
+      out.expires = *when;
     }
     return out;
   }
@@ -781,31 +780,24 @@ class ImdsSource final : public CredentialSource {
 // ---------------------------------------------------------------------------------------------
 // The providers.
 
-class ChainProvider final : public AwsCredentialProvider {
+// The chain's choice of a source: the first Fetch that finds credentials chooses it, and later
+// fetches (the refreshes) ask only it. The cache above (CachedCredential) decides when to fetch.
+class ChainFetcher final : public CredentialFetcher<AwsCredentials> {
  public:
-  ChainProvider(std::string profile, std::string credentials_path,
-                std::vector<std::unique_ptr<CredentialSource>> sources)
+  ChainFetcher(std::string profile, std::string credentials_path,
+               std::vector<std::unique_ptr<CredentialSource>> sources)
       : profile_(std::move(profile)),
         credentials_path_(std::move(credentials_path)),
         sources_(std::move(sources)),
         description_(
             StrCat("AWS credential chain for profile '", profile_, "' (no source chosen yet)")) {}
 
-  Result<AwsCredentials> Get() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    const Clock::time_point now = Clock::now();
+  // Called under the cache's lock: one fetch at a time.
+  Result<TimedCredentials> Fetch() override {
     if (chosen_ != nullptr) {
-      if (!cached_.expiration.has_value() || *cached_.expiration - now > kRefreshMargin) {
-        return cached_.credentials;
-      }
       Result<TimedCredentials> fresh = chosen_->Fetch();
-      if (fresh.ok()) {
-        cached_ = *std::move(fresh);
-        SetDescription(chosen_->Describe());
-        return cached_.credentials;
-      }
-      if (*cached_.expiration - now > kRefreshGrace) return cached_.credentials;
-      return Annotate(fresh.status(), "refreshing AWS credentials");
+      if (fresh.ok()) SetDescription(chosen_->Describe());
+      return fresh;  // a failure is annotated by the cache ("refreshing credentials")
     }
     if (!not_found_.ok()) return not_found_;
     std::vector<std::string> tried;
@@ -813,9 +805,8 @@ class ChainProvider final : public AwsCredentialProvider {
       Result<TimedCredentials> got = source->Fetch();
       if (got.ok()) {
         chosen_ = source.get();
-        cached_ = *std::move(got);
         SetDescription(chosen_->Describe());
-        return cached_.credentials;
+        return got;
       }
       if (!absl::IsNotFound(got.status())) return got.status();
       tried.push_back(MessageOf(got.status()));
@@ -833,7 +824,7 @@ class ChainProvider final : public AwsCredentialProvider {
     return not_found_;
   }
 
-  std::string Describe() const override {
+  std::string Describe() const {
     std::lock_guard<std::mutex> lock(description_mu_);
     return description_;
   }
@@ -846,13 +837,36 @@ class ChainProvider final : public AwsCredentialProvider {
 
   const std::string profile_;
   const std::string credentials_path_;
-  std::mutex mu_;  // held through a fetch: one refresh at a time, the others wait for it
   std::vector<std::unique_ptr<CredentialSource>> sources_;
   CredentialSource* chosen_ = nullptr;  // one of sources_, once one had credentials
-  TimedCredentials cached_;
   Status not_found_;  // the kept NotFound once every source had none
   mutable std::mutex description_mu_;
   std::string description_;
+};
+
+// The chain behind the kit's cache: refreshed when less than kRefreshMargin is left, the kept
+// credentials returned when a refresh fails while more than kRefreshGrace is left.
+class ChainProvider final : public AwsCredentialProvider {
+ public:
+  ChainProvider(std::string profile, std::string credentials_path,
+                std::vector<std::unique_ptr<CredentialSource>> sources)
+      : fetcher_(new ChainFetcher(std::move(profile), std::move(credentials_path),
+                                  std::move(sources))),
+        cache_(std::unique_ptr<CredentialFetcher<AwsCredentials>>(fetcher_), CacheOptions()) {}
+
+  Result<AwsCredentials> Get() override { return cache_.Get(); }
+  std::string Describe() const override { return fetcher_->Describe(); }
+
+ private:
+  static CachedCredential<AwsCredentials>::Options CacheOptions() {
+    CachedCredential<AwsCredentials>::Options options;
+    options.refresh_margin = kRefreshMargin;
+    options.refresh_grace = kRefreshGrace;
+    return options;
+  }
+
+  ChainFetcher* const fetcher_;  // owned by cache_
+  CachedCredential<AwsCredentials> cache_;
 };
 
 class StaticProvider final : public AwsCredentialProvider {

@@ -1,21 +1,19 @@
 #include "tensorstash/kvstore/s3/s3_kvstore.h"
 
 #include <openssl/evp.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdlib>
-#include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
-#include <random>
-#include <thread>
+#include <optional>
 #include <utility>
 
-#include <nlohmann/json.hpp>
-
+#include "tensorstash/kvstore/object_store/lease.h"
+#include "tensorstash/kvstore/object_store/part_uploader.h"
+#include "tensorstash/kvstore/object_store/request_slots.h"
+#include "tensorstash/kvstore/object_store/retry.h"
 #include "tensorstash/kvstore/registry.h"
 #include "tensorstash/kvstore/s3/aws_config.h"
 #include "tensorstash/kvstore/s3/s3_xml.h"
@@ -70,29 +68,6 @@ bool IsValidBucketName(std::string_view name) {
   return name.front() != '-' && name.front() != '.' && name.back() != '-' && name.back() != '.';
 }
 
-// A counting semaphore: the cap on requests in flight.
-class RequestSlots {
- public:
-  explicit RequestSlots(int count) : free_(std::max(1, count)) {}
-  void Acquire() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return free_ > 0; });
-    --free_;
-  }
-  void Release() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++free_;
-    }
-    cv_.notify_one();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int free_;
-};
-
 // One S3 request, before signing.
 struct S3Call {
   S3Call(std::string method_in, std::string object_in, std::string_view body_in = {})
@@ -128,7 +103,13 @@ struct S3KvStore::Impl {
   std::string root;    // options.prefix + "/", or ""
   bool sign_payload = false;
   std::unique_ptr<RequestSlots> slots;
-  // What the probe found (all true without a probe: the server is trusted).
+  RetryPolicy retry;
+  // What the probe found (all true without a probe: the server is trusted). Guarded by probe_mu
+  // until `probed`; the probe runs at most once per endpoint and bucket in the process
+  // (EnsureProbed).
+  std::mutex probe_mu;
+  bool probed = false;
+  bool probe_tried = false;  // by this store, successfully or not
   bool conditional_write = true;
   bool generations = true;
   std::string probe_finding;  // why a capability is off, for errors
@@ -171,16 +152,9 @@ struct S3KvStore::Impl {
     return status == 409 && body.find("ConditionalRequestConflict") != std::string::npos;
   }
 
-  std::chrono::milliseconds Backoff(int attempt) const {
-    thread_local std::mt19937_64 rng(std::random_device{}());
-    const int64_t cap = std::min<int64_t>(options.max_backoff.count(),
-                                          options.initial_backoff.count() << std::min(attempt, 20));
-    std::uniform_int_distribution<int64_t> jitter(cap / 2, std::max<int64_t>(cap / 2, cap));
-    return std::chrono::milliseconds(jitter(rng));
-  }
-
-  // Sends `call`, signed, retrying what is worth retrying. `attempts` (optional) gets how many
-  // were made. Any final HTTP status is returned for the caller to judge.
+  // Sends `call`, signed, retrying what is worth retrying (Retryable, and a connection lost or
+  // refused) with the kit's runner. `attempts` (optional) gets how many were made. Any final
+  // HTTP status is returned for the caller to judge.
   Result<HttpResponse> Send(const S3Call& call, std::string_view what, int* attempts = nullptr) {
     std::string url;
     std::string path;
@@ -188,10 +162,8 @@ struct S3KvStore::Impl {
     Locate(call.object, &url, &path, &host_header);
     if (!call.query.empty()) url += "?" + CanonicalQueryString(call.query);
     const std::string payload_hash = sign_payload ? Sha256Hex(call.body) : kUnsignedPayload;
-    Status last = OkStatus();
-    for (int attempt = 0; attempt < options.max_attempts; ++attempt) {
-      if (attempts != nullptr) *attempts = attempt + 1;
-      if (attempt > 0) std::this_thread::sleep_for(Backoff(attempt));
+    Status fatal;  // a failure before sending (credentials, signing): never retried
+    const std::function<Result<HttpResponse>()> once = [&]() -> Result<HttpResponse> {
       HttpRequest request;
       request.method = call.method;
       request.url = url;
@@ -203,34 +175,37 @@ struct S3KvStore::Impl {
       Result<AwsCredentials> got = options.credentials->Get();
       if (absl::IsNotFound(got.status())) {
         // No credentials anywhere: a refusal, never "no such checkpoint".
-        return PermissionDeniedError(StrCat(what, ": ", got.status().message()));
+        return fatal = PermissionDeniedError(StrCat(what, ": ", got.status().message()));
       }
-      TS_ASSIGN_OR_RETURN(AwsCredentials credentials, std::move(got));
-      if (!credentials.access_key_id.empty()) {
+      if (!got.ok()) return fatal = got.status();
+      if (!got->access_key_id.empty()) {
         SigV4Request to_sign{.method = call.method,
                              .path = path,
                              .query = call.query,
                              .headers = request.headers,
                              .payload_sha256 = payload_hash};
-        TS_ASSIGN_OR_RETURN(auto signature,
-                            SignV4(to_sign, credentials, options.settings.region, AmzDateNow()));
-        for (auto& header : signature) request.headers.push_back(std::move(header));
+        Result<std::vector<std::pair<std::string, std::string>>> signature =
+            SignV4(to_sign, *got, options.settings.region, AmzDateNow());
+        if (!signature.ok()) return fatal = signature.status();
+        for (auto& header : *signature) request.headers.push_back(std::move(header));
       }
-      slots->Acquire();
-      Result<HttpResponse> response = client->Perform(request, what);
-      slots->Release();
-      if (!response.ok()) {
-        last = response.status();
-        if (absl::IsUnavailable(last)) continue;  // a reset or refused connection: again
-        return last;
+      RequestSlot slot(*slots);
+      return client->Perform(request, what);
+    };
+    const RetryClassifier<HttpResponse> classify =
+        [&](const Result<HttpResponse>& outcome) -> std::optional<Status> {
+      if (!fatal.ok()) return std::nullopt;
+      if (!outcome.ok()) {
+        // A reset or refused connection: again.
+        if (absl::IsUnavailable(outcome.status())) return outcome.status();
+        return std::nullopt;
       }
-      if (Retryable(response->status, response->body) && attempt + 1 < options.max_attempts) {
-        last = UnavailableError(StrCat(what, ": HTTP ", response->status));
-        continue;
+      if (Retryable(outcome->status, outcome->body)) {
+        return UnavailableError(StrCat(what, ": HTTP ", outcome->status));
       }
-      return response;
-    }
-    return UnavailableError(StrCat(last.message(), " (after ", options.max_attempts, " attempts)"));
+      return std::nullopt;  // an answer, 304 and 412 included
+    };
+    return RunWithRetries<HttpResponse>(retry, once, classify, attempts);
   }
 
   // The status for an answer that is not a success.
@@ -446,10 +421,77 @@ struct S3KvStore::Impl {
     }
     TS_RETURN_IF_ERROR(DeleteObject(key));
     if (!missing.empty()) {
-      probe_finding =
-          StrCat(Describe(), " does not honour ", StrJoin(missing, ", "), " (probed at open)");
+      probe_finding = StrCat("the server at ", options.settings.endpoint, " (bucket '",
+                             options.bucket, "') does not honour ", StrJoin(missing, ", "),
+                             " (probed once per process)");
     }
     return OkStatus();
+  }
+
+  // What a probe found, kept for the process per "endpoint bucket": the probe writes and
+  // deletes an object, so it runs once per server and bucket, not at every open.
+  struct ProbeFindings {
+    bool conditional_write = true;
+    bool generations = true;
+    std::string finding;
+  };
+  static std::mutex& ProbeCacheMutex() {
+    static std::mutex mu;
+    return mu;
+  }
+  static std::map<std::string, ProbeFindings>& ProbeCache() {  // guarded by ProbeCacheMutex()
+    static auto* cache = new std::map<std::string, ProbeFindings>();
+    return *cache;
+  }
+
+  // Runs the probe when the store was opened with `probe` and this process has not probed its
+  // endpoint and bucket yet; else uses what the earlier probe found. A failed probe is not kept
+  // (the next call probes again) and is returned.
+  Status EnsureProbed() {
+    if (!options.probe) return OkStatus();
+    std::lock_guard<std::mutex> lock(probe_mu);
+    if (probed) return OkStatus();
+    probe_tried = true;
+    const std::string cache_key = StrCat(options.settings.endpoint, " ", options.bucket);
+    // Held through the probe, so that stores opened at once on one bucket probe it once.
+    std::lock_guard<std::mutex> cache_lock(ProbeCacheMutex());
+    auto it = ProbeCache().find(cache_key);
+    if (it == ProbeCache().end()) {
+      TS_RETURN_IF_ERROR(Probe());
+      it = ProbeCache()
+               .emplace(cache_key, ProbeFindings{conditional_write, generations, probe_finding})
+               .first;
+    }
+    conditional_write = it->second.conditional_write;
+    generations = it->second.generations;
+    probe_finding = it->second.finding;
+    probed = true;
+    return OkStatus();
+  }
+
+  // A create-only PUT, refused on a server that the probe found ignores If-None-Match.
+  Status WriteIfAbsent(std::string_view key, std::string_view value) {
+    TS_RETURN_IF_ERROR(EnsureProbed());
+    {
+      std::lock_guard<std::mutex> lock(probe_mu);
+      if (!conditional_write) {
+        return FailedPreconditionError(StrCat("creating ", Where(key),
+                                              " only if absent is not possible: ", probe_finding));
+      }
+    }
+    return Put(key, value, /*if_absent=*/true);
+  }
+
+  // Drops a multipart upload and its parts; OK when the server no longer knows it.
+  Status AbortUpload(std::string_view key, const std::string& upload_id) {
+    const std::string what = StrCat("aborting the upload of ", Where(key));
+    S3Call call("DELETE", Object(key));
+    call.query = {{"uploadId", upload_id}};
+    TS_ASSIGN_OR_RETURN(HttpResponse response, Send(call, what));
+    if (response.status == 204 || response.status == 200 || response.status == 404) {
+      return OkStatus();
+    }
+    return ErrorFor(response, what, key);
   }
 };
 
@@ -476,274 +518,88 @@ class S3ReadableFile final : public ReadableFile {
   ObjectInfo info_;
 };
 
-// A file uploaded in parts on a fixed grid: a part goes up as soon as all its bytes are written
-// (in any order, from any thread); the rest, and the completion, at Sync or Close. The object
-// appears then, whole.
-class S3WritableFile final : public WritableFile {
+// How one object goes up in parts (the kit's part uploader cuts and schedules them): S3's
+// multipart upload, or one PUT for an object no larger than a part.
+class S3PartSink final : public PartSink {
  public:
-  S3WritableFile(std::shared_ptr<S3KvStore::Impl> impl, std::string key)
-      : impl_(std::move(impl)), key_(std::move(key)), part_size_(impl_->options.part_size) {}
-  ~S3WritableFile() override { (void)Close(); }
+  S3PartSink(std::shared_ptr<S3KvStore::Impl> impl, std::string key)
+      : impl_(std::move(impl)), key_(std::move(key)) {}
 
-  Status WriteAt(uint64_t offset, const void* data, size_t size) override {
-    const char* bytes = static_cast<const char*>(data);
-    while (size > 0) {
-      const uint64_t index = offset / part_size_;
-      const size_t within = offset % part_size_;
-      const size_t length = std::min(size, part_size_ - within);
-      if (index >= static_cast<uint64_t>(kMaxParts)) {
-        return InvalidArgumentError(StrCat("writing ", impl_->Where(key_), ": offset ", offset,
-                                           " is past the largest object of ", kMaxParts,
-                                           " parts of ", part_size_, " bytes"));
-      }
-      char* buffer = nullptr;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (finished_) {
-          return FailedPreconditionError(
-              StrCat("writing ", impl_->Where(key_), ": the file was already synced or closed"));
-        }
-        if (!failed_.ok()) return failed_;
-        if (uploaded_.count(index) > 0) {
-          return FailedPreconditionError(
-              StrCat("writing ", impl_->Where(key_), " at offset ", offset, ": part ", index + 1,
-                     " was already uploaded (an object store cannot rewrite it)"));
-        }
-        Part& part = pending_[index];
-        if (part.bytes == nullptr) part.bytes = std::make_unique<char[]>(part_size_);
-        buffer = part.bytes.get();
-        ++part.writers;
-        end_ = std::max<uint64_t>(end_, offset + length);
-      }
-      std::memcpy(buffer + within, bytes, length);
-      std::unique_ptr<char[]> full;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        Part& part = pending_[index];
-        part.filled += length;
-        --part.writers;
-        if (part.filled >= part_size_ && part.writers == 0) {
-          full = std::move(part.bytes);
-          pending_.erase(index);
-          uploaded_[index] = "";  // claimed
-        }
-      }
-      if (full != nullptr) {
-        Status status = UploadPart(index, std::string_view(full.get(), part_size_));
-        if (!status.ok()) {
-          std::lock_guard<std::mutex> lock(mu_);
-          if (failed_.ok()) failed_ = status;
-          return status;
-        }
-      }
-      offset += length;
-      bytes += length;
-      size -= length;
-    }
-    return OkStatus();
-  }
+  std::string Where() const override { return impl_->Where(key_); }
 
-  Status Sync() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (closed_) return FailedPreconditionError(StrCat(impl_->Where(key_), " is closed"));
-    }
-    return Finish();
-  }
-
-  Status Close() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (closed_) return FailedPreconditionError(StrCat(impl_->Where(key_), " is closed"));
-      closed_ = true;
-    }
-    return Finish();
-  }
-
- private:
-  struct Part {
-    std::unique_ptr<char[]> bytes;
-    size_t filled = 0;
-    int writers = 0;  // copies into it in progress
-  };
-
-  Result<std::string> UploadId() {
-    std::lock_guard<std::mutex> lock(upload_mu_);
-    if (!upload_id_.empty()) return upload_id_;
+  Result<std::string> BeginUpload() override {
     const std::string what = StrCat("starting the upload of ", impl_->Where(key_));
     S3Call call("POST", impl_->Object(key_));
     call.query = {{"uploads", ""}};
     TS_ASSIGN_OR_RETURN(HttpResponse response, impl_->Send(call, what));
     if (response.status != 200) return impl_->ErrorFor(response, what, key_);
-    TS_ASSIGN_OR_RETURN(upload_id_, ParseInitiateMultipartUpload(response.body, what));
-    return upload_id_;
+    return ParseInitiateMultipartUpload(response.body, what);
   }
 
-  Status UploadPart(uint64_t index, std::string_view bytes) {
-    TS_ASSIGN_OR_RETURN(std::string upload_id, UploadId());
-    const std::string what = StrCat("uploading part ", index + 1, " of ", impl_->Where(key_));
+  Result<std::string> PutPart(const std::string& upload_id, int number,
+                              std::string_view bytes) override {
+    const std::string what = StrCat("uploading part ", number, " of ", impl_->Where(key_));
     S3Call call("PUT", impl_->Object(key_), bytes);
-    call.query = {{"partNumber", std::to_string(index + 1)}, {"uploadId", upload_id}};
+    call.query = {{"partNumber", std::to_string(number)}, {"uploadId", upload_id}};
     call.headers.emplace_back("content-length", std::to_string(bytes.size()));
     call.headers.emplace_back("x-amz-checksum-crc32c", Crc32cHeaderValue(bytes));
     TS_ASSIGN_OR_RETURN(HttpResponse response, impl_->Send(call, what));
     if (response.status != 200) return impl_->ErrorFor(response, what, key_);
-    const std::string etag = response.Header("etag");
+    std::string etag = response.Header("etag");
     if (etag.empty()) return DataLossError(StrCat(what, ": the answer has no ETag"));
-    std::lock_guard<std::mutex> lock(mu_);
-    uploaded_[index] = etag;
-    return OkStatus();
+    return etag;
   }
 
-  Status Finish() {
-    // One finish at a time: a second Sync or Close waits for the first's outcome.
-    std::lock_guard<std::mutex> finishing(finish_mu_);
-    std::map<uint64_t, Part> rest;
-    uint64_t end = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (finished_) return finish_status_;
-      finished_ = true;
-      if (!failed_.ok()) return finish_status_ = failed_;
-      rest = std::move(pending_);
-      end = end_;
-    }
-    finish_status_ = Complete(std::move(rest), end);
-    return finish_status_;
-  }
-
-  bool IsUploaded(uint64_t index) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return uploaded_.count(index) > 0;
-  }
-
-  Status Complete(std::map<uint64_t, Part> rest, uint64_t end) {
-    bool none_uploaded = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      none_uploaded = uploaded_.empty();
-    }
-    if (none_uploaded && end <= part_size_) {  // one PUT
-      auto it = rest.find(0);
-      const std::string_view bytes =
-          it == rest.end() ? std::string_view() : std::string_view(it->second.bytes.get(), end);
-      return impl_->Put(key_, bytes, /*if_absent=*/false);
-    }
-    const uint64_t parts = (end + part_size_ - 1) / part_size_;
-    std::unique_ptr<char[]> zeros;
-    for (uint64_t index = 0; index < parts; ++index) {
-      if (IsUploaded(index)) continue;
-      const size_t length = index + 1 == parts ? end - index * part_size_ : part_size_;
-      auto it = rest.find(index);
-      const char* bytes = nullptr;
-      if (it != rest.end()) {
-        bytes = it->second.bytes.get();
-      } else {  // never written: zeros, as a file's gap reads
-        if (zeros == nullptr) zeros = std::make_unique<char[]>(part_size_);
-        bytes = zeros.get();
-      }
-      TS_RETURN_IF_ERROR(UploadPart(index, std::string_view(bytes, length)));
-      if (it != rest.end()) it->second.bytes.reset();
-    }
+  Status Complete(const std::string& upload_id, const std::vector<UploadedPart>& parts,
+                  uint64_t size) override {
     std::vector<S3CompletedPart> completed;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (const auto& [index, etag] : uploaded_) {
-        completed.push_back({static_cast<int>(index + 1), etag});
-      }
-    }
+    completed.reserve(parts.size());
+    for (const UploadedPart& part : parts) completed.push_back({part.number, part.token});
     const std::string body = CompleteMultipartUploadBody(completed);
     const std::string what = StrCat("completing the upload of ", impl_->Where(key_));
     S3Call call("POST", impl_->Object(key_), body);
-    call.query = {{"uploadId", upload_id_}};
+    call.query = {{"uploadId", upload_id}};
     call.headers.emplace_back("content-length", std::to_string(body.size()));
     int attempts = 0;
     TS_ASSIGN_OR_RETURN(HttpResponse response, impl_->Send(call, what, &attempts));
     if (response.status == 404 && attempts > 1) {
       // An earlier attempt completed it, its answer lost: the upload is gone, the object there.
       Result<ObjectInfo> info = impl_->Head(key_);
-      if (info.ok() && info->size == end) return OkStatus();
+      if (info.ok() && info->size == size) return OkStatus();
     }
     if (response.status != 200) return impl_->ErrorFor(response, what, key_);
     return ParseCompleteMultipartUpload(response.body, what).status();
   }
 
-  const std::shared_ptr<S3KvStore::Impl> impl_;
-  const std::string key_;
-  const size_t part_size_;
-  std::mutex mu_;
-  std::map<uint64_t, Part> pending_;          // parts being written; guarded by mu_
-  std::map<uint64_t, std::string> uploaded_;  // part index -> ETag ("" while uploading); mu_
-  uint64_t end_ = 0;                          // guarded by mu_
-  bool finished_ = false;                     // guarded by mu_
-  bool closed_ = false;                       // guarded by mu_
-  Status failed_;                             // guarded by mu_
-  std::mutex finish_mu_;
-  Status finish_status_;  // guarded by finish_mu_
-  std::mutex upload_mu_;
-  std::string upload_id_;  // guarded by upload_mu_
-};
-
-// The lease behind TryLock.
-class S3Lease final : public KvLock {
- public:
-  S3Lease(std::shared_ptr<S3KvStore::Impl> impl, std::string key, std::string holder)
-      : impl_(std::move(impl)), key_(std::move(key)), holder_(std::move(holder)) {
-    renewer_ = std::thread([this] { RenewUntilReleased(); });
-  }
-  ~S3Lease() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      released_ = true;
-    }
-    cv_.notify_all();
-    renewer_.join();
-    if (HeldByUs()) (void)impl_->DeleteObject(key_);  // never a successor's lease
+  Status Abort(const std::string& upload_id) override {
+    return impl_->AbortUpload(key_, upload_id);
   }
 
-  // Whether the lease object still names this holder (not a successor that took it over).
-  bool HeldByUs() const {
-    Result<std::string> current = impl_->ReadWhole(key_);
-    if (!current.ok()) return false;
-    const nlohmann::json parsed = nlohmann::json::parse(*current, nullptr, false);
-    return parsed.is_object() && parsed.value("holder", std::string()) == holder_;
-  }
-
-  static std::string Record(const std::string& holder, std::chrono::milliseconds duration) {
-    const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
-                            std::chrono::system_clock::now().time_since_epoch())
-                            .count();
-    char host[256] = "";
-    gethostname(host, sizeof(host) - 1);
-    return nlohmann::json{{"holder", holder},
-                          {"host", host},
-                          {"pid", static_cast<int64_t>(getpid())},
-                          {"expires_unix_ms", now + duration.count()}}
-        .dump();
+  Status PutWhole(std::string_view bytes) override {
+    return impl_->Put(key_, bytes, /*if_absent=*/false);
   }
 
  private:
-  void RenewUntilReleased() {
-    const auto period = impl_->options.lease_duration / 3;
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!cv_.wait_for(lock, period, [&] { return released_; })) {
-      lock.unlock();
-      // A holder that stalled past its lease may have been taken over: then it stops renewing,
-      // rather than overwrite its successor's lease. (The read and the rewrite are two requests:
-      // a takeover between them is not detected; docs: a lease, not a fence.)
-      if (!HeldByUs()) return;
-      (void)impl_->Put(key_, Record(holder_, impl_->options.lease_duration), false);
-      lock.lock();
-    }
-  }
+  const std::shared_ptr<S3KvStore::Impl> impl_;
+  const std::string key_;
+};
 
-  std::shared_ptr<S3KvStore::Impl> impl_;
-  std::string key_;
-  std::string holder_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool released_ = false;
-  std::thread renewer_;
+// What the kit's lease needs, from S3: a create-only PUT, GET, PUT and DELETE.
+class S3LeaseOps final : public LeaseOps {
+ public:
+  explicit S3LeaseOps(std::shared_ptr<S3KvStore::Impl> impl) : impl_(std::move(impl)) {}
+  Status CreateIfAbsent(std::string_view key, std::string_view value) override {
+    return impl_->WriteIfAbsent(key, value);
+  }
+  Result<std::string> Read(std::string_view key) override { return impl_->ReadWhole(key); }
+  Status Replace(std::string_view key, std::string_view value) override {
+    return impl_->Put(key, value, /*if_absent=*/false);
+  }
+  Status Delete(std::string_view key) override { return impl_->DeleteObject(key); }
+  std::string Where(std::string_view key) const override { return impl_->Where(key); }
+
+ private:
+  const std::shared_ptr<S3KvStore::Impl> impl_;
 };
 
 }  // namespace
@@ -794,17 +650,32 @@ Result<std::unique_ptr<S3KvStore>> S3KvStore::Open(S3KvStoreOptions options) {
   }
   impl->client = std::make_unique<HttpClient>(options.http);
   impl->slots = std::make_unique<RequestSlots>(options.max_concurrent_requests);
+  impl->retry = RetryPolicy{.max_attempts = options.max_attempts,
+                            .initial_backoff = options.initial_backoff,
+                            .max_backoff = options.max_backoff};
   impl->options = std::move(options);
-  if (impl->options.probe) TS_RETURN_IF_ERROR(impl->Probe());
   return std::unique_ptr<S3KvStore>(new S3KvStore(std::move(impl)));
 }
 
 std::string S3KvStore::Describe() const { return impl_->Describe(); }
 
 KvStoreCapabilities S3KvStore::Capabilities() const {
+  // With `probe`, what the server honours is known here, from this process's one probe of the
+  // endpoint and bucket (EnsureProbed). A probe that fails (the server unreachable, the bucket
+  // missing) leaves it trusted: the operations that follow report the server's error (and this
+  // store does not probe again here, so that an unreachable server costs one round of retries).
+  bool tried = false;
+  {
+    std::lock_guard<std::mutex> lock(impl_->probe_mu);
+    tried = impl_->probe_tried;
+  }
+  if (!tried) (void)impl_->EnsureProbed();
   KvStoreCapabilities caps;
-  caps.conditional_write = impl_->conditional_write;
-  caps.generations = impl_->generations;
+  {
+    std::lock_guard<std::mutex> lock(impl_->probe_mu);
+    caps.conditional_write = impl_->conditional_write;
+    caps.generations = impl_->generations;
+  }
   caps.locks = true;
   caps.object_store = true;
   return caps;
@@ -864,16 +735,13 @@ Status S3KvStore::Write(std::string_view key, std::string_view value) {
 }
 
 Status S3KvStore::WriteIfAbsent(std::string_view key, std::string_view value) {
-  if (!impl_->conditional_write) {
-    return FailedPreconditionError(StrCat(
-        "creating ", impl_->Where(key), " only if absent is not possible: ", impl_->probe_finding));
-  }
-  return impl_->Put(key, value, /*if_absent=*/true);
+  return impl_->WriteIfAbsent(key, value);
 }
 
 Result<std::unique_ptr<WritableFile>> S3KvStore::OpenForWrite(std::string_view key) {
   TS_RETURN_IF_ERROR(impl_->CheckKey(key));
-  return std::unique_ptr<WritableFile>(new S3WritableFile(impl_, std::string(key)));
+  return NewPartUploader(std::make_unique<S3PartSink>(impl_, std::string(key)),
+                         {.part_size = impl_->options.part_size, .max_parts = kMaxParts});
 }
 
 Result<std::vector<std::string>> S3KvStore::List(std::string_view prefix) {
@@ -950,47 +818,8 @@ Status S3KvStore::SyncDirectory(std::string_view dir) {
 
 Result<std::unique_ptr<KvLock>> S3KvStore::TryLock(std::string_view key) {
   TS_RETURN_IF_ERROR(impl_->CheckKey(key));
-  const std::string holder = RandomHexId();
-  const std::string record = S3Lease::Record(holder, impl_->options.lease_duration);
-  Status created = WriteIfAbsent(key, record);
-  if (absl::IsAlreadyExists(created)) {
-    // Held, or left by a holder that died: an expired lease is taken over.
-    Result<std::string> current = Read(key);
-    if (current.ok()) {
-      const nlohmann::json parsed = nlohmann::json::parse(*current, nullptr, false);
-      const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
-                              std::chrono::system_clock::now().time_since_epoch())
-                              .count();
-      const bool readable = parsed.is_object() && parsed.contains("expires_unix_ms") &&
-                            parsed["expires_unix_ms"].is_number_integer();
-      const int64_t expires = readable ? parsed["expires_unix_ms"].get<int64_t>() : 0;
-      if (readable && expires > now) {
-        return FailedPreconditionError(StrCat(
-            impl_->Where(key), " is locked by another manager (host ",
-            parsed.value("host", std::string("?")), ", pid ", parsed.value("pid", int64_t{0}),
-            ", lease valid for ", (expires - now) / 1000, " s more)"));
-      }
-      TS_RETURN_IF_ERROR(impl_->DeleteObject(key));
-      created = WriteIfAbsent(key, record);
-    } else if (absl::IsNotFound(current.status())) {
-      created = WriteIfAbsent(key, record);  // released meanwhile
-    } else {
-      return current.status();
-    }
-    if (absl::IsAlreadyExists(created)) {
-      return FailedPreconditionError(
-          StrCat(impl_->Where(key), " is locked by another manager (taken just now)"));
-    }
-  }
-  TS_RETURN_IF_ERROR(created);
-  auto lease = std::make_unique<S3Lease>(impl_, std::string(key), holder);
-  // Two takers of one expired lease may each delete and create it; the one whose record is not
-  // there afterwards lost.
-  if (!lease->HeldByUs()) {
-    return FailedPreconditionError(
-        StrCat(impl_->Where(key), " is locked by another manager (taken just now)"));
-  }
-  return std::unique_ptr<KvLock>(std::move(lease));
+  return TakeLease(std::make_shared<S3LeaseOps>(impl_), key,
+                   {.duration = impl_->options.lease_duration});
 }
 
 Result<std::vector<PendingWrite>> S3KvStore::ListPendingWrites(std::string_view prefix) {
@@ -1024,14 +853,7 @@ Result<std::vector<PendingWrite>> S3KvStore::ListPendingWrites(std::string_view 
 }
 
 Status S3KvStore::AbortPendingWrite(const PendingWrite& upload) {
-  const std::string what = StrCat("aborting the upload of ", impl_->Where(upload.key));
-  S3Call call("DELETE", impl_->Object(upload.key));
-  call.query = {{"uploadId", upload.id}};
-  TS_ASSIGN_OR_RETURN(HttpResponse response, impl_->Send(call, what));
-  if (response.status == 204 || response.status == 200 || response.status == 404) {
-    return OkStatus();
-  }
-  return impl_->ErrorFor(response, what, upload.key);
+  return impl_->AbortUpload(upload.key, upload.id);
 }
 
 namespace {
@@ -1040,17 +862,89 @@ std::mutex& DefaultsMutex() {
   static std::mutex mu;
   return mu;
 }
-S3Defaults& Defaults() {  // guarded by DefaultsMutex()
-  static S3Defaults defaults;
-  return defaults;
+// By URL prefix ("" for every URL); guarded by DefaultsMutex().
+std::map<std::string, S3Defaults>& Defaults() {
+  static auto* defaults = new std::map<std::string, S3Defaults>();
+  return *defaults;
+}
+
+// Whether `url` is `prefix` or lies under it ("s3://b" covers "s3://b/run", not "s3://bb").
+bool UnderPrefix(std::string_view url, std::string_view prefix) {
+  if (prefix.empty()) return true;
+  if (!url.starts_with(prefix)) return false;
+  return url.size() == prefix.size() || prefix.ends_with('/') || url[prefix.size()] == '/';
+}
+
+// The defaults of the longest prefix `url` lies under (none set: empty defaults).
+S3Defaults DefaultsFor(std::string_view url) {
+  std::lock_guard<std::mutex> lock(DefaultsMutex());
+  const S3Defaults* best = nullptr;
+  for (const auto& [prefix, defaults] : Defaults()) {
+    if (!UnderPrefix(url, prefix)) continue;
+    if (best == nullptr || prefix.size() > best->url_prefix.size()) best = &defaults;
+  }
+  return best == nullptr ? S3Defaults() : *best;
+}
+
+Result<bool> ParseBoolOption(std::string_view name, const std::string& value,
+                             std::string_view where) {
+  if (value == "true" || value == "1") return true;
+  if (value == "false" || value == "0") return false;
+  return InvalidArgumentError(StrCat("opening ", where, ": the store option '", name, "' is '",
+                                     value, "', not true or false"));
+}
+
+// OpenStoreOptions::driver_options over `defaults` (each given option wins).
+Status ApplyDriverOptions(const std::map<std::string, std::string>& given,
+                          std::string_view where, S3Defaults* defaults) {
+  std::optional<std::string> access_key_id, secret_access_key, session_token;
+  bool anonymous = false;
+  for (const auto& [name, value] : given) {
+    if (name == "endpoint") {
+      defaults->settings.endpoint = value;
+    } else if (name == "region") {
+      defaults->settings.region = value;
+    } else if (name == "profile") {
+      defaults->settings.profile = value;
+    } else if (name == "path_style") {
+      TS_ASSIGN_OR_RETURN(bool path_style, ParseBoolOption(name, value, where));
+      defaults->settings.path_style = path_style;
+    } else if (name == "anonymous") {
+      TS_ASSIGN_OR_RETURN(anonymous, ParseBoolOption(name, value, where));
+    } else if (name == "access_key_id") {
+      access_key_id = value;
+    } else if (name == "secret_access_key") {
+      secret_access_key = value;
+    } else if (name == "session_token") {
+      session_token = value;
+    }
+  }
+  if (anonymous) {
+    defaults->credentials = AnonymousCredentials();
+  } else if (access_key_id.has_value() || secret_access_key.has_value()) {
+    if (!access_key_id.has_value() || !secret_access_key.has_value()) {
+      return InvalidArgumentError(StrCat("opening ", where,
+                                         ": give the store options access_key_id and "
+                                         "secret_access_key together, or neither"));
+    }
+    defaults->credentials =
+        StaticCredentials({*access_key_id, *secret_access_key, session_token.value_or("")});
+  }
+  return OkStatus();
 }
 
 }  // namespace
 
 Status SetS3Defaults(S3Defaults defaults) {
+  if (!defaults.url_prefix.empty() && !defaults.url_prefix.starts_with("s3://")) {
+    return InvalidArgumentError(StrCat("S3 settings for '", defaults.url_prefix,
+                                       "': a prefix is an s3:// URL (\"s3://bucket[/path]\")"));
+  }
   TS_RETURN_IF_ERROR(ResolveS3Settings(defaults.settings, ProcessEnv()).status());
+  while (defaults.url_prefix.ends_with('/')) defaults.url_prefix.pop_back();
   std::lock_guard<std::mutex> lock(DefaultsMutex());
-  Defaults() = std::move(defaults);
+  std::string prefix = defaults.url_prefix;
+  Defaults()[prefix] = std::move(defaults);
   return OkStatus();
 }
 
@@ -1058,17 +952,20 @@ Status RegisterS3KvStore() {
   return RegisterKvStoreScheme(
       "s3",
       [](std::string_view rest, const OpenStoreOptions& open) -> Result<std::unique_ptr<KvStore>> {
+        TS_RETURN_IF_ERROR(CheckDriverOptions(
+            "s3", rest, open,
+            {"endpoint", "region", "path_style", "profile", "access_key_id", "secret_access_key",
+             "session_token", "anonymous"}));
+        const std::string url = StrCat("s3://", rest);
         const size_t slash = rest.find('/');
         S3KvStoreOptions options;
         options.bucket = std::string(rest.substr(0, slash));
         options.prefix = slash == std::string_view::npos ? "" : std::string(rest.substr(slash + 1));
-        S3Defaults defaults;
-        {
-          std::lock_guard<std::mutex> lock(DefaultsMutex());
-          defaults = Defaults();
-        }
+        S3Defaults defaults = DefaultsFor(url);
+        TS_RETURN_IF_ERROR(ApplyDriverOptions(open.driver_options, url, &defaults));
         options.credentials = defaults.credentials;
         TS_ASSIGN_OR_RETURN(options.settings, ResolveS3Settings(defaults.settings, ProcessEnv()));
+        // Known once, lazily: the first operation that needs it probes (EnsureProbed).
         options.probe = open.create;
         const char* sign = std::getenv("TENSORSTASH_S3_SIGN_PAYLOAD");
         options.sign_payload = sign != nullptr && std::string_view(sign) == "1";

@@ -25,10 +25,18 @@
 //    Stat is FailedPrecondition naming the key;
 //  - WriteIfAbsent is a PUT with If-None-Match: *;
 //  - TryLock is a lease object renewed in the background (see TryLock below).
-// With `probe` (OpenStoreOptions::create through the registry), Open checks that the server
+// With `probe` (OpenStoreOptions::create through the registry), the store checks that the server
 // honours conditional writes and range requests, and reports what it found in Capabilities():
 // a server that ignores them (rclone's "serve s3") is then refused conditional writes
-// (FailedPrecondition saying why) instead of being trusted.
+// (FailedPrecondition saying why) instead of being trusted. The probe (it writes, reads and
+// deletes one small object) is lazy and kept for the process: it runs at the first Capabilities(),
+// WriteIfAbsent or TryLock of the first such store on an endpoint and bucket, and later stores
+// on that endpoint and bucket use what it found. (The engine asks Capabilities() when a save
+// starts, to choose its commit protocol, so the first save on a bucket probes; later saves do
+// not.) Open sends nothing.
+//
+// Built from the object-store kit (kvstore/object_store/): its request slots, retry runner,
+// part uploader and lease; the AWS credential chain caches through its CachedCredential.
 //
 // Errors name the key and the store: 404 NotFound, 403 PermissionDenied (with the server's
 // code: InvalidAccessKeyId, SignatureDoesNotMatch, AccessDenied), a range past the end DataLoss,
@@ -69,8 +77,8 @@ struct S3KvStoreOptions {
   int max_attempts = 8;       // per request, the first included
   std::chrono::milliseconds initial_backoff{50};
   std::chrono::milliseconds max_backoff{5000};
-  // Check at Open that the server honours If-None-Match, If-Match and Range (writes and deletes
-  // one small object under the prefix).
+  // Check that the server honours If-None-Match, If-Match and Range (writes and deletes one
+  // small object under the prefix), once per endpoint and bucket in the process, when first needed.
   bool probe = false;
   // How long a lease (TryLock) lasts without renewal; renewed every third of it.
   std::chrono::milliseconds lease_duration = std::chrono::seconds(60);
@@ -78,8 +86,9 @@ struct S3KvStoreOptions {
 
 class S3KvStore final : public KvStore {
  public:
-  // InvalidArgument for an empty or malformed bucket name or prefix. Sends nothing unless
-  // `probe`; the probe's failures are the server's (PermissionDenied for wrong credentials).
+  // InvalidArgument for an empty or malformed bucket name or prefix. Sends nothing; with `probe`,
+  // the probe's failures (PermissionDenied for wrong credentials, NotFound for a missing bucket)
+  // come from the first WriteIfAbsent or TryLock.
   static Result<std::unique_ptr<S3KvStore>> Open(S3KvStoreOptions options);
   ~S3KvStore() override;
 
@@ -132,18 +141,26 @@ class S3KvStore final : public KvStore {
   std::shared_ptr<Impl> impl_;
 };
 
-// Registers "s3://bucket/prefix" with the store registry: settings from SetS3Defaults over the
-// environment (ResolveS3Settings), credentials from SetS3Defaults or the standard chain; a
-// store opened with OpenStoreOptions::create probes the server.
+// Registers "s3://bucket/prefix" with the store registry. A store's settings, each from the
+// first source that has it: OpenStoreOptions::driver_options (endpoint, region, path_style,
+// profile, access_key_id + secret_access_key [+ session_token], anonymous; "true"/"false" for
+// the flags; any other name is InvalidArgument naming it); the SetS3Defaults of the longest
+// url_prefix the URL lies under; the environment and AWS config files (ResolveS3Settings).
+// Credentials: the options' keys or anonymous, else the defaults', else the standard chain. A
+// store opened with OpenStoreOptions::create probes the server (lazily, see above).
 Status RegisterS3KvStore();
 
-// Process-wide explicit settings for "s3://" URLs opened through the registry from now on
+// Explicit settings for "s3://" URLs opened through the registry from now on
 // (tensorstash.configure_s3 in Python): each set field wins over the environment and the AWS
-// config files; `credentials`, when not null, replaces the standard chain. InvalidArgument for
-// settings that do not resolve (a malformed endpoint), and nothing changes then.
+// config files; `credentials`, when not null, replaces the standard chain. With `url_prefix`
+// ("s3://bucket" or "s3://bucket/path"), they hold for the URLs at or under it only (the longest
+// prefix wins; "s3://b" covers "s3://b/run", not "s3://bb"); without, for every other URL. A call
+// replaces the settings of the same prefix. InvalidArgument for settings that do not resolve (a
+// malformed endpoint) or a prefix that is not an s3:// URL, and nothing changes then.
 struct S3Defaults {
   S3SettingsOverrides settings;
   std::shared_ptr<AwsCredentialProvider> credentials;
+  std::string url_prefix;  // "" = every URL without settings of its own
 };
 Status SetS3Defaults(S3Defaults defaults);
 

@@ -1,0 +1,492 @@
+// The object-store kit (request slots, retries, the part uploader, the lease, the credential
+// cache) against fakes and the memory store; the S3 driver built from it runs against real
+// servers in kvstore/s3/s3_kvstore_server_test.cc.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gtest/gtest.h"
+#include "tensorstash/kvstore/memory/memory_kvstore.h"
+#include "tensorstash/kvstore/object_store/credentials.h"
+#include "tensorstash/kvstore/object_store/lease.h"
+#include "tensorstash/kvstore/object_store/part_uploader.h"
+#include "tensorstash/kvstore/object_store/request_slots.h"
+#include "tensorstash/kvstore/object_store/retry.h"
+#include "tensorstash/testing/status_test_macros.h"
+#include "tensorstash/util/str_util.h"
+
+namespace tensorstash {
+namespace {
+
+using std::chrono::milliseconds;
+
+// --- Retries ---
+
+RetryPolicy FastPolicy(int attempts) {
+  return RetryPolicy{.max_attempts = attempts, .initial_backoff = milliseconds(0),
+                     .max_backoff = milliseconds(0)};
+}
+
+// Outcomes are ints: 503 is retryable, anything else an answer.
+const RetryClassifier<int> kRetry503 = [](const Result<int>& outcome) -> std::optional<Status> {
+  if (!outcome.ok()) {
+    if (absl::IsUnavailable(outcome.status())) return outcome.status();
+    return std::nullopt;
+  }
+  if (*outcome == 503) return UnavailableError("HTTP 503");
+  return std::nullopt;
+};
+
+TEST(RetryTest, AnAnswerOnTheFirstAttemptIsReturnedAtOnce) {
+  int sent = 0;
+  int attempts = 0;
+  Result<int> got = RunWithRetries<int>(
+      FastPolicy(5), [&]() -> Result<int> { ++sent; return 200; }, kRetry503, &attempts);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, 200);
+  EXPECT_EQ(sent, 1);
+  EXPECT_EQ(attempts, 1);
+}
+
+TEST(RetryTest, RetryableOutcomesAreRetriedUntilAnAnswer) {
+  std::vector<Result<int>> script = {503, UnavailableError("reset"), 503, 412, 200};
+  size_t next = 0;
+  int attempts = 0;
+  Result<int> got = RunWithRetries<int>(
+      FastPolicy(8), [&]() -> Result<int> { return script[next++]; }, kRetry503, &attempts);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, 412) << "412 is an answer, never retried";
+  EXPECT_EQ(attempts, 4);
+  EXPECT_EQ(next, 4u);
+}
+
+TEST(RetryTest, ANonRetryableFailureIsReturnedAsItIs) {
+  int sent = 0;
+  Result<int> got = RunWithRetries<int>(
+      FastPolicy(8), [&]() -> Result<int> { ++sent; return PermissionDeniedError("no"); },
+      kRetry503);
+  EXPECT_TRUE(absl::IsPermissionDenied(got.status())) << got.status();
+  EXPECT_EQ(sent, 1);
+}
+
+TEST(RetryTest, AfterTheLastAttemptAnAnswerIsReturnedAndAFailureIsUnavailable) {
+  int sent = 0;
+  int attempts = 0;
+  Result<int> answer = RunWithRetries<int>(
+      FastPolicy(3), [&]() -> Result<int> { ++sent; return 503; }, kRetry503, &attempts);
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(*answer, 503) << "the last answer is the caller's to judge";
+  EXPECT_EQ(sent, 3);
+  EXPECT_EQ(attempts, 3);
+  sent = 0;
+  Result<int> failed = RunWithRetries<int>(
+      FastPolicy(4), [&]() -> Result<int> { ++sent; return UnavailableError("connection reset"); },
+      kRetry503);
+  EXPECT_TRUE(absl::IsUnavailable(failed.status())) << failed.status();
+  EXPECT_NE(failed.status().message().find("connection reset (after 4 attempts)"),
+            std::string_view::npos)
+      << failed.status();
+  EXPECT_EQ(sent, 4);
+}
+
+TEST(RetryTest, AtLeastOneAttemptIsMade) {
+  int sent = 0;
+  Result<int> got =
+      RunWithRetries<int>(FastPolicy(0), [&]() -> Result<int> { ++sent; return 200; }, kRetry503);
+  EXPECT_TRUE(got.ok());
+  EXPECT_EQ(sent, 1);
+}
+
+TEST(RetryTest, BackoffGrowsWithJitterUpToTheCap) {
+  RetryPolicy policy{.max_attempts = 8, .initial_backoff = milliseconds(10),
+                     .max_backoff = milliseconds(100)};
+  for (int round = 0; round < 50; ++round) {
+    const milliseconds first = policy.Backoff(1);  // cap 20
+    EXPECT_GE(first.count(), 10);
+    EXPECT_LE(first.count(), 20);
+    const milliseconds third = policy.Backoff(3);  // cap 80
+    EXPECT_GE(third.count(), 40);
+    EXPECT_LE(third.count(), 80);
+    const milliseconds late = policy.Backoff(30);  // capped at max_backoff
+    EXPECT_GE(late.count(), 50);
+    EXPECT_LE(late.count(), 100);
+  }
+}
+
+// --- Request slots ---
+
+TEST(RequestSlotsTest, NoMoreThanTheCountAreHeldAtOnce) {
+  RequestSlots slots(3);
+  std::atomic<int> inside{0};
+  std::atomic<int> most{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 12; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 20; ++i) {
+        RequestSlot slot(slots);
+        const int now = ++inside;
+        int seen = most.load();
+        while (now > seen && !most.compare_exchange_weak(seen, now)) {
+        }
+        std::this_thread::yield();
+        --inside;
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_LE(most.load(), 3);
+  EXPECT_GE(most.load(), 1);
+  EXPECT_EQ(slots.Free(), 3) << "every slot came back";
+}
+
+TEST(RequestSlotsTest, ACountBelowOneIsOneSlot) {
+  RequestSlots slots(0);
+  EXPECT_EQ(slots.Free(), 1);
+  slots.Acquire();
+  EXPECT_EQ(slots.Free(), 0);
+  slots.Release();
+  EXPECT_EQ(slots.Free(), 1);
+}
+
+// --- The part uploader ---
+
+// Records what the uploader asks for; part `fail_part` fails.
+struct SinkLog {
+  std::mutex mu;
+  int begun = 0;
+  std::vector<int> put_order;
+  std::map<int, std::string> parts;
+  std::vector<UploadedPart> completed;
+  uint64_t completed_size = 0;
+  std::vector<std::string> aborted;
+  std::optional<std::string> whole;
+  int fail_part = 0;
+};
+
+class FakeSink final : public PartSink {
+ public:
+  explicit FakeSink(std::shared_ptr<SinkLog> log) : log_(std::move(log)) {}
+  std::string Where() const override { return "'obj' in fake://"; }
+  Result<std::string> BeginUpload() override {
+    std::lock_guard<std::mutex> lock(log_->mu);
+    ++log_->begun;
+    return std::string("upload-1");
+  }
+  Result<std::string> PutPart(const std::string& upload_id, int number,
+                              std::string_view bytes) override {
+    std::lock_guard<std::mutex> lock(log_->mu);
+    EXPECT_EQ(upload_id, "upload-1");
+    if (number == log_->fail_part) return UnavailableError("part refused");
+    log_->put_order.push_back(number);
+    log_->parts[number] = std::string(bytes);
+    return StrCat("etag-", number);
+  }
+  Status Complete(const std::string& upload_id, const std::vector<UploadedPart>& parts,
+                  uint64_t size) override {
+    std::lock_guard<std::mutex> lock(log_->mu);
+    EXPECT_EQ(upload_id, "upload-1");
+    log_->completed = parts;
+    log_->completed_size = size;
+    return OkStatus();
+  }
+  Status Abort(const std::string& upload_id) override {
+    std::lock_guard<std::mutex> lock(log_->mu);
+    log_->aborted.push_back(upload_id);
+    return OkStatus();
+  }
+  Status PutWhole(std::string_view bytes) override {
+    std::lock_guard<std::mutex> lock(log_->mu);
+    log_->whole = std::string(bytes);
+    return OkStatus();
+  }
+
+ private:
+  std::shared_ptr<SinkLog> log_;
+};
+
+std::unique_ptr<WritableFile> Uploader(const std::shared_ptr<SinkLog>& log, size_t part_size,
+                                       int max_parts = 100) {
+  return NewPartUploader(std::make_unique<FakeSink>(log),
+                         {.part_size = part_size, .max_parts = max_parts});
+}
+
+TEST(PartUploaderTest, AFileOfAtMostOnePartIsOneWholePut) {
+  auto log = std::make_shared<SinkLog>();
+  auto file = Uploader(log, 8);
+  TS_ASSERT_OK(file->WriteAt(3, "def", 3));
+  TS_ASSERT_OK(file->WriteAt(0, "abc", 3));
+  TS_ASSERT_OK(file->Close());
+  EXPECT_EQ(log->begun, 0);
+  ASSERT_TRUE(log->whole.has_value());
+  EXPECT_EQ(*log->whole, "abcdef");
+  EXPECT_TRUE(log->put_order.empty());
+}
+
+TEST(PartUploaderTest, OutOfOrderPartsGoUpAsTheyFillAndCompleteInOrder) {
+  auto log = std::make_shared<SinkLog>();
+  auto file = Uploader(log, 4);
+  TS_ASSERT_OK(file->WriteAt(8, "ijkl", 4));  // part 3, full
+  EXPECT_EQ(log->put_order, std::vector<int>({3})) << "a full part goes up at once";
+  TS_ASSERT_OK(file->WriteAt(2, "cd", 2));  // part 1, half
+  TS_ASSERT_OK(file->WriteAt(4, "efgh", 4));  // part 2, full
+  EXPECT_EQ(log->put_order, std::vector<int>({3, 2}));
+  TS_ASSERT_OK(file->WriteAt(0, "ab", 2));  // part 1 now full
+  EXPECT_EQ(log->put_order, std::vector<int>({3, 2, 1}));
+  TS_ASSERT_OK(file->WriteAt(12, "mn", 2));  // part 4, the tail: at Close
+  EXPECT_EQ(log->completed.size(), 0u);
+  TS_ASSERT_OK(file->Close());
+  EXPECT_EQ(log->begun, 1);
+  EXPECT_EQ(log->put_order, std::vector<int>({3, 2, 1, 4}));
+  ASSERT_EQ(log->completed.size(), 4u);
+  std::string object;
+  for (size_t i = 0; i < log->completed.size(); ++i) {
+    EXPECT_EQ(log->completed[i].number, static_cast<int>(i + 1));
+    EXPECT_EQ(log->completed[i].token, StrCat("etag-", i + 1));
+    object += log->parts[log->completed[i].number];
+  }
+  EXPECT_EQ(object, "abcdefghijklmn");
+  EXPECT_EQ(log->completed_size, 14u);
+  EXPECT_TRUE(log->aborted.empty());
+  EXPECT_FALSE(log->whole.has_value());
+}
+
+TEST(PartUploaderTest, ParallelWritersFillPartsAndGapsReadAsZeros) {
+  auto log = std::make_shared<SinkLog>();
+  auto file = Uploader(log, 16);
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      const std::string bytes(16, static_cast<char>('a' + t));
+      // Parts 1, 2, 3, 5 of 6 (part 4 is never written); each thread writes its part in two
+      // halves, the second half first.
+      const uint64_t base = (t == 3 ? 4 : t) * 16;
+      if (!file->WriteAt(base + 8, bytes.data(), 8).ok()) ++failures;
+      if (!file->WriteAt(base, bytes.data(), 8).ok()) ++failures;
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(log->put_order.size(), 4u);
+  TS_ASSERT_OK(file->WriteAt(80, "z", 1));
+  TS_ASSERT_OK(file->Sync());
+  ASSERT_EQ(log->completed.size(), 6u);
+  EXPECT_EQ(log->parts[4], std::string(16, '\0'));
+  EXPECT_EQ(log->parts[5], std::string(16, 'd'));
+  EXPECT_EQ(log->parts[6], "z");
+  EXPECT_EQ(log->completed_size, 81u);
+  EXPECT_TRUE(absl::IsFailedPrecondition(file->WriteAt(90, "x", 1)))
+      << "no write after the object appeared";
+}
+
+TEST(PartUploaderTest, AFailedPartFailsTheFileAndAbortsTheUpload) {
+  auto log = std::make_shared<SinkLog>();
+  log->fail_part = 2;
+  auto file = Uploader(log, 4);
+  TS_ASSERT_OK(file->WriteAt(0, "abcd", 4));
+  const Status failed = file->WriteAt(4, "efgh", 4);
+  EXPECT_TRUE(absl::IsUnavailable(failed)) << failed;
+  const Status later = file->WriteAt(8, "ij", 2);
+  EXPECT_TRUE(absl::IsUnavailable(later)) << "every later call fails: " << later;
+  const Status closed = file->Close();
+  EXPECT_TRUE(absl::IsUnavailable(closed)) << closed;
+  EXPECT_EQ(log->aborted, std::vector<std::string>({"upload-1"}));
+  EXPECT_TRUE(log->completed.empty()) << "a failed upload never completes";
+  EXPECT_TRUE(absl::IsFailedPrecondition(file->Close())) << "closed already";
+}
+
+TEST(PartUploaderTest, RewritesOfASentPartAndWritesPastTheLastPartAreRefused) {
+  auto log = std::make_shared<SinkLog>();
+  auto file = Uploader(log, 4, /*max_parts=*/3);
+  TS_ASSERT_OK(file->WriteAt(0, "abcd", 4));
+  EXPECT_TRUE(absl::IsFailedPrecondition(file->WriteAt(1, "x", 1)));
+  EXPECT_TRUE(absl::IsInvalidArgument(file->WriteAt(12, "x", 1)));
+  TS_ASSERT_OK(file->Close());
+}
+
+// --- The lease, on the memory store ---
+
+std::string LeaseRecord(const std::string& holder, int64_t expires_unix_ms) {
+  return nlohmann::json{{"holder", holder}, {"host", "elsewhere"}, {"pid", 7},
+                        {"expires_unix_ms", expires_unix_ms}}
+      .dump();
+}
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+TEST(LeaseTest, OneHolderAtATimeAndReleaseFreesIt) {
+  MemoryKvStore kv(/*supports_rename=*/false);
+  std::shared_ptr<LeaseOps> ops = KvStoreLeaseOps(&kv);
+  Result<std::unique_ptr<KvLock>> first = TakeLease(ops, "run/.lock", {});
+  ASSERT_TRUE(first.ok()) << first.status();
+  Result<std::unique_ptr<KvLock>> second = TakeLease(ops, "run/.lock", {});
+  EXPECT_TRUE(absl::IsFailedPrecondition(second.status())) << second.status();
+  EXPECT_NE(second.status().message().find("locked by another manager"), std::string_view::npos)
+      << second.status();
+  first->reset();
+  EXPECT_TRUE(absl::IsNotFound(kv.Read("run/.lock").status())) << "released: deleted";
+  Result<std::unique_ptr<KvLock>> third = TakeLease(ops, "run/.lock", {});
+  EXPECT_TRUE(third.ok()) << third.status();
+}
+
+TEST(LeaseTest, AnExpiredLeaseIsTakenOverAndItsHolderDoesNotDeleteTheSuccessor) {
+  MemoryKvStore kv(/*supports_rename=*/false);
+  std::shared_ptr<LeaseOps> ops = KvStoreLeaseOps(&kv);
+  TS_ASSERT_OK(kv.Write("lock", LeaseRecord("dead-holder", NowMs() - 1000)));
+  Result<std::unique_ptr<KvLock>> taken = TakeLease(ops, "lock", {});
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  Result<std::string> now = kv.Read("lock");
+  ASSERT_TRUE(now.ok());
+  EXPECT_EQ(now->find("dead-holder"), std::string::npos) << *now;
+
+  // This holder stalls and is taken over: releasing it leaves the successor's lease alone.
+  TS_ASSERT_OK(kv.Write("lock", LeaseRecord("successor", NowMs() + 60000)));
+  taken->reset();
+  Result<std::string> after = kv.Read("lock");
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_NE(after->find("successor"), std::string::npos) << *after;
+}
+
+TEST(LeaseTest, AHeldLeaseIsRenewedInTheBackground) {
+  MemoryKvStore kv(/*supports_rename=*/false);
+  Result<std::unique_ptr<KvLock>> taken =
+      TakeLease(KvStoreLeaseOps(&kv), "lock", {.duration = milliseconds(300)});
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  auto expiry = [&]() -> int64_t {
+    Result<std::string> text = kv.Read("lock");
+    if (!text.ok()) return -1;
+    return nlohmann::json::parse(*text).value("expires_unix_ms", int64_t{-1});
+  };
+  const int64_t first = expiry();
+  ASSERT_GT(first, 0);
+  // Renewed every 100 ms; wait (up to 10 s) for a renewal to be seen.
+  int64_t later = first;
+  for (int i = 0; i < 1000 && later == first; ++i) {
+    std::this_thread::sleep_for(milliseconds(10));
+    later = expiry();
+  }
+  EXPECT_GT(later, first) << "the lease was never renewed";
+}
+
+// --- The credential cache ---
+
+struct FakeToken {
+  int serial = 0;
+};
+
+class FakeFetcher final : public CredentialFetcher<FakeToken> {
+ public:
+  FakeFetcher(std::atomic<int>* fetches, std::atomic<bool>* fail,
+              std::function<std::optional<std::chrono::system_clock::time_point>()> expiry)
+      : fetches_(fetches), fail_(fail), expiry_(std::move(expiry)) {}
+  Result<ExpiringCredential<FakeToken>> Fetch() override {
+    if (fail_->load()) return UnavailableError("token service down");
+    const int serial = ++*fetches_;
+    return ExpiringCredential<FakeToken>{FakeToken{serial}, expiry_()};
+  }
+
+ private:
+  std::atomic<int>* fetches_;
+  std::atomic<bool>* fail_;
+  std::function<std::optional<std::chrono::system_clock::time_point>()> expiry_;
+};
+
+class CredentialCacheTest : public ::testing::Test {
+ protected:
+  using Clock = std::chrono::system_clock;
+  std::unique_ptr<CachedCredential<FakeToken>> Cache(bool expiring) {
+    CachedCredential<FakeToken>::Options options;
+    options.refresh_margin = std::chrono::minutes(5);
+    options.refresh_grace = std::chrono::minutes(1);
+    options.now = [this] { return now_; };
+    auto expiry = [this, expiring]() -> std::optional<Clock::time_point> {
+      if (!expiring) return std::nullopt;
+      return now_ + std::chrono::minutes(10);
+    };
+    return std::make_unique<CachedCredential<FakeToken>>(
+        std::make_unique<FakeFetcher>(&fetches_, &fail_, expiry), options);
+  }
+  Clock::time_point now_ = Clock::time_point(std::chrono::hours(1000));
+  std::atomic<int> fetches_{0};
+  std::atomic<bool> fail_{false};
+};
+
+TEST_F(CredentialCacheTest, ACredentialThatNeverExpiresIsFetchedOnce) {
+  auto cache = Cache(/*expiring=*/false);
+  for (int i = 0; i < 5; ++i) {
+    Result<FakeToken> got = cache->Get();
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->serial, 1);
+    now_ += std::chrono::hours(24);
+  }
+  EXPECT_EQ(fetches_.load(), 1);
+}
+
+TEST_F(CredentialCacheTest, ItIsRefreshedBeforeItExpires) {
+  auto cache = Cache(/*expiring=*/true);  // each lasts 10 minutes from its fetch
+  EXPECT_EQ(cache->Get()->serial, 1);
+  now_ += std::chrono::minutes(4);  // 6 left: kept
+  EXPECT_EQ(cache->Get()->serial, 1);
+  now_ += std::chrono::minutes(2);  // 4 left, under the 5-minute margin: refreshed
+  EXPECT_EQ(cache->Get()->serial, 2);
+  EXPECT_EQ(fetches_.load(), 2);
+}
+
+TEST_F(CredentialCacheTest, AFailedRefreshKeepsTheOldOneWhileItLastsThenFails) {
+  auto cache = Cache(/*expiring=*/true);
+  EXPECT_EQ(cache->Get()->serial, 1);
+  fail_ = true;
+  now_ += std::chrono::minutes(7);  // 3 left: refresh fails, the old one is kept
+  Result<FakeToken> kept = cache->Get();
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->serial, 1);
+  now_ += std::chrono::seconds(150);  // 30 s left: past the grace
+  Result<FakeToken> failed = cache->Get();
+  EXPECT_TRUE(absl::IsUnavailable(failed.status())) << failed.status();
+  EXPECT_NE(failed.status().message().find("refreshing credentials"), std::string_view::npos)
+      << failed.status();
+  fail_ = false;
+  EXPECT_EQ(cache->Get()->serial, 2);
+}
+
+TEST_F(CredentialCacheTest, AFailedFirstFetchIsNotKept) {
+  auto cache = Cache(/*expiring=*/false);
+  fail_ = true;
+  EXPECT_TRUE(absl::IsUnavailable(cache->Get().status()));
+  fail_ = false;
+  Result<FakeToken> got = cache->Get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->serial, 1);
+}
+
+TEST_F(CredentialCacheTest, ThreadsAskingAtOnceShareOneFetch) {
+  auto cache = Cache(/*expiring=*/true);
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&] {
+      Result<FakeToken> got = cache->Get();
+      if (!got.ok() || got->serial != 1) ++wrong;
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(fetches_.load(), 1);
+}
+
+}  // namespace
+}  // namespace tensorstash
