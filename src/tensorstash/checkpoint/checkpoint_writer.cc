@@ -300,6 +300,9 @@ struct CheckpointWriter::Impl {
   bool part_written = false;              // WritePart succeeded
   bool parts_committed = false;           // CommitParts was called
 
+  // The start both Commit and WritePart make: the only one a writer gets (FailedPrecondition
+  // for a second), then Begin.
+  Status StartOnce(const std::function<void()>& on_released);
   Status Begin();
   Status AgreeOnGrids();
   Status WriteOwnPart(WrittenPart* part);
@@ -311,12 +314,34 @@ struct CheckpointWriter::Impl {
   Status PutPart(const WrittenPart& part);
   Status TakeParts(std::vector<WrittenPart>* parts);
   Status CheckAndCommitParts(std::vector<WrittenPart> parts);
+  // CheckAndCommitParts, and on failure the attempt's folder removed, unless the commit's
+  // outcome is unknown (the attempt may have become the step: gc decides later).
+  Status CommitPartsOrCleanUp(std::vector<WrittenPart> parts);
   Status MergeAndCommit(ChunkIndex merged, std::map<std::string, CommitFile> committed_files);
   void ReleaseSources() {
     if (on_sources_released) std::exchange(on_sources_released, nullptr)();
   }
+  // Whatever path Commit or WritePart takes, the caller learns that its buffers are free
+  // before it returns.
+  struct ReleaseOnExit {
+    Impl* impl;
+    ~ReleaseOnExit() { impl->ReleaseSources(); }
+  };
   void RemoveWorkDir();
 };
+
+Status CheckpointWriter::Impl::StartOnce(const std::function<void()>& on_released) {
+  if (on_released) on_sources_released = on_released;
+  if (commit_started) return FailedPreconditionError("Commit or WritePart was already called");
+  commit_started = true;
+  return Begin();
+}
+
+Status CheckpointWriter::Impl::CommitPartsOrCleanUp(std::vector<WrittenPart> parts) {
+  Status result = CheckAndCommitParts(std::move(parts));
+  if (!result.ok() && !commit_outcome_unknown) RemoveWorkDir();
+  return result;
+}
 
 CheckpointWriter::CheckpointWriter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CheckpointWriter::~CheckpointWriter() = default;
@@ -461,20 +486,13 @@ Status CheckpointWriter::Impl::WriteOwnPart(WrittenPart* part) {
 Status CheckpointWriter::Commit(WriteStats* stats,
                                 const std::function<void()>& on_sources_released) {
   Impl& s = *impl_;
-  if (on_sources_released) s.on_sources_released = on_sources_released;
-  // Whatever path Commit takes, the caller learns that its buffers are free before it returns.
-  struct ReleaseOnExit {
-    Impl* impl;
-    ~ReleaseOnExit() { impl->ReleaseSources(); }
-  } release_on_exit{&s};
-  if (s.commit_started) return FailedPreconditionError("Commit was already called");
-  s.commit_started = true;
+  Impl::ReleaseOnExit release_on_exit{&s};
   const auto start = std::chrono::steady_clock::now();
   Coordinator& c = *s.coordinator;
 
   // Phase 1 (steps 1-3): every process writes its part; processes > 0 hand it to process 0
   // through the step's folder.
-  TS_RETURN_IF_ERROR(s.Begin());
+  TS_RETURN_IF_ERROR(s.StartOnce(on_sources_released));
   WrittenPart part;
   Status written = s.WriteOwnPart(&part);
   if (written.ok() && c.process_index() > 0) written = s.PutPart(part);
@@ -484,16 +502,14 @@ Status CheckpointWriter::Commit(WriteStats* stats,
   // folder may only be removed once no process writes into it any more), which commits the
   // parts or cleans up, and every process learns the outcome.
   auto commit_or_clean_up = [&](const Status& all_written) -> Status {
-    Status result = all_written;
     std::vector<WrittenPart> parts;
-    if (result.ok()) result = s.TakeParts(&parts);
-    if (result.ok()) {
-      parts.push_back(std::move(part));
-      result = s.CheckAndCommitParts(std::move(parts));
+    Status result = all_written.ok() ? s.TakeParts(&parts) : all_written;
+    if (!result.ok()) {
+      s.RemoveWorkDir();  // nothing was committed
+      return result;
     }
-    // A commit whose outcome is unknown may have made the attempt the step: it stays (gc).
-    if (!result.ok() && !s.commit_outcome_unknown) s.RemoveWorkDir();
-    return result;
+    parts.push_back(std::move(part));
+    return s.CommitPartsOrCleanUp(std::move(parts));
   };
   const Status verdict = AgreeOnStatus(c, s.key_prefix, written, s.options.coordination_timeout,
                                        commit_or_clean_up);
@@ -507,15 +523,9 @@ Status CheckpointWriter::Commit(WriteStats* stats,
 
 Result<WrittenPart> CheckpointWriter::WritePart(const std::function<void()>& on_sources_released) {
   Impl& s = *impl_;
-  if (on_sources_released) s.on_sources_released = on_sources_released;
-  struct ReleaseOnExit {
-    Impl* impl;
-    ~ReleaseOnExit() { impl->ReleaseSources(); }
-  } release_on_exit{&s};
-  if (s.commit_started) return FailedPreconditionError("Commit or WritePart was already called");
-  s.commit_started = true;
+  Impl::ReleaseOnExit release_on_exit{&s};
   const auto start = std::chrono::steady_clock::now();
-  TS_RETURN_IF_ERROR(s.Begin());
+  TS_RETURN_IF_ERROR(s.StartOnce(on_sources_released));
   WrittenPart part;
   TS_RETURN_IF_ERROR(s.WriteOwnPart(&part));
   part.stats.seconds =
@@ -532,9 +542,7 @@ Status CheckpointWriter::CommitParts(std::vector<WrittenPart> parts) {
   }
   if (s.parts_committed) return FailedPreconditionError("CommitParts was already called");
   s.parts_committed = true;
-  Status result = s.CheckAndCommitParts(std::move(parts));
-  if (!result.ok() && !s.commit_outcome_unknown) s.RemoveWorkDir();
-  return result;
+  return s.CommitPartsOrCleanUp(std::move(parts));
 }
 
 Status CheckpointWriter::Impl::PutPart(const WrittenPart& part) {
