@@ -5,6 +5,7 @@
 
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -35,6 +36,11 @@ struct KeptBoxes {
 // the GIL. (reader.cc)
 nanobind::object ReaderFromSource(std::unique_ptr<KvStore> kv, std::shared_ptr<StepSource> source,
                                   std::shared_ptr<KeptBoxes> keep = nullptr);
+
+// ReaderOptions from the arguments every reading call of the module takes; ValueError (raised)
+// for max_inflight_bytes <= 0. (reader.cc)
+ReaderOptions ReadOptionsFromPython(bool verify_checksums, int64_t max_inflight_bytes,
+                                    int io_threads, bool map_spans);
 
 }  // namespace tensorstash::python
 

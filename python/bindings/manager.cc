@@ -71,20 +71,6 @@ nb::object BytesOrNone(const std::optional<std::string>& value) {
   return nb::bytes(value->data(), value->size());
 }
 
-ReaderOptions ReadOptionsFromPython(bool verify_checksums, int64_t max_inflight_bytes,
-                                    int io_threads, bool map_spans) {
-  if (max_inflight_bytes <= 0) {
-    ThrowIfError(
-        InvalidArgumentError(StrCat("max_inflight_bytes must be > 0, not ", max_inflight_bytes)));
-  }
-  ReaderOptions options;
-  options.verify_checksums = verify_checksums;
-  options.max_inflight_bytes = static_cast<uint64_t>(max_inflight_bytes);
-  options.io_threads = io_threads;
-  options.map_spans = map_spans;
-  return options;
-}
-
 // A step opened by Manager.open_restore: the C++ restore (its source shared with `reader`) and
 // the boxes the reader's restore_to_host handed over, for the write-back.
 struct PyTieredRestore {

@@ -37,7 +37,9 @@ class PyOrbaxWriter {
                 const std::vector<int64_t>& shape, const std::vector<ShardTuple>& shards,
                 const std::string& value_type) {
     ThrowIfError(CheckUsable());
-    OrbaxValueType type;
+    // Initialized although every path sets it or throws: GCC cannot see that ThrowIfError
+    // does not return.
+    OrbaxValueType type = OrbaxValueType::kNumpyArray;
     if (value_type == "jax.Array") {
       type = OrbaxValueType::kJaxArray;
     } else if (value_type == "np.ndarray") {

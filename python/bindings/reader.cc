@@ -451,15 +451,8 @@ class Reader {
 
 void InitReader(Reader* self, const std::string& root, const std::string& step,
                 bool verify_checksums, int64_t max_inflight_bytes, int io_threads, bool map_spans) {
-  if (max_inflight_bytes <= 0) {
-    ThrowIfError(
-        InvalidArgumentError(StrCat("max_inflight_bytes must be > 0, not ", max_inflight_bytes)));
-  }
-  ReaderOptions options;
-  options.verify_checksums = verify_checksums;
-  options.max_inflight_bytes = static_cast<uint64_t>(max_inflight_bytes);
-  options.io_threads = io_threads;
-  options.map_spans = map_spans;
+  const ReaderOptions options =
+      ReadOptionsFromPython(verify_checksums, max_inflight_bytes, io_threads, map_spans);
   auto open = std::make_shared<OpenStep>();
   Status status = [&] {
     nb::gil_scoped_release release;
@@ -523,6 +516,20 @@ Reader OpenTieredReader(const std::vector<HolderTuple>& holders, bool verify_che
 }
 
 }  // namespace
+
+ReaderOptions ReadOptionsFromPython(bool verify_checksums, int64_t max_inflight_bytes,
+                                    int io_threads, bool map_spans) {
+  if (max_inflight_bytes <= 0) {
+    ThrowIfError(
+        InvalidArgumentError(StrCat("max_inflight_bytes must be > 0, not ", max_inflight_bytes)));
+  }
+  ReaderOptions options;
+  options.verify_checksums = verify_checksums;
+  options.max_inflight_bytes = static_cast<uint64_t>(max_inflight_bytes);
+  options.io_threads = io_threads;
+  options.map_spans = map_spans;
+  return options;
+}
 
 nb::object ReaderFromSource(std::unique_ptr<KvStore> kv, std::shared_ptr<StepSource> source,
                             std::shared_ptr<KeptBoxes> keep) {
