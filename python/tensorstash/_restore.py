@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 from typing import Any
@@ -43,13 +44,69 @@ def _open(path, verify_checksums: bool, max_inflight_bytes: int, io_threads: int
                        map_spans=mmap)
 
 
+def _orbax_key_impls(path: Any, reader: _ext.Reader, infos: dict[str, dict]) -> dict[str, str]:
+    """{array path: PRNG implementation} of the arrays an Orbax checkpoint holds as typed PRNG
+    keys: Orbax stores their key data and records the implementation in the ext_metadata
+    ("random_key_impl") of `array_metadatas/process_0` in the item folder. Read from local
+    folders only (the engine's Orbax reader serves no other files); {} where there is no such
+    file (checkpoints of older Orbax, or without jax.Array leaves)."""
+    root, _ = _paths.split(path)
+    if "://" in root:
+        return {}
+    try:
+        with open(os.path.join(root, reader.dir, "array_metadatas", "process_0"), "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError):
+        return {}
+    impls = {}
+    for entry in doc.get("array_metadatas", []) if isinstance(doc, dict) else []:
+        meta = entry.get("array_metadata") if isinstance(entry, dict) else None
+        ext = meta.get("ext_metadata") if isinstance(meta, dict) else None
+        impl = ext.get("random_key_impl") if isinstance(ext, dict) else None
+        if isinstance(impl, str) and isinstance(meta.get("param_name"), str):
+            impls[meta["param_name"]] = impl
+    if not impls:
+        return {}
+    from ._save import _orbax_name
+    return {p: impls[_orbax_name(p)] for p in infos if _orbax_name(p) in impls}
+
+
+def _tree_with_keys(path: Any, reader: _ext.Reader, infos: dict[str, dict]) -> dict:
+    """The step's tree with its PRNG key leaves marked (_tree.mark_keys): the native format's
+    key nodes, and the arrays an Orbax checkpoint records as keys."""
+    node = reader.tree()
+    orbax = _orbax_key_impls(path, reader, infos) if reader.format.startswith("orbax") else {}
+    if orbax or any(p == _tree.KEY_DATA or p.endswith("/" + _tree.KEY_DATA) for p in infos):
+        node = _tree.mark_keys(node, orbax)
+    return node
+
+
+def _key_parts(ckpt: str, path: str, impl: str, info: dict) -> tuple[Any, tuple[int, ...]]:
+    """(key dtype, key shape) of the PRNG key leaf at `path` whose data is `info` (the reader's
+    entry of its key data); ValueError naming the leaf when JAX lacks the implementation or the
+    data's trailing dimensions are not the implementation's."""
+    from . import jax as tjax
+    where = f"{path!r} in {ckpt}"
+    dtype = tjax.key_dtype(impl, where)
+    trailing = tjax.key_data_shape(impl)
+    shape = tuple(info["shape"])
+    if info["dtype"] != "uint32" or shape[len(shape) - len(trailing):] != trailing:
+        raise ValueError(f"{where} holds PRNG keys of implementation {impl!r} whose key data "
+                         f"({info['dtype']}, shape {shape}) does not end in that "
+                         f"implementation's uint32 dimensions {trailing}")
+    return dtype, shape[:len(shape) - len(trailing)]
+
+
 def metadata(path: str | os.PathLike) -> Any:
     """The saved tree with each array replaced by its ArrayMetadata (and scalars by their
     values), as plain dicts, lists and tuples. Reads no array data (Orbax scalars excepted:
-    they are 0-d arrays). Any format restore() reads."""
+    they are 0-d arrays). Any format restore() reads. An array of typed PRNG keys is described
+    by the key shape and the key dtype (key<fry>, ...), with its data's chunks and bytes, so
+    that restore(path, target=metadata(path)) restores it as keys."""
     with contextlib.closing(_open(path, True, 1 << 20, 1)) as reader:
         infos = {a["path"]: a for a in reader.arrays()}
-        node = reader.tree()
+        node = _tree_with_keys(path, reader, infos)
+    ckpt = os.fspath(path)
 
     def describe(array_path: str, _id: int) -> ArrayMetadata:
         a = infos[array_path]
@@ -58,7 +115,15 @@ def metadata(path: str | os.PathLike) -> Any:
                              chunk_shape=tuple(a["chunk_shape"]), num_chunks=a["num_chunks"],
                              stored_bytes=a["stored_bytes"], codec=a["codec"])
 
-    return _tree.decode(node, describe)
+    def describe_key(key_path: str, n: dict) -> ArrayMetadata:
+        a = infos[n["data_path"]]
+        dtype, shape = _key_parts(ckpt, key_path, n["impl"], a)
+        return ArrayMetadata(path=key_path, shape=shape, dtype=dtype,
+                             chunk_shape=tuple(a["chunk_shape"])[:len(shape)],
+                             num_chunks=a["num_chunks"], stored_bytes=a["stored_bytes"],
+                             codec=a["codec"])
+
+    return _tree.decode(node, describe, describe_key)
 
 
 # The casts of scalars, by kind (_scalar_kind): the kinds of target each kind of value goes into.
@@ -124,6 +189,8 @@ class _Plan:
         self.requests: list[tuple] = []  # (path, origin, shape, dtype name), for the engine
         self.owners: list[tuple[_Leaf, Any]] = []  # per request: its leaf and box key
         self.values: dict[str, Any] = {}
+        # Leaf path -> the path its value is kept under in `values` (PRNG keys: their data's).
+        self.aliases: dict[str, str] = {}
 
     def check_shape(self, path: str, shape: tuple[int, ...]) -> None:
         stored = tuple(self.infos[path]["shape"])
@@ -244,6 +311,10 @@ def _plan_target(plan: _Plan, leaves: dict[str, dict], path: str, target: Any) -
     stored = leaves.get(path)
     if stored is None or stored["kind"] == "none":
         raise KeyError(f"{path!r} is not in checkpoint {plan.ckpt}")
+    key_target = _tree.is_key_target(target)
+    if key_target or stored["kind"] == "prng_key":
+        _plan_key(plan, stored, path, target, key_target)
+        return
     scalar_target = isinstance(target, (bool, int, float, str, bytes, np.generic))
     if not scalar_target and not (hasattr(target, "shape") and hasattr(target, "dtype")):
         raise TypeError(f"the target's leaf {path!r} is of type {type(target).__name__}; "
@@ -271,6 +342,60 @@ def _plan_target(plan: _Plan, leaves: dict[str, dict], path: str, target: Any) -
     together = (adapter, target, shape) if hasattr(adapter, "build_many") else None
     plan.add(path, dtype, adapter.restore_boxes(target, shape),
              lambda buffers: adapter.build(target, shape, buffers), together)
+
+
+def _stored_kind(plan: _Plan, stored: dict, path: str) -> str:
+    """What the leaf at `path` holds, for an error message."""
+    if stored["kind"] == "array":
+        info = plan.infos[path]
+        return f"a {info['dtype']} array of shape {tuple(info['shape'])}"
+    if stored["kind"] == "prng_key":
+        return f"PRNG keys of implementation {stored['impl']!r}"
+    return f"a {stored['kind']}"
+
+
+def _plan_key(plan: _Plan, stored: dict, path: str, target: Any, key_target: bool) -> None:
+    """Plans the restore of a PRNG key leaf: its key data read onto the target's sharding with
+    the trailing dimensions unsharded, then wrapped as keys of the stored implementation.
+    ValueError naming the leaf when only one of the stored leaf and the target is keys, or
+    their implementations differ."""
+    ckpt = plan.ckpt
+    target_dtype = getattr(target, "dtype", type(target).__name__)
+    if stored["kind"] != "prng_key":
+        raise ValueError(f"{path!r} in {ckpt} holds {_stored_kind(plan, stored, path)}, not "
+                         f"PRNG keys; the target's leaf is a key array ({target_dtype})")
+    impl = stored["impl"]
+    if not key_target:
+        raise ValueError(f"{path!r} in {ckpt} holds PRNG keys of implementation {impl!r}; the "
+                         f"target's leaf is not a key array ({target_dtype}): give a key "
+                         f"target, e.g. jax.random.key(0, impl={impl!r}) of the same shape, "
+                         "or a jax.ShapeDtypeStruct of its dtype")
+    from . import jax as tjax
+    data_path = stored["data_path"]
+    _key_parts(ckpt, path, impl, plan.infos[data_path])
+    want = tjax.key_impl(target)
+    if want != impl:
+        raise ValueError(f"{path!r} in {ckpt} holds PRNG keys of implementation {impl!r}; the "
+                         f"target's keys are {want!r} ({target_dtype})")
+    try:
+        data_target = tjax.key_data_target(target, impl)
+    except TypeError as e:
+        raise TypeError(f"the target's leaf {path!r}: {e}") from None
+    shape = tuple(data_target.shape)
+    plan.check_shape(data_path, shape)
+    adapter = _adapters.adapter_for(data_target)
+    dtype = _adapters.restore_dtype(adapter, data_target)
+    plan.aliases[path] = data_path
+    plan.add(data_path, dtype, adapter.restore_boxes(data_target, shape),
+             lambda buffers: tjax.wrap_key(adapter.build(data_target, shape, buffers), impl))
+
+
+def _wrapped_key(plan: _Plan, path: str, n: dict) -> Any:
+    """The PRNG keys of key leaf `n` at `path` from its data restored whole (NumPy), on the
+    default device."""
+    from . import jax as tjax
+    _key_parts(plan.ckpt, path, n["impl"], plan.infos[n["data_path"]])
+    return tjax.wrap_key(plan.values[n["data_path"]], n["impl"])
 
 
 def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = False,
@@ -349,7 +474,7 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
         reader = _open(path, verify_checksums, max_inflight_bytes, io_threads, mmap)
     with contextlib.closing(reader) if owned else contextlib.nullcontext(reader), _gc.paused():
         infos = {a["path"]: a for a in reader.arrays()}
-        node = reader.tree()
+        node = _tree_with_keys(path, reader, infos)
         plan = _Plan(ckpt, infos, truncate)
         if target is None:
             # The saved tree, each array whole, in its stored dtype.
@@ -357,8 +482,10 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
             _tree.decode(node, lambda array_path, _id: paths.append(array_path))
             plan.add_whole(paths)
             nbytes = plan.run(reader, progress, desc, mmap)
-            return _tree.decode(node, lambda p, _id: plan.values[p]), nbytes
+            return _tree.decode(node, lambda p, _id: plan.values[p],
+                                lambda p, n: _wrapped_key(plan, p, n)), nbytes
         leaves = _tree.index_leaves(node)
         _tree.map_target(target, lambda p, t: _plan_target(plan, leaves, p, t))
         nbytes = plan.run(reader, progress, desc, mmap)
-        return _tree.map_target(target, lambda p, _: plan.values[p]), nbytes
+        aliases = plan.aliases
+        return _tree.map_target(target, lambda p, _: plan.values[aliases.get(p, p)]), nbytes

@@ -8,6 +8,16 @@ fields). Leaves: arrays (JAX, NumPy, NumPy scalars), bool, int, float, str, byte
 Array paths join the keys from the root, escaped as in JSON Pointer ('~' -> '~0', '/' -> '~1');
 list and tuple positions are decimal.
 
+PRNG keys: a jax.Array of typed PRNG keys (jax.random.key; dtype key<fry>, key<rbg>, ...) is
+stored as a dict node of two entries, in this order: KEY_MARK, a string leaf naming the
+implementation ("threefry2x32", "rbg", "unsafe_rbg"), and KEY_DATA, the array of its key data
+(jax.random.key_data: uint32, the key shape plus the implementation's trailing dimensions). Its
+data's array path is therefore "<leaf path>/key_data". A reader that knows nothing of keys (an
+older tensorstash) sees that dict, the implementation and the raw uint32 data, and nothing it
+could mistake for something else; a dict of the caller's with a KEY_MARK key is refused at save.
+mark_keys() turns those dicts (and the Orbax arrays that Orbax recorded as keys) into leaves of
+the in-memory kind "prng_key" that decode(), index_leaves() and the restore handle.
+
 Trees may be nested MAX_DEPTH levels deep (docs/format.md, section 10), deeper than Python's
 recursion limit lets a recursive walk go: every walk here keeps its own stack (_fold), tree
 nodes too deep for the json module go to JSON text through _ext (dumps), and a step's tree
@@ -31,6 +41,85 @@ try:
     import jax
 except ImportError:  # JAX is optional
     jax = None
+
+
+# The entries of a PRNG key's dict node (module docstring).
+KEY_MARK = "__tensorstash_prng_key__"
+KEY_DATA = "key_data"
+
+
+def _jax_adapter_module():
+    from . import jax as tjax  # (only imported with JAX installed)
+    return tjax
+
+
+def is_key_array(x: Any) -> bool:
+    """Whether `x` is a jax.Array of typed PRNG keys (cheap for every other leaf: a key's dtype
+    is not a NumPy dtype)."""
+    return (jax is not None and isinstance(x, jax.Array) and not isinstance(x.dtype, np.dtype)
+            and _jax_adapter_module().is_key(x))
+
+
+def is_key_target(x: Any) -> bool:
+    """Whether target leaf `x` (jax.Array, jax.ShapeDtypeStruct, ArrayMetadata) asks for PRNG
+    keys."""
+    dtype = getattr(x, "dtype", None)
+    return (jax is not None and dtype is not None and not isinstance(dtype, np.dtype)
+            and _jax_adapter_module().is_key(x))
+
+
+def key_node_impl(n: dict) -> str | None:
+    """The implementation of a stored PRNG key's dict node (module docstring), else None."""
+    if n.get("kind") != "dict":
+        return None
+    entries = n["entries"]
+    if (len(entries) != 2 or entries[0][0] != KEY_MARK or entries[1][0] != KEY_DATA
+            or entries[0][1].get("kind") != "string" or entries[1][1].get("kind") != "array"):
+        return None
+    return entries[0][1]["value"]
+
+
+def mark_keys(node: dict, orbax_keys: dict[str, str] | None = None) -> dict:
+    """`node` (a step's tree, changed in place) with every PRNG key leaf as a node
+    {"kind": "prng_key", "impl": name, "array": data's id, "data_path": data's array path}:
+    the dict nodes of the native format, and the array leaves at the paths of `orbax_keys`
+    ({array path: implementation}, what Orbax's array metadata records). Returns the root,
+    which is replaced when it is itself a key."""
+    orbax_keys = orbax_keys or {}
+
+    def marked(n: dict, path: str | None) -> dict | None:
+        impl = key_node_impl(n)
+        if impl is not None:
+            data_path = KEY_DATA if path is None else f"{path}/{KEY_DATA}"
+            return {"kind": "prng_key", "impl": impl, "array": n["entries"][1][1]["array"],
+                    "data_path": data_path}
+        if n.get("kind") == "array" and (path or "") in orbax_keys:
+            return {"kind": "prng_key", "impl": orbax_keys[path or ""], "array": n["array"],
+                    "data_path": path or ""}
+        return None
+
+    root = marked(node, None)
+    if root is not None:
+        return root
+    stack: list[tuple[dict, str | None]] = [(node, None)]  # (not _fold: nothing is built; depth is bounded by the reader)
+    while stack:
+        n, path = stack.pop()
+        kind = n["kind"]
+        if kind == "dict":
+            slots = [(e, 1, escape_key(e[0])) for e in n["entries"]]
+        elif kind in ("list", "tuple"):
+            slots = [(n["items"], i, str(i)) for i in range(len(n["items"]))]
+        else:
+            continue
+        for holder, index, segment in slots:
+            child = holder[index]
+            child_path = segment if path is None else f"{path}/{segment}"
+            key = marked(child, child_path)
+            if key is not None:
+                holder[index] = key
+            else:
+                stack.append((child, child_path))
+    return node
 
 
 def escape_key(key: str) -> str:
@@ -167,6 +256,11 @@ def encode(tree: Any, on_array: Callable[[str, Any], None]) -> dict:
         where = path if path is not None else ""
         if x is None:
             return None, {"kind": "none"}
+        if is_key_array(x):
+            tjax = _jax_adapter_module()
+            pairs = [(KEY_MARK, tjax.key_impl(x)), (KEY_DATA, tjax.key_data(x))]
+            return (pairs, lambda nodes: {"kind": "dict",
+                                          "entries": [[k, n] for (k, _), n in zip(pairs, nodes)]})
         if is_array(x):
             on_array(where, x)
             arrays += 1
@@ -197,6 +291,9 @@ def encode(tree: Any, on_array: Callable[[str, Any], None]) -> dict:
         else:
             raise TypeError(f"cannot save a leaf of type {type(x).__name__} at {where!r}: "
                             "supported leaves are arrays, bool, int, float, str and bytes")
+        if any(k == KEY_MARK for k, _ in pairs):
+            raise ValueError(f"the key {KEY_MARK!r} at {where or 'the root'!r} is reserved: "
+                             "checkpoints mark PRNG key arrays with it")
         return ([(escape_key(k), v) for k, v in pairs],
                 lambda nodes: {"kind": "dict",
                                "entries": [[k, n] for (k, _), n in zip(pairs, nodes)]})
@@ -214,13 +311,20 @@ def node_children(n: dict) -> list[tuple[str, dict]] | None:
     return None
 
 
-def decode(node: dict, on_array: Callable[[str, int], Any]) -> Any:
-    """Rebuilds plain containers from a tree node; array leaves become on_array(path, id)."""
+def decode(node: dict, on_array: Callable[[str, int], Any],
+           on_key: Callable[[str, dict], Any] | None = None) -> Any:
+    """Rebuilds plain containers from a tree node; array leaves become on_array(path, id), and
+    PRNG key leaves (mark_keys) on_key(path, key node), or without on_key
+    on_array(the key data's path, its id)."""
 
     def expand(n: dict, path: str | None) -> tuple:
         kind = n["kind"]
         if kind == "array":
             return None, on_array(path if path is not None else "", n["array"])
+        if kind == "prng_key":
+            if on_key is not None:
+                return None, on_key(path if path is not None else "", n)
+            return None, on_array(n["data_path"], n["array"])
         if kind == "dict":
             return node_children(n), lambda values: dict(zip((k for k, _ in n["entries"]), values))
         if kind in ("list", "tuple"):

@@ -282,3 +282,97 @@ class JaxCoordinator:
 def default_coordinator() -> JaxCoordinator | None:
     """A JaxCoordinator when the job has several processes, else None (single process)."""
     return JaxCoordinator() if jax.process_count() > 1 else None
+
+
+# Typed PRNG keys (jax.random.key; dtype key<fry>, key<rbg>, ...). The engine stores a key array
+# as its key data (jax.random.key_data: uint32, with the implementation's trailing dimensions)
+# and the implementation's name beside it (_tree.py, "PRNG keys"); these helpers map between the
+# two. The implementations are named as jax.random.key(impl=...) takes them.
+KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+
+
+def is_key(x: Any) -> bool:
+    """Whether `x` (an array, a target, or an ArrayMetadata) has a typed PRNG key dtype."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    try:
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+    except TypeError:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _key_abstract(impl: str) -> jax.ShapeDtypeStruct:
+    """The ShapeDtypeStruct of one key of implementation `impl` (no device work)."""
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl))
+
+
+@functools.lru_cache(maxsize=None)
+def _impl_names() -> dict:
+    """{key dtype: implementation name} of the implementations JAX has."""
+    out = {}
+    for impl in KEY_IMPLS:
+        try:
+            out[_key_abstract(impl).dtype] = impl
+        except (ValueError, TypeError, KeyError):  # not in this JAX
+            continue
+    return out
+
+
+def key_impl(x: Any) -> str:
+    """The implementation name of key array or key-typed target `x` ("threefry2x32", ...)."""
+    name = _impl_names().get(x.dtype)
+    if name is None:  # an implementation registered outside KEY_IMPLS: its own name
+        impl = getattr(x.dtype, "_impl", None)
+        name = getattr(impl, "name", None) or str(x.dtype)
+    return name
+
+
+def key_dtype(impl: str, where: str) -> Any:
+    """The key dtype of implementation `impl`; ValueError naming `where` for a name this JAX
+    does not have."""
+    try:
+        return _key_abstract(impl).dtype
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"{where} holds PRNG keys of implementation {impl!r}, which this JAX "
+                         f"does not have ({e})") from None
+
+
+def key_data_shape(impl: str) -> tuple[int, ...]:
+    """The trailing dimensions one key of `impl` adds to its key data ((2,) for threefry2x32)."""
+    return tuple(jax.eval_shape(jax.random.key_data, _key_abstract(impl)).shape)
+
+
+def key_data(x: jax.Array) -> jax.Array:
+    """The key data of key array `x` (uint32, trailing dimensions unsharded, on x's devices)."""
+    return jax.random.key_data(x)
+
+
+def key_data_target(target: Any, impl: str) -> Any:
+    """The target of a key target's key data: a ShapeDtypeStruct of the data's shape (the
+    target's plus the trailing dimensions), uint32, on the target's sharding with the trailing
+    dimensions unsharded. A target with no sharding (an ArrayMetadata) restores onto the default
+    device, as a ShapeDtypeStruct without one does. TypeError for a sharding other than
+    NamedSharding or SingleDeviceSharding on a ShapeDtypeStruct (a jax.Array target maps any)."""
+    trailing = key_data_shape(impl)
+    shape = tuple(target.shape) + trailing
+    sharding = getattr(target, "sharding", None) if isinstance(
+        target, (jax.Array, jax.ShapeDtypeStruct)) else None
+    if isinstance(target, jax.Array):
+        sharding = jax.random.key_data(target).sharding
+    elif isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec),
+                                              memory_kind=sharding.memory_kind)
+    elif sharding is not None and not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        raise TypeError(f"a key target's sharding must be a NamedSharding or a "
+                        f"SingleDeviceSharding (or the target a jax.Array), not "
+                        f"{type(sharding).__name__}")
+    return jax.ShapeDtypeStruct(shape, np.dtype("uint32"), sharding=sharding)
+
+
+def wrap_key(data: Any, impl: str) -> jax.Array:
+    """Key array of implementation `impl` over key data `data` (a jax.Array keeps its
+    sharding, less the trailing dimensions; a NumPy array goes to the default device)."""
+    return jax.random.wrap_key_data(data, impl=impl)
