@@ -372,7 +372,14 @@ def _plan_key(plan: _Plan, stored: dict, path: str, target: Any, key_target: boo
                          "or a jax.ShapeDtypeStruct of its dtype")
     from . import jax as tjax
     data_path = stored["data_path"]
-    _key_parts(ckpt, path, impl, plan.infos[data_path])
+    _, stored_shape = _key_parts(ckpt, path, impl, plan.infos[data_path])
+    target_shape = tuple(target.shape)
+    if len(target_shape) != len(stored_shape) or (
+            not plan.truncate and any(t < s for t, s in zip(target_shape, stored_shape))):
+        raise ValueError(f"the PRNG key array {path!r} in {ckpt} has shape {stored_shape}; the "
+                         f"target's shape {target_shape} "
+                         + ("has a different rank" if len(target_shape) != len(stored_shape)
+                            else "is smaller; pass truncate=True to read only its part"))
     want = tjax.key_impl(target)
     if want != impl:
         raise ValueError(f"{path!r} in {ckpt} holds PRNG keys of implementation {impl!r}; the "
