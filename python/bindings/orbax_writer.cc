@@ -35,7 +35,7 @@ class PyOrbaxWriter {
 
   void AddArray(const std::string& path, const std::string& dtype,
                 const std::vector<int64_t>& shape, const std::vector<ShardTuple>& shards,
-                const std::string& value_type) {
+                const std::string& value_type, const std::string& random_key_impl) {
     ThrowIfError(CheckUsable());
     // Initialized although every path sets it or throws: GCC cannot see that ThrowIfError
     // does not return.
@@ -50,7 +50,8 @@ class PyOrbaxWriter {
     }
     std::vector<ReadOnlyBytes> buffers;
     ArrayToSave array = ArrayToSaveFromPython(path, dtype, shape, shards, "none", 0, 0, &buffers);
-    OrbaxArraySpec spec{array.spec.path, array.spec.dtype, array.spec.shape, type};
+    OrbaxArraySpec spec{array.spec.path, array.spec.dtype, array.spec.shape, type,
+                        random_key_impl};
     ThrowIfError(writer_->AddArray(std::move(spec), std::move(array.shards)));
     for (ReadOnlyBytes& buffer : buffers) buffers_.push_back(std::move(buffer));
   }
@@ -122,13 +123,16 @@ void DefineOrbaxWriter(nb::module_& m) {
            nb::arg("io_threads") = 0, nb::arg("zstd_level") = ArraySpec{}.zstd_level)
       .def("add_array", &PyOrbaxWriter::AddArray, nb::arg("path"), nb::arg("dtype"),
            nb::arg("shape"), nb::arg("shards"), nb::kw_only(), nb::arg("value_type"),
+           nb::arg("random_key_impl") = "",
            nb::sig("def add_array(self, path: str, dtype: str, "
                    "shape: collections.abc.Sequence[int], "
                    "shards: list[tuple[collections.abc.Sequence[int], "
                    "collections.abc.Sequence[int], numpy.typing.NDArray[numpy.uint8], int, int]], "
-                   "*, value_type: str) -> None"),
+                   "*, value_type: str, random_key_impl: str = '') -> None"),
            "Adds an array and its shards, as Writer.add_array; value_type is 'jax.Array' or "
-           "'np.ndarray' (what Orbax restores it as without a target).")
+           "'np.ndarray' (what Orbax restores it as without a target). random_key_impl: the "
+           "array is the key data of PRNG keys of that JAX implementation, recorded as Orbax "
+           "records it (jax.Array only).")
       .def("add_file", &PyOrbaxWriter::AddFile, nb::arg("name"), nb::arg("contents"),
            "Adds a file to the item folder (e.g. '_sharding').")
       .def("set_tree", &PyOrbaxWriter::SetTree, nb::arg("tree_json"),

@@ -160,17 +160,18 @@ def _save_orbax(root: str, step: str, tree: Any, *, overwrite: bool, codec: str 
         coordinator = default_coordinator()
     if coordinator is not None and coordinator.process_count() > 1:
         raise NotImplementedError("format='orbax' writes from a single process only")
-    # Orbax stores a PRNG key array as its key data and the implementation in the
-    # ext_metadata of array_metadatas/process_0, which the engine's Orbax writer does not write
-    # yet: without it Orbax (and any reader) restores raw uint32 data, so keys are refused.
-    def refuse_keys(where: str, x: Any) -> Any:
-        if _tree.is_key_array(x):
-            raise NotImplementedError(
-                f"format='orbax' cannot write the PRNG key array at {where!r} yet (Orbax would "
-                "read it back as raw uint32 key data); save it in the native format, or save "
-                "jax.random.key_data of it")
-        return x
-    _tree.map_target(tree, refuse_keys)
+    # Orbax stores a PRNG key array as its key data at the leaf's own name (not the native
+    # format's marked dict node), the implementation in its array metadata (random_key_impl).
+    key_impls: dict[str, str] = {}
+
+    def key_data(where: str, x: Any) -> Any:
+        if not _tree.is_key_array(x):
+            return x
+        from . import jax as tjax
+        key_impls[where] = tjax.key_impl(x)
+        return tjax.key_data(x)
+
+    tree = _tree.map_target(tree, key_data)
     arrays, tree_json = arrays_to_save(tree, None)
     writer = _ext.OrbaxWriter(root, step, item=item or "", overwrite=overwrite, sync=sync,
                               io_threads=io_threads, zstd_level=zstd_level)
@@ -185,7 +186,14 @@ def _save_orbax(root: str, step: str, tree: Any, *, overwrite: bool, codec: str 
             value_type = "jax.Array"
             name = base64.urlsafe_b64encode(_orbax_name(array_path).encode()).decode("ascii")
             shardings[name] = serialized
-        writer.add_array(array_path, dtype, shape, shards, value_type=value_type)
+        impl = key_impls.get(array_path, "")
+        if impl and value_type != "jax.Array":
+            raise NotImplementedError(
+                f"format='orbax' writes the PRNG key array at {array_path!r} only on a "
+                "NamedSharding or SingleDeviceSharding (Orbax records a key's implementation "
+                "for jax.Array leaves only)")
+        writer.add_array(array_path, dtype, shape, shards, value_type=value_type,
+                         random_key_impl=impl)
     if shardings:
         writer.add_file("_sharding", json.dumps(shardings))
     writer.set_tree(tree_json)

@@ -151,13 +151,31 @@ def test_orbax_checkpoint_with_keys_restores_keys(tmp_path, impl):
     assert_same_keys(tensorstash.restore(path, target=meta)["k"], tree["k"])
 
 
-def test_orbax_format_refuses_keys_instead_of_writing_raw_data(tmp_path):
-    # The engine's Orbax writer does not record the implementation Orbax needs to read keys
-    # back: a clear refusal naming the leaf, never a checkpoint Orbax reads as uint32.
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_orbax_format_writes_keys_orbax_restores_as_keys(tmp_path, impl, sharded):
+    tree = {"rngs": {"k": keys(impl, 6, sharded)}, "one": jax.random.key(3, impl=impl),
+            "x": jax.numpy.arange(4.0)}
     path = step(tmp_path)
-    with pytest.raises(NotImplementedError, match="'a/k'"):
-        tensorstash.save(path, {"a": {"k": jax.random.key(0)}, "x": np.ones(2)}, format="orbax")
-    assert not os.path.exists(path)
+    tensorstash.save(path, tree, format="orbax")
+    with open(os.path.join(path, "array_metadatas", "process_0")) as f:
+        recorded = {e["array_metadata"]["param_name"]: e["array_metadata"]["ext_metadata"]
+                    for e in json.load(f)["array_metadatas"]}
+    assert recorded == {"rngs.k": {"random_key_impl": impl}, "one": {"random_key_impl": impl},
+                        "x": None}
+    ckptr = ocp.StandardCheckpointer()
+    with_target = ckptr.restore(path, tree)
+    without = ckptr.restore(path)
+    ckptr.close()
+    for got in (with_target, without):
+        assert_same_keys(got["rngs"]["k"], tree["rngs"]["k"])
+        assert got["rngs"]["k"].sharding == tree["rngs"]["k"].sharding
+        assert_same_keys(got["one"], tree["one"])
+    # And tensorstash reads its own Orbax output as keys.
+    assert_same_keys(tensorstash.restore(path)["rngs"]["k"], tree["rngs"]["k"])
+    got = tensorstash.restore(path, target=tree)["rngs"]["k"]
+    assert_same_keys(got, tree["rngs"]["k"])
+    assert got.sharding == tree["rngs"]["k"].sharding
 
 
 def test_key_target_for_plain_array_and_back(tmp_path):

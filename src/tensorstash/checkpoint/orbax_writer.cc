@@ -251,9 +251,19 @@ Result<std::unique_ptr<OrbaxWriter>> OrbaxWriter::Create(KvStore* kv, std::strin
   return std::unique_ptr<OrbaxWriter>(new OrbaxWriter(std::move(impl)));
 }
 
+// Orbax keeps a PRNG key's implementation in the array metadata of jax.Array leaves only.
+static Status CheckRandomKeyImpl(const OrbaxArraySpec& spec, const std::string& what) {
+  if (!spec.random_key_impl.empty() && spec.value_type != OrbaxValueType::kJaxArray) {
+    return InvalidArgumentError(StrCat(what, ": PRNG key data (random_key_impl '",
+                                       spec.random_key_impl, "') must be a jax.Array leaf"));
+  }
+  return OkStatus();
+}
+
 Status OrbaxWriter::AddArray(OrbaxArraySpec spec, std::vector<ShardData> shards) {
   const std::string what = StrCat("array '", spec.path, "'");
   TS_RETURN_IF_ERROR(Annotate(CheckedNumElements(spec.shape, what).status(), what));
+  TS_RETURN_IF_ERROR(CheckRandomKeyImpl(spec, what));
   const int rank = static_cast<int>(spec.shape.size());
   Impl::ArrayEntry entry;
   entry.chunk_shape.assign(rank, 0);
@@ -329,6 +339,7 @@ Status OrbaxWriter::AddArray(OrbaxArraySpec spec, std::vector<int64_t> chunk_sha
     }
   }
   if (source == nullptr) return InvalidArgumentError(StrCat(what, ": no chunk source"));
+  TS_RETURN_IF_ERROR(CheckRandomKeyImpl(spec, what));
   Impl::ArrayEntry entry;
   entry.spec = std::move(spec);
   entry.chunk_shape = std::move(chunk_shape);
@@ -613,10 +624,14 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
       if (a.spec.value_type == OrbaxValueType::kJaxArray) {
         entry.value_type = kOrbaxJaxArrayType;
         entry.write_shape = a.chunk_shape;
+        Json ext_metadata = nullptr;
+        if (!a.spec.random_key_impl.empty()) {
+          ext_metadata = Json{{"random_key_impl", a.spec.random_key_impl}};
+        }
         array_metadatas.push_back(Json{{"array_metadata", Json{{"param_name", leaf.name},
                                                                {"write_shape", a.chunk_shape},
                                                                {"chunk_shape", a.chunk_shape},
-                                                               {"ext_metadata", nullptr}}}});
+                                                               {"ext_metadata", ext_metadata}}}});
       } else {
         entry.value_type = kOrbaxNumpyArrayType;
       }

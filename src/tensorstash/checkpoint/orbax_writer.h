@@ -54,6 +54,11 @@ struct OrbaxArraySpec {
   DType dtype = DType::kFloat32;
   std::vector<int64_t> shape;
   OrbaxValueType value_type = OrbaxValueType::kNumpyArray;
+  // Non-empty: the array is the key data of typed PRNG keys of this JAX implementation
+  // ("threefry2x32", ...), recorded as Orbax does (`ext_metadata.random_key_impl` in
+  // array_metadatas/process_0) so that Orbax restores keys. kJaxArray only (Orbax records array
+  // metadata for jax.Array leaves only): InvalidArgument otherwise.
+  std::string random_key_impl;
 };
 
 struct OrbaxWriterOptions {
