@@ -428,7 +428,11 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     complex; any other (a float into an int, say) is a ValueError naming the leaf. A saved
     scalar (bool, int, float) restored into a 0-d array target is a 0-d array of the target's
     kind and dtype, by the same casts; an array target of any other shape is a ValueError
-    naming the leaf.
+    naming the leaf. Typed PRNG key arrays (native steps, and Orbax checkpoints that record the
+    implementation) restore as keys of their implementation: on the default device without a
+    target, on the target's sharding for a key target (a key jax.Array or ShapeDtypeStruct, or
+    metadata()'s ArrayMetadata); a key target for a leaf that is not keys, a target that is not
+    keys for one that is, or another implementation, is a ValueError naming the leaf.
 
     `progress`: None shows a tqdm bar on stderr when tqdm is installed, stderr is a terminal and
     the restore fills more than 1 GiB; True always shows one (a plain line without tqdm); False

@@ -99,7 +99,9 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     Returns raw_bytes, chunks and seconds.
 
     Leaves may be jax.Array (any sharding; each process writes its own shards, replicated data
-    once), np.ndarray (big-endian ones are stored by value, in the format's little-endian
+    once; typed PRNG keys, jax.random.key of any implementation, are stored as their key data
+    and the implementation's name, docs/format.md 4.2, and in the Orbax format as Orbax stores
+    them), np.ndarray (big-endian ones are stored by value, in the format's little-endian
     order) and NumPy scalars, bool, int (any number of digits), float, str and bytes, and the
     arrays of any adapter registered with tensorstash.register_adapter. The tree may be nested
     up to 512 levels below its root (docs/format.md, section 10). In a job with several
