@@ -169,9 +169,9 @@ def _save_orbax(root: str, step: str, tree: Any, *, overwrite: bool, codec: str 
     def key_data(where: str, x: Any) -> Any:
         if not _tree.is_key_array(x):
             return x
-        from . import jax as tjax
-        key_impls[where] = tjax.key_impl(x)
-        return tjax.key_data(x)
+        impl, data = _tree.key_parts(x)
+        key_impls[where] = impl
+        return data
 
     tree = _tree.map_target(tree, key_data)
     arrays, tree_json = arrays_to_save(tree, None)

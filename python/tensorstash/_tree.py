@@ -68,6 +68,12 @@ def is_key_target(x: Any) -> bool:
             and _jax_adapter_module().is_key(x))
 
 
+def key_parts(x: Any) -> tuple[str, Any]:
+    """(implementation name, key data) of PRNG key array `x` (is_key_array)."""
+    tjax = _jax_adapter_module()
+    return tjax.key_impl(x), tjax.key_data(x)
+
+
 def key_node_impl(n: dict) -> str | None:
     """The implementation of a stored PRNG key's dict node (module docstring), else None."""
     if n.get("kind") != "dict":
@@ -257,8 +263,8 @@ def encode(tree: Any, on_array: Callable[[str, Any], None]) -> dict:
         if x is None:
             return None, {"kind": "none"}
         if is_key_array(x):
-            tjax = _jax_adapter_module()
-            pairs = [(KEY_MARK, tjax.key_impl(x)), (KEY_DATA, tjax.key_data(x))]
+            impl, data = key_parts(x)
+            pairs = [(KEY_MARK, impl), (KEY_DATA, data)]
             return (pairs, lambda nodes: {"kind": "dict",
                                           "entries": [[k, n] for (k, _), n in zip(pairs, nodes)]})
         if is_array(x):

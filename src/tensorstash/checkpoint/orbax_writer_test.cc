@@ -123,6 +123,33 @@ TEST(OrbaxWriterTest, WritesZarrArraysInOcdbtAndMetadata) {
   EXPECT_EQ(arrays["array_metadatas"][0]["array_metadata"]["param_name"], "params.w");
 }
 
+TEST(OrbaxWriterTest, RecordsPrngKeyImplementationAsOrbaxDoes) {
+  MemoryKvStore kv;
+  auto writer = OrbaxWriter::Create(&kv, "run/1", {}).value();
+  const uint32_t key[2] = {0, 42};
+  OrbaxArraySpec spec{"rng", DType::kUint32, {2}, OrbaxValueType::kJaxArray, "threefry2x32"};
+  ASSERT_TRUE(writer->AddArray(spec, {{Box({0}, {2}), key, 0, 1}}).ok());
+  const float x[1] = {1};
+  ASSERT_TRUE(writer
+                  ->AddArray({"x", DType::kFloat32, {1}, OrbaxValueType::kJaxArray},
+                             {{Box({0}, {1}), x, 0, 1}})
+                  .ok());
+  // Orbax keeps array metadata (and so a key's implementation) for jax.Array leaves only.
+  OrbaxArraySpec numpy_key{"k2", DType::kUint32, {2}, OrbaxValueType::kNumpyArray, "rbg"};
+  Status refused = writer->AddArray(numpy_key, {{Box({0}, {2}), key, 0, 1}});
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), HasSubstr("'k2'"));
+  OrbaxWriteStats stats;
+  ASSERT_TRUE(writer->Commit(&stats).ok());
+  const auto arrays = nlohmann::json::parse(kv.Read("run/1/array_metadatas/process_0").value());
+  const auto& entries = arrays["array_metadatas"];
+  ASSERT_EQ(entries.size(), 2u);
+  EXPECT_EQ(entries[0]["array_metadata"]["param_name"], "rng");
+  EXPECT_EQ(entries[0]["array_metadata"]["ext_metadata"],
+            nlohmann::json::parse(R"({"random_key_impl": "threefry2x32"})"));
+  EXPECT_TRUE(entries[1]["array_metadata"]["ext_metadata"].is_null());
+}
+
 TEST(OrbaxWriterTest, ManagerItemLayoutAndChunkSource) {
   MemoryKvStore kv;
   OrbaxWriterOptions options;
