@@ -1,17 +1,43 @@
 // `tensorstash inspect CKPT`: what a step holds, read from its metadata only. Works on native
 // steps, Orbax checkpoints and zarr groups (the format is detected and printed).
 #include <iostream>
+#include <map>
 
 #include "commands.h"
 #include "common.h"
 #include "nlohmann/json.hpp"
 #include "tensorstash/checkpoint/open_step.h"
+#include "tensorstash/format/tree.h"
 
 namespace tensorstash::cli {
 namespace {
 
 std::string ShapeText(const std::vector<int64_t>& shape) {
   return StrCat("(", StrJoin(shape, ", "), shape.size() == 1 ? ",)" : ")");
+}
+
+// The arrays that are the key data of typed PRNG keys, by array id, with the implementation:
+// the marked dict nodes of docs/format.md 4.2 (written by the Python front).
+std::map<int64_t, std::string> PrngKeyImpls(const TreeNode& root) {
+  std::map<int64_t, std::string> out;
+  std::vector<const TreeNode*> stack{&root};  // (the tree may be 512 levels deep)
+  while (!stack.empty()) {
+    const TreeNode* node = stack.back();
+    stack.pop_back();
+    if (node->kind == TreeNode::Kind::kDict) {
+      const auto& e = node->entries;
+      if (e.size() == 2 && e[0].first == "__tensorstash_prng_key__" &&
+          e[0].second.kind == TreeNode::Kind::kString && e[1].first == "key_data" &&
+          e[1].second.kind == TreeNode::Kind::kArray) {
+        out[e[1].second.array_id] = e[0].second.string_value;
+        continue;
+      }
+      for (const auto& entry : e) stack.push_back(&entry.second);
+    } else {
+      for (const TreeNode& item : node->items) stack.push_back(&item);
+    }
+  }
+  return out;
 }
 
 int RunInspect(const std::string& path, bool as_json) {
@@ -29,6 +55,7 @@ int RunInspect(const std::string& path, bool as_json) {
   // Native steps count their data files; foreign ones are described by their format.
   const CheckpointReader* native = r.native();
   const size_t data_files = native != nullptr ? native->index().files.size() : 0;
+  const std::map<int64_t, std::string> keys = PrngKeyImpls(r.tree());
 
   if (as_json) {
     nlohmann::json doc;
@@ -49,6 +76,9 @@ int RunInspect(const std::string& path, bool as_json) {
                         {"chunks", r.NumChunks(i)},
                         {"stored_bytes", r.StoredBytes(i)},
                         {"codec", r.CodecDescription(i)}});
+      if (auto key = keys.find(static_cast<int64_t>(i)); key != keys.end()) {
+        arrays.back()["prng_key_impl"] = key->second;
+      }
     }
     doc["arrays"] = std::move(arrays);
     std::cout << doc.dump(2) << "\n";
@@ -78,6 +108,17 @@ int RunInspect(const std::string& path, bool as_json) {
                 ShapeText(a.shape()).c_str(), ShapeText(a.grid.chunk_shape).c_str(),
                 static_cast<long long>(r.NumChunks(i)), HumanBytes(r.StoredBytes(i)).c_str(),
                 r.CodecDescription(i).c_str());
+  }
+  if (!keys.empty()) {
+    std::printf("\nPRNG key arrays (stored as their uint32 key data; tensorstash.restore gives "
+                "keys):\n");
+    for (const auto& [id, impl] : keys) {
+      const std::string& data_path = r.arrays()[id].path;
+      const size_t slash = data_path.rfind('/');
+      const std::string leaf =
+          slash == std::string::npos ? "(the root)" : data_path.substr(0, slash);
+      std::printf("  %s  %s\n", leaf.c_str(), impl.c_str());
+    }
   }
   return 0;
 }

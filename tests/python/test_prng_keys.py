@@ -9,6 +9,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
+import subprocess
 
 import jax
 import numpy as np
@@ -218,3 +220,20 @@ def test_older_reader_view_is_the_data_and_the_name(tmp_path):
     assert entries[1][0] == "key_data"
     assert arrays["k/key_data"]["dtype"] == "uint32"
     assert tuple(arrays["k/key_data"]["shape"]) == (8, 2)
+
+
+def test_cli_inspect_names_the_key_arrays(tmp_path):
+    cli = os.environ.get("TENSORSTASH_CLI", os.path.join(os.path.dirname(__file__), "..", "..",
+                                                         "build", "tensorstash"))
+    if not os.access(cli, os.X_OK):
+        pytest.fail(f"{cli} is missing: build the tensorstash target, or set TENSORSTASH_CLI")
+    path = step(tmp_path)
+    tensorstash.save(path, {"rngs": {"k": keys("rbg", 1, sharded=True)}, "x": np.ones(2)})
+    text = subprocess.run([cli, "inspect", path], capture_output=True, text=True, check=True).stdout
+    assert "rngs/k/key_data" in text
+    assert re.search(r"^PRNG key arrays .*\n  rngs/k  rbg$", text, re.M), text
+    doc = json.loads(subprocess.run([cli, "inspect", "--json", path], capture_output=True,
+                                    text=True, check=True).stdout)
+    by_path = {a["path"]: a for a in doc["arrays"]}
+    assert by_path["rngs/k/key_data"]["prng_key_impl"] == "rbg"
+    assert "prng_key_impl" not in by_path["x"]
