@@ -57,8 +57,9 @@ struct OrbaxArraySpec {
   // Non-empty: the array is the key data of typed PRNG keys of this JAX implementation
   // ("threefry2x32", ...), recorded as Orbax does (`ext_metadata.random_key_impl` in
   // array_metadatas/process_0) so that Orbax restores keys. kJaxArray only (Orbax records array
-  // metadata for jax.Array leaves only): InvalidArgument otherwise.
-  std::string random_key_impl;
+  // metadata for jax.Array leaves only): InvalidArgument otherwise. (Initialized, so that
+  // callers that list only the fields above get no missing-initializer warning.)
+  std::string random_key_impl = {};
 };
 
 struct OrbaxWriterOptions {
