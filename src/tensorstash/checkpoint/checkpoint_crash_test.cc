@@ -128,13 +128,15 @@ TEST_F(CheckpointCrashTest, KilledWriterLeavesOnlyCompleteSteps) {
   std::set<int64_t> verified;     // steps restored bit for bit already
   int rounds_with_leftovers = 0;  // kills that landed in the middle of a save
   int temporary_with_commit = 0;  // kills between COMMIT and the rename
-  // At least kRounds kills, and more (up to kMaxRounds) until three have landed mid-save: on a
-  // loaded machine (ctest -j with ASan) the writer can spend most of a short window starting up,
-  // and 25 kills once caught it mid-save only once.
+  // At least kRounds kills, and more (up to kMaxRounds) until three have landed mid-save and
+  // the writer has committed five steps: on a loaded machine (ctest -j with ASan, or a build
+  // beside the tests) the writer can spend most of a short window starting up; 25 kills once
+  // caught it mid-save only once, and 40 once left it at its second step.
   constexpr int kRounds = 40;
-  constexpr int kMaxRounds = 100;
+  constexpr int kMaxRounds = 150;
   int round = 0;
-  for (; round < kMaxRounds && (round < kRounds || rounds_with_leftovers < 3); ++round) {
+  for (; round < kMaxRounds && (round < kRounds || rounds_with_leftovers < 3 || newest_before < 5);
+       ++round) {
     const auto run_for = std::chrono::milliseconds(5 + rng() % 296);
     SCOPED_TRACE(StrCat("round ", round, ", killed after ", run_for.count(), " ms"));
     WriterRun run;
