@@ -32,6 +32,7 @@
 #include "bindings.h"
 #include "buffers.h"
 #include "errors.h"
+#include "save_args.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/engine/host_restore.h"
 #include "tensorstash/checkpoint/open_step.h"
@@ -519,13 +520,9 @@ Reader OpenTieredReader(const std::vector<HolderTuple>& holders, bool verify_che
 
 ReaderOptions ReadOptionsFromPython(bool verify_checksums, int64_t max_inflight_bytes,
                                     int io_threads, bool map_spans) {
-  if (max_inflight_bytes <= 0) {
-    ThrowIfError(
-        InvalidArgumentError(StrCat("max_inflight_bytes must be > 0, not ", max_inflight_bytes)));
-  }
   ReaderOptions options;
+  options.max_inflight_bytes = InflightBytesFromPython(max_inflight_bytes);
   options.verify_checksums = verify_checksums;
-  options.max_inflight_bytes = static_cast<uint64_t>(max_inflight_bytes);
   options.io_threads = io_threads;
   options.map_spans = map_spans;
   return options;

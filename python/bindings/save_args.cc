@@ -50,17 +50,21 @@ ArrayToSave ArrayToSaveFromPython(const std::string& path, const std::string& dt
   return array;
 }
 
-WriterOptions WriterOptionsFromPython(int64_t target_chunk_bytes, int64_t target_data_file_bytes,
-                                      int64_t max_inflight_bytes, int io_threads, bool sync,
-                                      bool overwrite, double coordination_timeout_s) {
+uint64_t InflightBytesFromPython(int64_t max_inflight_bytes) {
   if (max_inflight_bytes <= 0) {
     ThrowIfError(
         InvalidArgumentError(StrCat("max_inflight_bytes must be > 0, not ", max_inflight_bytes)));
   }
+  return static_cast<uint64_t>(max_inflight_bytes);
+}
+
+WriterOptions WriterOptionsFromPython(int64_t target_chunk_bytes, int64_t target_data_file_bytes,
+                                      int64_t max_inflight_bytes, int io_threads, bool sync,
+                                      bool overwrite, double coordination_timeout_s) {
   WriterOptions options;
+  options.max_inflight_bytes = InflightBytesFromPython(max_inflight_bytes);
   options.target_chunk_bytes = target_chunk_bytes;
   options.target_data_file_bytes = target_data_file_bytes;
-  options.max_inflight_bytes = static_cast<uint64_t>(max_inflight_bytes);
   options.io_threads = io_threads;
   options.sync = sync;
   options.overwrite = overwrite;

@@ -73,6 +73,10 @@ SaveRequest SaveRequestFromPython(const std::vector<ArrayTuple>& arrays,
                                   const std::string& codec, int zstd_level,
                                   std::vector<ReadOnlyBytes>* buffers);
 
+// `max_inflight_bytes` as the engine takes it; raises ValueError when it is not positive. Every
+// reading and writing call of the module checks its cap here.
+uint64_t InflightBytesFromPython(int64_t max_inflight_bytes);
+
 // The options both the Writer and the Manager take, the others left at their defaults. Raises
 // ValueError when max_inflight_bytes is not positive or for a bad coordination_timeout_s
 // (TimeoutFromSeconds), in that order.
