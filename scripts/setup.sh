@@ -47,6 +47,13 @@ if ! .venv/bin/python -c "import orbax.checkpoint, tensorstore, safetensors, mat
     matplotlib
 fi
 
+# The trees users bring (tests/python/test_frameworks*.py and the Orbax drop-in tests): Flax (NNX
+# and Linen), optax, Equinox, Haiku and grain from PyPI; models are built in the tests, no weights.
+if ! .venv/bin/python -c "import flax, optax, equinox, haiku, grain" 2>/dev/null; then
+  echo "setup: installing the JAX libraries of the framework tests into .venv (flax, optax, equinox, dm-haiku, grain)"
+  .venv/bin/pip install -q --disable-pip-version-check -c scripts/constraints.txt flax optax equinox dm-haiku grain
+fi
+
 # The zarr interop tests (tests/python/test_zarr_interop.py): zarr-python writes and reads zarr v2
 # (blosc) and v3 arrays beside TensorStore and Orbax.
 if ! .venv/bin/python -c "import zarr, numcodecs" 2>/dev/null; then
