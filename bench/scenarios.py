@@ -59,6 +59,8 @@ class Op:
     no_copy: an async save by tensorstash's CheckpointManager(copy_host_jax_arrays=False), which
     writes jax.Arrays on CPU from their buffers as Orbax does, instead of copying them before
     save() returns (Orbax's op is the same either way).
+    prelude: a tree of the scenario that the restoring process saves and restores first, untimed
+    (a restore late in a job, after the process has done other work, not in a fresh process).
     raw: the plain-file operation it is compared with: "write", "write_fsync", "read",
     "read_cold"; raw_bytes: how many bytes that moves (the arrays' bytes the operation stores
     or reads).
@@ -77,6 +79,7 @@ class Op:
     label: str = ""
     numpy: bool = False
     no_copy: bool = False
+    prelude: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,8 +378,21 @@ def make_scenarios(scale: float) -> dict[str, Scenario]:
         (Op("restore_orbax_ckpt", "restore", "main", raw="read", raw_bytes=n,
             label="restore an Orbax checkpoint"),),
         reads_from=("large", "main"), reads_tool="orbax")
+    # Issue 38, part 7: the stacked restore of a job that has already saved and restored other
+    # trees (allocator, thread pools and caches no longer fresh): saved on 8x1, restored onto the
+    # mesh's axes swapped (4x2), after a many-small save and restore in the same process.
+    late_stacked = transformer("", 24, d, True, 90_000)
+    n = nbytes(late_stacked)
+    out["late"] = Scenario(
+        "late", f"stacked transformer (d_model {d}) saved on 8x1, restored onto 4x2 by a process "
+        "that first saved and restored the many-small tree",
+        {"stacked": late_stacked, "small": small},
+        (Op("save_stacked_8x1", "save", "stacked", layout="8x1", raw="write_fsync", raw_bytes=n,
+            label="save stacked on 8x1 (fsync)"),
+         Op("restore_late", "restore", "stacked", layout="4x2", prelude="small", raw="read",
+            raw_bytes=n, label="restore onto 4x2, late in a process")))
     return out
 
 
 SCENARIO_NAMES = ("large", "many-small", "stacked", "reshard", "partial", "async", "cold",
-                  "orbax-format")
+                  "orbax-format", "late")

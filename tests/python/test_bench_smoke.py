@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 BENCH = os.path.join(REPO, "bench")
 SCENARIOS = ("large", "many-small", "stacked", "reshard", "partial", "async", "cold",
-             "orbax-format")
+             "orbax-format", "late")
 TOOLS = ("tensorstash", "orbax")
 
 
