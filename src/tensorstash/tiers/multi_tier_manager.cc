@@ -106,24 +106,32 @@ Result<bool> MultiTierManager::Save(int64_t step, SaveRequest request, bool asyn
   return true;
 }
 
-Result<std::optional<int64_t>> MultiTierManager::LatestStep() {
+Status MultiTierManager::GatherJob() {
+  // The local tier's work in flight first: a save's retention deletes older local steps on the
+  // tier's worker, and a holding listed while it is being deleted would be offered to the job as
+  // a source (a restore then chose a local copy that was going away). A failed local save was
+  // this node's loss only: a warning, as for a synchronous one.
+  if (Status finished = local_->WaitUntilFinished(); !finished.ok()) {
+    local_->Warn(StrCat("a local save failed: ", finished.message()));
+  }
   Result<JobHoldings> job = local_->Gather(persistent_->AllSteps());
   if (!job.ok()) return job.status();
   job_ = *std::move(job);
+  return OkStatus();
+}
+
+Result<std::optional<int64_t>> MultiTierManager::LatestStep() {
+  TS_RETURN_IF_ERROR(GatherJob());
   return job_->LatestStep();
 }
 
 Result<std::vector<int64_t>> MultiTierManager::RestorableSteps() {
-  Result<JobHoldings> job = local_->Gather(persistent_->AllSteps());
-  if (!job.ok()) return job.status();
-  job_ = *std::move(job);
+  TS_RETURN_IF_ERROR(GatherJob());
   return job_->RestorableSteps();
 }
 
 Result<TieredRestore> MultiTierManager::OpenRestore(int64_t step, ReaderOptions options) {
-  Result<JobHoldings> job = local_->Gather(persistent_->AllSteps());
-  if (!job.ok()) return job.status();
-  job_ = *std::move(job);
+  TS_RETURN_IF_ERROR(GatherJob());
   return local_->OpenStep(step, *job_, persistent_kv_, options);
 }
 

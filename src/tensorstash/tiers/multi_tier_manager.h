@@ -114,6 +114,9 @@ class MultiTierManager {
  private:
   MultiTierManager(std::unique_ptr<CheckpointManager> persistent, std::unique_ptr<LocalTier> local,
                    KvStore* persistent_kv);
+  // Collective: waits for the local tier's work in flight, then gathers the job's holdings and
+  // the persistent steps into job_.
+  Status GatherJob();
   std::unique_ptr<CheckpointManager> persistent_;
   std::unique_ptr<LocalTier> local_;
   KvStore* persistent_kv_;
