@@ -172,7 +172,7 @@ def test_target_structure_namedtuple_dataclass_dicts(step):
     assert_same_array(plain["pt"]["x"], tree["pt"].x)
     assert set(plain["layer"]) == {"kernel", "bias"} and plain["layer"]["bias"] is None
     assert type(plain["od"]) is dict and list(plain["od"]) == ["b", "a"]
-    assert "5" in plain
+    assert 5 in plain  # (int keys come back as ints)
 
     # (jax.tree_util cannot sort a dict of int and str keys: map the values one by one.)
     zeros = lambda t: jax.tree_util.tree_map(np.zeros_like, t)  # noqa: E731
