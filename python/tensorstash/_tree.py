@@ -232,7 +232,7 @@ def dict_items(d: dict, path: str | None) -> Iterator[tuple[str, Any]]:
 
 def typed_keys(d: dict) -> list | None:
     """The key nodes of dict `d` when any key is not a str (a "typed_dict"), else None."""
-    if all(type(k) is str for k in d):
+    if all(isinstance(k, str) for k in d):
         return None
     return [{"kind": "string", "value": k} if isinstance(k, str) else key_node(k) for k in d]
 
