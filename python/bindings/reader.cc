@@ -128,7 +128,8 @@ struct OpenStep {
 nb::object TreeNodeToPython(const TreeNode& node) {
   using Kind = TreeNode::Kind;
   nb::dict out;
-  const std::string_view kind = TreeNodeKindName(node.kind);
+  const std::string_view kind =
+      node.keys.empty() ? TreeNodeKindName(node.kind) : std::string_view("typed_dict");
   out["kind"] = nb::str(kind.data(), kind.size());
   switch (node.kind) {
     case Kind::kNone:
@@ -142,6 +143,11 @@ nb::object TreeNodeToPython(const TreeNode& node) {
         entries.append(std::move(entry));
       }
       out["entries"] = std::move(entries);
+      if (!node.keys.empty()) {
+        nb::list keys;
+        for (const TreeNode& key : node.keys) keys.append(TreeNodeToPython(key));
+        out["keys"] = std::move(keys);
+      }
       break;
     }
     case Kind::kList:

@@ -309,9 +309,16 @@ def _scalar_into_array(value: Any, target: Any, path: str, ckpt: str) -> Any:
 def _plan_target(plan: _Plan, leaves: dict[str, dict], path: str, target: Any) -> None:
     """Plans the restore of target leaf `target` at `path` (errors name the leaf)."""
     stored = leaves.get(path)
-    if stored is None or stored["kind"] == "none":
-        raise KeyError(f"{path!r} is not in checkpoint {plan.ckpt}")
     key_target = _tree.is_key_target(target)
+    array_target = key_target or (hasattr(target, "shape") and hasattr(target, "dtype"))
+    if stored is None or stored["kind"] == "none":
+        if not array_target:
+            # What the checkpoint has no value for and the target holds as a value of its own
+            # (an Equinox model's activation functions, an int field of a module) is the
+            # target's; only arrays are asked of the checkpoint.
+            plan.values[path] = target
+            return
+        raise KeyError(f"{path!r} is not in checkpoint {plan.ckpt}")
     if key_target or stored["kind"] == "prng_key":
         _plan_key(plan, stored, path, target, key_target)
         return
@@ -407,7 +414,8 @@ def _wrapped_key(plan: _Plan, path: str, n: dict) -> Any:
 
 def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = False,
             verify_checksums: bool = True, max_inflight_bytes: int = _options.MAX_INFLIGHT_BYTES,
-            io_threads: int = 0, progress: Any = None, mmap: bool = True) -> Any:
+            io_threads: int = 0, progress: Any = None, mmap: bool = True,
+            subtree: str | None = None) -> Any:
     """Restores the checkpoint step folder `path`: a tensorstash step, or an Orbax checkpoint
     (OCDBT or per-parameter zarr folders, zarr3 or zarr2; an Orbax CheckpointManager step opens
     its item) or a zarr-group checkpoint, detected from the folder's files
@@ -433,6 +441,16 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     target, on the target's sharding for a key target (a key jax.Array or ShapeDtypeStruct, or
     metadata()'s ArrayMetadata); a key target for a leaf that is not keys, a target that is not
     keys for one that is, or another implementation, is a ValueError naming the leaf.
+
+    Dict keys come back as they were saved: str, and int, bool, float, bytes, None and tuples
+    of those (a step of an older tensorstash has its int keys as decimal strings). A target
+    leaf that is not an array (a function, an int, any object: what an Equinox model made with
+    eqx.filter_eval_shape holds besides its arrays) where the checkpoint holds None or nothing
+    is passed through as it is; None in the target stays None.
+
+    `subtree`: restore only the node at this path (keys and positions joined by '/', a '/' in a
+    key written "~1" and a '~' "~0", as in array paths) as the root; `target` is then that
+    subtree's. KeyError naming the path when the checkpoint has no such node.
 
     `progress`: None shows a tqdm bar on stderr when tqdm is installed, stderr is a terminal and
     the restore fills more than 1 GiB; True always shows one (a plain line without tqdm); False
@@ -468,12 +486,35 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     """
     return _restore(path, target, truncate=truncate, verify_checksums=verify_checksums,
                     max_inflight_bytes=max_inflight_bytes, io_threads=io_threads,
-                    progress=progress, mmap=mmap)[0]
+                    progress=progress, mmap=mmap, subtree=subtree)[0]
+
+
+def _subtree(node: dict, subtree: str, ckpt: str) -> tuple[dict, str]:
+    """(the node at path `subtree` of the step's tree `node`, its path as array paths spell
+    it). `subtree` joins keys and positions with '/' (a key holding '/' escaped as "~1", '~' as
+    "~0", as in array paths); "" is the root. KeyError naming the path when the tree has no
+    node there."""
+    if not isinstance(subtree, str):
+        raise TypeError(f"subtree must be a str of '/'-joined keys, not {type(subtree).__name__}")
+    if subtree == "":
+        return node, ""
+    here: str | None = None
+    for segment in subtree.split("/"):
+        children = _tree.node_children(node)
+        found = None if children is None else next(
+            (child for name, child in children if name == segment), None)
+        here = segment if here is None else f"{here}/{segment}"
+        if found is None:
+            raise KeyError(f"subtree {subtree!r} is not in checkpoint {ckpt}: it has no "
+                           f"{here!r}")
+        node = found
+    return node, subtree
 
 
 def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_checksums: bool,
              max_inflight_bytes: int, io_threads: int, progress: Any,
-             mmap: bool = True, reader: Any = None) -> tuple[Any, int]:
+             mmap: bool = True, reader: Any = None, subtree: str | None = None
+             ) -> tuple[Any, int]:
     """restore(), returning (the restored tree, the stored bytes read or mapped). `reader`: an
     open reader of the step to use instead of opening `path` (the caller closes it)."""
     ckpt = os.fspath(path)
@@ -486,17 +527,30 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
     with contextlib.closing(reader) if owned else contextlib.nullcontext(reader), _gc.paused():
         infos = {a["path"]: a for a in reader.arrays()}
         node = _tree_with_keys(path, reader, infos)
+        prefix = None
+        if subtree is not None:
+            node, prefix = _subtree(node, subtree, ckpt)
+
+        def full(p: str) -> str:
+            """The array path in the step of path `p` below the restored root."""
+            if not prefix:
+                return p
+            return prefix if p == "" else f"{prefix}/{p}"
+
         plan = _Plan(ckpt, infos, truncate)
         if target is None:
             # The saved tree, each array whole, in its stored dtype.
             paths: list[str] = []
-            _tree.decode(node, lambda array_path, _id: paths.append(array_path))
+            # (A PRNG key node's data_path is already the step's path of its data.)
+            _tree.decode(node, lambda array_path, _id: paths.append(full(array_path)),
+                         lambda _p, n: paths.append(n["data_path"]))
             plan.add_whole(paths)
             nbytes = plan.run(reader, progress, desc, mmap)
-            return _tree.decode(node, lambda p, _id: plan.values[p],
+            return _tree.decode(node, lambda p, _id: plan.values[full(p)],
                                 lambda p, n: _wrapped_key(plan, p, n)), nbytes
-        leaves = _tree.index_leaves(node)
-        _tree.map_target(target, lambda p, t: _plan_target(plan, leaves, p, t))
+        leaves = {full(p): n for p, n in _tree.index_leaves(node).items()}
+        _tree.map_target(target, lambda p, t: _plan_target(plan, leaves, full(p), t))
         nbytes = plan.run(reader, progress, desc, mmap)
         aliases = plan.aliases
-        return _tree.map_target(target, lambda p, _: plan.values[aliases.get(p, p)]), nbytes
+        return _tree.map_target(
+            target, lambda p, _: plan.values[aliases.get(full(p), full(p))]), nbytes

@@ -94,8 +94,12 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     CheckpointManager with that item. Orbax format: a single process only; chunks are zstd
     (`zstd_level`), one per shard of each jax.Array and one per NumPy array; `chunk_bytes`,
     `data_file_bytes` and `max_inflight_bytes` do not apply; Python scalars are stored as Orbax
-    stores them (0-d int64/float64/bool); str and bytes leaves raise NotImplementedError; dict
-    keys must not contain '/' nor collide once joined with '.' (Orbax's parameter names).
+    stores them (0-d int64/float64/bool), and str leaves as its StringHandler does (in
+    `_strings.json`; NotImplementedError where the leaf's name holds '/' or '~', which Orbax
+    reads as a JSON pointer); bytes leaves raise NotImplementedError; dict keys may hold '/'
+    (Haiku's "mlp/~/linear_0"), kept in the parameter name as Orbax keeps it, must not be empty
+    nor collide once joined with '.' (Orbax's parameter names); keys that are not str are
+    named by str(key), as Orbax names them (restored by Orbax as those strings).
     Returns raw_bytes, chunks and seconds.
 
     Leaves may be jax.Array (any sharding; each process writes its own shards, replicated data

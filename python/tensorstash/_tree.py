@@ -1,6 +1,7 @@
 """Pytrees to and from the node schema of tree.json (docs/format.md, "tree.json").
 
-Containers: dicts (keys kept in order; int keys become their decimal string), lists, tuples,
+Containers: dicts (keys kept in order; str keys, and ints, bools, floats, bytes, None and
+tuples of those, which come back as they were: docs/format.md 4.2, "typed_dict"), lists, tuples,
 namedtuples (stored as dicts of their fields), None, and, when JAX is installed, any other
 registered pytree node (stored as a dict keyed by its children's key names, e.g. dataclass
 fields). Leaves: arrays (JAX, NumPy, NumPy scalars), bool, int, float, str, bytes.
@@ -111,7 +112,7 @@ def mark_keys(node: dict, orbax_keys: dict[str, str] | None = None) -> dict:
     while stack:
         n, path = stack.pop()
         kind = n["kind"]
-        if kind == "dict":
+        if kind in ("dict", "typed_dict"):
             slots = [(e, 1, escape_key(e[0])) for e in n["entries"]]
         elif kind in ("list", "tuple"):
             slots = [(n["items"], i, str(i)) for i in range(len(n["items"]))]
@@ -160,14 +161,80 @@ def custom_children(node: Any) -> tuple[list[tuple[str, Any]], Any] | None:
     return [(_key_name(path[0]), child) for path, child in pairs], treedef
 
 
+# The key types a dict may have besides str (tuples of any of these and str too): what Orbax
+# and optimizer state dicts use, and what tree.json can record exactly.
+_KEY_SCALARS = (bool, int, float, bytes, type(None))
+
+
+def key_text(key: Any, where: str) -> str:
+    """The text of dict key `key` (at `where`, for errors): what its path segment escapes and
+    what Orbax names it by (str(key); an int's decimal digits). TypeError for a key of another
+    type than str, int, bool, float, bytes, None or a tuple of those."""
+    if isinstance(key, str):
+        check_text(key, f"dict key {key!r} at {where!r}")
+        return key
+    if not is_plain_key(key):
+        raise TypeError(f"dict key {key!r} at {where!r} is a {type(key).__name__}; dict keys "
+                        "are str, int, bool, float, bytes, None or tuples of those")
+    text = int_text(key) if isinstance(key, int) and not isinstance(key, bool) else str(key)
+    check_text(text, f"dict key {text!r} at {where!r}")
+    return text
+
+
+def is_plain_key(key: Any) -> bool:
+    """Whether `key` is a dict key tree.json records (key_text)."""
+    if isinstance(key, tuple) and not is_namedtuple(key):
+        return all(isinstance(k, str) or is_plain_key(k) for k in key)
+    return isinstance(key, _KEY_SCALARS) and (type(key) in _KEY_SCALARS or isinstance(key, int))
+
+
+def key_node(key: Any) -> dict:
+    """The tree node of a dict key that is not a str (a "typed_dict" key)."""
+    if isinstance(key, tuple):
+        return {"kind": "tuple", "items": [key_node(k) for k in key]}
+    if key is None:
+        return {"kind": "none"}
+    if isinstance(key, bool):
+        return {"kind": "bool", "value": key}
+    if isinstance(key, int):
+        return {"kind": "int", "value": int_text(key)}
+    if isinstance(key, float):
+        return {"kind": "float", "value": "-nan" if math.isnan(key) and math.copysign(1.0, key) < 0
+                else repr(key)}
+    if isinstance(key, bytes):
+        return {"kind": "bytes", "base64": base64.b64encode(key).decode("ascii")}
+    return {"kind": "string", "value": key}
+
+
+def key_value(n: dict) -> Any:
+    """The dict key of a "typed_dict" key node (key_node's inverse)."""
+    kind = n["kind"]
+    if kind == "tuple":
+        return tuple(key_value(k) for k in n["items"])
+    if kind == "none":
+        return None
+    return scalar_value(n)
+
+
 def dict_items(d: dict, path: str | None) -> Iterator[tuple[str, Any]]:
+    """(key text, value) of each entry of `d`; ValueError when two keys have the same text
+    (1 and "1"), which would be one path."""
+    where = path if path is not None else "the root"
+    seen: dict[str, Any] = {}
     for key, value in d.items():
-        where = path if path is not None else "the root"
-        if isinstance(key, bool) or not isinstance(key, (str, int)):
-            raise TypeError(f"dict key {key!r} at {where!r} is not a str or int")
-        if isinstance(key, str):
-            check_text(key, f"dict key {key!r} at {where!r}")
-        yield str(key), value
+        text = key_text(key, where)
+        if text in seen:
+            raise ValueError(f"dict keys {seen[text]!r} and {key!r} at {where!r} are both "
+                             f"named {text!r}; a checkpoint's paths need them apart")
+        seen[text] = key
+        yield text, value
+
+
+def typed_keys(d: dict) -> list | None:
+    """The key nodes of dict `d` when any key is not a str (a "typed_dict"), else None."""
+    if all(isinstance(k, str) for k in d):
+        return None
+    return [{"kind": "string", "value": k} if isinstance(k, str) else key_node(k) for k in d]
 
 
 def check_text(text: str, what: str, why: str = "checkpoints store text as UTF-8") -> None:
@@ -284,8 +351,10 @@ def encode(tree: Any, on_array: Callable[[str, Any], None]) -> dict:
             return None, {"kind": "string", "value": x}
         if isinstance(x, (bytes, bytearray, memoryview)):
             return None, {"kind": "bytes", "base64": base64.b64encode(bytes(x)).decode("ascii")}
+        keys = None
         if isinstance(x, dict):
             pairs = list(dict_items(x, path))
+            keys = typed_keys(x)
         elif is_namedtuple(x):
             pairs = [(f, getattr(x, f)) for f in type(x)._fields]
         elif isinstance(x, (list, tuple)):
@@ -300,6 +369,10 @@ def encode(tree: Any, on_array: Callable[[str, Any], None]) -> dict:
         if any(k == KEY_MARK for k, _ in pairs):
             raise ValueError(f"the key {KEY_MARK!r} at {where or 'the root'!r} is reserved: "
                              "checkpoints mark PRNG key arrays with it")
+        if keys is not None:
+            return ([(escape_key(k), v) for k, v in pairs],
+                    lambda nodes: {"kind": "typed_dict", "keys": keys,
+                                   "entries": [[k, n] for (k, _), n in zip(pairs, nodes)]})
         return ([(escape_key(k), v) for k, v in pairs],
                 lambda nodes: {"kind": "dict",
                                "entries": [[k, n] for (k, _), n in zip(pairs, nodes)]})
@@ -310,7 +383,7 @@ def encode(tree: Any, on_array: Callable[[str, Any], None]) -> dict:
 def node_children(n: dict) -> list[tuple[str, dict]] | None:
     """(path segment, child node) of each child of a dict, list or tuple node; None for leaves."""
     kind = n["kind"]
-    if kind == "dict":
+    if kind in ("dict", "typed_dict"):
         return [(escape_key(k), v) for k, v in n["entries"]]
     if kind in ("list", "tuple"):
         return [(str(i), v) for i, v in enumerate(n["items"])]
@@ -333,6 +406,11 @@ def decode(node: dict, on_array: Callable[[str, int], Any],
             return None, on_array(n["data_path"], n["array"])
         if kind == "dict":
             return node_children(n), lambda values: dict(zip((k for k, _ in n["entries"]), values))
+        if kind == "typed_dict":
+            keys = [key_value(k) for k in n["keys"]]
+            if len(set(keys)) != len(keys):
+                raise ValueError(f"the dict at {path or 'the root'!r} has equal keys")
+            return node_children(n), lambda values: dict(zip(keys, values))
         if kind in ("list", "tuple"):
             return node_children(n), list if kind == "list" else tuple
         return None, None if kind == "none" else scalar_value(n)

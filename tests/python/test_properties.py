@@ -65,7 +65,16 @@ scalar_leaves = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=5), st.binary(max_size=5),
 ).map(lambda v: ("scalar", v))
 
-keys = st.one_of(st.text(max_size=4), st.sampled_from(["a/b", "~", "~1", "", "é"]))
+# Str keys, and the int and tuple keys of optimizer state dicts and Orbax trees (typed_dict).
+keys = st.one_of(st.text(max_size=4), st.sampled_from(["a/b", "~", "~1", "", "é"]),
+                 st.integers(-3, 3), st.tuples(st.integers(0, 2), st.sampled_from(["a", "/"])))
+
+
+def dicts(values):
+    """Dicts of `keys`, no two of which have the same text (1 and "1": one path, refused)."""
+    def apart(d):
+        return len({k if isinstance(k, str) else str(k) for k in d}) == len(d)
+    return st.dictionaries(keys, values, max_size=3).filter(apart)
 
 
 def trees(depth: int = 3):
@@ -76,7 +85,7 @@ def trees(depth: int = 3):
         return leaf
     child = trees(depth - 1)
     return st.one_of(leaf,
-                     st.dictionaries(keys, child, max_size=3),
+                     dicts(child),
                      st.lists(child, max_size=3),
                      st.lists(child, max_size=3).map(tuple))
 
@@ -86,7 +95,7 @@ def root_trees():
     return st.one_of(
         st.builds(lambda arrays, rest: {"_arrays": arrays, **rest},
                   st.lists(array_leaves(), min_size=1, max_size=4),
-                  st.dictionaries(keys, trees(2), max_size=3)),
+                  dicts(trees(2))),
         array_leaves())
 
 

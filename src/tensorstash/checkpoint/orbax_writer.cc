@@ -101,7 +101,8 @@ class OcdbtSink final : public KvStore {
 struct Leaf {
   std::vector<OrbaxKey> keys;
   std::string name;  // Orbax's parameter name
-  const TreeNode* node = nullptr;  // kArray, kInt, kFloat, kBool, or None / an empty container
+  const TreeNode* node = nullptr;  // kArray, kInt, kFloat, kBool, kString, or None / an empty
+                                   // container
 
   bool has_data() const { return IsScalar() || node->kind == TreeNode::Kind::kArray; }
   bool IsScalar() const {
@@ -156,10 +157,11 @@ Status CollectLeaves(const TreeNode& node, std::vector<OrbaxKey>* keys,
       return OkStatus();
     case TreeNode::Kind::kDict:
       for (const auto& [key, child] : node.entries) {
-        if (key.empty() || key.find('/') != std::string::npos) {
-          return InvalidArgumentError(StrCat("key '", key, "' under ", where(),
-                                             " cannot be an Orbax parameter name (empty or "
-                                             "containing '/')"));
+        // Orbax keeps a '/' in a key as it is (Haiku's "mlp/~/linear_0"): the parameter
+        // name, and the OCDBT keys under it, hold it unescaped.
+        if (key.empty()) {
+          return InvalidArgumentError(StrCat("an empty key under ", where(),
+                                             " cannot be part of an Orbax parameter name"));
         }
         keys->push_back({key, OrbaxKeyType::kDict});
         TS_RETURN_IF_ERROR(CollectLeaves(child, keys, out, depth + 1));
@@ -175,9 +177,15 @@ Status CollectLeaves(const TreeNode& node, std::vector<OrbaxKey>* keys,
       }
       return OkStatus();
     case TreeNode::Kind::kString:
+      // Orbax's StringHandler: the value goes into _strings.json under the parameter name.
+      if (keys->empty()) {
+        return InvalidArgumentError("the tree's root is a leaf; Orbax saves dicts and lists");
+      }
+      return add_leaf();
     case TreeNode::Kind::kBytes:
-      return UnimplementedError(StrCat("the string or bytes leaf at ", where(),
-                                       " cannot be written to an Orbax checkpoint"));
+      return UnimplementedError(StrCat("the bytes leaf at ", where(),
+                                       " cannot be written to an Orbax checkpoint (Orbax has "
+                                       "no handler for bytes)"));
     case TreeNode::Kind::kArray:
     case TreeNode::Kind::kInt:
     case TreeNode::Kind::kFloat:
@@ -396,6 +404,14 @@ Status OrbaxWriter::Impl::CommitImpl(OrbaxWriteStats* stats,
                                          OrbaxEntryName(leaf.keys), " have the same Orbax name '",
                                          leaf.name, "'"));
     }
+    if (leaf.node->kind == TreeNode::Kind::kString &&
+        leaf.name.find_first_of("/~") != std::string::npos) {
+      // Orbax finds a string at the JSON pointer "/<name>" of _strings.json, which reads '/'
+      // as a level and '~' as an escape.
+      return UnimplementedError(StrCat("the string leaf '", leaf.name,
+                                       "' has a '/' or '~' in its Orbax name, which Orbax's "
+                                       "_strings.json cannot hold"));
+    }
     if (leaf.node->kind == TreeNode::Kind::kArray) {
       const int64_t id = leaf.node->array_id;
       if (id < 0 || id >= static_cast<int64_t>(arrays.size())) {
@@ -608,13 +624,17 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
   // 4. The metadata files.
   OrbaxMetadata metadata;
   Json array_metadatas = Json::array();
+  Json strings = Json::object();
   metadata.tree.reserve(leaves.size());
   for (const Leaf& leaf : leaves) {
     OrbaxTreeEntry entry;
     entry.name = OrbaxEntryName(leaf.keys);
     entry.keys = leaf.keys;
     entry.skip_deserialize = false;
-    if (!leaf.has_data()) {
+    if (leaf.node->kind == TreeNode::Kind::kString) {
+      entry.value_type = kOrbaxStringType;
+      strings[leaf.name] = leaf.node->string_value;
+    } else if (!leaf.has_data()) {
       entry.value_type = EmptyValueType(*leaf.node);
       entry.skip_deserialize = true;
     } else if (leaf.IsScalar()) {
@@ -646,6 +666,9 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
   if (status.ok() && !array_metadatas.empty()) {
     status = WriteFile(item_dir + "/array_metadatas/process_0",
                        Json{{"array_metadatas", std::move(array_metadatas)}}.dump());
+  }
+  if (status.ok() && !strings.empty()) {
+    status = WriteFile(StrCat(item_dir, "/_strings.json"), strings.dump());
   }
   for (const auto& [name, contents] : files) {
     if (status.ok()) status = WriteFile(StrCat(item_dir, "/", name), contents);

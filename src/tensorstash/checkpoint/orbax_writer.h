@@ -106,12 +106,15 @@ class OrbaxWriter {
   // arrays by the order of AddArray calls. Int, float and bool leaves are stored as Orbax
   // stores Python scalars (0-d int64, float64, bool arrays, value type "scalar"). None, empty
   // dicts, lists and tuples are recorded in _METADATA as Orbax records them, without data.
-  // Strings and bytes are Unimplemented. Checked at Commit.
+  // Strings are stored as Orbax's StringHandler stores them (value type "string", the value in
+  // `_strings.json` under the parameter name; Unimplemented for a name with '/' or '~', which
+  // Orbax reads as a JSON pointer); bytes are Unimplemented. Keys may hold '/', kept in the
+  // parameter name as Orbax keeps it. Checked at Commit.
   void SetTree(TreeNode root);
 
   // Writes the checkpoint and renames it into place. AlreadyExists when `dir` exists and not
-  // `overwrite`; InvalidArgument for a bad tree (leaves whose Orbax names collide, keys with
-  // '/', arrays not referenced exactly once), bad shards; the storage or source error
+  // `overwrite`; InvalidArgument for a bad tree (leaves whose Orbax names collide, empty keys,
+  // arrays not referenced exactly once), bad shards; the storage or source error
   // otherwise. On failure nothing new is visible at `dir` (with `overwrite`, an old checkpoint
   // there is only removed once the new one is complete). `progress(done, total)` (array bytes)
   // is called from the writing threads, one call at a time. May be called once.

@@ -277,5 +277,50 @@ TEST(OrbaxWriterTest, FailuresLeaveNothing) {
   }
 }
 
+// Haiku's module names keep their '/' in the parameter name and the OCDBT keys, as Orbax
+// writes them; a string leaf goes into _strings.json, with value type "string"; a string whose
+// name has a '/' (a JSON pointer level for Orbax) is refused, and so are bytes.
+TEST(OrbaxWriterTest, SlashKeysAndStringLeaves) {
+  MemoryKvStore kv;
+  const float v[2] = {1, 2};
+  auto writer = OrbaxWriter::Create(&kv, "h/1").value();
+  ASSERT_TRUE(writer->AddArray({"mlp~1~0~1linear_0/w", DType::kFloat32, {2}},
+                               {{Box({0}, {2}), v, 0, 1}})
+                  .ok());
+  TreeNode root = TreeNode::Dict();
+  TreeNode linear = TreeNode::Dict();
+  linear.entries.emplace_back("w", TreeNode::Array(0));
+  root.entries.emplace_back("mlp/~/linear_0", std::move(linear));
+  TreeNode name;
+  name.kind = TreeNode::Kind::kString;
+  name.string_value = "adam";
+  root.entries.emplace_back("opt", name);
+  writer->SetTree(root);
+  ASSERT_TRUE(writer->Commit().ok());
+  auto db = OcdbtKvStore::Open(&kv, "h/1").value();
+  auto zw = ZarrArray::Open(db.get(), "mlp/~/linear_0.w").value();
+  float got[2];
+  ASSERT_TRUE(zw->Read(Box({0}, {2}), DType::kFloat32, got).ok());
+  EXPECT_EQ(got[1], 2);
+  const auto metadata = nlohmann::json::parse(kv.Read("h/1/_METADATA").value());
+  EXPECT_EQ(metadata["tree_metadata"]["('opt',)"]["value_metadata"]["value_type"], "string");
+  EXPECT_EQ(nlohmann::json::parse(kv.Read("h/1/_strings.json").value()),
+            nlohmann::json({{"opt", "adam"}}));
+
+  for (const bool bytes : {false, true}) {
+    auto bad = OrbaxWriter::Create(&kv, "h/2").value();
+    TreeNode tree = TreeNode::Dict();
+    TreeNode inner = TreeNode::Dict();
+    TreeNode leaf = name;
+    if (bytes) leaf.kind = TreeNode::Kind::kBytes;
+    inner.entries.emplace_back("s", leaf);
+    tree.entries.emplace_back(bytes ? "b" : "a/b", std::move(inner));
+    bad->SetTree(std::move(tree));
+    Status s = bad->Commit();
+    EXPECT_TRUE(absl::IsUnimplemented(s)) << s;
+    EXPECT_FALSE(kv.Read("h/2/_METADATA").ok());
+  }
+}
+
 }  // namespace
 }  // namespace tensorstash

@@ -32,7 +32,7 @@ bool Base64Decode(const std::string& text, std::string* out) {
 
 json NodeToJson(const TreeNode& node) {
   json j;
-  j["kind"] = TreeNodeKindName(node.kind);
+  j["kind"] = node.keys.empty() ? TreeNodeKindName(node.kind) : "typed_dict";
   switch (node.kind) {
     case Kind::kNone:
       break;
@@ -41,6 +41,11 @@ json NodeToJson(const TreeNode& node) {
       for (const auto& [key, child] : node.entries)
         entries.push_back(json::array({key, NodeToJson(child)}));
       j["entries"] = std::move(entries);
+      if (!node.keys.empty()) {
+        json keys = json::array();
+        for (const TreeNode& key : node.keys) keys.push_back(NodeToJson(key));
+        j["keys"] = std::move(keys);
+      }
       break;
     }
     case Kind::kList:
@@ -160,6 +165,16 @@ class Decoder {
     return a;
   }
 
+  // Whether `key` may be a typed_dict key: a scalar leaf, none, or a tuple of such.
+  static bool IsKeyNode(const TreeNode& key) {
+    if (key.kind == Kind::kTuple) {
+      for (const TreeNode& item : key.items)
+        if (!IsKeyNode(item)) return false;
+      return true;
+    }
+    return key.kind != Kind::kArray && key.kind != Kind::kDict && key.kind != Kind::kList;
+  }
+
   Result<TreeNode> Node(Element element, int depth) {
     if (depth > kMaxTreeDepth) return Error("tree nested too deeply");
     Object j;
@@ -172,7 +187,7 @@ class Decoder {
     std::string_view text;
     if (kind == "none") {
       node.kind = Kind::kNone;
-    } else if (kind == "dict") {
+    } else if (kind == "dict" || kind == "typed_dict") {
       node.kind = Kind::kDict;
       if (!Member(j, "entries", ElementType::ARRAY, &member))
         return Error("dict without \"entries\"");
@@ -187,6 +202,17 @@ class Decoder {
         if (!seen.insert(key).second) return Error(StrCat("duplicate dict key \"", key, "\""));
         TS_ASSIGN_OR_RETURN(TreeNode child, Node(value, depth + 1));
         node.entries.emplace_back(std::string(key), std::move(child));
+      }
+      if (kind == "typed_dict") {
+        if (!Member(j, "keys", ElementType::ARRAY, &member))
+          return Error("typed_dict without \"keys\"");
+        for (Element k : Items(member)) {
+          TS_ASSIGN_OR_RETURN(TreeNode key, Node(k, depth + 1));
+          if (!IsKeyNode(key)) return Error("a typed_dict key is not a scalar or tuple");
+          node.keys.push_back(std::move(key));
+        }
+        if (node.keys.empty() || node.keys.size() != node.entries.size())
+          return Error("typed_dict whose \"keys\" do not match its entries one to one");
       }
     } else if (kind == "list" || kind == "tuple") {
       node.kind = kind == "list" ? Kind::kList : Kind::kTuple;

@@ -58,6 +58,10 @@ struct TreeNode {
   };
   Kind kind = Kind::kNone;
   std::vector<std::pair<std::string, TreeNode>> entries;  // kDict, in order
+  // kDict whose keys are not all strings (tree.json kind "typed_dict"): entry i's key as a node
+  // (int, bool, float, string, bytes, none, or a tuple of those); entries[i].first is then
+  // the key's text, which paths use. Empty for a plain dict.
+  std::vector<TreeNode> keys;
   std::vector<TreeNode> items;                            // kList, kTuple
   int64_t array_id = -1;                                  // kArray: position in `arrays`
   std::string int_value;                                  // kInt: decimal, any magnitude ("-12")

@@ -176,3 +176,52 @@ TEST(TreeNodeJsonTest, RoundTripsAndRejectsBadInput) {
 
 }  // namespace
 }  // namespace tensorstash
+
+namespace tensorstash {
+namespace {
+
+// A dict of keys that are not strings keeps each key's node (kind "typed_dict"), and its
+// entries' texts stay the path segments; a malformed typed_dict is refused.
+TEST(TreeNodeJsonTest, TypedDictKeepsItsKeys) {
+  TreeNode root = TreeNode::Dict();
+  root.entries.emplace_back("3", TreeNode::Array(0));
+  root.entries.emplace_back("('a', 1)", Leaf(Kind::kNone));
+  TreeNode three = Leaf(Kind::kInt);
+  three.int_value = "3";
+  TreeNode pair = Leaf(Kind::kTuple);
+  TreeNode a = Leaf(Kind::kString);
+  a.string_value = "a";
+  TreeNode one = Leaf(Kind::kInt);
+  one.int_value = "1";
+  pair.items = {a, one};
+  root.keys = {three, pair};
+  const std::string text = TreeNodeToJson(root).value();
+  EXPECT_THAT(text, HasSubstr("\"typed_dict\""));
+  TreeNode back = TreeNodeFromJson(text).value();
+  ASSERT_EQ(back.keys.size(), 2u);
+  EXPECT_EQ(back.keys[0].int_value, "3");
+  EXPECT_EQ(back.keys[1].kind, Kind::kTuple);
+  EXPECT_EQ(TreeNodeToJson(back).value(), text);
+
+  // The path of the array under key 3 is its entry's text.
+  TreeFile file;
+  file.root = root;
+  file.arrays = {Array("3", {2})};
+  const std::string doc = EncodeTreeJson(file).value();
+  EXPECT_EQ(DecodeTreeJson(doc, "t").value().root.keys.size(), 2u);
+
+  for (const char* bad : {
+           R"({"kind":"typed_dict","entries":[["1",{"kind":"none"}]]})",
+           R"({"kind":"typed_dict","entries":[["1",{"kind":"none"}]],"keys":[]})",
+           R"({"kind":"typed_dict","entries":[["1",{"kind":"none"}]],)"
+           R"("keys":[{"kind":"int","value":"1"},{"kind":"int","value":"2"}]})",
+           R"({"kind":"typed_dict","entries":[["1",{"kind":"none"}]],)"
+           R"("keys":[{"kind":"array","array":0}]})",
+           R"({"kind":"typed_dict","entries":[["1",{"kind":"none"}]],)"
+           R"("keys":[{"kind":"list","items":[]}]})"}) {
+    EXPECT_EQ(TreeNodeFromJson(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+}  // namespace
+}  // namespace tensorstash
