@@ -236,3 +236,30 @@ def test_orbax_steps_refuse_what_they_cannot_hold(tmp_path):
         assert mgr.all_steps() == []
     with pytest.raises(ValueError, match="codec"):
         tensorstash.CheckpointManager(tmp_path / "run2", format="orbax", codec="none")
+
+
+def test_sharded_jax_arrays_saved_async_while_the_caller_deletes_them(tmp_path):
+    import jax
+
+    from tshelpers import global_array, mesh, named
+
+    root = tmp_path / "run"
+    sharding = named(mesh((4, 2)), "a", "b")
+    values = np.arange(64, dtype=np.float32).reshape(8, 8)
+    with tensorstash.CheckpointManager(root, format="orbax") as mgr:
+        x = global_array(values, sharding)
+        mgr.save(7, {"x": x, "key": jax.random.key(3)})
+        x.delete()  # the background save holds its own copy
+        mgr.wait_until_finished()
+        got = mgr.restore(7, target={"x": jax.ShapeDtypeStruct((8, 8), np.float32,
+                                                               sharding=sharding),
+                                     "key": jax.random.key(0)})
+        assert got["x"].sharding == sharding
+        assert_same_array(np.asarray(got["x"]), values, "x")
+        assert jax.numpy.array_equal(jax.random.key_data(got["key"]),
+                                     jax.random.key_data(jax.random.key(3)))
+    with ocp.CheckpointManager(str(root)) as mgr:
+        restored = mgr.restore(7, args=ocp.args.StandardRestore(
+            {"x": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=sharding),
+             "key": jax.random.key(0)}))
+        assert_same_array(np.asarray(restored["x"]), values, "x")
