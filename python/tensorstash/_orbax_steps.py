@@ -50,13 +50,15 @@ def _entries(root: str) -> list[os.DirEntry]:
 
 def detect_format(root: str) -> str | None:
     """"native", "orbax" or None (an empty or missing root) from what the local folder `root`
-    holds: a 10-digit folder with COMMIT or tree.json (or the native manager's LOCK/RUN_ID) is
-    native; a folder holding _CHECKPOINT_METADATA, or an Orbax temporary folder, is Orbax's.
-    ValueError naming the root when it holds both."""
-    native = orbax = None
+    holds: a 10-digit folder with COMMIT or tree.json is a native step, a folder holding
+    _CHECKPOINT_METADATA (or an Orbax temporary folder) an Orbax one. Without steps, the native
+    manager's LOCK or RUN_ID makes the root native; beside Orbax steps they are ignored (the
+    LOCK that an earlier tensorstash left in an Orbax root). ValueError naming the root when it
+    holds steps of both formats."""
+    native = orbax = marked = None
     for entry in _entries(root):
         if entry.name in _NATIVE_ROOT_FILES and entry.is_file():
-            native = native or entry.name
+            marked = entry.name
         elif not entry.is_dir():
             continue
         elif TMP_MARKER in entry.name:
@@ -69,7 +71,7 @@ def detect_format(root: str) -> str | None:
     if native and orbax:
         raise ValueError(f"{root} holds both tensorstash steps ({native!r}) and Orbax steps "
                          f"({orbax!r}); a checkpoint root holds one format")
-    return "native" if native else "orbax" if orbax else None
+    return "orbax" if orbax else "native" if native or marked else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -191,6 +191,11 @@ def test_native_and_orbax_roots_are_not_mixed_up(tmp_path):
     with pytest.raises(ValueError, match="holds orbax steps"):
         tensorstash.CheckpointManager(orbax, format="native")
     assert entries(orbax) == before  # the refused manager left no LOCK
+    # A LOCK that an earlier tensorstash left in an Orbax root does not make it native.
+    (orbax / "LOCK").write_bytes(b"")
+    with tensorstash.CheckpointManager(orbax) as mgr:
+        assert mgr.format == "orbax" and mgr.all_steps() == [1]
+    os.remove(orbax / "LOCK")
     with pytest.raises(ValueError, match="unknown format"):
         tensorstash.CheckpointManager(orbax, format="zarr")
     with pytest.raises(ValueError, match="step_prefix"):
