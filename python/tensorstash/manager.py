@@ -13,6 +13,10 @@ b"\\0bytes\\n" followed by the bytes). The engine (C++) does the saving, retenti
 with a local tier, the orchestration of the tiers (tensorstash._ext.Manager over
 tiers/multi_tier_manager.h: which tier is due, the latest step, the restore's holders and the
 write-back); this module puts pytrees, statistics and logging around it.
+
+A root of Orbax steps (written by orbax.checkpoint.CheckpointManager, or with format="orbax")
+gets _OrbaxRunManager instead, the same interface over Orbax's step names and items
+(_orbax_steps.py), the Orbax writer and the engine's retention policy.
 """
 
 from __future__ import annotations
@@ -292,7 +296,9 @@ class CheckpointManager:
                  format: str = "auto", step_prefix: str | None = None,
                  step_format_fixed_length: int | None = None):
         _options.check_codec(codec)
-        _root_format(root, format)
+        if _root_format(root, format) != "native":  # a subclass's (__new__ picks the class)
+            raise ValueError(f"{root} holds Orbax steps: {type(self).__name__} manages native "
+                             "steps only")
         if step_prefix is not None or step_format_fixed_length is not None:
             raise ValueError("step_prefix and step_format_fixed_length name Orbax steps; "
                              "native steps are 10-digit folders")
