@@ -19,6 +19,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/set.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -46,6 +47,7 @@
 #include "save_args.h"
 #include "tensorstash/checkpoint/open_step.h"
 #include "tensorstash/manager/checkpoint_manager.h"
+#include "tensorstash/manager/retention.h"
 #include "tensorstash/tiers/multi_tier_manager.h"
 #include "tensorstash/format/tree.h"
 #include "tensorstash/kvstore/kvstore.h"
@@ -447,6 +449,23 @@ void InitManager(Manager* self, const std::string& root, int64_t max_to_keep, in
 void DefineManager(nb::module_& m) {
   m.attr("METADATA_FILE") = kMetadataFileName;
   m.attr("METRICS_FILE") = kMetricsFileName;
+  // The one retention policy (manager/retention.h), for a manager whose steps are not the
+  // engine's (the Python manager of an Orbax root).
+  m.def(
+      "steps_to_delete",
+      [](const std::set<int64_t>& steps, const std::map<int64_t, double>& metrics,
+         int max_to_keep, int64_t keep_period, bool by_metric, const std::string& best_mode) {
+        if (best_mode != "min" && best_mode != "max") {
+          throw nb::value_error("best_mode must be 'min' or 'max'");
+        }
+        return StepsToDelete(steps, metrics,
+                             {.max_to_keep = max_to_keep, .keep_period = keep_period,
+                              .by_metric = by_metric,
+                              .best_mode = best_mode == "min" ? BestMode::kMin : BestMode::kMax});
+      },
+      nb::arg("steps"), nb::arg("metrics"), nb::kw_only(), nb::arg("max_to_keep"),
+      nb::arg("keep_period"), nb::arg("by_metric"), nb::arg("best_mode"),
+      "The steps that retention deletes, ascending (manager/retention.h).");
   m.def("process_state_file_name", &ProcessStateFileName, nb::arg("process_index"),
         "The name of a process's own state file inside a step folder (Reader.read_file).");
   nb::class_<PyTieredRestore>(m, "TieredRestore", "A step opened by Manager.open_restore.")

@@ -99,9 +99,15 @@ class PyOrbaxWriter {
 
 void InitOrbaxWriter(PyOrbaxWriter* self, const std::string& root, const std::string& step,
                      const std::string& item, bool overwrite, bool sync, int io_threads,
-                     int zstd_level) {
+                     int zstd_level, const std::vector<std::vector<std::string>>& json_items) {
   OrbaxWriterOptions options;
   options.item = item;
+  for (const std::vector<std::string>& json_item : json_items) {
+    if (json_item.size() != 3) {
+      throw nb::value_error("json_items: each is (item name, file name, JSON text)");
+    }
+    options.json_items.push_back({json_item[0], json_item[1], json_item[2]});
+  }
   options.overwrite = overwrite;
   options.sync = sync;
   options.io_threads = io_threads;
@@ -120,7 +126,8 @@ void DefineOrbaxWriter(nb::module_& m) {
                             "at folder `step` of `root`.")
       .def("__init__", &InitOrbaxWriter, nb::arg("root"), nb::arg("step"), nb::kw_only(),
            nb::arg("item") = "", nb::arg("overwrite") = false, nb::arg("sync") = true,
-           nb::arg("io_threads") = 0, nb::arg("zstd_level") = ArraySpec{}.zstd_level)
+           nb::arg("io_threads") = 0, nb::arg("zstd_level") = ArraySpec{}.zstd_level,
+           nb::arg("json_items") = std::vector<std::vector<std::string>>{})
       .def("add_array", &PyOrbaxWriter::AddArray, nb::arg("path"), nb::arg("dtype"),
            nb::arg("shape"), nb::arg("shards"), nb::kw_only(), nb::arg("value_type"),
            nb::arg("random_key_impl") = "",

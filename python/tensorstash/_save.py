@@ -158,8 +158,9 @@ def _orbax_name(array_path: str) -> str:
 
 def _save_orbax(root: str, step: str, tree: Any, *, overwrite: bool, codec: str | None,
                 zstd_level: int, io_threads: int, sync: bool, coordinator: Any,
-                item: str | None) -> dict:
-    """save(format="orbax"): the tree through _ext.OrbaxWriter."""
+                item: str | None, json_items: tuple = ()) -> dict:
+    """save(format="orbax"): the tree through _ext.OrbaxWriter. `json_items`: (item name,
+    file name, JSON text) of JSON items committed beside `item` (the manager's metrics)."""
     if codec not in (None, "zstd"):
         raise ValueError(f"the Orbax format stores zstd chunks; codec {codec!r} is not available")
     if coordinator is None:
@@ -180,7 +181,8 @@ def _save_orbax(root: str, step: str, tree: Any, *, overwrite: bool, codec: str 
     tree = _tree.map_target(tree, key_data)
     arrays, tree_json = arrays_to_save(tree, None)
     writer = _ext.OrbaxWriter(root, step, item=item or "", overwrite=overwrite, sync=sync,
-                              io_threads=io_threads, zstd_level=zstd_level)
+                              io_threads=io_threads, zstd_level=zstd_level,
+                              json_items=[list(j) for j in json_items])
     shardings = {}
     leaves: dict[str, Any] = {}
     _tree.encode(tree, leaves.__setitem__)

@@ -13,10 +13,15 @@ b"\\0bytes\\n" followed by the bytes). The engine (C++) does the saving, retenti
 with a local tier, the orchestration of the tiers (tensorstash._ext.Manager over
 tiers/multi_tier_manager.h: which tier is due, the latest step, the restore's holders and the
 write-back); this module puts pytrees, statistics and logging around it.
+
+A root of Orbax steps (written by orbax.checkpoint.CheckpointManager, or with format="orbax")
+gets _OrbaxRunManager instead, the same interface over Orbax's step names and items
+(_orbax_steps.py), the Orbax writer and the engine's retention policy.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import inspect
@@ -24,17 +29,22 @@ import json
 import logging
 import operator
 import os
+import shutil
+import signal
 import socket
+import threading
 import time
+import uuid
 import weakref
 from typing import Any, Callable
 
 import numpy as np
 
-from . import _adapters, _ext, _options, _paths, _tree
+from . import _adapters, _ext, _options, _orbax_steps, _paths, _tree
 from . import numpy as _tnp
 from ._progress import format_bytes as _format_bytes
 from ._restore import _restore, restore as _restore_signature
+from ._save import _save_orbax
 from ._save import arrays_to_save as _arrays_to_save, default_coordinator as _default_coordinator
 
 # Marks a per-process value saved as bytes (JSON text never contains a NUL character).
@@ -238,9 +248,35 @@ class CheckpointManager:
     is bounded by `coordination_timeout` seconds (default 30 min, the engine's); a process that
     does not arrive is named in a TimeoutError.
 
+    `format`: the format of the root's steps. "auto" (the default) takes what the root holds:
+    Orbax steps (written by orbax.checkpoint.CheckpointManager, or by this manager with
+    format="orbax") make it a manager of Orbax steps, anything else (an empty root included) of
+    native steps. "orbax" on an empty root starts a run of Orbax steps. A root of one format
+    opened as the other is a ValueError. With Orbax steps (local folders, one process):
+    the steps are listed and restored as Orbax lists them (`[<step_prefix>_]<step>` folders,
+    zero-padded to `step_format_fixed_length` digits when set; by default as the steps already
+    there are named; temporary folders are not steps); a step of one item restores as that
+    item's tree, a step of several items (ocp.args.Composite) as a dict of them by name (array
+    trees as trees, JSON items as their values; `target` is then a dict of targets by item
+    name); save() writes Orbax steps of the one item "default" (StandardSave), with `metrics`
+    as Orbax's "metrics" item, that orbax.checkpoint.CheckpointManager lists and restores;
+    retention, best_metric, async_save, handle_sigterm and on_save/on_restore are as for native
+    steps. No lock is taken on storage (Orbax takes none, and leaves nothing a LOCK file would
+    guard): a second manager of the same root in this process is refused, one in another
+    process is not detected. metadata() is the step's Orbax custom_metadata; save's `metadata`
+    and `per_process`, local_dir, several processes and URL roots are not available there.
+
     Raises ValueError when another manager holds the root's lock (until it is closed or its
     process ends) or for bad options. A context manager: close() on exit.
     """
+
+    def __new__(cls, root: str | os.PathLike, *args: Any, format: str = "auto",
+                **kwargs: Any) -> CheckpointManager:
+        # The class that manages the root's format (checked before anything is written there):
+        # this one for native steps, _OrbaxRunManager for a root of Orbax steps.
+        if cls is CheckpointManager and _root_format(root, format) == "orbax":
+            return super().__new__(_OrbaxRunManager)
+        return super().__new__(cls)
 
     def __init__(self, root: str | os.PathLike, *, max_to_keep: int | None = None,
                  keep_period: int | None = None, save_interval_steps: int = 1,
@@ -256,8 +292,16 @@ class CheckpointManager:
                  logger: logging.Logger | None = None, local_dir: str | os.PathLike | None = None,
                  local_save_interval_steps: int = 1, local_max_to_keep: int = 1,
                  local_server_address: str | None = None, local_server_port: int = 0,
-                 coordination_timeout: float = _options.COORDINATION_TIMEOUT_S):
+                 coordination_timeout: float = _options.COORDINATION_TIMEOUT_S,
+                 format: str = "auto", step_prefix: str | None = None,
+                 step_format_fixed_length: int | None = None):
         _options.check_codec(codec)
+        if _root_format(root, format) != "native":  # a subclass's (__new__ picks the class)
+            raise ValueError(f"{root} holds Orbax steps: {type(self).__name__} manages native "
+                             "steps only")
+        if step_prefix is not None or step_format_fixed_length is not None:
+            raise ValueError("step_prefix and step_format_fixed_length name Orbax steps; "
+                             "native steps are 10-digit folders")
         for name, value in (("max_to_keep", max_to_keep), ("keep_period", keep_period),
                             ("save_interval_steps", save_interval_steps),
                             ("max_staging_bytes", max_staging_bytes),
@@ -270,6 +314,7 @@ class CheckpointManager:
         if best_metric is not None and max_to_keep is None:
             raise ValueError("best_metric needs max_to_keep (how many of the best steps to keep)")
         self.root = _paths.abspath(root)
+        self.format = "native"
         self.async_save = bool(async_save)
         self.copy_host_jax_arrays = bool(copy_host_jax_arrays)
         self.codec = codec or "none"
@@ -694,3 +739,337 @@ def _close_quietly(manager: _ext.Manager) -> None:
         manager.close()
     except Exception:  # noqa: BLE001 - nobody is left to raise it to
         logging.getLogger("tensorstash").exception("tensorstash: closing an unclosed manager")
+
+
+# The signature of CheckpointManager(...) is its __init__'s (not __new__'s, which only picks the
+# class of the root's format).
+CheckpointManager.__signature__ = inspect.Signature(
+    list(inspect.signature(CheckpointManager.__init__).parameters.values())[1:])
+
+
+def _root_format(root: str | os.PathLike, format: str) -> str:
+    """The format of the steps a manager of `root` handles: "native" or "orbax", from `format`
+    ("auto", "native", "orbax") and what the root holds (_orbax_steps.detect_format). ValueError
+    for an unknown format or a root of the other format, never an empty listing."""
+    if format not in ("auto", "native", "orbax"):
+        raise ValueError(f"unknown format {format!r}; use 'auto', 'native' or 'orbax'")
+    text = _paths.abspath(root)
+    if _ext.has_url_scheme(text):
+        if format == "orbax":
+            raise NotImplementedError("a manager of Orbax steps takes a local folder, not "
+                                      f"{text}")
+        return "native"
+    found = _orbax_steps.detect_format(text)
+    if format != "auto" and found is not None and found != format:
+        raise ValueError(f"{text} holds {found} steps, not {format} ones: open it with "
+                         f"format={found!r} or format='auto'")
+    return found or ("orbax" if format == "orbax" else "native")
+
+
+# Roots of Orbax steps that a manager of this process has open (_OrbaxRunManager's lock).
+_OPEN_ORBAX_ROOTS: set[str] = set()
+_OPEN_ORBAX_ROOTS_LOCK = threading.Lock()
+
+
+def _release_orbax_root(root: str) -> None:
+    with _OPEN_ORBAX_ROOTS_LOCK:
+        _OPEN_ORBAX_ROOTS.discard(root)
+
+
+def _detached_copy(x: Any) -> Any:
+    """A leaf that a background save may read while the caller goes on: NumPy arrays copied,
+    jax.Arrays copied on their devices (the caller may delete or donate the original), other
+    leaves as they are."""
+    if isinstance(x, np.ndarray):
+        return np.array(x, copy=True)
+    if type(x).__module__.startswith("jax") and hasattr(x, "copy"):
+        return x.copy()
+    return x
+
+
+class _OrbaxRunManager(CheckpointManager):
+    """CheckpointManager of a root of Orbax steps (format="orbax", or detected): the naming and
+    listing policy of _orbax_steps, the Orbax writer of save(format="orbax") with the manager's
+    metrics as a JSON item, the engine's retention policy (_ext.steps_to_delete) and one
+    background thread for async saves. CheckpointManager's docstring says what differs."""
+
+    def __init__(self, root: str | os.PathLike, *, max_to_keep: int | None = None,
+                 keep_period: int | None = None, save_interval_steps: int = 1,
+                 best_metric: str | None = None, best_mode: str = "min", async_save: bool = True,
+                 handle_sigterm: bool = False, max_staging_bytes: int | None = None,
+                 copy_host_jax_arrays: bool = True, codec: str | None = None,
+                 zstd_level: int = _options.ZSTD_LEVEL, chunk_bytes: int = _options.CHUNK_BYTES,
+                 data_file_bytes: int = _options.DATA_FILE_BYTES,
+                 max_inflight_bytes: int = _options.MAX_INFLIGHT_BYTES,
+                 io_threads: int = 0, sync: bool = True, coordinator: Any = None,
+                 on_save: Callable[[SaveStats], Any] | None = None,
+                 on_restore: Callable[[RestoreStats], Any] | None = None,
+                 logger: logging.Logger | None = None, local_dir: str | os.PathLike | None = None,
+                 local_save_interval_steps: int = 1, local_max_to_keep: int = 1,
+                 local_server_address: str | None = None, local_server_port: int = 0,
+                 coordination_timeout: float = _options.COORDINATION_TIMEOUT_S,
+                 format: str = "auto", step_prefix: str | None = None,
+                 step_format_fixed_length: int | None = None):
+        del max_staging_bytes, copy_host_jax_arrays, chunk_bytes, data_file_bytes
+        del local_save_interval_steps, local_max_to_keep, local_server_address
+        del local_server_port, coordination_timeout, format
+        for name, value in (("max_to_keep", max_to_keep), ("keep_period", keep_period),
+                            ("save_interval_steps", save_interval_steps),
+                            ("step_format_fixed_length", step_format_fixed_length)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+        if best_metric is not None and max_to_keep is None:
+            raise ValueError("best_metric needs max_to_keep (how many of the best steps to keep)")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
+        if codec not in (None, "zstd"):
+            raise ValueError(f"Orbax steps store zstd chunks; codec {codec!r} is not available")
+        if local_dir is not None:
+            raise NotImplementedError("local_dir is not available for a root of Orbax steps")
+        if coordinator is None:
+            coordinator = _default_coordinator()
+        if coordinator is not None and coordinator.process_count() > 1:
+            raise NotImplementedError("a manager of Orbax steps runs in a single process")
+        if step_prefix is not None and (not step_prefix or "/" in step_prefix):
+            raise ValueError(f"step_prefix must be a non-empty folder name, not {step_prefix!r}")
+        self.root = _paths.abspath(root)
+        self.format = "orbax"
+        self.async_save = bool(async_save)
+        self.codec = "zstd"
+        self.zstd_level = zstd_level
+        self.logger = logger if logger is not None else logging.getLogger("tensorstash")
+        self.on_save = on_save
+        self.on_restore = on_restore
+        self.last_save_stats: SaveStats | None = None
+        self.last_restore_stats: RestoreStats | None = None
+        self._closed = False
+        self._max_to_keep = max_to_keep or 0
+        self._keep_period = keep_period or 0
+        self._interval = save_interval_steps
+        self._best_metric = best_metric
+        self._best_mode = best_mode
+        self._io_threads = io_threads
+        self._sync = sync
+        del max_inflight_bytes  # the Orbax writer's own default
+        with _OPEN_ORBAX_ROOTS_LOCK:
+            if self.root in _OPEN_ORBAX_ROOTS:
+                raise ValueError(f"{self.root} is locked by another manager in this process")
+            _OPEN_ORBAX_ROOTS.add(self.root)
+        self._finalizer = weakref.finalize(self, _release_orbax_root, self.root)
+        os.makedirs(self.root, exist_ok=True)
+        if step_prefix is not None or step_format_fixed_length is not None:
+            self._names = _orbax_steps.StepNames(step_prefix, step_format_fixed_length)
+        else:
+            self._names = _orbax_steps.infer_names(self.root)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "tensorstash-orbax-save")
+        self._inflight: concurrent.futures.Future | None = None
+        self._preempted = threading.Event()
+        self._old_sigterm = None
+        if handle_sigterm:
+            self._old_sigterm = signal.signal(signal.SIGTERM,
+                                              lambda *_: self._preempted.set())
+
+    # --- saving -----------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, *, metadata: Any = None, per_process: Any = None,
+             metrics: dict[str, float] | None = None, force: bool = False) -> bool:
+        started = time.perf_counter()
+        self._check_open()
+        step = _check_step(step)
+        if not force and not self.should_save(step):
+            return False
+        if metadata is not None or per_process is not None:
+            raise NotImplementedError("Orbax steps hold no `metadata` or `per_process` of "
+                                      "tensorstash's; save them as items of a native root")
+        metrics_dict = {}
+        for name, value in (metrics or {}).items():
+            name = str(name)
+            _tree.check_text(name, f"the metric name {name!r}")
+            metrics_dict[name] = float(value)
+        self.wait_until_finished()  # at most one save in flight; raises its error
+        if step in self._steps():
+            raise FileExistsError(f"step {step} of {self.root} is already complete")
+        json_items = ()
+        if metrics_dict:
+            json_items = ((_orbax_steps.METRICS_ITEM, _orbax_steps.METRICS_ITEM,
+                           json.dumps(metrics_dict)),)
+        if self.async_save:
+            state = _tree.map_target(state, lambda _path, x: _detached_copy(x))
+            blocking = time.perf_counter() - started
+            self._inflight = self._pool.submit(self._write, step, state, json_items, started,
+                                               blocking)
+        else:
+            self._write(step, state, json_items, started, None)
+        return True
+
+    def _write(self, step: int, state: Any, json_items: tuple, started: float,
+               blocking: float | None) -> None:
+        """Writes and commits `step` (the background thread's job for an async save), then
+        applies retention and reports the stats."""
+        name = self._names.name(step)
+        engine = _save_orbax(self.root, name, state, overwrite=False, codec=None,
+                             zstd_level=self.zstd_level, io_threads=self._io_threads,
+                             sync=self._sync, coordinator=None, item=_orbax_steps.DEFAULT_ITEM,
+                             json_items=json_items)
+        total = time.perf_counter() - started
+        stored = 0
+        for folder, _dirs, files in os.walk(os.path.join(self.root, name)):
+            stored += sum(os.path.getsize(os.path.join(folder, f)) for f in files)
+        self._apply_retention()
+        stats = SaveStats(step=step, async_save=blocking is not None,
+                          raw_bytes=int(engine["raw_bytes"]), stored_bytes=stored,
+                          blocking_s=total if blocking is None else blocking, total_s=total)
+        self.last_save_stats = stats
+        self.logger.info("saved step %d: %s in %.2f s (%.2f GB/s), blocked %.0f ms", step,
+                         _format_bytes(stats.raw_bytes), stats.total_s, stats.gbps,
+                         stats.blocking_s * 1e3)
+        if self.on_save is not None:
+            try:
+                self.on_save(stats)
+            except Exception:  # noqa: BLE001 - a callback must not break the save
+                self.logger.exception("tensorstash: the on_save callback of step %d failed",
+                                      step)
+
+    def _apply_retention(self) -> None:
+        """Deletes the steps that the engine's retention policy drops: each renamed to a
+        temporary name first (which neither Orbax nor this manager lists), then removed, so
+        that a crash halfway never leaves a partial step listed."""
+        if not self._max_to_keep:
+            return
+        steps = self._steps()
+        metrics = {}
+        if self._best_metric is not None:
+            for step, path in steps.items():
+                value = (_orbax_steps.read_metrics(path) or {}).get(self._best_metric)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    metrics[step] = float(value)
+        doomed = _ext.steps_to_delete(set(steps), metrics, max_to_keep=self._max_to_keep,
+                                      keep_period=self._keep_period,
+                                      by_metric=self._best_metric is not None,
+                                      best_mode=self._best_mode)
+        for step in doomed:
+            path = steps[step]
+            aside = f"{path}{_orbax_steps.TMP_MARKER}-deleted-{uuid.uuid4().hex[:16]}"
+            os.rename(path, aside)
+            shutil.rmtree(aside)
+
+    def should_save(self, step: int) -> bool:
+        return _check_step(step) % self._interval == 0
+
+    def reached_preemption(self, step: int) -> bool:
+        _check_step(step)
+        return self._preempted.is_set()
+
+    def wait_until_finished(self) -> None:
+        self._check_open()
+        self._wait()
+
+    def _wait(self) -> None:
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight.result()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            if self._old_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._old_sigterm)
+                self._old_sigterm = None
+            self._finalizer()
+
+    # --- steps ------------------------------------------------------------------------------
+
+    def _steps(self) -> dict[int, str]:
+        return _orbax_steps.list_steps(self.root, self._names)
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._steps())
+
+    def local_steps(self) -> list[int]:
+        return []
+
+    def latest_step(self) -> int | None:
+        return max(self._steps(), default=None)
+
+    def damaged_steps(self) -> dict[int, str]:
+        return {}
+
+    def step_path(self, step: int) -> str:
+        step = _check_step(step)
+        return self._steps().get(step) or os.path.join(self.root, self._names.name(step))
+
+    def _existing_step(self, step: int | None) -> tuple[int, str]:
+        steps = self._steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"no complete checkpoint step in {self.root}")
+            step = max(steps)
+        step = _check_step(step)
+        if step not in steps:
+            raise FileNotFoundError(f"step {step} is not a complete step of {self.root} "
+                                    f"(steps: {sorted(steps)})")
+        return step, steps[step]
+
+    # --- restoring --------------------------------------------------------------------------
+
+    def restore(self, step: int | None = None, target: Any = None, **kwargs) -> Any:
+        """Restores `step` (None: the latest): the tree of a step of one item, a dict of items
+        by name for a step of several (the "metrics" item left out); `target` for several
+        items is a dict of targets by item name. No fallback to an older step."""
+        started = time.perf_counter()
+        step, step_dir = self._existing_step(step)
+        found = {n: kind for n, kind in _orbax_steps.items(step_dir).items()
+                 if n != _orbax_steps.METRICS_ITEM}
+        nbytes = [0]
+
+        def restore_item(path: str, item_target: Any) -> Any:
+            args = inspect.signature(_restore_signature).bind(path, item_target, **kwargs)
+            args.apply_defaults()
+            tree, _ = _restore(*args.args, **args.kwargs)
+            # The bytes of the arrays restored (what the reader counts differs by format).
+            _tree.map_target(tree, lambda _p, x: nbytes.__setitem__(
+                0, nbytes[0] + int(getattr(x, "nbytes", 0))))
+            return tree
+
+        if not found:  # the step folder is itself the checkpoint (no items)
+            tree = restore_item(step_dir, target)
+        elif len(found) == 1:
+            (name, kind), = found.items()
+            item_dir = os.path.join(step_dir, name)
+            tree = (_orbax_steps.read_json_item(item_dir) if kind == "json"
+                    else restore_item(item_dir, target))
+        else:
+            if target is not None and not (isinstance(target, dict)
+                                           and set(target) <= set(found)):
+                raise ValueError(f"step {step} of {self.root} holds the items {sorted(found)}: "
+                                 "the target is a dict of targets by item name")
+            tree = {}
+            for name, kind in found.items():
+                item_dir = os.path.join(step_dir, name)
+                tree[name] = (_orbax_steps.read_json_item(item_dir) if kind == "json"
+                              else restore_item(item_dir, (target or {}).get(name)))
+        seconds = time.perf_counter() - started
+        self._restored(RestoreStats(step=step, bytes=nbytes[0], seconds=seconds,
+                                    bytes_from={"local": 0, "peer": 0, "persistent": nbytes[0]},
+                                    seconds_from={"local": 0.0, "peer": 0.0,
+                                                  "persistent": seconds}))
+        return tree
+
+    def metadata(self, step: int | None = None) -> Any:
+        """The step's Orbax custom_metadata, or None when it has none."""
+        _, step_dir = self._existing_step(step)
+        custom = _orbax_steps.checkpoint_metadata(step_dir).get("custom_metadata")
+        return custom or None
+
+    def metrics(self, step: int | None = None) -> dict[str, float] | None:
+        _, step_dir = self._existing_step(step)
+        return _orbax_steps.read_metrics(step_dir)
+
+    def per_process(self, step: int | None = None, process_index: int | None = None) -> Any:
+        self._existing_step(step)
+        return None

@@ -52,6 +52,9 @@ using Json = nlohmann::ordered_json;
 constexpr std::string_view kStandardHandler =
     "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler";
 
+constexpr std::string_view kJsonHandler =
+    "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler";
+
 // `dir` + kOrbaxTmpMarker + "-<tag><random id>": a temporary name as Orbax makes them, which
 // Orbax's CheckpointManager and our format detection and listing skip.
 std::string TmpFolderName(std::string_view dir, std::string_view tag = "") {
@@ -247,6 +250,23 @@ Result<std::unique_ptr<OrbaxWriter>> OrbaxWriter::Create(KvStore* kv, std::strin
     if (options.item.find('/') != std::string::npos || options.item.starts_with("_")) {
       return InvalidArgumentError(StrCat("Orbax item name '", options.item,
                                          "' must be one folder name not starting with '_'"));
+    }
+  }
+  std::set<std::string> item_names = {options.item};
+  for (const OrbaxWriterOptions::JsonItem& json_item : options.json_items) {
+    if (options.item.empty()) {
+      return InvalidArgumentError(StrCat("the JSON item '", json_item.name,
+                                         "' needs an item (a CheckpointManager step folder)"));
+    }
+    for (const std::string& name : {json_item.name, json_item.file}) {
+      TS_RETURN_IF_ERROR(ValidateKey(name));
+      if (name.find('/') != std::string::npos || name.starts_with("_")) {
+        return InvalidArgumentError(StrCat("Orbax JSON item '", name,
+                                           "' must be one folder name not starting with '_'"));
+      }
+    }
+    if (!item_names.insert(json_item.name).second) {
+      return InvalidArgumentError(StrCat("Orbax item '", json_item.name, "' is given twice"));
     }
   }
   if (options.zstd_level < -131072 || options.zstd_level > 22) {
@@ -673,10 +693,18 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
   for (const auto& [name, contents] : files) {
     if (status.ok()) status = WriteFile(StrCat(item_dir, "/", name), contents);
   }
+  for (const OrbaxWriterOptions::JsonItem& json_item : options.json_items) {
+    if (status.ok()) {
+      status = WriteFile(StrCat(tmp, "/", json_item.name, "/", json_item.file), json_item.json);
+    }
+  }
   if (status.ok()) {
     const int64_t now = NowNanos();
     Json handlers =
         options.item.empty() ? Json(kStandardHandler) : Json{{options.item, kStandardHandler}};
+    for (const OrbaxWriterOptions::JsonItem& json_item : options.json_items) {
+      handlers[json_item.name] = kJsonHandler;
+    }
     Json checkpoint_metadata = {
         {"item_handlers", std::move(handlers)},  {"metrics", Json::object()},
         {"performance_metrics", Json::object()}, {"init_timestamp_nsecs", now},

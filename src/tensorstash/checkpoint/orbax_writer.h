@@ -73,6 +73,16 @@ struct OrbaxWriterOptions {
   bool sync = true;  // fsync before the rename
   bool overwrite = false;
   uint64_t target_data_file_bytes = uint64_t{1} << 30;  // OCDBT data files
+  // JSON items written beside `item` in the step folder, as Orbax's JsonCheckpointHandler
+  // writes them (`<dir>/<name>/<file>` holding `json`, the item listed in _CHECKPOINT_METADATA),
+  // committed with the arrays. Needs `item`; names as for `item`, each once. The manager writes
+  // its metrics as {"metrics", "metrics", ...}, which Orbax's best_fn reads.
+  struct JsonItem {
+    std::string name;
+    std::string file;
+    std::string json;
+  };
+  std::vector<JsonItem> json_items = {};
 };
 
 struct OrbaxWriteStats {

@@ -188,6 +188,38 @@ TEST(OrbaxWriterTest, ManagerItemLayoutAndChunkSource) {
   EXPECT_EQ(got, m);
 }
 
+TEST(OrbaxWriterTest, JsonItemsBesideTheItemAsOrbaxWritesThem) {
+  MemoryKvStore kv;
+  OrbaxWriterOptions options;
+  options.item = "default";
+  options.json_items = {{"metrics", "metrics", R"({"loss": 2.5})"}};
+  auto writer = OrbaxWriter::Create(&kv, "ckpts/4", options).value();
+  const std::vector<float> v = Iota(3);
+  ASSERT_TRUE(writer->AddArray({"v", DType::kFloat32, {3}}, {{Box({0}, {3}), v.data(), 0, 1}})
+                  .ok());
+  ASSERT_TRUE(writer->Commit().ok());
+  EXPECT_EQ(kv.Read("ckpts/4/metrics/metrics").value(), R"({"loss": 2.5})");
+  const auto checkpoint = nlohmann::json::parse(kv.Read("ckpts/4/_CHECKPOINT_METADATA").value());
+  EXPECT_THAT(checkpoint["item_handlers"]["metrics"].get<std::string>(),
+              HasSubstr("JsonCheckpointHandler"));
+  EXPECT_THAT(checkpoint["item_handlers"]["default"].get<std::string>(),
+              HasSubstr("StandardCheckpointHandler"));
+
+  // A JSON item needs a step folder's item, a plain name, and a name of its own.
+  OrbaxWriterOptions no_item;
+  no_item.json_items = {{"metrics", "metrics", "{}"}};
+  EXPECT_EQ(OrbaxWriter::Create(&kv, "ckpts/5", no_item).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  OrbaxWriterOptions nested = options;
+  nested.json_items = {{"a/b", "metrics", "{}"}};
+  EXPECT_EQ(OrbaxWriter::Create(&kv, "ckpts/5", nested).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  OrbaxWriterOptions twice = options;
+  twice.json_items = {{"default", "metrics", "{}"}};
+  EXPECT_EQ(OrbaxWriter::Create(&kv, "ckpts/5", twice).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(OrbaxWriterTest, ChunkSourcesStayUnderTheByteCap) {
   MemoryKvStore kv;
   OrbaxWriterOptions options;
