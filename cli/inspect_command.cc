@@ -5,6 +5,7 @@
 
 #include "commands.h"
 #include "common.h"
+#include "absl/strings/escaping.h"
 #include "nlohmann/json.hpp"
 #include "tensorstash/checkpoint/open_step.h"
 #include "tensorstash/format/tree.h"
@@ -40,6 +41,110 @@ std::map<int64_t, std::string> PrngKeyImpls(const TreeNode& root) {
   return out;
 }
 
+// The recorded sharding of each array (docs/format.md 4.2), by array id, as JSON objects: the
+// "sharding" of the native format's array leaves; for an Orbax checkpoint, its `_sharding` file
+// ({base64url of the parameter name, the array path's keys joined by '.': JSON text}). Arrays
+// with none are left out; an unreadable `_sharding` gives none (inspect shows what it can).
+std::map<int64_t, nlohmann::json> RecordedShardings(KvStore* kv, StepSource& r) {
+  std::map<int64_t, nlohmann::json> out;
+  if (r.native() != nullptr) {
+    std::vector<const TreeNode*> stack{&r.tree()};  // (the tree may be 512 levels deep)
+    while (!stack.empty()) {
+      const TreeNode* node = stack.back();
+      stack.pop_back();
+      if (node->kind == TreeNode::Kind::kArray && !node->sharding.empty()) {
+        nlohmann::json doc = nlohmann::json::parse(node->sharding, nullptr, false);
+        if (doc.is_object()) out[node->array_id] = std::move(doc);
+      }
+      for (const auto& entry : node->entries) stack.push_back(&entry.second);
+      for (const TreeNode& item : node->items) stack.push_back(&item);
+    }
+    return out;
+  }
+  if (r.format() != StepFormat::kOrbaxOcdbt && r.format() != StepFormat::kOrbaxFolders) return out;
+  const std::string key = r.dir().empty() ? "_sharding" : StrCat(r.dir(), "/_sharding");
+  Result<std::string> text = kv->Read(key);
+  if (!text.ok()) return out;
+  nlohmann::json doc = nlohmann::json::parse(*text, nullptr, false);
+  if (!doc.is_object()) return out;
+  for (size_t i = 0; i < r.arrays().size(); ++i) {
+    Result<std::vector<std::string>> keys = SplitArrayPath(r.arrays()[i].path);
+    if (!keys.ok()) continue;
+    std::string encoded;
+    const std::string name = StrJoin(*keys, ".");
+    absl::Base64Escape(name, &encoded);  // standard alphabet, padded; then Python's urlsafe one
+    for (char& c : encoded) c = c == '+' ? '-' : c == '/' ? '_' : c;
+    auto entry = doc.find(encoded);
+    if (entry == doc.end() || !entry->is_string()) continue;
+    nlohmann::json sharding = nlohmann::json::parse(entry->get<std::string>(), nullptr, false);
+    if (sharding.is_object()) out[static_cast<int64_t>(i)] = std::move(sharding);
+  }
+  return out;
+}
+
+// A recorded sharding in a line: "NamedSharding mesh (2, 4) axes (a, b) spec ((a, b), None)
+// devices [1, 0, ...]" (device ids only when recorded, i.e. not 0..n-1), or its type. Reads the
+// object defensively: it is whatever the writer recorded, and a member of an unexpected type is
+// left out rather than thrown over.
+std::string ShardingText(const nlohmann::json& doc) {
+  auto member = [&doc](const char* name) -> const nlohmann::json* {
+    auto it = doc.find(name);
+    return it == doc.end() ? nullptr : &*it;
+  };
+  auto text = [](const nlohmann::json& v) -> std::string {
+    if (v.is_null()) return "None";
+    if (v.is_string()) return v.get<std::string>();
+    return v.dump();
+  };
+  auto list = [&text](const nlohmann::json& items) {
+    std::vector<std::string> parts;
+    for (const auto& item : items) {
+      if (item.is_array()) {
+        std::vector<std::string> inner;
+        for (const auto& x : item) inner.push_back(text(x));
+        parts.push_back(StrCat("(", StrJoin(inner, ", "), ")"));
+      } else {
+        parts.push_back(text(item));
+      }
+    }
+    return StrCat("(", StrJoin(parts, ", "), parts.size() == 1 ? ",)" : ")");
+  };
+  const nlohmann::json* type = member("sharding_type");
+  const std::string kind = type != nullptr && type->is_string() ? type->get<std::string>() : "?";
+  if (kind == "SingleDeviceSharding") {
+    const nlohmann::json* device = member("device_str");
+    return StrCat(kind, " ", device != nullptr ? text(*device) : "?");
+  }
+  if (kind != "NamedSharding") return kind;
+  std::string out = kind;
+  if (const nlohmann::json* shape = member("shape"); shape != nullptr && shape->is_array()) {
+    out += StrCat(" mesh ", list(*shape));
+  }
+  if (const nlohmann::json* axes = member("axis_names"); axes != nullptr && axes->is_array()) {
+    out += StrCat(" axes ", list(*axes));
+  }
+  if (const nlohmann::json* spec = member("partition_spec"); spec != nullptr && spec->is_array()) {
+    out += StrCat(" spec ", list(*spec));
+  }
+  if (const nlohmann::json* mesh = member("device_mesh"); mesh != nullptr && mesh->is_object()) {
+    std::vector<int64_t> ids;
+    std::vector<const nlohmann::json*> stack;
+    if (auto it = mesh->find("mesh"); it != mesh->end()) stack.push_back(&*it);
+    while (!stack.empty()) {
+      const nlohmann::json* x = stack.back();
+      stack.pop_back();
+      if (x->is_array()) {
+        for (auto it = x->rbegin(); it != x->rend(); ++it) stack.push_back(&*it);
+      } else if (auto id = x->is_object() ? x->find("id") : x->end();
+                 x->is_object() && id != x->end() && id->is_number_integer()) {
+        ids.push_back(id->get<int64_t>());
+      }
+    }
+    out += StrCat(" devices [", StrJoin(ids, ", "), "]");
+  }
+  return out;
+}
+
 int RunInspect(const std::string& path, bool as_json) {
   Result<StepLocation> location = OpenStepPath(path);
   if (!location.ok()) return Fail(location.status());
@@ -56,6 +161,7 @@ int RunInspect(const std::string& path, bool as_json) {
   const CheckpointReader* native = r.native();
   const size_t data_files = native != nullptr ? native->index().files.size() : 0;
   const std::map<int64_t, std::string> keys = PrngKeyImpls(r.tree());
+  const std::map<int64_t, nlohmann::json> shardings = RecordedShardings(location->kv.get(), r);
 
   if (as_json) {
     nlohmann::json doc;
@@ -78,6 +184,9 @@ int RunInspect(const std::string& path, bool as_json) {
                         {"codec", r.CodecDescription(i)}});
       if (auto key = keys.find(static_cast<int64_t>(i)); key != keys.end()) {
         arrays.back()["prng_key_impl"] = key->second;
+      }
+      if (auto sharding = shardings.find(static_cast<int64_t>(i)); sharding != shardings.end()) {
+        arrays.back()["sharding"] = sharding->second;
       }
     }
     doc["arrays"] = std::move(arrays);
@@ -108,6 +217,12 @@ int RunInspect(const std::string& path, bool as_json) {
                 ShapeText(a.shape()).c_str(), ShapeText(a.grid.chunk_shape).c_str(),
                 static_cast<long long>(r.NumChunks(i)), HumanBytes(r.StoredBytes(i)).c_str(),
                 r.CodecDescription(i).c_str());
+  }
+  if (!shardings.empty()) {
+    std::printf("\nShardings as saved (tensorstash.metadata gives them as .sharding):\n");
+    for (const auto& [id, doc] : shardings) {
+      std::printf("  %s  %s\n", r.arrays()[id].path.c_str(), ShardingText(doc).c_str());
+    }
   }
   if (!keys.empty()) {
     std::printf("\nPRNG key arrays (stored as their uint32 key data; tensorstash.restore gives "

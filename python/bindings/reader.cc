@@ -159,6 +159,8 @@ nb::object TreeNodeToPython(const TreeNode& node) {
     }
     case Kind::kArray:
       out["array"] = node.array_id;
+      // The recorded sharding as its JSON text (docs/format.md 4.2), for the front to parse.
+      if (!node.sharding.empty()) out["sharding"] = node.sharding;
       break;
     case Kind::kInt:
       out["value"] = node.int_value;

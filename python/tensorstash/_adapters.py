@@ -41,6 +41,10 @@ after them stand in with the default given):
     orbax_sharding(x) -> str | None
         The JSON Orbax records in `_sharding` for the leaf's sharding (save(format="orbax")),
         or None: the leaf is then recorded as a NumPy array.
+    sharding_record(x) -> dict | None   (optional; default None)
+        The description of the leaf's sharding that a native checkpoint records with it
+        (docs/format.md 4.2: JSON, in the schema of Orbax's `_sharding` entries), so that a
+        restore as saved can place it again (jax.sharding_record); None records nothing.
     default_coordinator() -> Coordinator | None   (optional; default None)
         The framework's distributed runtime as a Coordinator (the protocol of
         jax.JaxCoordinator) when it runs several processes, else None. A save or a
@@ -75,7 +79,7 @@ ENTRY_POINT_GROUP = "tensorstash.adapters"
 
 class FrameworkAdapter(Protocol):
     """The protocol of the module docstring (optional methods: dtype_name, restore_dtype,
-    start_save, immutable, build_many, default_coordinator)."""
+    start_save, immutable, build_many, sharding_record, default_coordinator)."""
 
     def owns(self, x: Any) -> bool: ...
 
@@ -258,6 +262,12 @@ def restore_dtype(adapter: Any, target: Any) -> np.dtype:
     store."""
     own = getattr(adapter, "restore_dtype", None)
     return own(target) if own is not None else tnp.dtype_from_name(dtype_name(adapter, target))
+
+
+def sharding_record(adapter: Any, x: Any) -> dict | None:
+    """adapter.sharding_record(x), or None for an adapter without that method."""
+    own = getattr(adapter, "sharding_record", None)
+    return own(x) if own is not None else None
 
 
 def default_coordinator() -> Any:

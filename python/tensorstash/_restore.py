@@ -4,6 +4,7 @@ engine/host_restore.h): this module turns the target into boxes and the boxes in
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import json
@@ -19,7 +20,18 @@ from . import numpy as tnp
 
 @dataclasses.dataclass(frozen=True)
 class ArrayMetadata:
-    """What a checkpoint stores about one array (from its metadata only)."""
+    """What a checkpoint stores about one array (from its metadata only).
+
+    `saved_sharding`: the description of the sharding the array was saved with, as recorded
+    (a dict in the schema of Orbax's `_sharding` entries: "sharding_type", and for a
+    NamedSharding "shape" (the mesh's), "axis_names", "axis_types", "partition_spec" and,
+    unless they are 0..n-1, the device ids in "device_mesh"), or None: a NumPy array, a
+    sharding that no NamedSharding describes, or a checkpoint written before tensorstash
+    recorded shardings. `sharding`: that sharding on this process's devices (a
+    jax.sharding.NamedSharding, or a SingleDeviceSharding), or None when there is none or
+    this job's devices cannot hold it (tensorstash.jax.sharding_from_record says when they
+    can). As a restore target, an ArrayMetadata with a `sharding` restores as a jax.Array on
+    it; one without, as a NumPy array."""
 
     path: str
     shape: tuple[int, ...]
@@ -28,10 +40,39 @@ class ArrayMetadata:
     num_chunks: int
     stored_bytes: int
     codec: str
+    sharding: Any = dataclasses.field(default=None, compare=False)
+    saved_sharding: dict | None = dataclasses.field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _saved_sharding(text: str | None) -> tuple[dict | None, Any]:
+    """(the recorded description, the sharding on this process's devices) of a leaf's
+    recorded sharding JSON text; (None, None) without one, or without JAX."""
+    if text is None:
+        return None, None
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None, None
+    if not isinstance(doc, dict):
+        return None, None
+    try:
+        from . import jax as tjax
+    except ImportError:  # JAX is optional: the description without a sharding
+        return doc, None
+    return doc, tjax.sharding_from_text(text)
+
+
+def _leaf_target(target: Any) -> Any:
+    """A restore's target leaf as the adapters take it: an ArrayMetadata with a sharding
+    becomes a jax.ShapeDtypeStruct on it (the restore as saved); any other leaf is itself."""
+    if isinstance(target, ArrayMetadata) and target.sharding is not None:
+        import jax
+        return jax.ShapeDtypeStruct(target.shape, target.dtype, sharding=target.sharding)
+    return target
 
 
 def _open(path, verify_checksums: bool, max_inflight_bytes: int, io_threads: int,
@@ -71,10 +112,49 @@ def _orbax_key_impls(path: Any, reader: _ext.Reader, infos: dict[str, dict]) -> 
     return {p: impls[_orbax_name(p)] for p in infos if _orbax_name(p) in impls}
 
 
+def _orbax_shardings(path: Any, reader: _ext.Reader, infos: dict[str, dict]) -> dict[str, str]:
+    """{array path: the JSON text of its sharding} from the `_sharding` file of an Orbax
+    checkpoint's item folder ({base64url of the parameter name: JSON text}, what Orbax writes
+    for jax.Array leaves). Read from local folders only, as _orbax_key_impls; {} where there
+    is no such file or it is malformed."""
+    root, _ = _paths.split(path)
+    if "://" in root:
+        return {}
+    try:
+        with open(os.path.join(root, reader.dir, "_sharding"), "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    from ._save import _orbax_name
+    out = {}
+    for p in infos:
+        name = base64.urlsafe_b64encode(_orbax_name(p).encode()).decode("ascii")
+        text = doc.get(name)
+        if isinstance(text, str):
+            out[p] = text
+    return out
+
+
+def _with_orbax_shardings(node: dict, shardings: dict[str, str]) -> dict:
+    """`node` (changed in place) with each array leaf at a path of `shardings` carrying its
+    "sharding" text, as the native format's leaves carry theirs."""
+    for p, leaf in _tree.index_leaves(node).items():
+        if leaf.get("kind") == "array" and p in shardings:
+            leaf["sharding"] = shardings[p]
+    return node
+
+
 def _tree_with_keys(path: Any, reader: _ext.Reader, infos: dict[str, dict]) -> dict:
     """The step's tree with its PRNG key leaves marked (_tree.mark_keys): the native format's
-    key nodes, and the arrays an Orbax checkpoint records as keys."""
+    key nodes, and the arrays an Orbax checkpoint records as keys. The array leaves of an
+    Orbax checkpoint carry the shardings of its `_sharding` file."""
     node = reader.tree()
+    if reader.format.startswith("orbax"):
+        shardings = _orbax_shardings(path, reader, infos)
+        if shardings:
+            node = _with_orbax_shardings(node, shardings)
     orbax = _orbax_key_impls(path, reader, infos) if reader.format.startswith("orbax") else {}
     if orbax or any(p == _tree.KEY_DATA or p.endswith("/" + _tree.KEY_DATA) for p in infos):
         node = _tree.mark_keys(node, orbax)
@@ -102,26 +182,44 @@ def metadata(path: str | os.PathLike) -> Any:
     values), as plain dicts, lists and tuples. Reads no array data (Orbax scalars excepted:
     they are 0-d arrays). Any format restore() reads. An array of typed PRNG keys is described
     by the key shape and the key dtype (key<fry>, ...), with its data's chunks and bytes, so
-    that restore(path, target=metadata(path)) restores it as keys."""
+    that restore(path, target=metadata(path)) restores it as keys.
+
+    Each array's ArrayMetadata carries the sharding it was saved with: `saved_sharding`, the
+    description the step records (native steps saved by this version, and Orbax checkpoints'
+    `_sharding` in local folders), and `sharding`, that sharding on this job's devices, or None
+    when it has none or they cannot hold it (ArrayMetadata says when). As the target of
+    restore(), an array with a `sharding` restores as a jax.Array on it (as Orbax's
+    restore(path) does), one without as a NumPy array."""
     with contextlib.closing(_open(path, True, 1 << 20, 1)) as reader:
         infos = {a["path"]: a for a in reader.arrays()}
         node = _tree_with_keys(path, reader, infos)
     ckpt = os.fspath(path)
 
-    def describe(array_path: str, _id: int) -> ArrayMetadata:
+    # The recorded sharding of each array leaf, by array id.
+    recorded = {leaf["array"]: leaf.get("sharding")
+                for leaf in _tree.index_leaves(node).values()
+                if leaf.get("kind") in ("array", "prng_key")}
+
+    def describe(array_path: str, array_id: int) -> ArrayMetadata:
         a = infos[array_path]
+        saved, sharding = _saved_sharding(recorded.get(array_id))
         return ArrayMetadata(path=array_path, shape=tuple(a["shape"]),
                              dtype=tnp.dtype_from_name(a["dtype"]),
                              chunk_shape=tuple(a["chunk_shape"]), num_chunks=a["num_chunks"],
-                             stored_bytes=a["stored_bytes"], codec=a["codec"])
+                             stored_bytes=a["stored_bytes"], codec=a["codec"],
+                             sharding=sharding, saved_sharding=saved)
 
     def describe_key(key_path: str, n: dict) -> ArrayMetadata:
         a = infos[n["data_path"]]
         dtype, shape = _key_parts(ckpt, key_path, n["impl"], a)
+        saved, sharding = _saved_sharding(n.get("sharding"))
+        if sharding is not None:  # the key data's, less the implementation's dimensions
+            from . import jax as tjax
+            sharding = tjax.key_sharding(sharding, len(shape))
         return ArrayMetadata(path=key_path, shape=shape, dtype=dtype,
                              chunk_shape=tuple(a["chunk_shape"])[:len(shape)],
                              num_chunks=a["num_chunks"], stored_bytes=a["stored_bytes"],
-                             codec=a["codec"])
+                             codec=a["codec"], sharding=sharding, saved_sharding=saved)
 
     return _tree.decode(node, describe, describe_key)
 
@@ -308,6 +406,7 @@ def _scalar_into_array(value: Any, target: Any, path: str, ckpt: str) -> Any:
 
 def _plan_target(plan: _Plan, leaves: dict[str, dict], path: str, target: Any) -> None:
     """Plans the restore of target leaf `target` at `path` (errors name the leaf)."""
+    target = _leaf_target(target)
     stored = leaves.get(path)
     key_target = _tree.is_key_target(target)
     array_target = key_target or (hasattr(target, "shape") and hasattr(target, "dtype"))
@@ -423,10 +522,13 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     custom nodes as dicts without a target; a target gives them their types.
 
     Without `target`: the saved tree as plain dicts, lists and tuples, arrays as NumPy arrays of
-    the saved shapes and dtypes. With `target` (a pytree of jax.ShapeDtypeStruct with .sharding,
-    jax.Array, np.ndarray, or scalars): the target's structure, each array with the target's
+    the saved shapes and dtypes (unchanged by the shardings a step records: without a target
+    nothing is placed on devices). With `target` (a pytree of jax.ShapeDtypeStruct with
+    .sharding, jax.Array, np.ndarray, metadata()'s ArrayMetadata, or scalars): the target's
+    structure, each array with the target's
     shape, dtype (a cast when it differs; in the target's byte order) and sharding, each device
-    reading just its own block. A JAX target's dtype is what jax.device_put makes of it: with
+    reading just its own block; target=metadata(path) restores as saved: each array whose
+    `.sharding` is known on its saved sharding, the others as NumPy arrays. A JAX target's dtype is what jax.device_put makes of it: with
     JAX's 64-bit types off (jax_enable_x64), float64, int64, uint64 and complex128 restore as
     float32, int32, uint32 and complex64 (a value the narrower type cannot hold is a ValueError
     naming the leaf, where jax.device_put would wrap it). Only the target's arrays are read. A

@@ -19,6 +19,10 @@ could mistake for something else; a dict of the caller's with a KEY_MARK key is 
 mark_keys() turns those dicts (and the Orbax arrays that Orbax recorded as keys) into leaves of
 the in-memory kind "prng_key" that decode(), index_leaves() and the restore handle.
 
+Shardings: an array leaf's node carries "sharding", the description of its sharding that its
+adapter gives (_adapters.sharding_record; docs/format.md 4.2), when there is one. A step's tree
+read back (_ext.Reader.tree) holds it as JSON text.
+
 Trees may be nested MAX_DEPTH levels deep (docs/format.md, section 10), deeper than Python's
 recursion limit lets a recursive walk go: every walk here keeps its own stack (_fold), tree
 nodes too deep for the json module go to JSON text through _ext (dumps), and a step's tree
@@ -98,11 +102,12 @@ def mark_keys(node: dict, orbax_keys: dict[str, str] | None = None) -> dict:
         impl = key_node_impl(n)
         if impl is not None:
             data_path = KEY_DATA if path is None else f"{path}/{KEY_DATA}"
-            return {"kind": "prng_key", "impl": impl, "array": n["entries"][1][1]["array"],
-                    "data_path": data_path}
+            data = n["entries"][1][1]
+            return {"kind": "prng_key", "impl": impl, "array": data["array"],
+                    "data_path": data_path, "sharding": data.get("sharding")}
         if n.get("kind") == "array" and (path or "") in orbax_keys:
             return {"kind": "prng_key", "impl": orbax_keys[path or ""], "array": n["array"],
-                    "data_path": path or ""}
+                    "data_path": path or "", "sharding": n.get("sharding")}
         return None
 
     root = marked(node, None)
@@ -334,10 +339,14 @@ def encode(tree: Any, on_array: Callable[[str, Any], None]) -> dict:
             pairs = [(KEY_MARK, impl), (KEY_DATA, data)]
             return (pairs, lambda nodes: {"kind": "dict",
                                           "entries": [[k, n] for (k, _), n in zip(pairs, nodes)]})
-        if is_array(x):
+        adapter = _adapters.owner(x)
+        if adapter is not None:  # an array leaf
             on_array(where, x)
             arrays += 1
-            return None, {"kind": "array", "array": arrays - 1}
+            sharding = _adapters.sharding_record(adapter, x)
+            if sharding is None:
+                return None, {"kind": "array", "array": arrays - 1}
+            return None, {"kind": "array", "array": arrays - 1, "sharding": sharding}
         if isinstance(x, bool):
             return None, {"kind": "bool", "value": x}
         if isinstance(x, int):

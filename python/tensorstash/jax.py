@@ -217,6 +217,10 @@ class JaxAdapter:
     def orbax_sharding(self, x: Any) -> str | None:
         return orbax_sharding(x.sharding)
 
+    def sharding_record(self, x: Any) -> dict | None:
+        """What a checkpoint records of `x`'s sharding (sharding_record), or None."""
+        return sharding_record(x.sharding) if isinstance(x, jax.Array) else None
+
     def default_coordinator(self) -> JaxCoordinator | None:
         return default_coordinator()
 
@@ -230,19 +234,126 @@ class JaxAdapter:
 def orbax_sharding(sharding: Any) -> str | None:
     """The JSON Orbax keeps in `_sharding` for a NamedSharding or SingleDeviceSharding (None
     for other shardings, whose arrays are then recorded as NumPy arrays)."""
+    doc = sharding_record(sharding, compact=False)
+    return None if doc is None else json.dumps(doc)
+
+
+@functools.lru_cache(maxsize=4096)
+def sharding_record(sharding: Any, compact: bool = True) -> dict | None:
+    """The description of `sharding` that a checkpoint records (docs/format.md 4.2, the
+    "sharding" of an array leaf), in the schema Orbax writes to `_sharding`, so that one parser
+    (sharding_from_record) reads both: for a NamedSharding the mesh shape, axis names, axis
+    types, partition spec and the mesh's device ids in row-major order ("device_mesh"); for a
+    SingleDeviceSharding the device (its str, as Orbax writes it, and its id). None for any
+    other sharding (GSPMD, positional, ...): no NamedSharding is known for it, and a restore
+    as saved then gives the default. `compact` leaves the device ids out when they are 0..n-1 in
+    row-major order (what a reader assumes without them): the native format records it per
+    leaf, and a model has thousands of leaves on one mesh. Computed once per sharding; the
+    caller must not change the dict."""
     if isinstance(sharding, jax.sharding.NamedSharding):
         mesh = sharding.mesh
         spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
+        ids = [int(d.id) for d in mesh.devices.flat]
         doc = {"sharding_type": "NamedSharding", "shape": [int(n) for n in mesh.devices.shape],
-               "axis_names": list(mesh.axis_names),
-               "axis_types": [str(t) for t in mesh.axis_types], "partition_spec": spec,
-               "device_mesh": {"mesh": np.vectorize(lambda d: {"id": d.id}, otypes=[object])(
-                   mesh.devices).tolist()}}
-        return json.dumps(doc)
+               "axis_names": [str(a) for a in mesh.axis_names],
+               "axis_types": [str(t) for t in mesh.axis_types], "partition_spec": spec}
+        if not compact or ids != list(range(len(ids))):
+            doc["device_mesh"] = {"mesh": np.vectorize(lambda d: {"id": int(d.id)},
+                                                       otypes=[object])(mesh.devices).tolist()}
+        return doc
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         device = next(iter(sharding.device_set))
-        return json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": str(device)})
+        doc = {"sharding_type": "SingleDeviceSharding", "device_str": str(device)}
+        if compact:
+            doc["device_id"] = int(device.id)
+        return doc
     return None
+
+
+def _mesh_ids(mesh: Any) -> list[int] | None:
+    """The device ids of a recorded "device_mesh" ({"mesh": nested lists of {"id": n}}), in
+    row-major order; None when it is malformed."""
+    out: list[int] = []
+    stack = [mesh.get("mesh") if isinstance(mesh, dict) else None]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, list):
+            stack.extend(reversed(x))
+        elif isinstance(x, dict) and isinstance(x.get("id"), int):
+            out.append(x["id"])
+        else:
+            return None
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _sharding_from_text(text: str) -> Any:
+    try:
+        return sharding_from_record(json.loads(text))
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def sharding_from_text(text: str | None) -> Any:
+    """sharding_from_record of a record's JSON text (None for None or malformed text), cached:
+    the leaves of a model share a few shardings."""
+    return None if text is None else _sharding_from_text(text)
+
+
+def sharding_from_record(doc: Any) -> Any:
+    """The sharding a recorded description (sharding_record's, or Orbax's `_sharding` entry)
+    stands for on this process's devices, or None when they cannot hold it.
+
+    NamedSharding: when every recorded device id is a device of this job (jax.devices(), all
+    processes'), the mesh of those devices in the recorded order; else, when the job has as
+    many devices as the mesh, the mesh of jax.devices() in their order (ids of another
+    platform or host); else None. SingleDeviceSharding: the device of the recorded id (or,
+    for Orbax's record, of the recorded name) when this job has it, else None. Any other or a
+    malformed record: None."""
+    if not isinstance(doc, dict):
+        return None
+    kind = doc.get("sharding_type")
+    by_id = {d.id: d for d in jax.devices()}
+    if kind == "SingleDeviceSharding":
+        device = by_id.get(doc.get("device_id")) if isinstance(doc.get("device_id"), int) else None
+        if device is None and isinstance(doc.get("device_str"), str):
+            # Orbax's record names the device (JAX 0.10 renamed TFRT_CPU_<n> to cpu:<n>).
+            names = {str(d).replace("TFRT_CPU_", "cpu:"): d for d in jax.devices()}
+            device = names.get(doc["device_str"].replace("TFRT_CPU_", "cpu:"))
+        return None if device is None else jax.sharding.SingleDeviceSharding(device)
+    if kind != "NamedSharding":
+        return None
+    shape = doc.get("shape")
+    names = doc.get("axis_names")
+    spec = doc.get("partition_spec")
+    if (not isinstance(shape, list) or not all(isinstance(n, int) and n > 0 for n in shape)
+            or not isinstance(names, list) or len(names) != len(shape)
+            or not isinstance(spec, list)):
+        return None
+    size = int(np.prod(shape, dtype=np.int64))
+    ids = _mesh_ids(doc["device_mesh"]) if "device_mesh" in doc else list(range(size))
+    if ids is None or len(ids) != size:
+        return None
+    if all(i in by_id for i in ids):
+        devices = [by_id[i] for i in ids]
+    elif jax.device_count() == size:
+        devices = list(jax.devices())
+    else:
+        return None
+    kwargs = {}
+    types = doc.get("axis_types")
+    if isinstance(types, list) and len(types) == len(shape):
+        known = {str(t): t for t in jax.sharding.AxisType}
+        known.update({str(t).rsplit(".", 1)[-1]: t for t in jax.sharding.AxisType})
+        if all(t in known for t in types):
+            kwargs["axis_types"] = tuple(known[t] for t in types)
+    try:
+        mesh = jax.sharding.Mesh(np.array(devices, dtype=object).reshape(shape),
+                                 tuple(names), **kwargs)
+        parts = [tuple(p) if isinstance(p, list) else p for p in spec]
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*parts))
+    except (ValueError, TypeError):
+        return None
 
 
 _save_counter = itertools.count()
@@ -370,6 +481,16 @@ def key_data_target(target: Any, impl: str) -> Any:
                         f"SingleDeviceSharding (or the target a jax.Array), not "
                         f"{type(sharding).__name__}")
     return jax.ShapeDtypeStruct(shape, np.dtype("uint32"), sharding=sharding)
+
+
+def key_sharding(sharding: Any, ndim: int) -> Any:
+    """The sharding of a key array of rank `ndim` whose key data has `sharding`: a
+    NamedSharding's partition spec less the implementation's trailing dimensions (which are
+    never sharded); any other sharding as it is."""
+    if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.spec) > ndim:
+        spec = jax.sharding.PartitionSpec(*tuple(sharding.spec)[:ndim])
+        return jax.sharding.NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+    return sharding
 
 
 def wrap_key(data: Any, impl: str) -> jax.Array:

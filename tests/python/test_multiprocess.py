@@ -51,3 +51,28 @@ def test_saved_by_n_processes(saved, nproc):
 ])
 def test_restore_by_another_process_count(saved, tmp_path, saved_by, restored_by, layout):
     run_job("restore", saved[saved_by], restored_by, layout, str(tmp_path))
+
+
+@pytest.mark.parametrize("nproc", [2, 4, 1])
+def test_the_recorded_sharding_is_the_global_mesh(saved, nproc):
+    # Issue 38 part 3: the step records the job's mesh (all processes' devices), and this
+    # process of 8 devices restores onto it with metadata() as the target.
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    import tensorstash
+    from tshelpers import pattern
+
+    meta = tensorstash.metadata(saved[nproc])
+    w, emb = meta["params"]["w"], meta["params"]["emb"]
+    assert w.saved_sharding["shape"] == [2, 4] and w.saved_sharding["axis_names"] == ["x", "y"]
+    assert w.saved_sharding["partition_spec"] == ["x", "y"]
+    assert emb.saved_sharding["partition_spec"] == [["x", "y"]]
+    assert meta["host"].sharding is None  # a NumPy array
+    assert w.sharding is not None and w.sharding.spec == P("x", "y")
+    assert dict(w.sharding.mesh.shape) == {"x": 2, "y": 4}
+    got = tensorstash.restore(saved[nproc], target=meta)
+    assert isinstance(got["params"]["w"], jax.Array) and got["params"]["w"].sharding == w.sharding
+    np.testing.assert_array_equal(np.asarray(got["params"]["w"]),
+                                  pattern((16, 24), np.float32, seed=0))

@@ -57,6 +57,12 @@ json NodeToJson(const TreeNode& node) {
     }
     case Kind::kArray:
       j["array"] = node.array_id;
+      // Text the decoder took from an object (or a caller checked with TreeNodeFromJson):
+      // it parses. A malformed one is left out rather than thrown over; the core does not throw.
+      if (!node.sharding.empty()) {
+        json sharding = json::parse(node.sharding, nullptr, /*allow_exceptions=*/false);
+        if (sharding.is_object()) j["sharding"] = std::move(sharding);
+      }
       break;
     case Kind::kInt:
       j["value"] = node.int_value;
@@ -225,6 +231,11 @@ class Decoder {
     } else if (kind == "array") {
       node.kind = Kind::kArray;
       if (!Int(j, "array", &node.array_id)) return Error("array leaf without \"array\"");
+      if (!j.at_key("sharding").get(member)) {
+        if (member.type() != ElementType::OBJECT)
+          return Error("array leaf whose \"sharding\" is not an object");
+        node.sharding = simdjson::minify(member);
+      }
     } else if (kind == "int") {
       node.kind = Kind::kInt;
       if (!Text(j, "value", &text)) return Error("int leaf without \"value\"");

@@ -64,6 +64,10 @@ struct TreeNode {
   std::vector<TreeNode> keys;
   std::vector<TreeNode> items;                            // kList, kTuple
   int64_t array_id = -1;                                  // kArray: position in `arrays`
+  // kArray: the leaf's optional "sharding" member (docs/format.md 4.2), a JSON object kept as
+  // its compact text, or empty. The core stores and copies it, and never interprets it: the
+  // framework fronts record what their arrays were sharded as (Python: the JAX mesh).
+  std::string sharding;
   std::string int_value;                                  // kInt: decimal, any magnitude ("-12")
   double float_value = 0;                                 // kFloat
   bool bool_value = false;                                // kBool

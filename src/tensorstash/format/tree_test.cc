@@ -109,6 +109,47 @@ TEST(TreeTest, EveryKindSurvivesARoundTrip) {
   EXPECT_EQ(EncodeTreeJson(back).value(), json);
 }
 
+// An array leaf's "sharding" (docs/format.md 4.2) is kept as its compact JSON text through
+// decoding and encoding, from a stored tree.json and from a front's tree node alike; a
+// sharding that is not an object is refused; a tree.json without one reads as before.
+TEST(TreeTest, ArrayLeafShardingIsKeptAndChecked) {
+  TreeFile tree;
+  tree.arrays = {Array("w", {8, 4}), Array("b", {4})};
+  TreeNode root = TreeNode::Dict();
+  TreeNode w = TreeNode::Array(0);
+  w.sharding = R"({"type":"NamedSharding","mesh_shape":[2,4],"axis_names":["a","b"],)"
+               R"("partition_spec":[["a","b"],null]})";
+  root.entries.emplace_back("w", w);
+  root.entries.emplace_back("b", TreeNode::Array(1));
+  tree.root = root;
+  const std::string json = EncodeTreeJson(tree).value();
+  EXPECT_THAT(json, HasSubstr("\"sharding\""));
+  TreeFile back = DecodeTreeJson(json, "tree.json").value();
+  EXPECT_EQ(nlohmann::json::parse(back.root.entries[0].second.sharding),
+            nlohmann::json::parse(w.sharding));
+  EXPECT_EQ(back.root.entries[1].second.sharding, "");
+  EXPECT_EQ(EncodeTreeJson(back).value(), json);
+
+  // Through a front's tree node (TreeNodeFromJson / TreeNodeToJson) too.
+  const std::string node = TreeNodeToJson(root).value();
+  TreeNode node_back = TreeNodeFromJson(node).value();
+  EXPECT_EQ(nlohmann::json::parse(node_back.entries[0].second.sharding),
+            nlohmann::json::parse(w.sharding));
+
+  // Not an object: refused, naming the member.
+  std::string bad = json;
+  const std::string from = "\"sharding\": {";
+  const size_t at = bad.find(from);
+  ASSERT_NE(at, std::string::npos) << json;
+  const size_t end = bad.find('}', at);
+  bad.replace(at, end - at + 1, "\"sharding\": [1, 2]");
+  Result<TreeFile> refused = DecodeTreeJson(bad, "tree.json");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(refused.status().message(), HasSubstr("sharding"));
+  EXPECT_EQ(TreeNodeFromJson(R"({"kind":"array","array":0,"sharding":"mesh"})").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(TreeTest, InvalidUtf8IsAnErrorNotACrash) {
   TreeFile tree;
   tree.root = TreeNode::Dict();
