@@ -269,3 +269,20 @@ def test_sharded_jax_arrays_saved_async_while_the_caller_deletes_them(tmp_path):
             {"x": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=sharding),
              "key": jax.random.key(0)}))
         assert_same_array(np.asarray(restored["x"]), values, "x")
+
+
+def test_the_readme_example_switches_an_nnx_loop_from_orbax(tmp_path):
+    """README "Coming from Orbax": examples/from_orbax/nnx_switch.py trains an NNX model with
+    Orbax's manager, switches to tensorstash's on the same root mid-run, and has Orbax restore
+    the last step; it raises on any difference and prints PASS."""
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "from_orbax",
+                          "nnx_switch.py")
+    p = subprocess.run([sys.executable, script, "--root", str(tmp_path / "run"), "--steps", "4"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[-1] == "PASS", p.stdout
+    assert any("found orbax steps [0, 2]" in line and "resuming from 2" in line
+               for line in lines), p.stdout
