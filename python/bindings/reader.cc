@@ -626,8 +626,10 @@ void DefineReader(nb::module_& m) {
            "batches and read_calls (batches that read anything).")
       .def("read_file", &Reader::ReadFile, nb::arg("name"),
            "The bytes of a file committed with the step (e.g. \"metadata.json\"), checked "
-           "against the size and CRC-32C in COMMIT. FileNotFoundError when the step has no such "
-           "file, OSError when it is missing, truncated or altered.")
+           "against the size and CRC-32C in COMMIT; of an Orbax checkpoint, one of Orbax's own "
+           "files in its folder (\"_sharding\", \"array_metadatas/process_0\"), as stored. "
+           "FileNotFoundError when the step has no such file, OSError when it is missing, "
+           "truncated or altered, ValueError for a name outside the step's folder.")
       .def("verify", &Reader::Verify, nb::sig("def verify(self) -> list[dict[str, str]]"),
            "Reads every stored chunk and checks its CRC-32C (foreign formats: decodes it, with the "
            "checks that format has); returns the bad chunks as dicts "

@@ -85,20 +85,22 @@ def _open(path, verify_checksums: bool, max_inflight_bytes: int, io_threads: int
                        map_spans=mmap)
 
 
-def _orbax_key_impls(path: Any, reader: _ext.Reader, infos: dict[str, dict]) -> dict[str, str]:
+def _orbax_json_file(reader: _ext.Reader, name: str) -> Any:
+    """The JSON document of Orbax's own file `name` in the checkpoint's folder, or None where
+    there is none or it is not JSON (what it records is then not known: restore as without it)."""
+    try:
+        return json.loads(reader.read_file(name))
+    except (OSError, ValueError):
+        return None
+
+
+def _orbax_key_impls(reader: _ext.Reader, infos: dict[str, dict]) -> dict[str, str]:
     """{array path: PRNG implementation} of the arrays an Orbax checkpoint holds as typed PRNG
     keys: Orbax stores their key data and records the implementation in the ext_metadata
-    ("random_key_impl") of `array_metadatas/process_0` in the item folder. Read from local
-    folders only (the engine's Orbax reader serves no other files); {} where there is no such
-    file (checkpoints of older Orbax, or without jax.Array leaves)."""
-    root, _ = _paths.split(path)
-    if "://" in root:
-        return {}
-    try:
-        with open(os.path.join(root, reader.dir, "array_metadatas", "process_0"), "rb") as f:
-            doc = json.loads(f.read())
-    except (OSError, ValueError):
-        return {}
+    ("random_key_impl") of `array_metadatas/process_0` in the item folder, read through the
+    checkpoint's store (any URL); {} where there is no such file (checkpoints of older Orbax, or
+    without jax.Array leaves)."""
+    doc = _orbax_json_file(reader, "array_metadatas/process_0")
     impls = {}
     for entry in doc.get("array_metadatas", []) if isinstance(doc, dict) else []:
         meta = entry.get("array_metadata") if isinstance(entry, dict) else None
@@ -112,19 +114,12 @@ def _orbax_key_impls(path: Any, reader: _ext.Reader, infos: dict[str, dict]) -> 
     return {p: impls[_orbax_name(p)] for p in infos if _orbax_name(p) in impls}
 
 
-def _orbax_shardings(path: Any, reader: _ext.Reader, infos: dict[str, dict]) -> dict[str, str]:
+def _orbax_shardings(reader: _ext.Reader, infos: dict[str, dict]) -> dict[str, str]:
     """{array path: the JSON text of its sharding} from the `_sharding` file of an Orbax
     checkpoint's item folder ({base64url of the parameter name: JSON text}, what Orbax writes
-    for jax.Array leaves). Read from local folders only, as _orbax_key_impls; {} where there
-    is no such file or it is malformed."""
-    root, _ = _paths.split(path)
-    if "://" in root:
-        return {}
-    try:
-        with open(os.path.join(root, reader.dir, "_sharding"), "rb") as f:
-            doc = json.loads(f.read())
-    except (OSError, ValueError):
-        return {}
+    for jax.Array leaves), read through the checkpoint's store (any URL); {} where there is no
+    such file or it is malformed."""
+    doc = _orbax_json_file(reader, "_sharding")
     if not isinstance(doc, dict):
         return {}
     from ._save import _orbax_name
@@ -146,16 +141,16 @@ def _with_orbax_shardings(node: dict, shardings: dict[str, str]) -> dict:
     return node
 
 
-def _tree_with_keys(path: Any, reader: _ext.Reader, infos: dict[str, dict]) -> dict:
+def _tree_with_keys(reader: _ext.Reader, infos: dict[str, dict]) -> dict:
     """The step's tree with its PRNG key leaves marked (_tree.mark_keys): the native format's
     key nodes, and the arrays an Orbax checkpoint records as keys. The array leaves of an
     Orbax checkpoint carry the shardings of its `_sharding` file."""
     node = reader.tree()
     if reader.format.startswith("orbax"):
-        shardings = _orbax_shardings(path, reader, infos)
+        shardings = _orbax_shardings(reader, infos)
         if shardings:
             node = _with_orbax_shardings(node, shardings)
-    orbax = _orbax_key_impls(path, reader, infos) if reader.format.startswith("orbax") else {}
+    orbax = _orbax_key_impls(reader, infos) if reader.format.startswith("orbax") else {}
     if orbax or any(p == _tree.KEY_DATA or p.endswith("/" + _tree.KEY_DATA) for p in infos):
         node = _tree.mark_keys(node, orbax)
     return node
@@ -192,7 +187,7 @@ def metadata(path: str | os.PathLike) -> Any:
     restore(path) does), one without as a NumPy array."""
     with contextlib.closing(_open(path, True, 1 << 20, 1)) as reader:
         infos = {a["path"]: a for a in reader.arrays()}
-        node = _tree_with_keys(path, reader, infos)
+        node = _tree_with_keys(reader, infos)
     ckpt = os.fspath(path)
 
     # The recorded sharding of each array leaf, by array id.
@@ -628,7 +623,7 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
         reader = _open(path, verify_checksums, max_inflight_bytes, io_threads, mmap)
     with contextlib.closing(reader) if owned else contextlib.nullcontext(reader), _gc.paused():
         infos = {a["path"]: a for a in reader.arrays()}
-        node = _tree_with_keys(path, reader, infos)
+        node = _tree_with_keys(reader, infos)
         prefix = None
         if subtree is not None:
             node, prefix = _subtree(node, subtree, ckpt)

@@ -321,6 +321,34 @@ def test_orbax_written_by_orbax_read_from_s3_as_from_files(server, s3, tmp_path)
     assert rows == [["1", "orbax-ocdbt"], ["2", "orbax-ocdbt"]], r.stdout
 
 
+def test_orbax_keys_and_shardings_are_read_from_s3_as_from_files(server, s3, tmp_path):
+    """What Orbax records beside the arrays (a typed PRNG key's implementation in
+    array_metadatas/process_0, each array's sharding in _sharding) is read through the store:
+    from S3, a key comes back as a key, and metadata() gives the saved shardings."""
+    import orbax.checkpoint as ocp
+    state, values = orbax_state()
+    state = {"params": state["params"], "rng": jax.random.key(7, impl="rbg")}
+    local = str(tmp_path / "orbax" / "keyed")
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(local, state)
+    ckptr.wait_until_finished()
+    ckptr.close()
+    rels = upload(server, local, f"{s3.prefix}/keyed")
+    assert "_sharding" in rels and "array_metadatas/process_0" in rels, rels
+    for where in (local, f"{s3.url}/keyed"):
+        got = tensorstash.restore(where)
+        assert jax.dtypes.issubdtype(got["rng"].dtype, jax.dtypes.prng_key), (where, got["rng"])
+        assert str(jax.random.key_impl(got["rng"])) == str(jax.random.key_impl(state["rng"]))
+        assert_same_array(np.asarray(jax.random.key_data(got["rng"])),
+                          np.asarray(jax.random.key_data(state["rng"])), f"{where} rng")
+        meta = tensorstash.metadata(where)
+        for k in values["params"]:
+            assert meta["params"][k].sharding == state["params"][k].sharding, (where, k)
+        as_saved = tensorstash.restore(where, target=meta)
+        for k, v in values["params"].items():
+            check_sharded(as_saved["params"][k], v, state["params"][k].sharding, f"{where} {k}")
+
+
 # --- 2a. tensorstash writes an Orbax checkpoint (format="orbax") to S3 ---------------------------
 
 def test_orbax_format_saved_to_s3_restores_bit_exact(server, s3, tmp_path):

@@ -699,8 +699,24 @@ Status OrbaxReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats
 }
 
 Result<std::string> OrbaxReader::ReadFile(std::string_view name) const {
-  return NotFoundError(StrCat("'", dir_, "' is a ", StepFormatName(format_),
-                              " checkpoint: it has no tensorstash files such as '", name, "'"));
+  // Only names inside the checkpoint's folder: no absolute path, no empty, "." or ".." part.
+  bool inside = !name.empty() && name.front() != '/';
+  for (std::string_view part : StrSplit(name, '/')) {
+    inside = inside && !part.empty() && part != "." && part != "..";
+  }
+  if (!inside) {
+    return InvalidArgumentError(
+        StrCat("'", name, "' does not name a file inside the checkpoint '", dir_, "'"));
+  }
+  // Orbax's own files (`_sharding`, `array_metadatas/process_0`) are plain files of the folder,
+  // beside the OCDBT database, on whatever store the checkpoint is: read through the base store.
+  const std::string key = dir_.empty() ? std::string(name) : StrCat(dir_, "/", name);
+  Result<std::string> data = base_->Read(key);
+  if (!data.ok() && absl::IsNotFound(data.status())) {
+    return NotFoundError(StrCat("the ", StepFormatName(format_), " checkpoint '", dir_,
+                                "' has no file '", name, "'"));
+  }
+  return data;
 }
 
 uint64_t OrbaxReader::VerifyTotalBytes() const {

@@ -15,6 +15,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tensorstash/checkpoint/open_step.h"
 #include "tensorstash/format/zarr/zarr_array.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/kvstore/ocdbt/ocdbt_kvstore.h"
@@ -148,6 +149,32 @@ TEST(OrbaxWriterTest, RecordsPrngKeyImplementationAsOrbaxDoes) {
   EXPECT_EQ(entries[0]["array_metadata"]["ext_metadata"],
             nlohmann::json::parse(R"({"random_key_impl": "threefry2x32"})"));
   EXPECT_TRUE(entries[1]["array_metadata"]["ext_metadata"].is_null());
+}
+
+TEST(OrbaxWriterTest, OrbaxOwnFilesAreReadThroughTheReadersStore) {
+  // What Orbax records beside the arrays (array_metadatas/process_0, _sharding) is read from the
+  // checkpoint's store, whichever it is: the reader serves those files by name, and nothing
+  // outside the checkpoint's folder.
+  MemoryKvStore kv;
+  auto writer = OrbaxWriter::Create(&kv, "run/1", {}).value();
+  const uint32_t key[2] = {0, 42};
+  OrbaxArraySpec spec{"rng", DType::kUint32, {2}, OrbaxValueType::kJaxArray, "rbg"};
+  ASSERT_TRUE(writer->AddArray(spec, {{Box({0}, {2}), key, 0, 1}}).ok());
+  OrbaxWriteStats stats;
+  ASSERT_TRUE(writer->Commit(&stats).ok());
+  ASSERT_TRUE(kv.Write("run/2/secret", "not the checkpoint's").ok());
+  auto reader = OpenStepSource(&kv, "run/1");
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  Result<std::string> arrays = (*reader)->ReadFile("array_metadatas/process_0");
+  ASSERT_TRUE(arrays.ok()) << arrays.status();
+  EXPECT_EQ(*arrays, kv.Read("run/1/array_metadatas/process_0").value());
+  Result<std::string> missing = (*reader)->ReadFile("_no_such_file");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
+  EXPECT_THAT(missing.status().message(), HasSubstr("_no_such_file"));
+  for (const char* outside : {"../2/secret", "/run/2/secret", "a//b", "./_METADATA", ""}) {
+    Result<std::string> refused = (*reader)->ReadFile(outside);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << outside;
+  }
 }
 
 TEST(OrbaxWriterTest, ManagerItemLayoutAndChunkSource) {

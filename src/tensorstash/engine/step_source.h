@@ -168,7 +168,10 @@ class StepSource {
   // local holdings); the default answers Unimplemented for every request (read them instead).
   virtual std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests,
                                                  const MapOptions& options);
-  // A whole file committed with a native step; NotFound for foreign formats.
+  // A whole file committed with a native step (checked against its COMMIT); for an Orbax
+  // checkpoint, one of Orbax's own files of its folder as stored (`_sharding`,
+  // `array_metadatas/process_0`: Orbax records no checksum of them). NotFound when there is no
+  // such file; InvalidArgument for a name that leaves the folder.
   virtual Result<std::string> ReadFile(std::string_view name) const = 0;
   // Reads and decodes every stored chunk; returns the bad ones (empty when all are good).
   // Non-OK only when verification could not run. progress(done, total) in bytes.
