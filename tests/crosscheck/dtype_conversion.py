@@ -40,7 +40,8 @@ import numpy as np
 SMALL_FLOATS = ["float8_e3m4", "float8_e4m3", "float8_e4m3fnuz", "float8_e5m2fnuz",
                 "float8_e4m3b11fnuz", "float8_e8m0fnu", "float6_e2m3fn", "float6_e3m2fn",
                 "float4_e2m1fn"]
-FLOATS = ["float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"] + SMALL_FLOATS
+FLOATS = ["float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"
+          ] + SMALL_FLOATS
 SUB_BYTE_INTS = ["int2", "int4", "uint2", "uint4"]
 INTS = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"
         ] + SUB_BYTE_INTS

@@ -324,11 +324,20 @@ SmallTable MakeTable(DType dtype) {
   const double max = t.ladder.back().first;
   const double step = sp.mant_bits == 0 ? max : max - t.ladder[t.ladder.size() - 2].first;
   t.ladder.emplace_back(max + step, static_cast<uint8_t>(t.max_code + 1));
-  t.nan_code = sp.nan == SmallNan::kIeee            ? static_cast<uint8_t>((exp_ones << sp.mant_bits) |
-                                                                  (1u << (sp.mant_bits - 1)))
-               : sp.nan == SmallNan::kNegativeZero ? t.sign_bit
-               : sp.nan == SmallNan::kAllOnes      ? static_cast<uint8_t>((1u << sp.bits) - 1)
-                                                   : 0;
+  switch (sp.nan) {
+    case SmallNan::kIeee:  // the quiet NaN: exponent all ones, top mantissa bit
+      t.nan_code = static_cast<uint8_t>((exp_ones << sp.mant_bits) | (1u << (sp.mant_bits - 1)));
+      break;
+    case SmallNan::kNegativeZero:
+      t.nan_code = t.sign_bit;
+      break;
+    case SmallNan::kAllOnes:
+      t.nan_code = static_cast<uint8_t>((1u << sp.bits) - 1);
+      break;
+    case SmallNan::kNone:
+      t.nan_code = 0;
+      break;
+  }
   return t;
 }
 
@@ -354,11 +363,15 @@ uint8_t EncodeSmall(uint32_t bits) {
       return static_cast<uint8_t>((negative ? t.sign_bit : 0) |
                                   (((1u << sp.exp_bits) - 1) << sp.mant_bits));
     }
-    if (sp.nan == SmallNan::kNone) return static_cast<uint8_t>((negative ? t.sign_bit : 0) | t.max_code);
+    if (sp.nan == SmallNan::kNone) {  // saturate
+      return static_cast<uint8_t>((negative ? t.sign_bit : 0) | t.max_code);
+    }
     return t.nan_code;
   };
   if (std::isnan(f)) {
-    if (sp.nan == SmallNan::kIeee) return static_cast<uint8_t>((negative ? t.sign_bit : 0) | t.nan_code);
+    if (sp.nan == SmallNan::kIeee) {
+      return static_cast<uint8_t>((negative ? t.sign_bit : 0) | t.nan_code);
+    }
     // ml_dtypes gives the formats without NaN a zero whose sign is the NaN's, inverted.
     if (sp.nan == SmallNan::kNone) return negative ? 0 : t.sign_bit;
     return t.nan_code;

@@ -353,14 +353,22 @@ TEST(ConvertTest, NarrowFloatsDecode) {
     std::vector<uint32_t> float32_bits;
   };
   const std::vector<Case> cases = {
-      {DType::kFloat8E4m3fnuz, {0x40, 0x48, 0x80, 0x00, 0x01}, {0x3f800000, 0x40000000, 0xffc00000, 0, 0x3a800000}},
+      {DType::kFloat8E4m3fnuz,
+       {0x40, 0x48, 0x80, 0x00, 0x01},
+       {0x3f800000, 0x40000000, 0xffc00000, 0, 0x3a800000}},
       {DType::kFloat8E5m2fnuz, {0x40, 0x44, 0x80}, {0x3f800000, 0x40000000, 0xffc00000}},
       {DType::kFloat8E4m3b11fnuz, {0x58, 0x80}, {0x3f800000, 0xffc00000}},
-      {DType::kFloat8E3m4, {0x30, 0x70, 0xf0, 0x71}, {0x3f800000, 0x7f800000, 0xff800000, 0x7fc00000}},
+      {DType::kFloat8E3m4,
+       {0x30, 0x70, 0xf0, 0x71},
+       {0x3f800000, 0x7f800000, 0xff800000, 0x7fc00000}},
       {DType::kFloat8E4m3, {0x38, 0x78, 0x7c}, {0x3f800000, 0x7f800000, 0x7fc00000}},
-      {DType::kFloat8E8m0fnu, {0x7f, 0x80, 0x00, 0xff}, {0x3f800000, 0x40000000, 0x00400000, 0x7fc00000}},
+      {DType::kFloat8E8m0fnu,
+       {0x7f, 0x80, 0x00, 0xff},
+       {0x3f800000, 0x40000000, 0x00400000, 0x7fc00000}},
       // float4/float6: any bit from the sign bit up reads as negative, as in ml_dtypes.
-      {DType::kFloat4E2m1fn, {0x02, 0x07, 0x0f, 0xff, 0x20}, {0x3f800000, 0x40c00000, 0xc0c00000, 0xc0c00000, 0x80000000}},
+      {DType::kFloat4E2m1fn,
+       {0x02, 0x07, 0x0f, 0xff, 0x20},
+       {0x3f800000, 0x40c00000, 0xc0c00000, 0xc0c00000, 0x80000000}},
       {DType::kFloat6E2m3fn, {0x08, 0x1f, 0x40}, {0x3f800000, 0x40f00000, 0x80000000}},
       {DType::kFloat6E3m2fn, {0x0c, 0x1f}, {0x3f800000, 0x41e00000}},
   };
@@ -382,23 +390,31 @@ TEST(ConvertTest, NarrowFloatsEncodeAsMlDtypes) {
   };
   const std::vector<Case> cases = {
       // Saturating formats: overflow and inf give the largest value; NaN a zero of the other sign.
-      {DType::kFloat4E2m1fn, {1e9f, kInfF, nan, -nan, -0.0f, 2.5f, 5.0f}, {7, 7, 8, 0, 8, 0x4, 0x6}},
+      {DType::kFloat4E2m1fn,
+       {1e9f, kInfF, nan, -nan, -0.0f, 2.5f, 5.0f},
+       {7, 7, 8, 0, 8, 0x4, 0x6}},
       {DType::kFloat6E2m3fn, {1e9f, kInfF, nan, -0.0f}, {31, 31, 32, 32}},
       // fnuz: one NaN, no -0.
-      {DType::kFloat8E4m3fnuz, {1e9f, kInfF, nan, -0.0f, -1e-30f, 1.0f}, {0x80, 0x80, 0x80, 0, 0, 0x40}},
+      {DType::kFloat8E4m3fnuz,
+       {1e9f, kInfF, nan, -0.0f, -1e-30f, 1.0f},
+       {0x80, 0x80, 0x80, 0, 0, 0x40}},
       // e8m0: no sign and no zero; ties round up; a float32 subnormal above 2^-127 gives 2^-126.
-      {DType::kFloat8E8m0fnu, {1e9f, kInfF, nan, -0.0f, 0.0f, -1.0f, 1.5f, 3.0f, 0.75f, 0x1.4p-127f, 1e-45f},
+      {DType::kFloat8E8m0fnu,
+       {1e9f, kInfF, nan, -0.0f, 0.0f, -1.0f, 1.5f, 3.0f, 0.75f, 0x1.4p-127f, 1e-45f},
        {157, 255, 255, 255, 255, 255, 128, 129, 127, 1, 0}},
       // IEEE-like: overflow gives inf.
       {DType::kFloat8E4m3, {1e9f, kInfF, nan, -0.0f}, {0x78, 0x78, 0x7c, 0x80}},
   };
   for (const Case& c : cases) {
-    EXPECT_EQ(MustConvert<uint8_t>(DType::kFloat32, c.in, c.dtype), c.expected) << DTypeName(c.dtype);
+    EXPECT_EQ(MustConvert<uint8_t>(DType::kFloat32, c.in, c.dtype), c.expected)
+        << DTypeName(c.dtype);
   }
   // float64 goes through float32 (as ml_dtypes), and integers through float32 too.
-  EXPECT_EQ(MustConvert<uint8_t>(DType::kFloat64, std::vector<double>{3.0, -6.0}, DType::kFloat4E2m1fn),
+  EXPECT_EQ(MustConvert<uint8_t>(DType::kFloat64, std::vector<double>{3.0, -6.0},
+                                 DType::kFloat4E2m1fn),
             (std::vector<uint8_t>{0x5, 0xf}));
-  EXPECT_EQ(MustConvert<uint8_t>(DType::kInt32, std::vector<int32_t>{1, 2, 3, 4}, DType::kFloat8E4m3fnuz),
+  EXPECT_EQ(MustConvert<uint8_t>(DType::kInt32, std::vector<int32_t>{1, 2, 3, 4},
+                                 DType::kFloat8E4m3fnuz),
             (std::vector<uint8_t>{0x40, 0x48, 0x4c, 0x50}));
 }
 

@@ -30,7 +30,8 @@ TEST(DTypeTest, NamesMatchNumpyAndRoundTrip) {
 
 TEST(DTypeTest, ParseRejectsUnknownNamesQuotingThem) {
   for (const std::string name : {"", "float", "Float32", "float32 ", "f4", "<f4", "bfloat",
-                                 "float8_e4m3b11", "int1", "uint1", "int3", "float6", "float4_e2m1", "complex", "int128", "bool_"}) {
+                                 "float8_e4m3b11", "int1", "uint1", "int3", "float6", "float4_e2m1",
+                                 "complex", "int128", "bool_"}) {
     Result<DType> parsed = ParseDType(name);
     ASSERT_FALSE(parsed.ok()) << name;
     EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
