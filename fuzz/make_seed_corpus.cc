@@ -121,6 +121,13 @@ int main(int argc, char** argv) {
       {},
       {{{"params/w", ts::DType::kComplex64, {4, 2}}, {2}},
        {{"opt/mu/layer~1", ts::DType::kFloat8E4m3fn, {9}}, {}}},
+      // The ml_dtypes types of fewer bits and the later float8 variants, by name in tree.json.
+      {{{"q/int4", ts::DType::kInt4, {9, 3}}, {4}},
+       {{"q/scale", ts::DType::kFloat8E8m0fnu, {9}}, {}},
+       {{"f4", ts::DType::kFloat4E2m1fn, {4, 4}, ts::Codec::kZstd}, {}},
+       {{"u2", ts::DType::kUint2, {5}}, {}},
+       {{"f6", ts::DType::kFloat6E3m2fn, {3}}, {}},
+       {{"fnuz", ts::DType::kFloat8E4m3fnuz, {2, 3}}, {}}},
   };
   for (size_t i = 0; i < steps.size(); ++i) {
     const std::map<std::string, std::string> files = Save(steps[i], i == 1);
@@ -152,9 +159,10 @@ int main(int argc, char** argv) {
     Put(out / "ocdbt" / ("seed" + std::to_string(i)), ts::fuzz::EncodeBundle(files));
   }
   // Foreign steps: Orbax over OCDBT (OrbaxWriter); Orbax zarr folders (v3 sharded zstd, v2
-  // blosc and gzip); a zarr group (v2 zstd).
+  // blosc and gzip); a zarr group (v2 zstd); zarr folders of TensorStore's int4, float8_e8m0fnu
+  // and float4_e2m1fn (v2 and v3).
   const std::vector<float> values = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < 4; ++i) {
     ts::MemoryKvStore kv;
     if (i == 0) {
       auto writer = ts::OrbaxWriter::Create(&kv, "s", {.sync = false});
@@ -198,6 +206,10 @@ int main(int argc, char** argv) {
                                                                             ts::DType::kFloat32,
                                                                             {3, 4},
                                                                             {2, 2}}}}
+        : i == 3 ? std::vector<std::pair<std::string, ts::ZarrArraySpec>>{
+                       {"s/q.int4", {2, ts::DType::kInt4, {12}, {5}}},
+                       {"s/q.scale", {3, ts::DType::kFloat8E8m0fnu, {3, 4}, {2, 4}}},
+                       {"s/f.four", {3, ts::DType::kFloat4E2m1fn, {6}, {6}}}}
                  : std::vector<std::pair<std::string, ts::ZarrArraySpec>>{};
     for (const auto& [prefix, spec] : zarrs) {
       auto writer = ts::ZarrArrayWriter::Create(&kv, prefix, spec);
@@ -206,9 +218,13 @@ int main(int argc, char** argv) {
           !s.ok())
         Die(s);
     }
-    if (i == 1) {  // Orbax's tree metadata of params.w, opt.0, opt.1 (a dict and a list)
-      const std::vector<std::tuple<std::string, std::string, int>> leaves = {
-          {"params", "w", 2}, {"opt", "0", 1}, {"opt", "1", 1}};
+    if (i == 1 || i == 3) {  // Orbax's tree metadata (dicts, and a list for opt)
+      const std::vector<std::tuple<std::string, std::string, int>> leaves =
+          i == 1 ? std::vector<std::tuple<std::string, std::string, int>>{{"params", "w", 2},
+                                                                           {"opt", "0", 1},
+                                                                           {"opt", "1", 1}}
+                 : std::vector<std::tuple<std::string, std::string, int>>{
+                       {"q", "int4", 2}, {"q", "scale", 2}, {"f", "four", 2}};
       std::string tree;
       for (const auto& [a, b, type] : leaves) {
         tree += ts::StrCat(tree.empty() ? "" : ", ", "\"('", a, "', '", b,

@@ -1,4 +1,5 @@
-"""NumPy adapter: dtypes by name (bfloat16 and float8 via ml_dtypes) and raw byte views."""
+"""NumPy adapter: dtypes by name (bfloat16, float8/6/4 and int2/int4 via ml_dtypes) and raw byte
+views."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ DTYPE_NAMES = (
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
     "float8_e4m3fn", "float8_e5m2",
+    # ml_dtypes' narrower types; the sub-byte ones take one byte per element, as NumPy holds them.
+    "int2", "int4", "uint2", "uint4", "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn",
+    "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "float8_e8m0fnu",
 )
 
 

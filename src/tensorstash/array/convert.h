@@ -2,11 +2,13 @@
 //
 // Supported conversions (anything else is Unimplemented, naming both dtypes):
 //  - same dtype: a plain copy;
-//  - float -> float (float16, bfloat16, float32, float64, float8_e4m3fn, float8_e5m2): round to
-//    nearest even, bit-exact with ml_dtypes / NumPy casts; overflow gives inf where the target has
-//    one and NaN where it has not (float8_e4m3fn), NaN stays NaN;
+//  - float -> float (float16, bfloat16, float32, float64, every float8, float6 and float4 of
+//    ml_dtypes): round to nearest even, bit-exact with ml_dtypes / NumPy casts; overflow gives inf
+//    where the target has one, NaN where it has not (float8_e4m3fn, the fnuz types, e8m0fnu) and
+//    the largest value where it has neither (float6, float4); NaN stays NaN where it can;
 //  - complex64 <-> complex128 (each part as float32 <-> float64);
-//  - integer/bool -> integer/bool: exact; a value that does not fit the target is
+//  - integer/bool -> integer/bool (int2, int4, uint2, uint4 included: read from their low bits,
+//    written with the high bits zero): exact; a value that does not fit the target is
 //    InvalidArgument naming `what` (the array) and the value; to bool: nonzero -> true;
 //  - integer/bool -> float: round to nearest even, as NumPy's astype.
 //

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -296,6 +297,143 @@ TEST(ConvertTest, UnalignedBuffersAndEmptyInput) {
   EXPECT_EQ(out[2], 1e10f);
   EXPECT_TRUE(ConvertElements(DType::kInt64, nullptr, DType::kInt8, nullptr, 0, "x").ok());
   EXPECT_TRUE(ConvertElements(DType::kInt64, nullptr, DType::kInt64, nullptr, 0, "x").ok());
+}
+
+
+// ---- the narrower ml_dtypes types (expected bits from ml_dtypes 0.6 `astype`) ----
+
+TEST(ConvertTest, SubByteIntegersReadTheirLowBits) {
+  const std::vector<uint8_t> bytes = {0x0f, 0x08, 0x07, 0xff, 0x8f, 0x70};
+  EXPECT_EQ(MustConvert<int8_t>(DType::kInt4, bytes, DType::kInt8),
+            (std::vector<int8_t>{-1, -8, 7, -1, -1, 0}));
+  EXPECT_EQ(MustConvert<uint8_t>(DType::kUint4, bytes, DType::kUint8),
+            (std::vector<uint8_t>{15, 8, 7, 15, 15, 0}));
+  EXPECT_EQ(MustConvert<int16_t>(DType::kInt2, bytes, DType::kInt16),
+            (std::vector<int16_t>{-1, 0, -1, -1, -1, 0}));
+  EXPECT_EQ(MustConvert<uint8_t>(DType::kUint2, bytes, DType::kUint8),
+            (std::vector<uint8_t>{3, 0, 3, 3, 3, 0}));
+  EXPECT_EQ(MustConvert<float>(DType::kInt4, bytes, DType::kFloat32),
+            (std::vector<float>{-1, -8, 7, -1, -1, 0}));
+  // Same dtype: the bytes as stored, high bits included.
+  EXPECT_EQ(MustConvert<uint8_t>(DType::kInt4, bytes, DType::kInt4), bytes);
+}
+
+TEST(ConvertTest, IntoSubByteIntegersWritesLowBitsAndChecksRange) {
+  EXPECT_EQ(MustConvert<uint8_t>(DType::kInt8, std::vector<int8_t>{-8, -1, 7, 0}, DType::kInt4),
+            (std::vector<uint8_t>{0x08, 0x0f, 0x07, 0x00}));
+  EXPECT_EQ(MustConvert<uint8_t>(DType::kInt64, std::vector<int64_t>{-2, 1}, DType::kInt2),
+            (std::vector<uint8_t>{0x02, 0x01}));
+  EXPECT_EQ(MustConvert<uint8_t>(DType::kUint4, std::vector<uint8_t>{0xf3, 0x02}, DType::kUint2),
+            (std::vector<uint8_t>{0x03, 0x02}));
+}
+
+TEST(ConvertTest, SubByteOutOfRangeIsAnErrorNamingTheValue) {
+  for (const auto& [from, value, to] :
+       std::vector<std::tuple<DType, int8_t, DType>>{{DType::kInt8, 8, DType::kInt4},
+                                                     {DType::kInt8, -9, DType::kInt4},
+                                                     {DType::kInt8, 2, DType::kInt2},
+                                                     {DType::kInt8, 16, DType::kUint4},
+                                                     {DType::kInt8, -1, DType::kUint2}}) {
+    Result<std::vector<uint8_t>> out = Convert<uint8_t>(from, std::vector<int8_t>{0, value}, to);
+    ASSERT_FALSE(out.ok()) << DTypeName(to) << " " << int{value};
+    EXPECT_TRUE(absl::IsInvalidArgument(out.status()));
+    const std::string message(out.status().message());
+    EXPECT_NE(message.find("value " + std::to_string(value)), std::string::npos) << message;
+    EXPECT_NE(message.find(std::string(DTypeName(to))), std::string::npos) << message;
+    EXPECT_NE(message.find("test/array"), std::string::npos) << message;
+  }
+  // int4 -1 into uint4 does not fit either (the low bits alone would read 15).
+  EXPECT_FALSE(Convert<uint8_t>(DType::kInt4, std::vector<uint8_t>{0x0f}, DType::kUint4).ok());
+}
+
+TEST(ConvertTest, NarrowFloatsDecode) {
+  struct Case {
+    DType dtype;
+    std::vector<uint8_t> codes;
+    std::vector<uint32_t> float32_bits;
+  };
+  const std::vector<Case> cases = {
+      {DType::kFloat8E4m3fnuz,
+       {0x40, 0x48, 0x80, 0x00, 0x01},
+       {0x3f800000, 0x40000000, 0xffc00000, 0, 0x3a800000}},
+      {DType::kFloat8E5m2fnuz, {0x40, 0x44, 0x80}, {0x3f800000, 0x40000000, 0xffc00000}},
+      {DType::kFloat8E4m3b11fnuz, {0x58, 0x80}, {0x3f800000, 0xffc00000}},
+      {DType::kFloat8E3m4,
+       {0x30, 0x70, 0xf0, 0x71},
+       {0x3f800000, 0x7f800000, 0xff800000, 0x7fc00000}},
+      {DType::kFloat8E4m3, {0x38, 0x78, 0x7c}, {0x3f800000, 0x7f800000, 0x7fc00000}},
+      {DType::kFloat8E8m0fnu,
+       {0x7f, 0x80, 0x00, 0xff},
+       {0x3f800000, 0x40000000, 0x00400000, 0x7fc00000}},
+      // float4/float6: any bit from the sign bit up reads as negative, as in ml_dtypes.
+      {DType::kFloat4E2m1fn,
+       {0x02, 0x07, 0x0f, 0xff, 0x20},
+       {0x3f800000, 0x40c00000, 0xc0c00000, 0xc0c00000, 0x80000000}},
+      {DType::kFloat6E2m3fn, {0x08, 0x1f, 0x40}, {0x3f800000, 0x40f00000, 0x80000000}},
+      {DType::kFloat6E3m2fn, {0x0c, 0x1f}, {0x3f800000, 0x41e00000}},
+  };
+  for (const Case& c : cases) {
+    const std::vector<float> got = MustConvert<float>(c.dtype, c.codes, DType::kFloat32);
+    for (size_t i = 0; i < c.codes.size(); ++i) {
+      EXPECT_EQ(Bits(got[i]), c.float32_bits[i])
+          << DTypeName(c.dtype) << " code 0x" << std::hex << int{c.codes[i]};
+    }
+  }
+}
+
+TEST(ConvertTest, NarrowFloatsEncodeAsMlDtypes) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  struct Case {
+    DType dtype;
+    std::vector<float> in;
+    std::vector<uint8_t> expected;
+  };
+  const std::vector<Case> cases = {
+      // Saturating formats: overflow and inf give the largest value; NaN a zero of the other sign.
+      {DType::kFloat4E2m1fn,
+       {1e9f, kInfF, nan, -nan, -0.0f, 2.5f, 5.0f},
+       {7, 7, 8, 0, 8, 0x4, 0x6}},
+      {DType::kFloat6E2m3fn, {1e9f, kInfF, nan, -0.0f}, {31, 31, 32, 32}},
+      // fnuz: one NaN, no -0.
+      {DType::kFloat8E4m3fnuz,
+       {1e9f, kInfF, nan, -0.0f, -1e-30f, 1.0f},
+       {0x80, 0x80, 0x80, 0, 0, 0x40}},
+      // e8m0: no sign and no zero; ties round up; a float32 subnormal above 2^-127 gives 2^-126.
+      {DType::kFloat8E8m0fnu,
+       {1e9f, kInfF, nan, -0.0f, 0.0f, -1.0f, 1.5f, 3.0f, 0.75f, 0x1.4p-127f, 1e-45f},
+       {157, 255, 255, 255, 255, 255, 128, 129, 127, 1, 0}},
+      // IEEE-like: overflow gives inf.
+      {DType::kFloat8E4m3, {1e9f, kInfF, nan, -0.0f}, {0x78, 0x78, 0x7c, 0x80}},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(MustConvert<uint8_t>(DType::kFloat32, c.in, c.dtype), c.expected)
+        << DTypeName(c.dtype);
+  }
+  // float64 goes through float32 (as ml_dtypes), and integers through float32 too.
+  EXPECT_EQ(MustConvert<uint8_t>(DType::kFloat64, std::vector<double>{3.0, -6.0},
+                                 DType::kFloat4E2m1fn),
+            (std::vector<uint8_t>{0x5, 0xf}));
+  EXPECT_EQ(MustConvert<uint8_t>(DType::kInt32, std::vector<int32_t>{1, 2, 3, 4},
+                                 DType::kFloat8E4m3fnuz),
+            (std::vector<uint8_t>{0x40, 0x48, 0x4c, 0x50}));
+}
+
+TEST(ConvertTest, NarrowFloatsRoundTripThroughFloat32) {
+  for (DType dtype : {DType::kFloat8E3m4, DType::kFloat8E4m3, DType::kFloat8E4m3fnuz,
+                      DType::kFloat8E5m2fnuz, DType::kFloat8E4m3b11fnuz, DType::kFloat8E8m0fnu,
+                      DType::kFloat6E2m3fn, DType::kFloat6E3m2fn, DType::kFloat4E2m1fn}) {
+    std::vector<uint8_t> codes(size_t{1} << BitWidth(dtype));
+    for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>(i);
+    const std::vector<float> wide = MustConvert<float>(dtype, codes, DType::kFloat32);
+    const std::vector<uint8_t> back = MustConvert<uint8_t>(DType::kFloat32, wide, dtype);
+    for (size_t i = 0; i < codes.size(); ++i) {
+      if (wide[i] != wide[i]) continue;  // NaNs: their canonical code (checked above)
+      EXPECT_EQ(back[i], codes[i]) << DTypeName(dtype) << " code " << i;
+    }
+    // Float to integer stays refused.
+    EXPECT_FALSE(CanConvert(dtype, DType::kInt32)) << DTypeName(dtype);
+    EXPECT_TRUE(CanConvert(DType::kInt4, dtype)) << DTypeName(dtype);
+  }
 }
 
 }  // namespace

@@ -14,27 +14,41 @@ struct DTypeInfo {
   std::string_view name;
   size_t item_size;
   DTypeKind kind;
+  int bit_width;
 };
 
 // Indexed by the enum value; the static_assert below keeps it in step with the enum.
 constexpr std::array<DTypeInfo, kNumDTypes> kInfos = {{
-    {DType::kBool, "bool", 1, DTypeKind::kBool},
-    {DType::kInt8, "int8", 1, DTypeKind::kSignedInt},
-    {DType::kInt16, "int16", 2, DTypeKind::kSignedInt},
-    {DType::kInt32, "int32", 4, DTypeKind::kSignedInt},
-    {DType::kInt64, "int64", 8, DTypeKind::kSignedInt},
-    {DType::kUint8, "uint8", 1, DTypeKind::kUnsignedInt},
-    {DType::kUint16, "uint16", 2, DTypeKind::kUnsignedInt},
-    {DType::kUint32, "uint32", 4, DTypeKind::kUnsignedInt},
-    {DType::kUint64, "uint64", 8, DTypeKind::kUnsignedInt},
-    {DType::kFloat16, "float16", 2, DTypeKind::kFloat},
-    {DType::kBfloat16, "bfloat16", 2, DTypeKind::kFloat},
-    {DType::kFloat32, "float32", 4, DTypeKind::kFloat},
-    {DType::kFloat64, "float64", 8, DTypeKind::kFloat},
-    {DType::kComplex64, "complex64", 8, DTypeKind::kComplex},
-    {DType::kComplex128, "complex128", 16, DTypeKind::kComplex},
-    {DType::kFloat8E4m3fn, "float8_e4m3fn", 1, DTypeKind::kFloat},
-    {DType::kFloat8E5m2, "float8_e5m2", 1, DTypeKind::kFloat},
+    {DType::kBool, "bool", 1, DTypeKind::kBool, 8},
+    {DType::kInt8, "int8", 1, DTypeKind::kSignedInt, 8},
+    {DType::kInt16, "int16", 2, DTypeKind::kSignedInt, 16},
+    {DType::kInt32, "int32", 4, DTypeKind::kSignedInt, 32},
+    {DType::kInt64, "int64", 8, DTypeKind::kSignedInt, 64},
+    {DType::kUint8, "uint8", 1, DTypeKind::kUnsignedInt, 8},
+    {DType::kUint16, "uint16", 2, DTypeKind::kUnsignedInt, 16},
+    {DType::kUint32, "uint32", 4, DTypeKind::kUnsignedInt, 32},
+    {DType::kUint64, "uint64", 8, DTypeKind::kUnsignedInt, 64},
+    {DType::kFloat16, "float16", 2, DTypeKind::kFloat, 16},
+    {DType::kBfloat16, "bfloat16", 2, DTypeKind::kFloat, 16},
+    {DType::kFloat32, "float32", 4, DTypeKind::kFloat, 32},
+    {DType::kFloat64, "float64", 8, DTypeKind::kFloat, 64},
+    {DType::kComplex64, "complex64", 8, DTypeKind::kComplex, 64},
+    {DType::kComplex128, "complex128", 16, DTypeKind::kComplex, 128},
+    {DType::kFloat8E4m3fn, "float8_e4m3fn", 1, DTypeKind::kFloat, 8},
+    {DType::kFloat8E5m2, "float8_e5m2", 1, DTypeKind::kFloat, 8},
+    {DType::kInt2, "int2", 1, DTypeKind::kSignedInt, 2},
+    {DType::kInt4, "int4", 1, DTypeKind::kSignedInt, 4},
+    {DType::kUint2, "uint2", 1, DTypeKind::kUnsignedInt, 2},
+    {DType::kUint4, "uint4", 1, DTypeKind::kUnsignedInt, 4},
+    {DType::kFloat4E2m1fn, "float4_e2m1fn", 1, DTypeKind::kFloat, 4},
+    {DType::kFloat6E2m3fn, "float6_e2m3fn", 1, DTypeKind::kFloat, 6},
+    {DType::kFloat6E3m2fn, "float6_e3m2fn", 1, DTypeKind::kFloat, 6},
+    {DType::kFloat8E3m4, "float8_e3m4", 1, DTypeKind::kFloat, 8},
+    {DType::kFloat8E4m3, "float8_e4m3", 1, DTypeKind::kFloat, 8},
+    {DType::kFloat8E4m3b11fnuz, "float8_e4m3b11fnuz", 1, DTypeKind::kFloat, 8},
+    {DType::kFloat8E4m3fnuz, "float8_e4m3fnuz", 1, DTypeKind::kFloat, 8},
+    {DType::kFloat8E5m2fnuz, "float8_e5m2fnuz", 1, DTypeKind::kFloat, 8},
+    {DType::kFloat8E8m0fnu, "float8_e8m0fnu", 1, DTypeKind::kFloat, 8},
 }};
 
 constexpr bool InfosMatchEnum() {
@@ -64,6 +78,11 @@ const DTypeInfo* Find(DType dtype) {
 size_t ItemSize(DType dtype) {
   const DTypeInfo* info = Find(dtype);
   return info ? info->item_size : 0;
+}
+
+int BitWidth(DType dtype) {
+  const DTypeInfo* info = Find(dtype);
+  return info ? info->bit_width : 0;
 }
 
 DTypeKind Kind(DType dtype) {

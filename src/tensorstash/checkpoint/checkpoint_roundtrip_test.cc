@@ -154,7 +154,7 @@ void CheckpointRoundTripTest::RunRandomCase(int case_index) {
   for (int j = 0; j < num_arrays; ++j) {
     TestArray a;
     a.spec.path = StrCat("case", case_index, "/", j == 2 ? "nested/" : "", "a", j);
-    // Array 0 walks through the dtypes (7 is prime to 17: every dtype within 17 cases).
+    // Array 0 walks through the dtypes (7 is prime to 30: every dtype within 30 cases).
     a.spec.dtype = AllDTypes()[(case_index * 7 + j * 3) % kNumDTypes];
     a.spec.shape = RandomShape(j == 0 ? rank : static_cast<int>(rng() % 9), rng);
     if (rng() % 3 == 0) {

@@ -159,7 +159,7 @@ Result<std::string> ParseFillValue(const json& value, DType dtype, std::string_v
       } else {
         break;
       }
-      const int bits = static_cast<int>(ItemSize(dtype)) * 8;
+      const int bits = BitWidth(dtype);  // 2 or 4 for int2/int4/uint2/uint4
       const bool is_signed = Kind(dtype) == DTypeKind::kSignedInt;
       const uint64_t max_positive = is_signed
                                         ? (uint64_t{1} << (bits - 1)) - 1
@@ -169,7 +169,8 @@ Result<std::string> ParseFillValue(const json& value, DType dtype, std::string_v
         return Invalid(what,
                        StrCat("fill_value ", Quote(value), " does not fit ", DTypeName(dtype)));
       }
-      const uint64_t raw = negative ? 0 - magnitude : magnitude;
+      uint64_t raw = negative ? 0 - magnitude : magnitude;
+      if (bits < 8) raw &= (uint64_t{1} << bits) - 1;  // sub-byte: the low bits, as ml_dtypes
       std::memcpy(out.data(), &raw, out.size());
       return out;
     }
@@ -207,31 +208,14 @@ json FillValueJson(DType dtype, const std::string& fill) {
     case DTypeKind::kBool:
       return fill[0] != 0;
     case DTypeKind::kSignedInt: {
+      // Through the converter: it reads int2/int4 from their low bits, sign-extended.
       int64_t v = 0;
-      switch (ItemSize(dtype)) {
-        case 1:
-          v = static_cast<int8_t>(fill[0]);
-          break;
-        case 2: {
-          int16_t x;
-          std::memcpy(&x, fill.data(), 2);
-          v = x;
-          break;
-        }
-        case 4: {
-          int32_t x;
-          std::memcpy(&x, fill.data(), 4);
-          v = x;
-          break;
-        }
-        default:
-          std::memcpy(&v, fill.data(), 8);
-      }
+      (void)ConvertElements(dtype, fill.data(), DType::kInt64, &v, 1, "fill_value");
       return v;
     }
     case DTypeKind::kUnsignedInt: {
       uint64_t v = 0;
-      std::memcpy(&v, fill.data(), ItemSize(dtype));
+      (void)ConvertElements(dtype, fill.data(), DType::kUint64, &v, 1, "fill_value");
       return v;
     }
     case DTypeKind::kFloat:
@@ -432,6 +416,13 @@ Status ValidateChain(const std::vector<ZarrCodec>& codecs, std::vector<int64_t> 
 
 // ---- v2 dtypes ----
 
+// The ml_dtypes types (bfloat16, float8/6/4, int2/int4/uint2/uint4), which have no NumPy
+// typestr: TensorStore writes their names as the v2 dtype.
+bool IsMlDtype(DType dtype) {
+  return dtype == DType::kBfloat16 || (ItemSize(dtype) == 1 && Kind(dtype) == DTypeKind::kFloat) ||
+         BitWidth(dtype) < 8;
+}
+
 struct V2Type {
   DType dtype;
   bool big_endian;
@@ -443,9 +434,9 @@ Result<V2Type> ParseV2DType(const json& value, std::string_view what) {
         StrCat(what, ": dtype ", Quote(value), " (structured dtypes are not supported)"));
   }
   const std::string s = value.get<std::string>();
-  // TensorStore spells the ml_dtypes types by name.
-  for (std::string_view name : {"bfloat16", "float8_e4m3fn", "float8_e5m2"}) {
-    if (s == name) return V2Type{*ParseDType(name), false};
+  // TensorStore spells the ml_dtypes types by name (their names have no '<', '>' or '|').
+  if (Result<DType> named = ParseDType(s); named.ok() && IsMlDtype(*named)) {
+    return V2Type{*named, false};
   }
   if (s.size() >= 3 && (s[0] == '<' || s[0] == '>' || s[0] == '|')) {
     const char kind = s[1];
@@ -476,13 +467,10 @@ std::string V2TypeString(DType dtype, bool big_endian) {
   switch (dtype) {
     case DType::kBool:
       return "|b1";
-    case DType::kBfloat16:
-    case DType::kFloat8E4m3fn:
-    case DType::kFloat8E5m2:
-      return std::string(DTypeName(dtype));
     default:
       break;
   }
+  if (IsMlDtype(dtype)) return std::string(DTypeName(dtype));
   const char kind = Kind(dtype) == DTypeKind::kSignedInt     ? 'i'
                     : Kind(dtype) == DTypeKind::kUnsignedInt ? 'u'
                     : Kind(dtype) == DTypeKind::kComplex     ? 'c'
@@ -751,8 +739,20 @@ Result<ZarrMetadata> ParseZarrV2Metadata(std::string_view text, std::string_view
   }
 }
 
+// The ml_dtypes types TensorStore (0.1.86) has no data type for: no TensorStore, and so no
+// Orbax, could open a zarr array of them.
+bool TensorStoreLacks(DType dtype) {
+  return dtype == DType::kUint2 || dtype == DType::kUint4 || dtype == DType::kFloat6E2m3fn ||
+         dtype == DType::kFloat6E3m2fn || dtype == DType::kFloat8E4m3;
+}
+
 Result<std::string> EncodeZarrMetadata(const ZarrMetadata& m) {
   TS_RETURN_IF_ERROR(ValidateZarrMetadata(m, "zarr metadata"));
+  if (TensorStoreLacks(m.dtype)) {
+    return UnimplementedError(StrCat("dtype ", DTypeName(m.dtype),
+                                     " cannot be written as zarr: TensorStore (and so Orbax) has "
+                                     "no data type for it"));
+  }
   try {
     json doc;
     if (m.zarr_format == 3) {
