@@ -45,7 +45,7 @@ std::map<int64_t, std::string> PrngKeyImpls(const TreeNode& root) {
 // "sharding" of the native format's array leaves; for an Orbax checkpoint, its `_sharding` file
 // ({base64url of the parameter name, the array path's keys joined by '.': JSON text}). Arrays
 // with none are left out; an unreadable `_sharding` gives none (inspect shows what it can).
-std::map<int64_t, nlohmann::json> RecordedShardings(KvStore* kv, StepSource& r) {
+std::map<int64_t, nlohmann::json> RecordedShardings(StepSource& r) {
   std::map<int64_t, nlohmann::json> out;
   if (r.native() != nullptr) {
     std::vector<const TreeNode*> stack{&r.tree()};  // (the tree may be 512 levels deep)
@@ -62,8 +62,7 @@ std::map<int64_t, nlohmann::json> RecordedShardings(KvStore* kv, StepSource& r) 
     return out;
   }
   if (r.format() != StepFormat::kOrbaxOcdbt && r.format() != StepFormat::kOrbaxFolders) return out;
-  const std::string key = r.dir().empty() ? "_sharding" : StrCat(r.dir(), "/_sharding");
-  Result<std::string> text = kv->Read(key);
+  Result<std::string> text = r.ReadFile("_sharding");
   if (!text.ok()) return out;
   nlohmann::json doc = nlohmann::json::parse(*text, nullptr, false);
   if (!doc.is_object()) return out;
@@ -161,7 +160,7 @@ int RunInspect(const std::string& path, bool as_json) {
   const CheckpointReader* native = r.native();
   const size_t data_files = native != nullptr ? native->index().files.size() : 0;
   const std::map<int64_t, std::string> keys = PrngKeyImpls(r.tree());
-  const std::map<int64_t, nlohmann::json> shardings = RecordedShardings(location->kv.get(), r);
+  const std::map<int64_t, nlohmann::json> shardings = RecordedShardings(r);
 
   if (as_json) {
     nlohmann::json doc;

@@ -134,12 +134,21 @@ def list_steps(root: str, names: StepNames) -> dict[int, str]:
 
 def checkpoint_metadata(step_dir: str) -> dict:
     """The step's _CHECKPOINT_METADATA, or {} when it has none (older Orbax)."""
+    path = os.path.join(step_dir, CHECKPOINT_METADATA)
     try:
-        with open(os.path.join(step_dir, CHECKPOINT_METADATA), "rb") as f:
+        with open(path, "rb") as f:
             value = json.loads(f.read())
     except FileNotFoundError:
         return {}
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"the Orbax step metadata {path} is unreadable: {e}") from None
     return value if isinstance(value, dict) else {}
+
+
+def _is_item_name(name: Any) -> bool:
+    """True for the name of a folder directly inside the step (never "..", "." or a path)."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and os.sep not in name and "\0" not in name)
 
 
 def items(step_dir: str) -> dict[str, str]:
@@ -150,6 +159,9 @@ def items(step_dir: str) -> dict[str, str]:
     found = {}
     if isinstance(handlers, dict):
         for name, handler in handlers.items():
+            if not _is_item_name(name):
+                raise ValueError(f"the Orbax step {step_dir} names an item {name!r} that is "
+                                 "not a folder of the step (_CHECKPOINT_METADATA)")
             if os.path.isdir(os.path.join(step_dir, name)):
                 found[name] = "json" if _JSON_HANDLER in str(handler) else "tree"
         return found
@@ -177,6 +189,8 @@ def read_metrics(step_dir: str) -> dict | None:
     try:
         with open(path, "rb") as f:
             value = json.loads(f.read())
-    except FileNotFoundError:
+    except (OSError, ValueError, RecursionError):
+        # Missing or unreadable: the step has no metrics (retention then ranks it as one
+        # without the metric), rather than failing every later save's retention.
         return None
     return value if isinstance(value, dict) else None

@@ -55,7 +55,7 @@ def _saved_sharding(text: str | None) -> tuple[dict | None, Any]:
         return None, None
     try:
         doc = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None, None
     if not isinstance(doc, dict):
         return None, None
@@ -90,7 +90,7 @@ def _orbax_json_file(reader: _ext.Reader, name: str) -> Any:
     there is none or it is not JSON (what it records is then not known: restore as without it)."""
     try:
         return json.loads(reader.read_file(name))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 
@@ -181,7 +181,7 @@ def metadata(path: str | os.PathLike) -> Any:
 
     Each array's ArrayMetadata carries the sharding it was saved with: `saved_sharding`, the
     description the step records (native steps saved by this version, and Orbax checkpoints'
-    `_sharding` in local folders), and `sharding`, that sharding on this job's devices, or None
+    `_sharding`, on any store), and `sharding`, that sharding on this job's devices, or None
     when it has none or they cannot hold it (ArrayMetadata says when). As the target of
     restore(), an array with a `sharding` restores as a jax.Array on it (as Orbax's
     restore(path) does), one without as a NumPy array."""
@@ -406,10 +406,14 @@ def _plan_target(plan: _Plan, leaves: dict[str, dict], path: str, target: Any) -
     key_target = _tree.is_key_target(target)
     array_target = key_target or (hasattr(target, "shape") and hasattr(target, "dtype"))
     if stored is None or stored["kind"] == "none":
-        if not array_target:
-            # What the checkpoint has no value for and the target holds as a value of its own
-            # (an Equinox model's activation functions, an int field of a module) is the
-            # target's; only arrays are asked of the checkpoint.
+        # What the checkpoint holds as None (an Equinox model saved filtered: its activation
+        # functions and int fields) or does not hold at all and that the target holds as an
+        # object no checkpoint could store (a function) is the target's: passed through. A
+        # value a checkpoint could hold (an array, a scalar, a string) where it holds nothing
+        # is a KeyError, so that a misspelt path is never answered by the target's own value.
+        storable = array_target or isinstance(target, (bool, int, float, complex, str, bytes,
+                                                       np.generic))
+        if stored is not None and not array_target or not storable:
             plan.values[path] = target
             return
         raise KeyError(f"{path!r} is not in checkpoint {plan.ckpt}")

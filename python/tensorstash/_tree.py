@@ -417,8 +417,15 @@ def decode(node: dict, on_array: Callable[[str, int], Any],
             return node_children(n), lambda values: dict(zip((k for k, _ in n["entries"]), values))
         if kind == "typed_dict":
             keys = [key_value(k) for k in n["keys"]]
+            where = path or "the root"
             if len(set(keys)) != len(keys):
-                raise ValueError(f"the dict at {path or 'the root'!r} has equal keys")
+                raise ValueError(f"the dict at {where!r} has equal keys")
+            # Each entry's text is its key's (paths use the text, the restored dict the key):
+            # a file where they differ would give a key no path leads to.
+            for (text, _), key in zip(n["entries"], keys):
+                if key_text(key, where) != text:
+                    raise ValueError(f"the dict at {where!r} names the entry of key {key!r} "
+                                     f"{text!r}, not {key_text(key, where)!r}")
             return node_children(n), lambda values: dict(zip(keys, values))
         if kind in ("list", "tuple"):
             return node_children(n), list if kind == "list" else tuple

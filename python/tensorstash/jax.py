@@ -7,6 +7,7 @@ import collections
 import functools
 import itertools
 import json
+import math
 from typing import Any
 
 import jax
@@ -290,7 +291,7 @@ def _mesh_ids(mesh: Any) -> list[int] | None:
 def _sharding_from_text(text: str) -> Any:
     try:
         return sharding_from_record(json.loads(text))
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError, OverflowError):
         return None
 
 
@@ -330,7 +331,9 @@ def sharding_from_record(doc: Any) -> Any:
             or not isinstance(names, list) or len(names) != len(shape)
             or not isinstance(spec, list)):
         return None
-    size = int(np.prod(shape, dtype=np.int64))
+    size = math.prod(shape)
+    if size > max(len(by_id), jax.device_count()):
+        return None  # more devices than this job has (or a hostile record's absurd mesh)
     ids = _mesh_ids(doc["device_mesh"]) if "device_mesh" in doc else list(range(size))
     if ids is None or len(ids) != size:
         return None

@@ -164,6 +164,7 @@ struct LocalTier::Impl {
   std::string folder;  // "p<index>-of-<count>"
   std::unique_ptr<KvStore> folder_kv;
   std::unique_ptr<CheckpointManager> manager;
+  Status unreported;  // a background save's error that Settle kept for WaitUntilFinished
   std::string secret;
   std::unique_ptr<PeerServer> server;
   std::vector<std::string> urls;  // by process index
@@ -366,7 +367,7 @@ Result<bool> LocalTier::SaveHolding(int64_t step, SaveRequest request, std::stri
   Impl& t = *impl_;
   if (t.closed || t.manager == nullptr) return FailedPreconditionError("the local tier is closed");
   // The previous local save first (it may still be writing): the free space counts it.
-  if (Status s = t.manager->WaitUntilFinished(); !s.ok()) return s;
+  if (Status s = WaitUntilFinished(); !s.ok()) return s;
   t.DropStaleFolders();
   const uint64_t needed = HoldingBytes(request);
   std::error_code error;
@@ -385,7 +386,16 @@ Result<bool> LocalTier::SaveHolding(int64_t step, SaveRequest request, std::stri
 }
 
 Status LocalTier::WaitUntilFinished() {
-  return impl_->manager ? impl_->manager->WaitUntilFinished() : OkStatus();
+  Impl& t = *impl_;
+  Status finished = t.manager ? t.manager->WaitUntilFinished() : OkStatus();
+  if (!t.unreported.ok()) return std::exchange(t.unreported, OkStatus());
+  return finished;
+}
+
+void LocalTier::Settle() {
+  Impl& t = *impl_;
+  Status finished = t.manager ? t.manager->WaitUntilFinished() : OkStatus();
+  if (!finished.ok() && t.unreported.ok()) t.unreported = std::move(finished);
 }
 
 std::vector<int64_t> LocalTier::LocalSteps() const {
@@ -626,7 +636,7 @@ Status LocalTier::Close() {
   t.closed = true;
   Status status = t.manager ? t.manager->Close() : OkStatus();
   t.server.reset();
-  return status;
+  return t.unreported.ok() ? status : std::exchange(t.unreported, OkStatus());
 }
 
 }  // namespace tensorstash

@@ -137,7 +137,12 @@ class LocalTier {
   // is replaced by the packed values.
   Result<bool> SaveHolding(int64_t step, SaveRequest request, std::string_view save_id,
                            const ProcessValues& values, bool async);
+  // Waits for the save in flight (and its retention); returns its error once, here, at the next
+  // SaveHolding or at Close, whichever comes first.
   Status WaitUntilFinished();
+  // Waits as WaitUntilFinished, but keeps an error for it (or SaveHolding, or Close) to return:
+  // for callers that need the tier's folders settled, not its outcome (a listing).
+  void Settle();
 
   // Steps this node holds a committed holding of (any process's folder), ascending.
   std::vector<int64_t> LocalSteps() const;

@@ -109,11 +109,9 @@ Result<bool> MultiTierManager::Save(int64_t step, SaveRequest request, bool asyn
 Status MultiTierManager::GatherJob() {
   // The local tier's work in flight first: a save's retention deletes older local steps on the
   // tier's worker, and a holding listed while it is being deleted would be offered to the job as
-  // a source (a restore then chose a local copy that was going away). A failed local save was
-  // this node's loss only: a warning, as for a synchronous one.
-  if (Status finished = local_->WaitUntilFinished(); !finished.ok()) {
-    local_->Warn(StrCat("a local save failed: ", finished.message()));
-  }
+  // a source (a restore then chose a local copy that was going away). Its error, if any, is
+  // still the caller's to get (the next wait, save or close).
+  local_->Settle();
   Result<JobHoldings> job = local_->Gather(persistent_->AllSteps());
   if (!job.ok()) return job.status();
   job_ = *std::move(job);
