@@ -302,17 +302,14 @@ class CheckpointManager:
         if step_prefix is not None or step_format_fixed_length is not None:
             raise ValueError("step_prefix and step_format_fixed_length name Orbax steps; "
                              "native steps are 10-digit folders")
-        for name, value in (("max_to_keep", max_to_keep), ("keep_period", keep_period),
-                            ("save_interval_steps", save_interval_steps),
-                            ("max_staging_bytes", max_staging_bytes),
-                            ("local_save_interval_steps", local_save_interval_steps),
-                            ("local_max_to_keep", local_max_to_keep)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+        _check_counts(max_to_keep=max_to_keep, keep_period=keep_period,
+                      save_interval_steps=save_interval_steps,
+                      max_staging_bytes=max_staging_bytes,
+                      local_save_interval_steps=local_save_interval_steps,
+                      local_max_to_keep=local_max_to_keep)
         if not coordination_timeout > 0:
             raise ValueError(f"coordination_timeout must be > 0, not {coordination_timeout!r}")
-        if best_metric is not None and max_to_keep is None:
-            raise ValueError("best_metric needs max_to_keep (how many of the best steps to keep)")
+        _check_best(best_metric, max_to_keep)
         self.root = _paths.abspath(root)
         self.format = "native"
         self.async_save = bool(async_save)
@@ -747,6 +744,19 @@ CheckpointManager.__signature__ = inspect.Signature(
     list(inspect.signature(CheckpointManager.__init__).parameters.values())[1:])
 
 
+def _check_counts(**values: Any) -> None:
+    """ValueError naming the first of the manager's count options that is set and is not a
+    positive int (both managers, native and Orbax steps, check theirs here)."""
+    for name, value in values.items():
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+
+
+def _check_best(best_metric: str | None, max_to_keep: int | None) -> None:
+    if best_metric is not None and max_to_keep is None:
+        raise ValueError("best_metric needs max_to_keep (how many of the best steps to keep)")
+
+
 def _root_format(root: str | os.PathLike, format: str) -> str:
     """The format of the steps a manager of `root` handles: "native" or "orbax", from `format`
     ("auto", "native", "orbax") and what the root holds (_orbax_steps.detect_format). ValueError
@@ -813,13 +823,10 @@ class _OrbaxRunManager(CheckpointManager):
         del max_staging_bytes, copy_host_jax_arrays, chunk_bytes, data_file_bytes
         del local_save_interval_steps, local_max_to_keep, local_server_address
         del local_server_port, coordination_timeout, format
-        for name, value in (("max_to_keep", max_to_keep), ("keep_period", keep_period),
-                            ("save_interval_steps", save_interval_steps),
-                            ("step_format_fixed_length", step_format_fixed_length)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, not {value!r}")
-        if best_metric is not None and max_to_keep is None:
-            raise ValueError("best_metric needs max_to_keep (how many of the best steps to keep)")
+        _check_counts(max_to_keep=max_to_keep, keep_period=keep_period,
+                      save_interval_steps=save_interval_steps,
+                      step_format_fixed_length=step_format_fixed_length)
+        _check_best(best_metric, max_to_keep)
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
         if codec not in (None, "zstd"):
