@@ -5,6 +5,7 @@
 #   scripts/run_fuzz.sh                      short run: 20 s per target (part of the tests)
 #   TS_FUZZ_SECONDS=3600 scripts/run_fuzz.sh a longer hunt
 #   scripts/run_fuzz.sh --regenerate-corpus  rewrite fuzz/corpus/ from real checkpoints
+#   scripts/run_fuzz.sh --build-only         build the fuzz targets, run nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_PER_TARGET=${TS_FUZZ_SECONDS:-20}
@@ -20,6 +21,9 @@ if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
     -DCMAKE_CXX_COMPILER=clang++ -DTENSORSTASH_FUZZ=ON -DTENSORSTASH_BUILD_TESTS=OFF >/dev/null
 fi
 cmake --build "$BUILD_DIR" -j "$(nproc)" --target fuzzers
+if [ "${1:-}" = "--build-only" ]; then
+  exit 0
+fi
 if [ "${1:-}" = "--regenerate-corpus" ]; then
   "$BUILD_DIR/make_seed_corpus" fuzz/corpus
   echo "run_fuzz: wrote fuzz/corpus/"

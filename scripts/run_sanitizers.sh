@@ -8,9 +8,13 @@
 # Compiled by clang at -O1 with line tables only (-g1): the sanitizers' own advice, and on this
 # 2-core machine it builds the ASan+UBSan suite about 4x faster than gcc at -O2 -g (orbax_reader.cc:
 # 118 s against 29 s), which kept CI near its time limit. Stack traces keep file and line.
-# Usage: scripts/run_sanitizers.sh [asan|tsan]...   (default: both)
+# Usage: scripts/run_sanitizers.sh [--build-only] [asan|tsan]...   (default: both)
+#   --build-only: configure and build, run nothing (run_tests.sh builds these trees in the
+#   background while pytest runs, then calls this script again to run the tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+BUILD_ONLY=0
+if [ "${1:-}" = "--build-only" ]; then BUILD_ONLY=1; shift; fi
 KINDS=("$@")
 [ ${#KINDS[@]} -eq 0 ] && KINDS=(asan tsan)
 JOBS=$(nproc)
@@ -45,6 +49,10 @@ for kind in "${KINDS[@]}"; do
     continue
   fi
   built=$(date +%s)
+  if [ "$BUILD_ONLY" = 1 ]; then
+    echo "run_sanitizers: $kind built in $((built - start)) s (build only)"
+    continue
+  fi
   # The CLI test needs the CLI, which this lean build leaves out. Each test in its own process;
   # TSan slows threads 5-15x, hence the longer timeout.
   rm -f "$dir/Testing/Temporary/LastTestsFailed.log"

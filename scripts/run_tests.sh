@@ -7,12 +7,27 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh build || exit 1
 rm -f build/Testing/Temporary/LastTestsFailed.log
+# The clang trees (fuzz targets, and in CI the sanitizer builds) are built in the background at
+# the lowest CPU priority while ctest and pytest run: pytest spends much of its time waiting on
+# child processes and servers, and those idle cycles would otherwise be wasted. Each script is
+# called again below to run its part; its build is then up to date. Only the build overlaps:
+# the sanitizer and fuzz runs start after pytest, on an idle machine.
+sanitizers_wanted=0
+if [ "${CI:-}" = "true" ] || [ "${TS_SANITIZERS:-0}" = "1" ]; then sanitizers_wanted=1; fi
+mkdir -p build
+(
+  nice -n 19 scripts/run_fuzz.sh --build-only
+  if [ "$sanitizers_wanted" = 1 ]; then nice -n 19 scripts/run_sanitizers.sh --build-only; fi
+) > build/prebuild.log 2>&1 &
+prebuild_pid=$!
 (cd build && ctest --output-on-failure -j "$(nproc)" --timeout 600)
 ctest_status=$?
 .venv/bin/python -m pytest tests/python tests/s3 -q
 pytest_status=$?
 # A short run of every fuzz target (clang; scripts/run_fuzz.sh), and the C++ suite under
 # ASan+UBSan and TSan in CI (CI=true) or when asked (TS_SANITIZERS=1): docs/reliability.md.
+# A failed background build is not fatal here: the scripts below build again and report.
+wait "$prebuild_pid" || echo "run_tests: the background build failed (build/prebuild.log); building again"
 scripts/run_fuzz.sh
 fuzz_status=$?
 # The portable wheel, installed into a fresh environment that sees neither the build tree nor
@@ -20,7 +35,7 @@ fuzz_status=$?
 tests/packaging/wheel_test.sh
 wheel_status=$?
 sanitizer_status=0
-if [ "${CI:-}" = "true" ] || [ "${TS_SANITIZERS:-0}" = "1" ]; then
+if [ "$sanitizers_wanted" = 1 ]; then
   scripts/run_sanitizers.sh
   sanitizer_status=$?
 fi
