@@ -10,6 +10,11 @@ free ports; nothing talks to any other address (the emulator has no telemetry).
   proxy     tests/gcs/gcs_proxy.py in front of it, two listeners sharing one lock: an open one
             (TS_GCS_ENDPOINT) and one that needs a bearer token listed in TS_GCS_TOKENS
             (TS_GCS_AUTH_ENDPOINT; tests/gcs/gcs_fakes.py appends the tokens it issues there).
+  fakes     tests/gcs/gcs_fakes.py: a token endpoint (TS_GCS_TOKEN_URI) that knows the
+            service-account key TS_GCS_SA_KEY and the authorized user TS_GCS_AUTHORIZED_USER
+            (both files written in WORKDIR, pointing at it), and a metadata server
+            (TS_GCS_METADATA_HOST, host:port). Their counters and settings: GET
+            <base>/__fake__/stats and /__fake__/config?expires_in=&delay_s=&silent= on either.
 
 As a module::
 
@@ -21,14 +26,15 @@ As a module::
 As a command (the servers run detached, in their own sessions, and outlive the command)::
 
     python tests/gcs/gcs_servers.py start WORKDIR [--bucket NAME]
-        waits until both are ready, writes WORKDIR/server.env and prints it; exits 1 with the
+        waits until all three are ready, writes WORKDIR/server.env and prints it; exits 1 with the
         tail of the logs if they do not become ready
     python tests/gcs/gcs_servers.py stop WORKDIR
-        stops both (their process groups); idempotent
+        stops them (their process groups); idempotent
 
 server.env holds KEY=VALUE lines: TS_GCS_ENDPOINT, TS_GCS_AUTH_ENDPOINT, TS_GCS_RAW_ENDPOINT,
-TS_GCS_BUCKET, TS_GCS_TOKENS, TS_GCS_EMULATOR_PID, TS_GCS_PROXY_PID, TS_GCS_EMULATOR_LOG,
-TS_GCS_PROXY_LOG.
+TS_GCS_BUCKET, TS_GCS_TOKENS, TS_GCS_TOKEN_URI, TS_GCS_METADATA_HOST, TS_GCS_SA_KEY,
+TS_GCS_AUTHORIZED_USER, TS_GCS_EMULATOR_PID, TS_GCS_PROXY_PID, TS_GCS_FAKES_PID,
+TS_GCS_EMULATOR_LOG, TS_GCS_PROXY_LOG, TS_GCS_FAKES_LOG.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ START_TIMEOUT_S = 60.0
 EMULATOR_MARK = "gcp-storage-emulator"
 PROXY_MARK = "gcs_proxy.py"
 PROXY_SCRIPT = os.path.join(_HERE, "gcs_proxy.py")
+FAKES_MARK = "gcs_fakes.py"
+FAKES_SCRIPT = os.path.join(_HERE, "gcs_fakes.py")
 
 # Requests to the servers must never go through an HTTP proxy of the environment.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -88,6 +96,12 @@ class Servers:
         self.tokens_file = os.path.join(workdir, "tokens.txt")
         self.emulator_pid = 0
         self.proxy_pid = 0
+        self.fakes_pid = 0
+        self.token_uri = ""
+        self.metadata_host = ""
+        self.sa_key = ""
+        self.authorized_user = ""
+        self.fakes_log = os.path.join(workdir, "fakes.log")
         self.emulator_log = os.path.join(workdir, "emulator.log")
         self.proxy_log = os.path.join(workdir, "proxy.log")
         self.ready_s: Optional[float] = None
@@ -100,10 +114,16 @@ class Servers:
             "TS_GCS_RAW_ENDPOINT": self.raw_endpoint,
             "TS_GCS_BUCKET": self.bucket,
             "TS_GCS_TOKENS": self.tokens_file,
+            "TS_GCS_TOKEN_URI": self.token_uri,
+            "TS_GCS_METADATA_HOST": self.metadata_host,
+            "TS_GCS_SA_KEY": self.sa_key,
+            "TS_GCS_AUTHORIZED_USER": self.authorized_user,
             "TS_GCS_EMULATOR_PID": str(self.emulator_pid),
             "TS_GCS_PROXY_PID": str(self.proxy_pid),
+            "TS_GCS_FAKES_PID": str(self.fakes_pid),
             "TS_GCS_EMULATOR_LOG": self.emulator_log,
             "TS_GCS_PROXY_LOG": self.proxy_log,
+            "TS_GCS_FAKES_LOG": self.fakes_log,
         }
 
     def proxy_control(self, what: str, **params) -> dict:
@@ -118,6 +138,8 @@ class Servers:
 
     def stop(self) -> None:
         procs = {p.pid: p for p in self._procs}
+        if self.fakes_pid:
+            _s3.stop_pid(self.fakes_pid, FAKES_MARK, procs.get(self.fakes_pid))
         if self.proxy_pid:
             _s3.stop_pid(self.proxy_pid, PROXY_MARK, procs.get(self.proxy_pid))
         if self.emulator_pid:
@@ -221,6 +243,24 @@ def _start_proxy(srv: Servers, deadline: float, detach: bool) -> subprocess.Pope
     return proc
 
 
+def _start_fakes(srv: Servers, deadline: float, detach: bool) -> subprocess.Popen:
+    ready = os.path.join(srv.workdir, "fakes.ready")
+    if os.path.exists(ready):
+        os.unlink(ready)
+    cmd = [sys.executable, FAKES_SCRIPT, "--tokens", srv.tokens_file, "--workdir", srv.workdir,
+           "--ready-file", ready]
+    proc = _spawn(cmd, srv.fakes_log, srv.workdir)
+    srv.fakes_pid = proc.pid
+    if not detach:
+        srv._procs.append(proc)
+    vals = _wait(deadline, proc, f"{ready}", lambda: _s3.read_env(ready))
+    srv.token_uri = vals["token_uri"]
+    srv.metadata_host = vals["metadata_host"]
+    srv.sa_key = vals["sa_key"]
+    srv.authorized_user = vals["authorized_user"]
+    return proc
+
+
 def _roundtrip(srv: Servers) -> None:
     """A create-only upload, a read and a delete through the proxy."""
     name = ".ts-ready-probe-" + secrets.token_hex(4)
@@ -242,8 +282,8 @@ def _roundtrip(srv: Servers) -> None:
 
 def start(workdir: str, bucket: str = DEFAULT_BUCKET, timeout: float = START_TIMEOUT_S,
           attempts: int = 3, detach: bool = False) -> Servers:
-    """Start the emulator (bucket created) and the proxy with their files in workdir; return
-    once a create-only upload, a read and a delete work through the proxy. Raises RuntimeError
+    """Start the emulator (bucket created), the proxy and the credential fakes with their files
+    in workdir; return once a create-only upload, a read and a delete work through the proxy. Raises RuntimeError
     (the log tails also go to stderr) if they are not ready within `timeout` s; a start whose
     emulator dies early (its port taken meanwhile) is retried, `attempts` times in all.
     detach=True: not stopped at interpreter exit (the CLI)."""
@@ -259,6 +299,7 @@ def start(workdir: str, bucket: str = DEFAULT_BUCKET, timeout: float = START_TIM
         try:
             _start_emulator(srv, deadline, detach)
             _start_proxy(srv, deadline, detach)
+            _start_fakes(srv, deadline, detach)
             _roundtrip(srv)
         except Exception as e:
             srv.stop()
@@ -281,7 +322,8 @@ def stop_from_env(workdir: str) -> str:
         return f"no {path}: nothing to stop"
     env = _s3.read_env(path)
     out = []
-    for key, mark, what in (("TS_GCS_PROXY_PID", PROXY_MARK, "proxy"),
+    for key, mark, what in (("TS_GCS_FAKES_PID", FAKES_MARK, "fakes"),
+                            ("TS_GCS_PROXY_PID", PROXY_MARK, "proxy"),
                             ("TS_GCS_EMULATOR_PID", EMULATOR_MARK, "emulator")):
         pid = int(env.get(key, "0") or 0)
         if pid <= 0:
@@ -307,7 +349,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         env_path = os.path.join(os.path.abspath(a.workdir), ENV_FILE)
         if os.path.exists(env_path):
             old = _s3.read_env(env_path)
-            for key, mark in (("TS_GCS_EMULATOR_PID", EMULATOR_MARK), ("TS_GCS_PROXY_PID", PROXY_MARK)):
+            for key, mark in (("TS_GCS_EMULATOR_PID", EMULATOR_MARK), ("TS_GCS_PROXY_PID", PROXY_MARK),
+                              ("TS_GCS_FAKES_PID", FAKES_MARK)):
                 pid = int(old.get(key, "0") or 0)
                 if pid > 0 and _s3._alive(pid) and mark in _s3._cmdline(pid):
                     print(f"servers are already running from {env_path} (pid {pid}); stop them "
