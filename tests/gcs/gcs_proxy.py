@@ -19,7 +19,11 @@ driver is tested through this proxy, which adds it back:
   * listing paged by maxResults (default and cap 1000) with an opaque pageToken, and
     startOffset/endOffset applied;
   * an empty media upload is sent on as an empty multipart upload (the emulator crashes on it);
+  * copyTo / rewriteTo: destination preconditions, source ones (ifSourceGenerationMatch...) and
+    sourceGeneration;
   * cancelling a resumable session (DELETE on its URL) is 499, and the session is then 404;
+  * a precondition or generation that is not a number is 400; the emulator's own error answers
+    (often an empty body) are rewritten into GCS's JSON error form;
   * with --tokens FILE (on the --auth-port listener): a request must carry `Authorization:
     Bearer T` with T a line `T EXPIRES_AT` (unix seconds) of FILE, not expired; else 401.
 
@@ -37,7 +41,9 @@ Fault injection (decisions from random.Random(seed), one draw per forwarded requ
       p_reset_after: forward (the request takes effect), then cut the connection unanswered;
       fail_next: a comma list of faults (429, 503, reset, reset_after) for the next requests,
       one each, before the probabilities are consulted. Returns the stats.
-  GET /__gcs_proxy__/stats   JSON counters (requests, forwarded, by status, faults injected).
+  GET /__gcs_proxy__/stats   JSON counters: requests, forwarded, status (by code), ops (by
+      kind: media, multipart, resumable_start, session_put, compose, read, meta, list, ...),
+      faults injected, precondition_failed, unauthorized.
   GET /__gcs_proxy__/reset_stats   zeroes the counters.
 
 Command line (foreground; tests/gcs/gcs_servers.py runs it detached):
@@ -61,6 +67,7 @@ import struct
 import sys
 import threading
 import time
+import traceback
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
@@ -106,7 +113,12 @@ class ProxyState:
     def reset_stats(self) -> None:
         self.stats = {"requests": 0, "forwarded": 0, "status": {}, "injected_429": 0,
                       "injected_503": 0, "injected_reset": 0, "injected_reset_after": 0,
-                      "precondition_failed": 0, "unauthorized": 0, "upstream_errors": 0}
+                      "precondition_failed": 0, "unauthorized": 0, "upstream_errors": 0,
+                      "ops": {}}
+
+    def count_op(self, op: str) -> None:
+        with self.cfg_lock:
+            self.stats["ops"][op] = self.stats["ops"].get(op, 0) + 1
 
     def count_status(self, code: int) -> None:
         with self.cfg_lock:
@@ -248,8 +260,29 @@ _PRE_KEYS = ("ifGenerationMatch", "ifGenerationNotMatch", "ifMetagenerationMatch
              "ifMetagenerationNotMatch")
 
 
-def _pre_from_query(q) -> dict[str, Optional[str]]:
-    return {k: _q1(q, k) for k in _PRE_KEYS if _q1(q, k) is not None}
+def _pre_from_query(q, keys=_PRE_KEYS, rename=None) -> dict[str, str]:
+    """The preconditions in the query (400 if one is not a number); rename maps a query name
+    to the name precondition_failure() knows (ifSourceGenerationMatch -> ifGenerationMatch)."""
+    out = {}
+    for k in keys:
+        v = _q1(q, k)
+        if v is None:
+            continue
+        if not v.strip().lstrip("-").isdigit():
+            raise _Reply(400, "invalid", f"Invalid value for {k}: {v!r} (an int64 is expected)")
+        out[(rename or {}).get(k, k)] = v.strip()
+    return out
+
+
+def _check_number(what: str, v: Optional[str]) -> Optional[str]:
+    if v is not None and not v.strip().lstrip("-").isdigit():
+        raise _Reply(400, "invalid", f"Invalid value for {what}: {v!r} (an int64 is expected)")
+    return v.strip() if v is not None else None
+
+
+_SRC_KEYS = ("ifSourceGenerationMatch", "ifSourceGenerationNotMatch",
+             "ifSourceMetagenerationMatch", "ifSourceMetagenerationNotMatch")
+_SRC_RENAME = {k: k.replace("Source", "") for k in _SRC_KEYS}
 
 
 def _multipart_meta(content_type: str, body: bytes) -> dict:
@@ -302,7 +335,14 @@ def _split_object_path(path: str) -> Optional[tuple[str, str, str]]:
             if obj.endswith("/compose"):
                 return ("compose", urllib.parse.unquote(bucket),
                         urllib.parse.unquote(obj[:-len("/compose")]))
-            for special in ("/copyTo/", "/rewriteTo/", "/acl", "/restore"):
+            for special in ("/copyTo/b/", "/rewriteTo/b/"):
+                if special in obj:
+                    src, _, dst = obj.partition(special)
+                    dbucket, _, dobj = dst.partition("/o/")
+                    return ("copy", urllib.parse.unquote(bucket),
+                            "\0".join((urllib.parse.unquote(src), urllib.parse.unquote(dbucket),
+                                        urllib.parse.unquote(dobj))))
+            for special in ("/acl", "/restore"):
                 if special in obj:
                     return ("other", urllib.parse.unquote(bucket), "")
             return ("object", urllib.parse.unquote(bucket), urllib.parse.unquote(obj))
@@ -321,6 +361,19 @@ def _decode_token(tok: str) -> str:
         return d["after"]
     except Exception:
         raise ValueError(f"invalid pageToken {tok!r}") from None
+
+
+_REASONS = {400: "invalid", 401: "required", 403: "forbidden", 404: "notFound", 409: "conflict",
+            412: "conditionNotMet", 416: "requestedRangeNotSatisfiable", 429: "rateLimitExceeded",
+            499: "clientClosedRequest", 501: "notImplemented", 503: "backendError"}
+
+
+def _is_gcs_error(body: bytes) -> bool:
+    try:
+        e = json.loads(body)["error"]
+        return isinstance(e["code"], int) and isinstance(e["errors"], list) and bool(e["message"])
+    except Exception:
+        return False
 
 
 class _Reply(Exception):
@@ -399,6 +452,18 @@ class Handler(BaseHTTPRequestHandler):
                 continue
             headers.append((k, v))
         headers.extend(extra_headers)
+        if resp.status >= 400 and not _is_gcs_error(body):
+            # The emulator answers many errors with an empty or ad-hoc body; GCS's is JSON.
+            msg = body.decode("utf-8", "replace").strip()[:500] or resp.reason or "error"
+            try:
+                msg = json.loads(body)["error"]["message"]
+            except Exception:
+                pass
+            body = gcs_error(resp.status, _REASONS.get(resp.status, "backendError"
+                                                      if resp.status >= 500 else "invalid"),
+                             f"{msg} ({self.command} {urllib.parse.urlsplit(self.path).path})")
+            headers = [(k, v) for k, v in headers if k.lower() != "content-type"]
+            headers.append(("Content-Type", "application/json; charset=UTF-8"))
         self._send(resp.status, body, headers, content_type=None)
 
     # -- entry points
@@ -455,6 +520,10 @@ class Handler(BaseHTTPRequestHandler):
                 st.stats["upstream_errors"] += 1
             self._error(_Reply(502, "backendError",
                                f"gcs_proxy: the emulator failed on {self.command} {self.path}: {e!r}"))
+        except Exception as e:  # a bug here must not look like a network fault to the client
+            traceback.print_exc()
+            self._error(_Reply(500, "backendError",
+                               f"gcs_proxy: internal error on {self.command} {self.path}: {e!r}"))
 
     def _control(self, what: str, q) -> None:
         try:
@@ -492,6 +561,7 @@ class Handler(BaseHTTPRequestHandler):
         parts = _split_object_path(path)
         kind, bucket, name = parts if parts else ("other", "", "")
         method = self.command
+        self.state.count_op(_op_name(kind, method, q))
         handler = None
         if kind == "list" and method == "GET":
             handler = self._list
@@ -501,6 +571,8 @@ class Handler(BaseHTTPRequestHandler):
             handler = self._modify
         elif kind == "compose" and method == "POST":
             handler = self._compose
+        elif kind == "copy" and method == "POST":
+            handler = self._copy
         elif kind == "upload":
             handler = self._upload
         if handler is None:
@@ -517,7 +589,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _read(self, bucket, name, q, body, reset_after) -> None:
         pre = _pre_from_query(q)
-        want_gen = _q1(q, "generation")
+        want_gen = _check_number("generation", _q1(q, "generation"))
         meta = self.state.metadata(bucket, name)
         if meta is None:
             raise _Reply(404, "notFound", f"No such object: {bucket}/{name}")
@@ -532,7 +604,6 @@ class Handler(BaseHTTPRequestHandler):
         if why:
             raise _Reply(412, "conditionNotMet", f"Precondition failed on gs://{bucket}/{name}: {why}")
         if precondition_failure(meta, not_match):
-            resp_body = b""
             self.send_response(304)
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -573,13 +644,30 @@ class Handler(BaseHTTPRequestHandler):
 
     def _modify(self, bucket, name, q, body, reset_after) -> None:
         pre = _pre_from_query(q)
-        want_gen = _q1(q, "generation")
+        want_gen = _check_number("generation", _q1(q, "generation"))
         if pre or want_gen is not None:
             meta = self._check_pre(bucket, name, pre)
             if want_gen is not None and (meta is None or str(meta["generation"]) != want_gen):
                 raise _Reply(404, "notFound", f"No such object: {bucket}/{name} generation {want_gen}")
         resp = self._forward(body=body if self.command == "PATCH" else None)
         self._finish(resp, reset_after)
+
+    def _copy(self, bucket, names, q, body, reset_after) -> None:
+        """copyTo / rewriteTo: destination preconditions (ifGenerationMatch...), source ones
+        (ifSourceGenerationMatch...) and sourceGeneration."""
+        src, dbucket, dst = names.split("\0")
+        src_pre = _pre_from_query(q, _SRC_KEYS, _SRC_RENAME)
+        want = _check_number("sourceGeneration", _q1(q, "sourceGeneration"))
+        meta = self.state.metadata(bucket, src)
+        if meta is None or (want is not None and str(meta["generation"]) != want):
+            raise _Reply(404, "notFound", f"No such object: {bucket}/{src}"
+                         + (f" generation {want}" if want is not None else ""))
+        why = precondition_failure(meta, src_pre)
+        if why:
+            raise _Reply(412, "conditionNotMet", f"Precondition failed on source gs://{bucket}/"
+                         f"{src}: {why}")
+        self._check_pre(dbucket, dst, _pre_from_query(q))
+        self._finish(self._forward(body=body), reset_after)
 
     def _compose(self, bucket, name, q, body, reset_after) -> None:
         try:
@@ -766,6 +854,23 @@ class Handler(BaseHTTPRequestHandler):
             return json.dumps(out).encode()
 
         self._finish(resp, reset_after, rewrite=page)
+
+
+def _op_name(kind: str, method: str, q) -> str:
+    """The request's name in stats["ops"]: list, read, meta, delete, patch, compose, copy,
+    media, multipart, resumable_start, session_put, session_cancel, or METHOD_other."""
+    if kind == "upload":
+        if _q1(q, "upload_id") is not None:
+            return "session_cancel" if method == "DELETE" else "session_put"
+        t = _q1(q, "uploadType") or "?"
+        return "resumable_start" if t == "resumable" else t
+    if kind == "object" or kind == "download":
+        if method in ("GET", "HEAD"):
+            return "read" if kind == "download" or _q1(q, "alt") == "media" else "meta"
+        return method.lower()
+    if kind in ("list", "compose", "copy"):
+        return kind
+    return method + "_other"
 
 
 def path_is_download(path: str) -> bool:

@@ -136,6 +136,17 @@ class Servers:
             raise RuntimeError(f"{url}: {code} {body[:300]!r}")
         return json.loads(body)
 
+    def fakes_control(self, which: str, **params) -> dict:
+        """Stats of the token endpoint (which="token") or the metadata server ("metadata"),
+        after setting params (expires_in, delay_s, silent) when given."""
+        base = {"token": self.token_uri.rsplit("/", 1)[0],
+                "metadata": "http://" + self.metadata_host}[which]
+        url = f"{base}/__fake__/config?" + urllib.parse.urlencode(params)
+        code, _, body = http("GET", url)
+        if code != 200:
+            raise RuntimeError(f"{url}: {code} {body[:300]!r}")
+        return json.loads(body)
+
     def stop(self) -> None:
         procs = {p.pid: p for p in self._procs}
         if self.fakes_pid:

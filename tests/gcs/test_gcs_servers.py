@@ -348,6 +348,62 @@ def test_empty_media_upload(proxy):
     assert json.loads(proxy.meta(name)[2])["size"] == "0"
 
 
+def test_copy_and_rewrite_preconditions(proxy):
+    src, dst = fresh(), fresh()
+    assert proxy.media(src, b"source")[0] == 200
+    assert proxy.media(dst, b"taken")[0] == 200
+    gen = proxy.generation(src)
+    for verb in ("copyTo", "rewriteTo"):
+        def go(d, **params):
+            qs = ("?" + urllib.parse.urlencode(params)) if params else ""
+            return req(proxy.endpoint, "POST", f"/storage/v1/b/{proxy.bucket}/o/{q(src)}/{verb}"
+                       f"/b/{proxy.bucket}/o/{q(d)}{qs}", b"{}",
+                       {"Content-Type": "application/json"})
+        code, _, body = go(dst, ifGenerationMatch=0)
+        assert code == 412, verb
+        gcs_error(body, 412, "conditionNotMet")
+        assert go(fresh(), ifSourceGenerationMatch=str(int(gen) + 1))[0] == 412, verb
+        assert go(fresh(), sourceGeneration=str(int(gen) + 1))[0] == 404, verb
+        ok = fresh()
+        code, _, body = go(ok, ifGenerationMatch=0, ifSourceGenerationMatch=gen)
+        assert code == 200, (verb, body)
+        assert proxy.read(ok)[2] == b"source"
+    assert proxy.read(dst)[2] == b"taken"
+
+
+def test_bad_values_and_emulator_errors_in_gcs_form(proxy, raw):
+    name = fresh()
+    code, _, body = proxy.media(name, b"x", ifGenerationMatch="abc")
+    assert code == 400
+    assert "ifGenerationMatch" in gcs_error(body, 400, "invalid")
+    assert proxy.meta(name)[0] == 404
+    assert proxy.read(name, generation="zz")[0] == 400
+    # The emulator answers a delete of a missing object 404 without GCS's error body; the proxy
+    # gives it one.
+    missing = fresh()
+    code, _, body = raw.delete(missing)
+    assert code == 404
+    code, _, body = proxy.delete(missing)
+    assert code == 404
+    gcs_error(body, 404, "notFound")
+
+
+def test_stats_count_operations(srv, proxy):
+    srv.proxy_control("reset_stats")
+    name = fresh()
+    proxy.media(name, b"abc")
+    proxy.multipart(fresh(), b"abc")
+    proxy.read(name)
+    proxy.meta(name)
+    proxy.list(prefix=name)
+    proxy.compose(fresh(), {"sourceObjects": [{"name": name}]})
+    proxy.delete(name)
+    st = srv.proxy_control("stats")
+    assert st["ops"] == {"media": 1, "multipart": 1, "read": 1, "meta": 1, "list": 1,
+                         "compose": 1, "delete": 1}
+    assert st["requests"] == 7 and st["status"]["200"] >= 6
+
+
 # ---------------------------------------------------------------------------------------------
 # reads
 
@@ -479,6 +535,7 @@ def test_auth_listener_needs_an_issued_unexpired_token(srv, proxy):
                                               "assertion": gcs_fakes.sign_jwt(pk, key["private_key_id"], claims)})
     assert code == 200, body
     auth.token = json.loads(body)["access_token"]
+    assert srv.fakes_control("token")["grants"]["jwt"] >= 1
     code, _, body = auth.media(fresh(), b"authorised", ifGenerationMatch=0)
     assert code == 200, body
     assert auth.list()[0] == 200
