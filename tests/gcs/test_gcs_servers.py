@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -233,6 +234,79 @@ def test_media_create_only(proxy):
     # metageneration
     assert proxy.media(name, b"x", ifMetagenerationMatch=99)[0] == 412
     assert proxy.read(name)[2] == b"fifth"
+
+
+def test_racing_create_only_writers_one_wins(proxy):
+    """The proxy's lock makes check + write atomic: of 8 concurrent create-only uploads of one
+    name exactly one succeeds, and the object holds that writer's bytes."""
+    import threading
+
+    name = fresh()
+    results = [None] * 8
+    start = threading.Barrier(len(results))
+
+    def writer(i):
+        start.wait()
+        results[i] = proxy.media(name, f"writer {i}".encode() * 1000, ifGenerationMatch=0)[0]
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == [200] + [412] * 7, results
+    winner = results.index(200)
+    assert proxy.read(name)[2] == f"writer {winner}".encode() * 1000
+
+
+def test_keep_alive_chunked_and_expect_continue(proxy):
+    """One client connection for several requests (answers of every kind keep the framing),
+    a chunked upload body, and `Expect: 100-continue` as libcurl sends it for large bodies."""
+    u = urllib.parse.urlsplit(proxy.endpoint)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=20)
+    name = fresh()
+    try:
+        conn.request("POST", f"/upload/storage/v1/b/{proxy.bucket}/o?uploadType=media&name="
+                     f"{q(name)}&ifGenerationMatch=0", body=iter([b"chunk-1,", b"chunk-2"]),
+                     headers={"Content-Type": "application/octet-stream"}, encode_chunked=True)
+        r = conn.getresponse()
+        assert r.status == 200, r.read()
+        r.read()
+        for target, headers, status, body in (
+                (f"/storage/v1/b/{proxy.bucket}/o/{q(name)}?alt=media", {}, 200, b"chunk-1,chunk-2"),
+                (f"/storage/v1/b/{proxy.bucket}/o/{q(name)}?alt=media", {"Range": "bytes=99-"}, 416, None),
+                (f"/storage/v1/b/{proxy.bucket}/o/{q(name)}?alt=media&generation=1", {}, 404, None),
+                (f"/storage/v1/b/{proxy.bucket}/o/{q(name)}?alt=media", {"Range": "bytes=6-"}, 206, b"1,chunk-2")):
+            conn.request("GET", target, headers=headers)
+            r = conn.getresponse()
+            got = r.read()
+            assert r.status == status, (target, r.status, got)
+            if body is not None:
+                assert got == body
+    finally:
+        conn.close()
+    big = os.urandom(2 << 20)
+    name2 = fresh()
+    # Send the headers, wait for 100 Continue, then the body (what libcurl does).
+    with socket.create_connection((u.hostname, u.port), timeout=20) as sock:
+        sock.sendall((f"POST /upload/storage/v1/b/{proxy.bucket}/o?uploadType=media&name="
+                      f"{q(name2)}&ifGenerationMatch=0 HTTP/1.1\r\nHost: {u.netloc}\r\n"
+                      f"Content-Type: application/octet-stream\r\nContent-Length: {len(big)}\r\n"
+                      "Expect: 100-continue\r\n\r\n").encode())
+        data = b""
+        while b"\r\n\r\n" not in data:
+            more = sock.recv(65536)
+            assert more, data
+            data += more
+        assert data.startswith(b"HTTP/1.1 100"), data  # nothing sent yet: only the headers
+        sock.sendall(big)
+        while data.count(b"\r\n\r\n") < 2:
+            more = sock.recv(65536)
+            assert more, data
+            data += more
+    final = data.split(b"\r\n\r\n", 1)[1]
+    assert final.startswith(b"HTTP/1.1 200 "), final[:200]
+    assert proxy.read(name2)[2] == big
 
 
 def test_multipart_create_only(proxy):
