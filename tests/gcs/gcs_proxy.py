@@ -26,6 +26,7 @@ driver is tested through this proxy, which adds it back:
     (often an empty body) are rewritten into GCS's JSON error form;
   * with --tokens FILE (on the --auth-port listener): a request must carry `Authorization:
     Bearer T` with T a line `T EXPIRES_AT` (unix seconds) of FILE, not expired; else 401.
+    Requests to an open resumable session's URL need none (its upload_id is the credential).
 
 Errors have GCS's JSON error form: {"error": {"code", "message", "errors": [{"domain",
 "reason", "message"}]}}.
@@ -41,6 +42,12 @@ Fault injection (decisions from random.Random(seed), one draw per forwarded requ
       p_reset_after: forward (the request takes effect), then cut the connection unanswered;
       fail_next: a comma list of faults (429, 503, reset, reset_after) for the next requests,
       one each, before the probabilities are consulted. Returns the stats.
+  GET /__gcs_proxy__/config?hostile=MODE&hostile_count=N
+      a hostile server on media reads (after every check): flip (one byte of the body flipped,
+      headers as for the true bytes), truncate (the whole length announced, half the body sent,
+      then a reset), ignore_range (200 with the whole object), shift_range (the bytes one off
+      from what Content-Range claims; ranged reads only). N: that many reads (default: all,
+      until hostile= turns it off).
   GET /__gcs_proxy__/stats   JSON counters: requests, forwarded, status (by code), ops (by
       kind: media, multipart, resumable_start, session_put, compose, read, meta, list, ...),
       faults injected, precondition_failed, unauthorized.
@@ -75,6 +82,7 @@ from typing import Optional
 CONTROL = "/__gcs_proxy__/"
 MAX_COMPOSE_SOURCES = 32
 MAX_PAGE = 1000
+HOSTILE_MODES = ("flip", "truncate", "ignore_range", "shift_range")
 UPSTREAM_TIMEOUT_S = 120.0
 
 _OBJ_PATH_PREFIXES = ("/storage/v1/b/", "/b/")
@@ -108,13 +116,15 @@ class ProxyState:
         self.seed: Optional[int] = None
         self.rng = random.Random()
         self.fail_next: list[str] = []
+        self.hostile: Optional[str] = None
+        self.hostile_left = -1  # -1: every media read while `hostile` is set
         self.reset_stats()
 
     def reset_stats(self) -> None:
         self.stats = {"requests": 0, "forwarded": 0, "status": {}, "injected_429": 0,
                       "injected_503": 0, "injected_reset": 0, "injected_reset_after": 0,
                       "precondition_failed": 0, "unauthorized": 0, "upstream_errors": 0,
-                      "ops": {}}
+                      "ops": {}, "hostile_served": 0}
 
     def count_op(self, op: str) -> None:
         with self.cfg_lock:
@@ -138,8 +148,31 @@ class ProxyState:
                     return name
             return None
 
+    def take_hostile(self, ranged: bool) -> Optional[str]:
+        """The hostile mode for this media read, if any (range modes only for ranged reads of
+        objects of 2 bytes or more; they wait for one)."""
+        with self.cfg_lock:
+            mode = self.hostile
+            if mode is None or self.hostile_left == 0:
+                return None
+            if mode in ("ignore_range", "shift_range") and not ranged:
+                return None
+            if self.hostile_left > 0:
+                self.hostile_left -= 1
+            self.stats["hostile_served"] += 1
+            return mode
+
     def configure(self, q: dict[str, list[str]]) -> None:
         with self.cfg_lock:
+            if "hostile" in q:
+                mode = q["hostile"][0]
+                if mode not in HOSTILE_MODES + ("",):
+                    raise ValueError(f"unknown hostile mode {mode!r}; expected one of "
+                                     f"{HOSTILE_MODES} or empty (off)")
+                self.hostile = mode or None
+                self.hostile_left = -1
+            if "hostile_count" in q:
+                self.hostile_left = int(q["hostile_count"][0])
             for key in self.p:
                 if key in q:
                     v = float(q[key][0])
@@ -161,7 +194,8 @@ class ProxyState:
     def snapshot(self) -> dict:
         with self.cfg_lock:
             return {**json.loads(json.dumps(self.stats)), **self.p, "seed": self.seed,
-                    "fail_next": list(self.fail_next)}
+                    "fail_next": list(self.fail_next), "hostile": self.hostile or "",
+                    "hostile_count": self.hostile_left}
 
     def token_ok(self, header: Optional[str]) -> bool:
         if not header or not header.startswith("Bearer "):
@@ -439,19 +473,33 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def _relay(self, resp: http.client.HTTPResponse, extra_headers=(), rewrite=None) -> None:
-        """Send the upstream response on (its body buffered: the emulator is in memory)."""
+    def _relay(self, resp: http.client.HTTPResponse, extra_headers=(), rewrite=None,
+               truncate: bool = False) -> None:
+        """Send the upstream response on (its body buffered: the emulator is in memory).
+        extra_headers replace upstream headers of the same name. truncate: announce the whole
+        body, send half of it, then reset the connection."""
         body = resp.read()
         resp._ts_conn.close()
         if rewrite is not None:
             body = rewrite(body)
+        replaced = {k.lower() for k, _ in extra_headers}
         headers = []
         for k, v in resp.getheaders():
             if k.lower() in ("content-length", "transfer-encoding", "connection", "keep-alive",
-                             "server", "date"):
+                             "server", "date") or k.lower() in replaced:
                 continue
             headers.append((k, v))
         headers.extend(extra_headers)
+        if truncate:
+            self.send_response(resp.status)
+            for k, v in headers:
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[:len(body) // 2])
+            self.wfile.flush()
+            self.state.count_status(resp.status)
+            return self._reset()
         if resp.status >= 400 and not _is_gcs_error(body):
             # The emulator answers many errors with an empty or ad-hoc body; GCS's is JSON.
             msg = body.decode("utf-8", "replace").strip()[:500] or resp.reason or "error"
@@ -484,7 +532,11 @@ class Handler(BaseHTTPRequestHandler):
             return self._control(path[len(CONTROL):], q)
         with st.cfg_lock:
             st.stats["requests"] += 1
-        if self.server.require_tokens and not st.token_ok(self.headers.get("Authorization")):
+        # As on GCS, a resumable session's URL is its own credential: no token needed.
+        session_url = (path.startswith("/upload/storage/v1/b/")
+                       and _q1(q, "upload_id") in st.sessions)
+        if (self.server.require_tokens and not session_url
+                and not st.token_ok(self.headers.get("Authorization"))):
             with st.cfg_lock:
                 st.stats["unauthorized"] += 1
             return self._error(_Reply(
@@ -580,12 +632,13 @@ class Handler(BaseHTTPRequestHandler):
             return self._finish(resp, reset_after)
         handler(bucket, name, q, body, reset_after)
 
-    def _finish(self, resp, reset_after: bool, extra_headers=(), rewrite=None) -> None:
+    def _finish(self, resp, reset_after: bool, extra_headers=(), rewrite=None,
+                truncate: bool = False) -> None:
         if reset_after:
             resp.read()
             resp._ts_conn.close()
             raise _Fault()
-        self._relay(resp, extra_headers, rewrite)
+        self._relay(resp, extra_headers, rewrite, truncate)
 
     def _read(self, bucket, name, q, body, reset_after) -> None:
         pre = _pre_from_query(q)
@@ -619,6 +672,7 @@ class Handler(BaseHTTPRequestHandler):
         size = int(meta.get("size", 0))
         headers = [(k, v) for k, v in self.headers.items() if k.lower() != "authorization"]
         rng_value = self.headers.get("Range")
+        start = end = None
         if rng_value is not None:
             r = _parse_range(rng_value)
             if r is not None:
@@ -634,13 +688,34 @@ class Handler(BaseHTTPRequestHandler):
                                  f"Range {rng_value} starts at or past the size of "
                                  f"gs://{bucket}/{name} ({size} bytes)",
                                  [("Content-Range", f"bytes */{size}")])
+                headers = [(k, v) for k, v in headers if k.lower() != "range"]
                 if end is not None and end < start:
-                    headers = [(k, v) for k, v in headers if k.lower() != "range"]
+                    start = end = None  # not a valid range: GCS ignores it (200, whole)
                 else:
-                    headers = [(k, v) for k, v in headers if k.lower() != "range"]
-                    headers.append(("Range", f"bytes={start}-{'' if end is None else end}"))
+                    end = size - 1 if end is None else min(end, size - 1)
+                    headers.append(("Range", f"bytes={start}-{end}"))
+        # A hostile server, when asked (the config's `hostile`): wrong bytes, short bodies,
+        # ranges ignored or shifted. Clients must answer each with an error or a correct retry.
+        mode = self.state.take_hostile(ranged=start is not None and size > 1)
+        rewrite, truncate = None, False
+        if mode == "ignore_range":
+            headers = [(k, v) for k, v in headers if k.lower() != "range"]
+        elif mode == "shift_range":
+            shift = -1 if start > 0 else 1
+            s2, e2 = start + shift, min(end + shift, size - 1)
+            headers = [(k, v) for k, v in headers if k.lower() != "range"]
+            headers.append(("Range", f"bytes={s2}-{e2}"))
+            gen_headers.append(("Content-Range", f"bytes {start}-{start + e2 - s2}/{size}"))
+        elif mode == "flip":
+            def rewrite(b: bytes) -> bytes:
+                if not b:
+                    return b
+                i = len(b) // 2
+                return b[:i] + bytes([b[i] ^ 0x01]) + b[i + 1:]
+        elif mode == "truncate":
+            truncate = True
         resp = self._forward(headers=headers)
-        self._finish(resp, reset_after, gen_headers)
+        self._finish(resp, reset_after, gen_headers, rewrite, truncate)
 
     def _modify(self, bucket, name, q, body, reset_after) -> None:
         pre = _pre_from_query(q)

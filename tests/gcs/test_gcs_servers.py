@@ -143,7 +143,8 @@ def srv(tmp_path_factory):
 
 @pytest.fixture
 def proxy(srv):
-    srv.proxy_control("config", p_429=0, p_503=0, p_reset=0, p_reset_after=0, fail_next="")
+    srv.proxy_control("config", p_429=0, p_503=0, p_reset=0, p_reset_after=0, fail_next="",
+                      hostile="")
     return Gcs(srv.endpoint, srv.bucket)
 
 
@@ -613,6 +614,15 @@ def test_auth_listener_needs_an_issued_unexpired_token(srv, proxy):
     code, _, body = auth.media(fresh(), b"authorised", ifGenerationMatch=0)
     assert code == 200, body
     assert auth.list()[0] == 200
+    # A resumable session's URL needs no token (as on GCS); starting one does.
+    sess = fresh()
+    code, hdrs, body = auth.resumable_start(sess, ifGenerationMatch=0)
+    assert code == 200, body
+    anonymous = Gcs(srv.auth_endpoint, srv.bucket)
+    assert anonymous.resumable_start(fresh())[0] == 401
+    code, _, body = anonymous.session_put(hdrs["location"], b"abc", "bytes 0-2/3")
+    assert code == 200, body
+    assert auth.read(sess)[2] == b"abc"
     # An expired token is refused.
     with open(srv.tokens_file, "a") as f:
         f.write(f"expired-token {time.time() - 1:.3f}\n")
@@ -769,3 +779,39 @@ def test_fault_injection(srv, proxy):
     srv.proxy_control("config", p_503=0)
     assert req(srv.endpoint, "GET", "/__gcs_proxy__/config?p_503=2")[0] == 400
     assert req(srv.endpoint, "GET", "/__gcs_proxy__/config?fail_next=teapot")[0] == 400
+
+
+def test_hostile_modes(srv, proxy):
+    name = fresh()
+    assert proxy.media(name, DATA)[0] == 200
+    n = len(DATA)
+
+    srv.proxy_control("config", hostile="flip", hostile_count=1)
+    code, hdrs, body = proxy.read(name)
+    assert code == 200 and len(body) == n and body != DATA
+    assert sum(a != b for a, b in zip(body, DATA)) == 1
+    assert hdrs["x-goog-hash"] == proxy.read(name)[1]["x-goog-hash"]  # the true bytes' hash
+    assert proxy.read(name)[2] == DATA  # count 1: the next read is honest
+
+    srv.proxy_control("config", hostile="truncate", hostile_count=1)
+    with pytest.raises((ConnectionError, http.client.HTTPException)):
+        proxy.read(name, headers={"Range": "bytes=100-1099"})
+    assert proxy.read(name, headers={"Range": "bytes=100-1099"})[2] == DATA[100:1100]
+
+    srv.proxy_control("config", hostile="ignore_range")
+    for _ in range(2):
+        code, _, body = proxy.read(name, headers={"Range": "bytes=100-199"})
+        assert code == 200 and body == DATA
+    srv.proxy_control("config", hostile="")
+    assert proxy.read(name, headers={"Range": "bytes=100-199"})[2] == DATA[100:200]
+
+    srv.proxy_control("config", hostile="shift_range", hostile_count=2)
+    assert proxy.read(name)[2] == DATA  # not ranged: not shifted, and not counted
+    for rng, want in (("bytes=100-199", DATA[99:199]), ("bytes=0-9", DATA[1:11])):
+        code, hdrs, body = proxy.read(name, headers={"Range": rng})
+        assert code == 206 and body == want, rng
+        assert hdrs["content-range"] == f"bytes {rng[6:]}/{n}"
+    assert proxy.read(name, headers={"Range": "bytes=0-9"})[2] == DATA[:10]
+    st = srv.proxy_control("stats")
+    assert st["hostile_served"] >= 6 and st["hostile_count"] == 0
+    assert req(srv.endpoint, "GET", "/__gcs_proxy__/config?hostile=evil")[0] == 400
