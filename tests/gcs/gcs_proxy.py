@@ -613,6 +613,8 @@ class Handler(BaseHTTPRequestHandler):
         parts = _split_object_path(path)
         kind, bucket, name = parts if parts else ("other", "", "")
         method = self.command
+        if kind == "compose" and method != "POST":  # an object whose name ends in /compose
+            kind, name = "object", name + "/compose"
         self.state.count_op(_op_name(kind, method, q))
         handler = None
         if kind == "list" and method == "GET":

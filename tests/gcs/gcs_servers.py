@@ -236,7 +236,7 @@ def _start_proxy(srv: Servers, deadline: float, detach: bool) -> subprocess.Pope
     ready = os.path.join(srv.workdir, "proxy.ready")
     if os.path.exists(ready):
         os.unlink(ready)
-    open(srv.tokens_file, "a").close()
+    open(srv.tokens_file, "w").close()  # a fresh start: no token of an earlier run counts
     cmd = [sys.executable, PROXY_SCRIPT, "--upstream", srv.raw_endpoint,
            "--tokens", srv.tokens_file, "--ready-file", ready]
     proc = _spawn(cmd, srv.proxy_log, srv.workdir)

@@ -414,6 +414,17 @@ def test_delete_preconditions(proxy):
     assert proxy.meta(name)[0] == 404
 
 
+def test_names_that_look_like_api_paths(proxy):
+    for name in (fresh() + "/compose", fresh() + "/copyTo/b/x/o/y", fresh() + " é%/ü"):
+        code, _, body = proxy.media(name, b"odd", ifGenerationMatch=0)
+        assert code == 200, (name, body)
+        assert proxy.media(name, b"odd", ifGenerationMatch=0)[0] == 412, name
+        gen = proxy.generation(name)
+        code, hdrs, body = proxy.read(name, generation=gen)
+        assert code == 200 and body == b"odd" and hdrs["x-goog-generation"] == gen, name
+        assert proxy.read(name, generation=str(int(gen) + 1))[0] == 404, name
+
+
 def test_empty_media_upload(proxy):
     name = fresh()
     code, _, body = proxy.media(name, b"", ifGenerationMatch=0)
