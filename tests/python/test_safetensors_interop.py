@@ -214,6 +214,21 @@ def test_export_loads_with_the_library(tmp_path):
         assert open(os.path.join(dst, f), "rb").read() == open(os.path.join(cli_dst, f), "rb").read()
 
 
+def test_orbax_checkpoint_exports(tmp_path):
+    import orbax.checkpoint as ocp
+    want = {"enc": {"w": pattern((12, 8), np.float32), "b": pattern((8,), ml_dtypes.bfloat16)}}
+    src = str(tmp_path / "orbax")
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(src, want)
+    dst = str(tmp_path / "hf")
+    result = tensorstash.export_safetensors(src, dst)
+    assert result["files"] == ["model-00001-of-00001.safetensors"]
+    loaded = library_load(os.path.join(dst, result["files"][0]))
+    assert sorted(loaded) == ["enc.b", "enc.w"]
+    assert_same_array(loaded["enc.w"], want["enc"]["w"], "enc.w")
+    assert_same_array(loaded["enc.b"], want["enc"]["b"], "enc.b")
+
+
 def test_export_refuses_colliding_names_and_missing_dtypes(tmp_path):
     src = str(tmp_path / "collide")
     tensorstash.save(src, {"a": {"b": np.zeros(2, np.float32)}, "a.b": np.ones(2, np.float32)})

@@ -71,11 +71,9 @@ Result<DetectedStep> DetectStepFormat(KvStore* kv, const std::string& dir) {
   TS_RETURN_IF_ERROR(ValidateKey(dir));
   DetectedStep step{StepFormat::kNative, dir};
   if (Exists(kv, StrCat(dir, "/", kCommitFileName))) return step;
-  // A safetensors file named directly, or a Hugging Face folder of them.
-  if ((dir.size() > 12 && dir.compare(dir.size() - 12, 12, ".safetensors") == 0 &&
-       Exists(kv, dir)) ||
-      Exists(kv, StrCat(dir, "/", kSafetensorsIndexFileName)) ||
-      Exists(kv, StrCat(dir, "/", kSafetensorsSingleFileName))) {
+  // A safetensors file named directly.
+  if (dir.size() > 12 && dir.compare(dir.size() - 12, 12, ".safetensors") == 0 &&
+      Exists(kv, dir)) {
     step.format = StepFormat::kSafetensors;
     return step;
   }
@@ -92,6 +90,13 @@ Result<DetectedStep> DetectStepFormat(KvStore* kv, const std::string& dir) {
   }
   if (Exists(kv, StrCat(dir, "/.zgroup")) || Exists(kv, StrCat(dir, "/zarr.json"))) {
     step.format = StepFormat::kZarrGroup;
+    return step;
+  }
+  // A Hugging Face folder of safetensors files (looked for after the formats above, so that
+  // opening those costs no extra request on an object store).
+  if (Exists(kv, StrCat(dir, "/", kSafetensorsIndexFileName)) ||
+      Exists(kv, StrCat(dir, "/", kSafetensorsSingleFileName))) {
+    step.format = StepFormat::kSafetensors;
     return step;
   }
   // An Orbax CheckpointManager step: items in subfolders ("default", "state", ...).

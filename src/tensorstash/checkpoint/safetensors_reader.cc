@@ -143,6 +143,7 @@ Result<std::unique_ptr<SafetensorsReader>> SafetensorsReader::Open(KvStore* kv, 
                                   "' is in two files"));
     }
   }
+  for (size_t i = 0; i < r->metadata_.size(); ++i) r->by_path_.emplace(r->metadata_[i].path, i);
   r->pool_ = std::make_unique<ThreadPool>(r->options_.io_threads);
   return r;
 }
@@ -246,8 +247,7 @@ Status SafetensorsReader::ReadRegion(size_t id, const Box& region, DType dtype, 
 
 Status SafetensorsReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats,
                                    const std::function<void(uint64_t, uint64_t)>& progress) {
-  std::map<std::string_view, size_t> by_path;
-  for (size_t i = 0; i < metadata_.size(); ++i) by_path.emplace(metadata_[i].path, i);
+  const auto& by_path = by_path_;
   uint64_t total = 0;
   std::vector<size_t> ids;
   for (const ReadRequest& req : requests) {

@@ -15,6 +15,7 @@
 #ifndef TENSORSTASH_CHECKPOINT_SAFETENSORS_READER_H_
 #define TENSORSTASH_CHECKPOINT_SAFETENSORS_READER_H_
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -75,6 +76,7 @@ class SafetensorsReader final : public StepSource {
   TreeNode tree_ = TreeNode::Dict();
   std::vector<ArrayMetadata> metadata_;
   std::vector<Tensor> tensors_;
+  std::map<std::string, size_t, std::less<>> by_path_;  // array path -> id
   std::unique_ptr<ThreadPool> pool_;
 };
 
