@@ -157,7 +157,6 @@ Result<SafetensorsExportResult> ExportSafetensors(
     for (size_t i = 0; i < f.tensors.size() && status.ok(); ++i) {
       const SafetensorsTensor& t = f.tensors[i];
       const ArrayMetadata& a = arrays[f.ids[i]];
-      const size_t item = ItemSize(a.dtype);
       // Pieces are slabs of whole rows along the first dimension.
       int64_t rows = t.shape.empty() ? 1 : t.shape[0];
       uint64_t row_bytes = (t.end - t.begin);
@@ -174,10 +173,12 @@ Result<SafetensorsExportResult> ExportSafetensors(
           box.origin[0] = r0;
           box.shape[0] = n;
         }
+        // Taken in the task, not here: a task the group skips after an error must not keep
+        // bytes that the next piece would wait for.
         const uint64_t held = std::min(bytes, limiter.cap());
-        limiter.Acquire(held);
         group.Run([&, box = std::move(box), bytes, offset, held, path = a.path,
                    dtype = a.dtype]() -> Status {
+          limiter.Acquire(held);
           std::unique_ptr<char[]> buffer(new char[bytes]);
           ReadRequest req{path, box, dtype, buffer.get()};
           Status s = source->ReadMany({req}, nullptr, nullptr);
@@ -191,7 +192,6 @@ Result<SafetensorsExportResult> ExportSafetensors(
           }
           return s;
         });
-        (void)item;
       }
     }
     Status waited = group.Wait();

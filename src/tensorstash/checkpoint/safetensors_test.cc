@@ -250,6 +250,23 @@ TEST(SafetensorsExportTest, ExportsShardedWithTheIndexLast) {
             absl::StatusCode::kAlreadyExists);
 }
 
+TEST(SafetensorsExportTest, AFailedReadEndsTheExportWithoutAnIndexOrLeftovers) {
+  MemoryKvStore kv;
+  TS_ASSERT_OK(kv.Write("src/model.safetensors", SampleFile()));
+  auto source = OpenStepSource(&kv, "src");
+  TS_ASSERT_OK(source.status());
+  TS_ASSERT_OK(kv.Delete("src/model.safetensors"));  // every read of a tensor now fails
+  SafetensorsExportOptions options;
+  options.piece_bytes = 28;        // 30 pieces of "m"
+  options.max_inflight_bytes = 28;  // one at a time: a skipped piece must not keep its bytes
+  options.io_threads = 2;
+  auto result = ExportSafetensors(source->get(), &kv, "out", options);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kNotFound) << result.status();
+  auto left = kv.List("");
+  TS_ASSERT_OK(left.status());
+  EXPECT_TRUE(left->empty()) << left->size() << " keys left, e.g. " << (*left)[0];
+}
+
 TEST(SafetensorsExportTest, RefusesCollidingNamesAndMissingDtypes) {
   TreeNode root = TreeNode::Dict();
   TreeNode a = TreeNode::Dict();
