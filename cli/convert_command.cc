@@ -26,9 +26,11 @@
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/checkpoint/orbax_writer.h"
+#include "tensorstash/checkpoint/safetensors_export.h"
 #include "tensorstash/engine/step_folder.h"
 #include "tensorstash/checkpoint/open_step.h"
 #include "tensorstash/format/orbax_names.h"
+#include "tensorstash/format/safetensors/safetensors_header.h"
 #include "tensorstash/kvstore/registry.h"
 #include "tensorstash/util/str_util.h"
 
@@ -105,6 +107,7 @@ class StepConvertSource final : public ConvertSource {
   }
   const TreeNode& tree() const override { return step_->tree(); }
   const std::vector<SourceArray>& arrays() const override { return arrays_; }
+  StepFormat format() const { return step_->format(); }
   Status Read(size_t id, const Box& box, void* dest) override {
     if (g_interrupted != 0) return Interrupted();
     return step_->ReadMany({{arrays_[id].path, box, arrays_[id].dtype, dest}}, nullptr, nullptr);
@@ -230,6 +233,56 @@ Status WriteNative(ConvertSource* source, StepLocation* dst, bool overwrite,
   return writer->Commit();
 }
 
+// `--to safetensors`: a Hugging Face folder (checkpoint/safetensors_export.h). --overwrite
+// replaces only a folder that is a safetensors export (it has the index).
+int RunExportSafetensors(const std::string& src, const std::string& dst, const std::string& item,
+                         bool overwrite, uint64_t max_shard_bytes) {
+  Result<std::pair<StepLocation, Format>> opened_source = OpenSource(src, item);
+  if (!opened_source.ok()) return Fail(opened_source.status());
+  StepLocation location = std::move(opened_source->first);
+  Result<std::unique_ptr<StepSource>> step = OpenStepSource(location.kv.get(), location.key);
+  if (!step.ok()) return Fail(step.status());
+  Result<StepLocation> destination = OpenDestination(dst);
+  if (!destination.ok()) return Fail(destination.status());
+  KvStore* kv = destination->kv.get();
+  const std::string& key = destination->key;
+  Result<std::vector<std::string>> there = kv->List(StrCat(key, "/"));
+  if (there.ok() && !there->empty()) {
+    if (!overwrite) {
+      return Fail(AlreadyExistsError(StrCat("'", dst, "' exists; pass --overwrite to replace it")));
+    }
+    if (!kv->Size(StrCat(key, "/", kSafetensorsIndexFileName)).ok()) {
+      return Fail(FailedPreconditionError(
+          StrCat("'", dst, "' is not a safetensors folder (no ", kSafetensorsIndexFileName,
+                 "); it is not replaced")));
+    }
+    if (Status s = kv->DeletePrefix(StrCat(key, "/")); !s.ok()) return Fail(s);
+  }
+  SafetensorsExportOptions options;
+  if (max_shard_bytes > 0) options.max_shard_bytes = max_shard_bytes;
+  uint64_t total = 0;
+  for (const ArrayMetadata& a : (*step)->arrays()) {
+    total += static_cast<uint64_t>(Box::FromShape(a.shape()).num_elements()) * ItemSize(a.dtype);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  ProgressBar bar("export", total);
+  Result<SafetensorsExportResult> result =
+      ExportSafetensors(step->get(), kv, key, options,
+                        [&](uint64_t done, uint64_t) { bar.Update(done); });
+  if (!result.ok()) return Fail(result.status());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("exported %zu tensors (%s) from %s to safetensors at %s (%zu files) in %.2f s\n",
+              result->tensors, HumanBytes(result->total_bytes).c_str(),
+              std::string(StepFormatName((*step)->format())).c_str(), dst.c_str(),
+              result->files.size(), seconds);
+  if (!result->skipped.empty()) {
+    std::printf("not exported (not arrays; safetensors holds tensors only): %s\n",
+                StrJoin(result->skipped, ", ").c_str());
+  }
+  return 0;
+}
+
 int RunConvert(const std::string& src, const std::string& dst, const std::string& to,
                const std::string& item, bool overwrite) {
   Result<std::pair<StepLocation, Format>> opened_source = OpenSource(src, item);
@@ -243,6 +296,7 @@ int RunConvert(const std::string& src, const std::string& dst, const std::string
   Result<std::unique_ptr<StepConvertSource>> opened =
       StepConvertSource::Open(std::move(opened_source->first));
   if (!opened.ok()) return Fail(opened.status());
+  const StepFormat opened_step_format = (*opened)->format();
   std::unique_ptr<ConvertSource> source = *std::move(opened);
   Result<StepLocation> destination = OpenDestination(dst);
   if (!destination.ok()) return Fail(destination.status());
@@ -272,7 +326,7 @@ int RunConvert(const std::string& src, const std::string& dst, const std::string
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("converted %zu arrays (%s) from %s to %s at %s in %.2f s\n", source->arrays().size(),
               HumanBytes(TotalBytes(*source)).c_str(),
-              from == Format::kNative ? "tensorstash" : "Orbax",
+              std::string(StepFormatName(opened_step_format)).c_str(),
               target == Format::kNative ? "tensorstash" : "Orbax", dst.c_str(), seconds);
   return 0;
 }
@@ -282,23 +336,31 @@ int RunConvert(const std::string& src, const std::string& dst, const std::string
 void AddConvertCommand(CLI::App& app, int* exit_code) {
   auto* cmd = app.add_subcommand(
       "convert",
-      "Rewrite a checkpoint in the other format: tensorstash step <-> Orbax (OCDBT + zarr3)");
+      "Rewrite a checkpoint in another format: tensorstash step <-> Orbax (OCDBT + zarr3); "
+      "safetensors (a file or a Hugging Face folder) -> either; any -> a Hugging Face "
+      "safetensors folder (--to safetensors)");
   struct Args {
     std::string src, dst, to, item;
     bool overwrite = false;
+    uint64_t max_shard_bytes = 0;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("SRC", args->src, "A tensorstash step folder or an Orbax checkpoint folder")
       ->required();
   cmd->add_option("DST", args->dst, "The folder to create")->required();
   cmd->add_option("--to", args->to, "Target format (default: the other one)")
-      ->check(CLI::IsMember({"orbax", "native"}));
+      ->check(CLI::IsMember({"orbax", "native", "safetensors"}));
+  cmd->add_option("--max-shard-bytes", args->max_shard_bytes,
+                  "With --to safetensors: tensor bytes per file (default 5 GiB)");
   cmd->add_option("--item", args->item,
                   "Orbax CheckpointManager item: write DST as a step holding this item (e.g. "
                   "default), or read SRC's item");
   cmd->add_flag("--overwrite", args->overwrite, "Replace DST if it exists");
   cmd->callback([args, exit_code] {
-    *exit_code = RunConvert(args->src, args->dst, args->to, args->item, args->overwrite);
+    *exit_code = args->to == "safetensors"
+                     ? RunExportSafetensors(args->src, args->dst, args->item, args->overwrite,
+                                            args->max_shard_bytes)
+                     : RunConvert(args->src, args->dst, args->to, args->item, args->overwrite);
   });
 }
 

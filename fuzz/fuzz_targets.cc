@@ -1,5 +1,6 @@
 #include "fuzz/fuzz_targets.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -11,6 +12,7 @@
 #include "tensorstash/format/chunk_codec.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/format/index_format.h"
+#include "tensorstash/format/safetensors/safetensors_header.h"
 #include "tensorstash/format/tree.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/kvstore/ocdbt/ocdbt_kvstore.h"
@@ -156,6 +158,56 @@ void FuzzForeignStep(const uint8_t* data, size_t size) {
     (void)(*source)->ReadMany({{array.path, whole, array.dtype, dest.data()}}, nullptr, nullptr);
   }
   (void)(*source)->Verify(nullptr);
+}
+
+void FuzzSafetensorsHeader(const uint8_t* data, size_t size) {
+  const std::string_view file(reinterpret_cast<const char*>(data), size);
+  Result<uint64_t> n = ParseSafetensorsHeaderLength(file.substr(0, std::min<size_t>(size, 8)),
+                                                    size, "f");
+  if (!n.ok()) {
+    TS_FUZZ_CHECK(!n.status().message().empty());
+    return;
+  }
+  Result<SafetensorsHeader> header = ParseSafetensorsHeader(file.substr(8, *n), size, "f");
+  if (!header.ok()) {
+    TS_FUZZ_CHECK(!header.status().message().empty());
+    return;
+  }
+  uint64_t at = header->data_start;
+  for (const SafetensorsTensor& t : header->tensors) {
+    TS_FUZZ_CHECK(t.begin == at && t.end >= t.begin);
+    at = t.end;
+  }
+  TS_FUZZ_CHECK(at == size);
+  std::vector<SafetensorsTensor> again = header->tensors;
+  Result<std::string> encoded = EncodeSafetensorsHeader(again, header->metadata);
+  if (encoded.ok()) {
+    const std::string whole = *encoded + std::string(file.substr(header->data_start));
+    Result<SafetensorsHeader> back =
+        ParseSafetensorsHeader(std::string_view(whole).substr(8, encoded->size() - 8),
+                               whole.size(), "f");
+    TS_FUZZ_CHECK(back.ok());
+    TS_FUZZ_CHECK(back->tensors.size() == header->tensors.size());
+    for (size_t i = 0; i < back->tensors.size(); ++i) {
+      TS_FUZZ_CHECK(back->tensors[i].name == again[i].name);
+      TS_FUZZ_CHECK(back->tensors[i].dtype == again[i].dtype);
+      TS_FUZZ_CHECK(back->tensors[i].shape == again[i].shape);
+      TS_FUZZ_CHECK(back->tensors[i].end - back->tensors[i].begin ==
+                    header->tensors[i].end - header->tensors[i].begin);
+    }
+  }
+  MemoryKvStore kv;
+  TS_FUZZ_CHECK(kv.Write("step/model.safetensors", file).ok());
+  Result<std::unique_ptr<StepSource>> source = OpenStepSource(&kv, "step", FuzzReaderOptions());
+  TS_FUZZ_CHECK(source.ok());
+  for (const ArrayMetadata& array : (*source)->arrays()) {
+    const Box whole = Box::FromShape(array.shape());
+    const uint64_t bytes = static_cast<uint64_t>(whole.num_elements()) * ItemSize(array.dtype);
+    if (bytes > kMaxReadBytes) continue;
+    std::vector<char> dest(bytes);
+    TS_FUZZ_CHECK((*source)->ReadMany({{array.path, whole, array.dtype, dest.data()}}, nullptr,
+                                      nullptr).ok());
+  }
 }
 
 std::string EncodeBundle(const std::map<std::string, std::string>& files) {

@@ -35,6 +35,11 @@ void FuzzOcdbt(const uint8_t* data, size_t size);
 // metadata and codecs): the input is a bundle put under "step/"; OpenStepSource opens it, and if
 // that succeeds reads every array and verifies.
 void FuzzForeignStep(const uint8_t* data, size_t size);
+// A safetensors file: ParseSafetensorsHeaderLength and ParseSafetensorsHeader; a parsed header's
+// tensors tile the data section, and re-encode (EncodeSafetensorsHeader) to a header that parses
+// to the same tensors. Then the file as `step/model.safetensors`, opened and read through
+// OpenStepSource.
+void FuzzSafetensorsHeader(const uint8_t* data, size_t size);
 
 // The bundle format of FuzzStep: repeated [u16 key length][key][u32 value length][value],
 // little-endian. Decoding stops at the first record that does not fit.

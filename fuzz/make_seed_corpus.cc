@@ -16,6 +16,7 @@
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/checkpoint/orbax_writer.h"
 #include "tensorstash/format/chunk_codec.h"
+#include "tensorstash/format/safetensors/safetensors_header.h"
 #include "tensorstash/format/zarr/zarr_array.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/kvstore/ocdbt/ocdbt_kvstore.h"
@@ -251,5 +252,23 @@ int main(int argc, char** argv) {
   Put(out / "chunk_codec" / "seed0",
       std::string{static_cast<char>(raw.size() & 0xff), static_cast<char>(raw.size() >> 8), 0} +
           frame);
+  // safetensors files (seeds 0-2; seeds 3 and 4, a repeated name and an overlap, were written
+  // by hand and are kept).
+  const std::vector<std::vector<ts::SafetensorsTensor>> files = {
+      {{"a", ts::DType::kFloat32, {2, 3}}, {"b.bias", ts::DType::kBfloat16, {4}}},
+      {{"x", ts::DType::kUint8, {0}}, {"s", ts::DType::kInt64, {}},
+       {"f8", ts::DType::kFloat8E4m3fn, {3, 1}}},
+      {}};
+  for (size_t i = 0; i < files.size(); ++i) {
+    std::vector<ts::SafetensorsTensor> tensors = files[i];
+    ts::Result<std::string> header = ts::EncodeSafetensorsHeader(
+        tensors, i == 0 ? std::vector<std::pair<std::string, std::string>>{{"format", "pt"}}
+                        : std::vector<std::pair<std::string, std::string>>{});
+    if (!header.ok()) return 1;
+    const uint64_t data = tensors.empty() ? header->size() : tensors.back().end;
+    std::string file = *header;
+    for (uint64_t b = header->size(); b < data; ++b) file += static_cast<char>(b % 7);
+    Put(out / "safetensors_header" / ("seed" + std::to_string(i)), file);
+  }
   return 0;
 }

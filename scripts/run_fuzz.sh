@@ -30,7 +30,7 @@ if [ "${1:-}" = "--regenerate-corpus" ]; then
   exit 0
 fi
 status=0
-for target in index tree_json commit_record chunk_codec step ocdbt foreign_step; do
+for target in index tree_json commit_record chunk_codec step ocdbt foreign_step safetensors_header; do
   work="$BUILD_DIR/work/$target"      # what the fuzzer adds to the corpus (not committed)
   findings="$BUILD_DIR/findings/$target"
   mkdir -p "$work" "$findings"

@@ -19,6 +19,7 @@
 #include "tensorstash/array/dtype.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/checkpoint/safetensors_export.h"
 #include "tensorstash/coordination/collectives.h"
 #include "tensorstash/engine/host_restore.h"
 #include "tensorstash/kvstore/registry.h"
@@ -152,6 +153,40 @@ NB_MODULE(_ext, m) {
       "environment's. With `prefix` (\"s3://bucket[/path]\"), only for URLs at or under it (the "
       "longest prefix wins). ValueError for settings that do not resolve or a prefix that is "
       "not an s3:// URL.");
+  m.def(
+      "export_safetensors",
+      [](const std::string& src_root, const std::string& src_step, const std::string& dst_root,
+         const std::string& dst_step, uint64_t max_shard_bytes, uint64_t max_inflight_bytes,
+         int io_threads) {
+        tensorstash::SafetensorsExportOptions options;
+        options.max_shard_bytes = max_shard_bytes;
+        if (max_inflight_bytes > 0) options.max_inflight_bytes = max_inflight_bytes;
+        options.io_threads = io_threads;
+        tensorstash::Result<tensorstash::SafetensorsExportResult> result = [&] {
+          nb::gil_scoped_release release;
+          return [&]() -> tensorstash::Result<tensorstash::SafetensorsExportResult> {
+            TS_ASSIGN_OR_RETURN(std::unique_ptr<tensorstash::KvStore> src,
+                                tensorstash::OpenKvStore(src_root, {.create = false}));
+            TS_ASSIGN_OR_RETURN(std::unique_ptr<tensorstash::StepSource> source,
+                                tensorstash::OpenStepSource(src.get(), src_step));
+            TS_ASSIGN_OR_RETURN(std::unique_ptr<tensorstash::KvStore> dst,
+                                tensorstash::OpenKvStore(dst_root, {.create = true}));
+            return tensorstash::ExportSafetensors(source.get(), dst.get(), dst_step, options);
+          }();
+        }();
+        tensorstash::SafetensorsExportResult r = py::ValueOrThrow(std::move(result));
+        nb::dict out;
+        out["files"] = r.files;
+        out["total_bytes"] = r.total_bytes;
+        out["tensors"] = r.tensors;
+        out["skipped"] = r.skipped;
+        return out;
+      },
+      nb::arg("src_root"), nb::arg("src_step"), nb::arg("dst_root"), nb::arg("dst_step"),
+      nb::arg("max_shard_bytes"), nb::arg("max_inflight_bytes") = 0, nb::arg("io_threads") = 0,
+      "Exports the step at src_root/src_step to a Hugging Face safetensors folder "
+      "dst_root/dst_step (checkpoint/safetensors_export.h); a dict of files, total_bytes, "
+      "tensors and skipped (non-array leaf paths).");
   m.def("store_schemes", &tensorstash::RegisteredKvStoreSchemes,
         "The URL schemes stores can be opened with (plain paths are local folders).");
   py::DefineWriter(m);

@@ -19,6 +19,7 @@ TypeError (unsupported leaves), OSError (corrupt or unreadable data), MemoryErro
 The package's modules, each small and none importing another in a circle:
     _save.py      save (native and Orbax formats)
     _restore.py   restore, metadata (the engine plans and reads every box in one call)
+    _export.py    export_safetensors (any step to a Hugging Face safetensors folder)
     manager.py    CheckpointManager, SaveStats, RestoreStats
     _adapters.py  the framework adapter protocol and its registry (register_adapter, the entry
                   point group "tensorstash.adapters"); numpy.py and jax.py implement it
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 from . import _ext
 from ._adapters import register_adapter
+from ._export import export_safetensors
 from ._paths import configure_s3
 from ._restore import ArrayMetadata, metadata, restore
 from ._save import save
@@ -37,7 +39,8 @@ from .manager import CheckpointManager, RestoreStats, SaveStats
 
 __version__ = _ext.__version__
 __all__ = ["save", "restore", "metadata", "ArrayMetadata", "CheckpointManager", "SaveStats",
-           "RestoreStats", "store_schemes", "configure_s3", "register_adapter", "__version__"]
+           "RestoreStats", "store_schemes", "configure_s3", "register_adapter", "export_safetensors",
+           "__version__"]
 
 
 def store_schemes() -> list[str]:

@@ -5,6 +5,8 @@
 
 #include "tensorstash/engine/layout.h"
 #include "tensorstash/checkpoint/orbax_reader.h"
+#include "tensorstash/checkpoint/safetensors_reader.h"
+#include "tensorstash/format/safetensors/safetensors_header.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
@@ -69,6 +71,12 @@ Result<DetectedStep> DetectStepFormat(KvStore* kv, const std::string& dir) {
   TS_RETURN_IF_ERROR(ValidateKey(dir));
   DetectedStep step{StepFormat::kNative, dir};
   if (Exists(kv, StrCat(dir, "/", kCommitFileName))) return step;
+  // A safetensors file named directly.
+  if (dir.size() > 12 && dir.compare(dir.size() - 12, 12, ".safetensors") == 0 &&
+      Exists(kv, dir)) {
+    step.format = StepFormat::kSafetensors;
+    return step;
+  }
   if (dir.find(kOrbaxTmpMarker) != std::string::npos) {
     return FailedPreconditionError(
         StrCat("'", dir,
@@ -82,6 +90,13 @@ Result<DetectedStep> DetectStepFormat(KvStore* kv, const std::string& dir) {
   }
   if (Exists(kv, StrCat(dir, "/.zgroup")) || Exists(kv, StrCat(dir, "/zarr.json"))) {
     step.format = StepFormat::kZarrGroup;
+    return step;
+  }
+  // A Hugging Face folder of safetensors files (looked for after the formats above, so that
+  // opening those costs no extra request on an object store).
+  if (Exists(kv, StrCat(dir, "/", kSafetensorsIndexFileName)) ||
+      Exists(kv, StrCat(dir, "/", kSafetensorsSingleFileName))) {
+    step.format = StepFormat::kSafetensors;
     return step;
   }
   // An Orbax CheckpointManager step: items in subfolders ("default", "state", ...).
@@ -127,6 +142,11 @@ Result<std::unique_ptr<StepSource>> OpenStepSource(KvStore* kv, const std::strin
     TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
                         CheckpointReader::Open(kv, step.dir, options));
     return std::unique_ptr<StepSource>(new NativeStepSource(std::move(reader)));
+  }
+  if (step.format == StepFormat::kSafetensors) {
+    TS_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> reader,
+                        SafetensorsReader::Open(kv, step.dir, options));
+    return std::unique_ptr<StepSource>(std::move(reader));
   }
   TS_ASSIGN_OR_RETURN(std::unique_ptr<OrbaxReader> reader,
                       OrbaxReader::Open(kv, step.dir, step.format, options));

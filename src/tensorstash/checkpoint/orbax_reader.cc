@@ -239,7 +239,9 @@ Result<std::unique_ptr<OrbaxReader>> OrbaxReader::Open(KvStore* kv, std::string 
       TS_RETURN_IF_ERROR(reader->LoadZarrGroup());
       break;
     case StepFormat::kNative:
-      return InvalidArgumentError("OrbaxReader cannot open a native tensorstash step");
+    case StepFormat::kSafetensors:
+      return InvalidArgumentError(StrCat("OrbaxReader cannot open a ", StepFormatName(format),
+                                         " step"));
   }
   reader->pool_ = std::make_unique<ThreadPool>(reader->options_.io_threads);
   reader->staging_ = std::make_unique<StagingPool>(reader->options_.max_inflight_bytes);

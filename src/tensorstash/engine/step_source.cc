@@ -61,6 +61,8 @@ std::string_view StepFormatName(StepFormat format) {
       return "orbax-zarr-folders";
     case StepFormat::kZarrGroup:
       return "zarr-group";
+    case StepFormat::kSafetensors:
+      return "safetensors";
   }
   return "unknown";
 }

@@ -132,12 +132,10 @@ enum class StepFormat {
   kOrbaxOcdbt,    // Orbax PyTree item, arrays as zarr v2/v3 keys inside an OCDBT database
   kOrbaxFolders,  // Orbax PyTree item, one zarr folder per parameter (use_ocdbt=False)
   kZarrGroup,     // a zarr group of arrays named by pytree key path, `write_completed` attribute
+  kSafetensors,   // a .safetensors file, or a Hugging Face folder of them (safetensors_reader.h)
 };
 
-// "tensorstash", "orbax-ocdbt", "orbax-zarr-folders", "zarr-group".
-std::string_view StepFormatName(StepFormat format);
-
-// "tensorstash", "orbax-ocdbt", "orbax-zarr-folders", "zarr-group".
+// "tensorstash", "orbax-ocdbt", "orbax-zarr-folders", "zarr-group", "safetensors".
 std::string_view StepFormatName(StepFormat format);
 
 class StepSource {

@@ -28,7 +28,8 @@ std::vector<Target> Targets() {
           {"chunk_codec", fuzz::FuzzChunkCodec},
           {"step", fuzz::FuzzStep},
           {"ocdbt", fuzz::FuzzOcdbt},
-          {"foreign_step", fuzz::FuzzForeignStep}};
+          {"foreign_step", fuzz::FuzzForeignStep},
+          {"safetensors_header", fuzz::FuzzSafetensorsHeader}};
 }
 
 // Runs every file under `dir` (if it exists) through `target`; returns how many.

@@ -1,0 +1,234 @@
+#include "tensorstash/checkpoint/safetensors_export.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "nlohmann/json.hpp"
+#include "tensorstash/format/safetensors/safetensors_header.h"
+#include "tensorstash/util/byte_limiter.h"
+#include "tensorstash/util/random_id.h"
+#include "tensorstash/util/str_util.h"
+#include "tensorstash/util/thread_pool.h"
+
+namespace tensorstash {
+namespace {
+
+void CollectNames(const TreeNode& node, const std::string& name, const std::string& path,
+                  std::vector<std::tuple<std::string, std::string, size_t>>* out,
+                  std::vector<std::string>* skipped) {
+  auto join = [](const std::string& a, const std::string& b, char sep) {
+    return a.empty() ? b : StrCat(a, std::string(1, sep), b);
+  };
+  switch (node.kind) {
+    case TreeNode::Kind::kDict:
+      for (const auto& [key, child] : node.entries) {
+        CollectNames(child, join(name, key, '.'), join(path, EscapePathKey(key), '/'), out,
+                     skipped);
+      }
+      return;
+    case TreeNode::Kind::kList:
+    case TreeNode::Kind::kTuple:
+      for (size_t i = 0; i < node.items.size(); ++i) {
+        CollectNames(node.items[i], join(name, std::to_string(i), '.'),
+                     join(path, std::to_string(i), '/'), out, skipped);
+      }
+      return;
+    case TreeNode::Kind::kArray:
+      out->emplace_back(name, path, static_cast<size_t>(node.array_id));
+      return;
+    case TreeNode::Kind::kNone:
+      return;
+    default:
+      if (skipped != nullptr) skipped->push_back(path);
+      return;
+  }
+}
+
+struct OutFile {
+  std::string name;  // model-0000k-of-0000n.safetensors
+  std::vector<SafetensorsTensor> tensors;
+  std::vector<size_t> ids;  // array id of each tensor
+  uint64_t data_bytes = 0;
+};
+
+std::string ShardName(size_t k, size_t n) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "model-%05zu-of-%05zu.safetensors", k, n);
+  return buf;
+}
+
+}  // namespace
+
+Result<std::vector<std::pair<std::string, size_t>>> SafetensorsNames(
+    const TreeNode& tree, std::vector<std::string>* skipped) {
+  std::vector<std::tuple<std::string, std::string, size_t>> all;
+  CollectNames(tree, "", "", &all, skipped);
+  std::map<std::string_view, std::string_view> seen;  // name -> tree path
+  std::vector<std::pair<std::string, size_t>> out;
+  for (const auto& [name, path, id] : all) {
+    auto [it, added] = seen.emplace(name, path);
+    if (!added) {
+      return InvalidArgumentError(StrCat("arrays '", it->second, "' and '", path,
+                                         "' both become safetensors name '", name,
+                                         "' (tree keys joined with '.'); rename one"));
+    }
+    if (name.empty()) {
+      return InvalidArgumentError(
+          "the tree is a single array without a key; safetensors needs a name per tensor");
+    }
+    out.emplace_back(name, id);
+  }
+  return out;
+}
+
+Result<SafetensorsExportResult> ExportSafetensors(
+    StepSource* source, KvStore* kv, const std::string& dst,
+    const SafetensorsExportOptions& options,
+    const std::function<void(uint64_t, uint64_t)>& progress) {
+  TS_RETURN_IF_ERROR(ValidateKey(dst));
+  SafetensorsExportResult result;
+  TS_ASSIGN_OR_RETURN(auto names, SafetensorsNames(source->tree(), &result.skipped));
+  const std::vector<ArrayMetadata>& arrays = source->arrays();
+
+  // Plan the files (everything checked before anything is written).
+  std::vector<OutFile> files;
+  for (const auto& [name, id] : names) {
+    if (id >= arrays.size()) return InternalError(StrCat("array id ", id, " out of range"));
+    const ArrayMetadata& a = arrays[id];
+    TS_RETURN_IF_ERROR(SafetensorsDTypeName(a.dtype, StrCat("tensor '", name, "'")).status());
+    TS_ASSIGN_OR_RETURN(int64_t count, CheckedNumElements(a.shape(), name));
+    const uint64_t bytes = static_cast<uint64_t>(count) * ItemSize(a.dtype);
+    if (files.empty() ||
+        (!files.back().tensors.empty() &&
+         files.back().data_bytes + bytes > options.max_shard_bytes)) {
+      files.emplace_back();
+    }
+    SafetensorsTensor t;
+    t.name = name;
+    t.dtype = a.dtype;
+    t.shape = a.shape();
+    files.back().tensors.push_back(std::move(t));
+    files.back().ids.push_back(id);
+    files.back().data_bytes += bytes;
+    result.total_bytes += bytes;
+  }
+  if (files.empty()) files.emplace_back();  // an empty tree still makes a loadable folder
+  std::vector<std::string> headers;
+  for (size_t k = 0; k < files.size(); ++k) {
+    files[k].name = ShardName(k + 1, files.size());
+    TS_ASSIGN_OR_RETURN(std::string header,
+                        EncodeSafetensorsHeader(files[k].tensors, {{"format", "pt"}}));
+    headers.push_back(std::move(header));
+  }
+
+  // Where to write: a temporary sibling folder renamed into place, or `dst` itself.
+  TS_ASSIGN_OR_RETURN(std::vector<std::string> existing, kv->List(StrCat(dst, "/")));
+  if (!existing.empty()) {
+    return AlreadyExistsError(StrCat("export destination '", dst, "' is not empty (",
+                                     existing.size(), " files, e.g. '", existing[0], "')"));
+  }
+  const bool rename = kv->SupportsRename();
+  const std::string dir = rename ? StrCat(dst, ".tmp-export-", RandomHexId(8)) : dst;
+  auto cleanup = [&] {
+    if (rename) (void)kv->DeletePrefix(StrCat(dir, "/"));
+  };
+
+  const int threads = options.io_threads > 0 ? options.io_threads : DefaultIoThreads();
+  ThreadPool pool(threads);
+  ByteLimiter limiter(options.max_inflight_bytes);
+  std::mutex mutex;
+  uint64_t done = 0;
+  Status status;
+  for (size_t k = 0; k < files.size() && status.ok(); ++k) {
+    const OutFile& f = files[k];
+    const std::string key = StrCat(dir, "/", f.name);
+    Result<std::unique_ptr<WritableFile>> opened = kv->OpenForWrite(key);
+    if (!opened.ok()) {
+      status = opened.status();
+      break;
+    }
+    std::unique_ptr<WritableFile> file = std::move(*opened);
+    file->PreferDirectWrites();
+    status = file->WriteAt(0, headers[k].data(), headers[k].size());
+    TaskGroup group(&pool, 4 * threads);
+    for (size_t i = 0; i < f.tensors.size() && status.ok(); ++i) {
+      const SafetensorsTensor& t = f.tensors[i];
+      const ArrayMetadata& a = arrays[f.ids[i]];
+      // Pieces are slabs of whole rows along the first dimension.
+      int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+      uint64_t row_bytes = (t.end - t.begin);
+      if (!t.shape.empty()) row_bytes = rows == 0 ? 0 : row_bytes / static_cast<uint64_t>(rows);
+      if (row_bytes == 0 || rows == 0) continue;
+      const int64_t per_piece = std::max<int64_t>(
+          1, static_cast<int64_t>(std::min<uint64_t>(options.piece_bytes / row_bytes, rows)));
+      for (int64_t r0 = 0; r0 < rows; r0 += per_piece) {
+        const int64_t n = std::min(per_piece, rows - r0);
+        const uint64_t bytes = static_cast<uint64_t>(n) * row_bytes;
+        const uint64_t offset = t.begin + static_cast<uint64_t>(r0) * row_bytes;
+        Box box = Box::FromShape(t.shape);
+        if (!box.shape.empty()) {
+          box.origin[0] = r0;
+          box.shape[0] = n;
+        }
+        // Taken in the task, not here: a task the group skips after an error must not keep
+        // bytes that the next piece would wait for.
+        const uint64_t held = std::min(bytes, limiter.cap());
+        group.Run([&, box = std::move(box), bytes, offset, held, path = a.path,
+                   dtype = a.dtype]() -> Status {
+          limiter.Acquire(held);
+          std::unique_ptr<char[]> buffer(new char[bytes]);
+          ReadRequest req{path, box, dtype, buffer.get()};
+          Status s = source->ReadMany({req}, nullptr, nullptr);
+          if (s.ok()) s = file->WriteAt(offset, buffer.get(), bytes);
+          buffer.reset();
+          limiter.Release(held);
+          if (s.ok() && progress) {
+            std::lock_guard<std::mutex> lock(mutex);
+            done += bytes;
+            progress(done, result.total_bytes);
+          }
+          return s;
+        });
+      }
+    }
+    Status waited = group.Wait();
+    if (status.ok()) status = waited;
+    if (status.ok()) status = file->Sync();
+    Status closed = file->Close();
+    if (status.ok()) status = closed;
+    if (status.ok()) status = kv->Sync(key);
+    result.files.push_back(f.name);
+  }
+  if (!status.ok()) {
+    cleanup();
+    return status;
+  }
+
+  // The index, last: only a folder whose every file is complete and durable gets one.
+  nlohmann::ordered_json index;
+  index["metadata"]["total_size"] = result.total_bytes;
+  nlohmann::ordered_json& map = index["weight_map"];
+  map = nlohmann::ordered_json::object();
+  for (const OutFile& f : files) {
+    for (const SafetensorsTensor& t : f.tensors) map[t.name] = f.name;
+    result.tensors += f.tensors.size();
+  }
+  const std::string index_key = StrCat(dir, "/", kSafetensorsIndexFileName);
+  status = kv->Write(index_key, index.dump(2) + "\n");
+  if (status.ok()) status = kv->Sync(index_key);
+  if (status.ok()) status = kv->SyncDirectory(dir);
+  if (status.ok() && rename) {
+    (void)kv->DeletePrefix(StrCat(dst, "/"));  // an empty destination folder the user made
+    status = kv->RenameDirectory(dir, dst);
+  }
+  if (!status.ok()) {
+    cleanup();
+    return status;
+  }
+  return result;
+}
+
+}  // namespace tensorstash
