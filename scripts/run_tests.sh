@@ -9,7 +9,7 @@ scripts/setup.sh build || exit 1
 rm -f build/Testing/Temporary/LastTestsFailed.log
 (cd build && ctest --output-on-failure -j "$(nproc)" --timeout 600)
 ctest_status=$?
-.venv/bin/python -m pytest tests/python tests/s3 -q
+.venv/bin/python -m pytest tests/python tests/s3 tests/gcs -q
 pytest_status=$?
 # A short run of every fuzz target (clang; scripts/run_fuzz.sh), and the C++ suite under
 # ASan+UBSan and TSan in CI (CI=true) or when asked (TS_SANITIZERS=1): docs/reliability.md.

