@@ -14,7 +14,12 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tensorstash/array/box.h"
+#include "tensorstash/checkpoint/checkpoint_reader.h"
+#include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/kvstore/gcs/gcs_kvstore.h"
+#include "tensorstash/kvstore/http/http_client.h"
+#include "tensorstash/kvstore/registry.h"
 #include "tensorstash/testing/kvstore_conformance.h"
 #include "tensorstash/testing/status_test_macros.h"
 #include "tensorstash/util/random_id.h"
@@ -219,6 +224,192 @@ TEST_F(GcsStoreTest, KeysThatNeedEncodingRoundTrip) {
   std::vector<std::string> sorted = keys;
   std::sort(sorted.begin(), sorted.end());
   EXPECT_EQ(store->List("dir/").value(), sorted);
+}
+
+// Sets the proxy's faults (tests/gcs/gcs_proxy.py: /__gcs_proxy__/config?...).
+void ConfigureProxy(const std::string& query) {
+  HttpClient client;
+  HttpRequest request;
+  request.url = StrCat(ServerEnv()["TS_GCS_ENDPOINT"], "/__gcs_proxy__/config?", query);
+  Result<HttpResponse> response = client.Perform(request, "configuring the proxy");
+  ASSERT_TRUE(response.ok()) << response.status();
+  ASSERT_EQ(response->status, 200) << response->body;
+}
+
+TEST_F(GcsStoreTest, ALostAnswerToOurCreateIsOursAndAnotherWritersIsNot) {
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("warm", "probe first"));  // the probe runs before the fault is set
+  // The create goes through, its answer is cut; the retry gets 412; our nonce settles it.
+  ConfigureProxy("fail_next=reset_after");
+  TS_ASSERT_OK(store->WriteIfAbsent("COMMIT", "mine"));
+  EXPECT_EQ(store->Read("COMMIT").value(), "mine");
+  // Another writer's object is not ours, whatever happened to the answer.
+  ConfigureProxy("fail_next=reset_after");
+  Status again = store->WriteIfAbsent("COMMIT", "theirs");
+  EXPECT_TRUE(absl::IsAlreadyExists(again)) << again;
+  EXPECT_EQ(store->Read("COMMIT").value(), "mine");
+}
+
+TEST_F(GcsStoreTest, ThrottlingAndResetsAreRetried) {
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("k", "0123456789"));
+  ConfigureProxy("fail_next=429,503,reset");
+  EXPECT_EQ(store->Read("k").value(), "0123456789");
+  ConfigureProxy("fail_next=503,reset_after");
+  TS_ASSERT_OK(store->Write("k", "abc"));
+  EXPECT_EQ(store->Read("k").value(), "abc");
+}
+
+// What the store can see for itself (bytes whose Content-Range is right but which are shifted or
+// flipped are caught by the checkpoint's checksums: GcsCheckpointTest below).
+TEST_F(GcsStoreTest, HostileRangedAnswersAreErrorsNeverShortReads) {
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("k", "0123456789"));
+  char bytes[4] = {};
+  ConfigureProxy("hostile=ignore_range&hostile_count=1");
+  Status ignored = store->ReadRange("k", 2, 4, bytes);
+  EXPECT_TRUE(absl::IsUnimplemented(ignored)) << ignored;
+  ConfigureProxy("hostile=truncate&hostile_count=1");
+  // Cut short then reset: retried, and the retry gives the right bytes (or the error says so).
+  Status truncated = store->ReadRange("k", 2, 4, bytes);
+  if (truncated.ok()) {
+    EXPECT_EQ(std::string_view(bytes, 4), "2345");
+  } else {
+    EXPECT_TRUE(absl::IsDataLoss(truncated) || absl::IsUnavailable(truncated)) << truncated;
+  }
+  ConfigureProxy("hostile=");
+}
+
+TEST_F(GcsStoreTest, AnUnknownTokenIsPermissionDeniedNamingTheCredential) {
+  GcsKvStoreOptions options = TestOptions();
+  options.endpoint = ServerEnv()["TS_GCS_AUTH_ENDPOINT"];
+  options.credentials = StaticGcsToken("not-a-token", "the token of this test");
+  options.probe = false;
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  Result<std::string> read = store->Read("k");
+  EXPECT_TRUE(absl::IsPermissionDenied(read.status())) << read.status();
+  EXPECT_THAT(std::string(read.status().message()), HasSubstr("the token of this test"));
+}
+
+TEST_F(GcsStoreTest, TheRegistryOpensGsUrlsWithDriverOptions) {
+  std::map<std::string, std::string> env = ServerEnv();
+  OpenStoreOptions open;
+  open.create = true;
+  open.driver_options = {{"endpoint", env["TS_GCS_ENDPOINT"]}, {"anonymous", "true"},
+                         {"list_page_size", "2"}};
+  const std::string url = StrCat("gs://", env["TS_GCS_BUCKET"], "/r-", RandomHexId(8));
+  Result<std::unique_ptr<KvStore>> store = OpenKvStore(url, open);
+  ASSERT_TRUE(store.ok()) << store.status();
+  TS_ASSERT_OK((*store)->WriteIfAbsent("a", "1"));
+  EXPECT_EQ((*store)->Read("a").value(), "1");
+  // The raw emulator through the registry: refused too.
+  open.driver_options["endpoint"] = env["TS_GCS_RAW_ENDPOINT"];
+  Result<std::unique_ptr<KvStore>> raw = OpenKvStore(url, open);
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  Status refused = (*raw)->WriteIfAbsent("b", "2");
+  EXPECT_TRUE(absl::IsFailedPrecondition(refused)) << refused;
+}
+
+// --- Checkpoints on the store: commit without rename, reads pinned to generations. ---
+using GcsCheckpointTest = GcsServerTest;
+
+// Saves step `dir` holding one int64 array of 1000 elements, all `value`.
+Status SaveFilled(KvStore* kv, const std::string& dir, int64_t value, bool overwrite) {
+  std::vector<int64_t> data(1000, value);
+  WriterOptions options;
+  options.overwrite = overwrite;
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
+                      CheckpointWriter::Create(kv, dir, options));
+  TS_RETURN_IF_ERROR(writer->AddArray({.path = "x", .dtype = DType::kInt64, .shape = {1000}},
+                                      {{.box = Box::FromShape({1000}), .data = data.data()}}));
+  return writer->Commit();
+}
+
+// The value of every element of the step's array (-1 when they differ).
+Result<int64_t> RestoreFilled(KvStore* kv, const std::string& dir) {
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(kv, dir));
+  std::vector<int64_t> data(1000, -7);
+  TS_RETURN_IF_ERROR(reader->Read(
+      {.path = "x", .box = Box::FromShape({1000}), .dtype = DType::kInt64, .dest = data.data()}));
+  for (int64_t v : data) {
+    if (v != data[0]) return int64_t{-1};
+  }
+  return data[0];
+}
+
+TEST_F(GcsCheckpointTest, OfWritersCommittingOneStepAtOnceExactlyOneWins) {
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  constexpr int kWriters = 4;
+  std::vector<Status> results(kWriters);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kWriters; ++i) {
+    threads.emplace_back(
+        [&, i] { results[i] = SaveFilled(store.get(), "0000000001", 100 + i, false); });
+  }
+  for (std::thread& thread : threads) thread.join();
+  int winner = -1;
+  for (int i = 0; i < kWriters; ++i) {
+    if (results[i].ok()) {
+      EXPECT_EQ(winner, -1) << "two writers committed the step";
+      winner = i;
+    } else {
+      EXPECT_TRUE(absl::IsAlreadyExists(results[i])) << results[i];
+    }
+  }
+  ASSERT_NE(winner, -1) << results[0];
+  Result<int64_t> restored = RestoreFilled(store.get(), "0000000001");
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(*restored, 100 + winner);
+}
+
+TEST_F(GcsCheckpointTest, AnObjectReplacedAfterTheCommitIsNamedNeverRead) {
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(SaveFilled(store.get(), "0000000009", 5, false));
+  Result<std::vector<std::string>> keys = store->List("0000000009/");
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  std::string data_key;
+  for (const std::string& key : *keys) {
+    if (key.ends_with(".dat")) data_key = key;
+  }
+  ASSERT_FALSE(data_key.empty());
+  Result<std::string> bytes = store->Read(data_key);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  // The same bytes, written again: a new generation, so not the committed object any more.
+  TS_ASSERT_OK(store->Write(data_key, *bytes));
+  Result<int64_t> restored = RestoreFilled(store.get(), "0000000009");
+  ASSERT_FALSE(restored.ok()) << "read " << *restored;
+  EXPECT_NE(restored.status().message().find(data_key), std::string_view::npos)
+      << restored.status();
+}
+
+// A server that flips or shifts the bytes of media reads: the checkpoint's checksums catch it,
+// every time, whichever read it hits; the restore never gives wrong values.
+TEST_F(GcsCheckpointTest, HostileBytesAreErrorsNeverWrongValues) {
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(SaveFilled(store.get(), "0000000003", 42, false));
+  for (const char* mode : {"flip", "shift_range"}) {
+    for (int count = 1; count <= 4; ++count) {
+      ConfigureProxy(StrCat("hostile=", mode, "&hostile_count=", count));
+      Result<int64_t> restored = RestoreFilled(store.get(), "0000000003");
+      if (restored.ok()) {
+        EXPECT_EQ(*restored, 42) << mode << " x" << count;
+      } else {
+        EXPECT_TRUE(absl::IsDataLoss(restored.status())) << mode << " x" << count << ": "
+                                                         << restored.status();
+      }
+    }
+  }
+  ConfigureProxy("hostile=");
+  Result<int64_t> restored = RestoreFilled(store.get(), "0000000003");
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(*restored, 42);
 }
 
 }  // namespace
