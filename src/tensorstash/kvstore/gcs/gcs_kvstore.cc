@@ -212,8 +212,8 @@ struct GcsKvStore::Impl {
     if (!error.message.empty()) detail += StrCat(": ", error.message);
     switch (response.status) {
       case 404:
-        if (error.message.find("bucket") != std::string::npos ||
-            error.message.find("Bucket") != std::string::npos) {
+        // GCS: "The specified bucket does not exist." (a missing object: "No such object: ...").
+        if (error.message.find("specified bucket does not exist") != std::string::npos) {
           return NotFoundError(StrCat(what, ": ", Describe(), " answered ", detail));
         }
         return NotFoundError(StrCat(what, ": ", Where(key), " does not exist"));
