@@ -314,6 +314,22 @@ TEST_F(GcsStoreTest, TheRegistryOpensGsUrlsWithDriverOptions) {
   EXPECT_TRUE(absl::IsFailedPrecondition(refused)) << refused;
 }
 
+// As Google's clients do: STORAGE_EMULATOR_HOST gives the endpoint and anonymous access to
+// stores opened by URL without settings of their own.
+TEST_F(GcsStoreTest, StorageEmulatorHostGivesTheEndpointAndAnonymousAccess) {
+  std::map<std::string, std::string> env = ServerEnv();
+  const std::string host = env["TS_GCS_ENDPOINT"].substr(env["TS_GCS_ENDPOINT"].find("://") + 3);
+  ASSERT_EQ(setenv("STORAGE_EMULATOR_HOST", host.c_str(), 1), 0);
+  OpenStoreOptions open;
+  open.create = true;
+  Result<std::unique_ptr<KvStore>> store =
+      OpenKvStore(StrCat("gs://", env["TS_GCS_BUCKET"], "/e-", RandomHexId(8)), open);
+  unsetenv("STORAGE_EMULATOR_HOST");
+  ASSERT_TRUE(store.ok()) << store.status();
+  TS_ASSERT_OK((*store)->WriteIfAbsent("k", "v"));
+  EXPECT_EQ((*store)->Read("k").value(), "v");
+}
+
 // --- Checkpoints on the store: commit without rename, reads pinned to generations. ---
 using GcsCheckpointTest = GcsServerTest;
 
