@@ -12,16 +12,19 @@ pkg_check_modules(ZSTD REQUIRED IMPORTED_TARGET libzstd)
 pkg_check_modules(SIMDJSON REQUIRED IMPORTED_TARGET simdjson)
 # zarr codecs (src/tensorstash/format/zarr/): blosc and gzip/zlib.
 pkg_check_modules(BLOSC REQUIRED IMPORTED_TARGET blosc)
-# Only for the parts that need them (TENSORSTASH_WITH_S3, TENSORSTASH_WITH_TIERS; both default
-# to ON, and an installed package records how it was built).
+# Only for the parts that need them (TENSORSTASH_WITH_S3, TENSORSTASH_WITH_GCS,
+# TENSORSTASH_WITH_TIERS; all default to ON, and an installed package records how it was built).
 if(NOT DEFINED TENSORSTASH_WITH_S3)
   set(TENSORSTASH_WITH_S3 ON)
+endif()
+if(NOT DEFINED TENSORSTASH_WITH_GCS)
+  set(TENSORSTASH_WITH_GCS ON)
 endif()
 if(NOT DEFINED TENSORSTASH_WITH_TIERS)
   set(TENSORSTASH_WITH_TIERS ON)
 endif()
-if(TENSORSTASH_WITH_S3 OR TENSORSTASH_WITH_TIERS)
-  # The HTTP transport (src/tensorstash/kvstore/http/): libcurl is the client of S3 and of the
+if(TENSORSTASH_WITH_S3 OR TENSORSTASH_WITH_GCS OR TENSORSTASH_WITH_TIERS)
+  # The HTTP transport (src/tensorstash/kvstore/http/): libcurl is the client of S3, GCS and of the
   # peers, libmicrohttpd the server of a process's committed local steps.
   pkg_check_modules(CURL REQUIRED IMPORTED_TARGET libcurl)
   pkg_check_modules(MICROHTTPD REQUIRED IMPORTED_TARGET libmicrohttpd)

@@ -22,6 +22,7 @@
 #include "tensorstash/checkpoint/safetensors_export.h"
 #include "tensorstash/coordination/collectives.h"
 #include "tensorstash/engine/host_restore.h"
+#include "tensorstash/kvstore/gcs/gcs_kvstore.h"
 #include "tensorstash/kvstore/registry.h"
 #include "tensorstash/kvstore/s3/s3_kvstore.h"
 #include "tensorstash/util/staging_buffer.h"
@@ -187,6 +188,25 @@ NB_MODULE(_ext, m) {
       "Exports the step at src_root/src_step to a Hugging Face safetensors folder "
       "dst_root/dst_step (checkpoint/safetensors_export.h); a dict of files, total_bytes, "
       "tensors and skipped (non-array leaf paths).");
+  m.def(
+      "configure_gcs",
+      [](std::optional<std::string> endpoint, std::optional<std::string> token, bool anonymous,
+         std::optional<std::string> user_project, std::optional<std::string> prefix) {
+        tensorstash::GcsDefaults defaults;
+        defaults.url_prefix = prefix.value_or("");
+        defaults.endpoint = endpoint.value_or("");
+        defaults.credentials.anonymous = anonymous;
+        defaults.credentials.token = std::move(token);
+        defaults.user_project = user_project.value_or("");
+        py::ThrowIfError(tensorstash::SetGcsDefaults(std::move(defaults)));
+      },
+      nb::arg("endpoint") = nb::none(), nb::arg("token") = nb::none(),
+      nb::arg("anonymous") = false, nb::arg("user_project") = nb::none(),
+      nb::arg("prefix") = nb::none(),
+      "Settings for gs:// URLs (kvstore/gcs/gcs_kvstore.h, SetGcsDefaults); None keeps the "
+      "environment's. With `prefix` (\"gs://bucket[/path]\"), only for URLs at or under it (the "
+      "longest prefix wins). ValueError for both a token and anonymous, or a prefix that is "
+      "not a gs:// URL.");
   m.def("store_schemes", &tensorstash::RegisteredKvStoreSchemes,
         "The URL schemes stores can be opened with (plain paths are local folders).");
   py::DefineWriter(m);

@@ -32,14 +32,15 @@ from __future__ import annotations
 from . import _ext
 from ._adapters import register_adapter
 from ._export import export_safetensors
-from ._paths import configure_s3
+from ._paths import configure_gcs, configure_s3
 from ._restore import ArrayMetadata, metadata, restore
 from ._save import save
 from .manager import CheckpointManager, RestoreStats, SaveStats
 
 __version__ = _ext.__version__
 __all__ = ["save", "restore", "metadata", "ArrayMetadata", "CheckpointManager", "SaveStats",
-           "RestoreStats", "store_schemes", "configure_s3", "register_adapter", "export_safetensors",
+           "RestoreStats", "store_schemes", "configure_s3", "configure_gcs", "register_adapter",
+           "export_safetensors",
            "__version__"]
 
 

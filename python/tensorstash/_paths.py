@@ -53,3 +53,28 @@ def configure_s3(*, endpoint: str | None = None, region: str | None = None,
     """
     _ext.configure_s3(endpoint, region, path_style, profile, access_key_id, secret_access_key,
                       session_token, anonymous, prefix)
+
+
+def configure_gcs(*, endpoint: str | None = None, token: str | None = None,
+                  anonymous: bool = False, user_project: str | None = None,
+                  prefix: str | None = None) -> None:
+    """Explicit settings for the ``gs://`` paths opened from now on in this process.
+
+    ``endpoint`` (``"http(s)://host[:port]"``) wins over ``STORAGE_EMULATOR_HOST`` and Google's
+    ``https://storage.googleapis.com``. ``token`` is an OAuth 2 access token sent as it is
+    (never refreshed; e.g. ``gcloud auth print-access-token``); ``anonymous=True`` sends no
+    credentials (public buckets, emulators). Without either, an emulator named by
+    ``STORAGE_EMULATOR_HOST`` is used anonymously; otherwise requests fail with PermissionError
+    (Google's Application Default Credentials are not read yet). ``user_project`` bills
+    requester-pays buckets to that project.
+
+    Any endpoint but Google's is checked once per process and bucket before the first write:
+    a server that ignores ``ifGenerationMatch`` (gcp-storage-emulator) is refused writes.
+
+    ``prefix`` (``"gs://bucket"`` or ``"gs://bucket/path"``) scopes the settings to the paths at
+    or under it; a path takes the settings of the longest prefix it lies under, and those given
+    without ``prefix`` when none matches. Each call replaces the previous one for the same
+    prefix. ValueError for both ``token`` and ``anonymous``, an empty token, or a prefix that is
+    not a ``gs://`` URL.
+    """
+    _ext.configure_gcs(endpoint, token, anonymous, user_project, prefix)

@@ -479,14 +479,14 @@ def _run_cli(*args):
 
 def test_a_url_no_store_serves_is_a_value_error_and_writes_nothing(tmp_path, monkeypatch):
     """save("s3://bucket/run/1") wrote a local folder named "s3:" (before the S3 store); any
-    scheme no backend serves (gs:// here) is a ValueError naming the schemes there are."""
+    scheme no backend serves (az:// here) is a ValueError naming the schemes there are."""
     monkeypatch.chdir(tmp_path)
-    for call in (lambda: tensorstash.save("gs://bucket/run/1", {"x": np.arange(3)}),
-                 lambda: tensorstash.save("gs://bucket/run/1", {"x": np.arange(3)},
+    for call in (lambda: tensorstash.save("az://bucket/run/1", {"x": np.arange(3)}),
+                 lambda: tensorstash.save("az://bucket/run/1", {"x": np.arange(3)},
                                           format="orbax"),
-                 lambda: tensorstash.restore("gs://bucket/run/1"),
-                 lambda: tensorstash.CheckpointManager("gs://bucket/run")):
-        with pytest.raises(ValueError, match=r"no store serves .*file, memory"):
+                 lambda: tensorstash.restore("az://bucket/run/1"),
+                 lambda: tensorstash.CheckpointManager("az://bucket/run")):
+        with pytest.raises(ValueError, match=r"no store serves .*file, gs, memory"):
             call()
     assert os.listdir(tmp_path) == []
 

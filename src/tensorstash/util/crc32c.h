@@ -17,6 +17,10 @@ inline uint32_t Crc32c(std::string_view data, uint32_t crc = 0) {
   return Crc32c(data.data(), data.size(), crc);
 }
 
+// Returns the CRC-32C of A followed by B, from `crc_a` = Crc32c(A), `crc_b` = Crc32c(B) and
+// `size_b` = B's length, without the bytes (a composed object's checksum from its parts').
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t size_b);
+
 }  // namespace tensorstash
 
 #endif  // TENSORSTASH_UTIL_CRC32C_H_

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "gtest/gtest.h"
+#include "tensorstash/util/base64.h"
 #include "tensorstash/util/byte_limiter.h"
 #include "tensorstash/util/copy_bytes.h"
 #include "tensorstash/util/crc32c.h"
@@ -21,6 +22,41 @@ TEST(Crc32cTest, StandardCheckValueAndChaining) {
   EXPECT_EQ(Crc32c(std::string_view("56789"), Crc32c("1234")), 0xE3069283u);
   std::string zeros(32, '\0');
   EXPECT_EQ(Crc32c(zeros), 0x8A9136AAu);  // RFC 3720 test vector
+}
+
+// The CRC of A+B from the CRCs of A and B, at every split of a message and for long B.
+TEST(Crc32cTest, CombineEqualsTheCrcOfTheConcatenation) {
+  std::string text;
+  for (int i = 0; i < 300; ++i) text += static_cast<char>(i * 37 + 11);
+  for (size_t split = 0; split <= text.size(); split += 7) {
+    const std::string_view a = std::string_view(text).substr(0, split);
+    const std::string_view b = std::string_view(text).substr(split);
+    EXPECT_EQ(Crc32cCombine(Crc32c(a), Crc32c(b), b.size()), Crc32c(text)) << split;
+  }
+  const std::string big(size_t{3} << 20, 'x');
+  EXPECT_EQ(Crc32cCombine(Crc32c("head"), Crc32c(big), big.size()), Crc32c("head" + big));
+  EXPECT_EQ(Crc32cCombine(0x12345678u, Crc32c(""), 0), 0x12345678u);
+}
+
+TEST(Base64Test, EncodesAndDecodesRfc4648Vectors) {
+  const std::pair<std::string_view, std::string_view> vectors[] = {
+      {"", ""},         {"f", "Zg=="},         {"fo", "Zm8="},        {"foo", "Zm9v"},
+      {"foob", "Zm9vYg=="}, {"fooba", "Zm9vYmE="}, {"foobar", "Zm9vYmFy"}};
+  for (const auto& [plain, encoded] : vectors) {
+    EXPECT_EQ(Base64Encode(plain), encoded);
+    Result<std::string> decoded = Base64Decode(encoded);
+    ASSERT_TRUE(decoded.ok()) << decoded.status();
+    EXPECT_EQ(*decoded, plain);
+  }
+  EXPECT_EQ(Base64UrlEncode("foob"), "Zm9vYg");
+  EXPECT_EQ(Base64UrlEncode("\xfb\xff"), "-_8");
+  EXPECT_EQ(Base64Encode("\xfb\xff"), "+/8=");
+  for (std::string_view bad : {"Zm9", "Zm9v!A==", "Z===", "Zg=a", "=Zg="}) {
+    EXPECT_FALSE(Base64Decode(bad).ok()) << bad;
+  }
+  // S3's x-amz-checksum-crc32c and GCS's crc32c of "123456789" (0xE3069283).
+  EXPECT_EQ(Crc32cBase64(Crc32c("123456789")), "4waSgw==");
+  EXPECT_EQ(Crc32cBase64(0), "AAAAAA==");
 }
 
 // Every size around the streaming threshold and the 16 KiB groups, at every alignment of source

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
@@ -18,11 +19,17 @@
 #include "gtest/gtest.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/kvstore/object_store/credentials.h"
+#include "tensorstash/kvstore/object_store/driver_options.h"
 #include "tensorstash/kvstore/object_store/lease.h"
 #include "tensorstash/kvstore/object_store/part_uploader.h"
+#include "tensorstash/kvstore/object_store/pinned_file.h"
+#include "tensorstash/kvstore/object_store/probe.h"
+#include "tensorstash/kvstore/object_store/ranged_read.h"
 #include "tensorstash/kvstore/object_store/request_slots.h"
 #include "tensorstash/kvstore/object_store/retry.h"
+#include "tensorstash/kvstore/object_store/scoped_defaults.h"
 #include "tensorstash/testing/status_test_macros.h"
+#include "tensorstash/util/random_id.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
@@ -486,6 +493,100 @@ TEST_F(CredentialCacheTest, ThreadsAskingAtOnceShareOneFetch) {
   for (std::thread& thread : threads) thread.join();
   EXPECT_EQ(wrong.load(), 0);
   EXPECT_EQ(fetches_.load(), 1);
+}
+
+// A ranged answer is accepted only with exactly the bytes asked for.
+TEST(RangedReadTest, AcceptsExactlyTheRangeAskedFor) {
+  const auto check = [](RangedAnswer answer, uint64_t offset, size_t size) {
+    return CheckRangedAnswer(answer, offset, size, "reading 'k' in gs://b", "gs://b");
+  };
+  EXPECT_TRUE(check({.status = 206, .content_range = "bytes 1-3/5", .received = 3}, 1, 3).ok());
+  EXPECT_TRUE(check({.status = 206, .received = 3}, 1, 3).ok());      // no Content-Range
+  EXPECT_TRUE(check({.status = 200, .received = 3}, 0, 3).ok());      // the whole object
+  EXPECT_TRUE(check({.status = 200, .received = 7}, 0, 0).ok());      // no range asked
+  // gcp-storage-emulator's answer to a start past the end: 206, "bytes 10-4/5", no bytes.
+  Status past = check({.status = 206, .content_range = "bytes 10-4/5", .received = 0}, 10, 4);
+  EXPECT_TRUE(absl::IsDataLoss(past)) << past;
+  EXPECT_NE(past.message().find("bytes 10-4/5"), std::string_view::npos) << past;
+  EXPECT_TRUE(absl::IsDataLoss(
+      check({.status = 206, .content_range = "bytes 2-4/9", .received = 3}, 1, 3)));  // shifted
+  EXPECT_TRUE(absl::IsDataLoss(
+      check({.status = 206, .content_range = "bytes x-4/9", .received = 3}, 1, 3)));
+  EXPECT_TRUE(absl::IsDataLoss(
+      check({.status = 206, .content_range = "bytes 1-3/3", .received = 2}, 1, 3)));  // short
+  EXPECT_TRUE(absl::IsDataLoss(check({.status = 206, .received = 2}, 1, 3)));  // truncated
+  EXPECT_TRUE(absl::IsDataLoss(check({.status = 206, .received = 3, .overflow = true}, 0, 3)));
+  EXPECT_TRUE(absl::IsUnimplemented(check({.status = 200, .received = 3}, 1, 3)));
+  EXPECT_TRUE(absl::IsUnimplemented(check({.status = 200, .received = 3, .overflow = true}, 0, 3)));
+}
+
+TEST(PinnedFileTest, ReadsAtTheGenerationOfOpenAndRefusesPastTheEnd) {
+  std::vector<std::string> generations;
+  std::unique_ptr<ReadableFile> file = NewPinnedFile(
+      {.size = 10, .generation = "g7", .modified = {}}, "'k' in gs://b",
+      [&](uint64_t offset, size_t size, void* dest, const std::string& generation) {
+        generations.push_back(generation);
+        std::memset(dest, static_cast<int>('a' + offset), size);
+        return OkStatus();
+      });
+  EXPECT_EQ(file->size(), 10u);
+  char bytes[4] = {};
+  EXPECT_TRUE(file->ReadAt(2, 4, bytes).ok());
+  EXPECT_EQ(std::string_view(bytes, 4), "cccc");
+  EXPECT_TRUE(file->ReadAt(10, 0, bytes).ok());
+  Status past = file->ReadAt(8, 4, bytes);
+  EXPECT_TRUE(absl::IsDataLoss(past)) << past;
+  EXPECT_NE(past.message().find("'k' in gs://b"), std::string_view::npos) << past;
+  EXPECT_EQ(generations, std::vector<std::string>({"g7"}));
+}
+
+TEST(ProbeOnceTest, ProbesOncePerKeyAndForgetsFailures) {
+  int probes = 0;
+  const std::string key = StrCat("http://probe-test ", RandomHexId());
+  Result<ProbeFindings> failed = ProbeOnce(key, [&]() -> Result<ProbeFindings> {
+    ++probes;
+    return UnavailableError("down");
+  });
+  EXPECT_TRUE(absl::IsUnavailable(failed.status()));
+  for (int i = 0; i < 3; ++i) {
+    Result<ProbeFindings> found = ProbeOnce(key, [&]() -> Result<ProbeFindings> {
+      ++probes;
+      return ProbeFindings{.conditional_write = false, .generations = true, .finding = "ignored"};
+    });
+    ASSERT_TRUE(found.ok()) << found.status();
+    EXPECT_FALSE(found->conditional_write);
+    EXPECT_EQ(found->finding, "ignored");
+  }
+  EXPECT_EQ(probes, 2);
+}
+
+TEST(ScopedDefaultsTest, TheLongestPrefixWins) {
+  ScopedDefaults<std::string> defaults;
+  EXPECT_EQ(defaults.For("gs://b/run"), "");
+  defaults.Set("", "all");
+  defaults.Set("gs://b/", "bucket");
+  defaults.Set("gs://b/run", "run");
+  EXPECT_EQ(defaults.For("gs://b/run/7"), "run");
+  EXPECT_EQ(defaults.For("gs://b/run"), "run");
+  EXPECT_EQ(defaults.For("gs://b/runner"), "bucket");
+  EXPECT_EQ(defaults.For("gs://b"), "bucket");
+  EXPECT_EQ(defaults.For("gs://bb"), "all");
+  defaults.Set("gs://b", "replaced");
+  EXPECT_EQ(defaults.For("gs://b/x"), "replaced");
+}
+
+TEST(DriverOptionsTest, ParsesBoolsAndCountsAndNamesTheBadOne) {
+  EXPECT_EQ(ParseBoolOption("anonymous", "true", "gs://b").value(), true);
+  EXPECT_EQ(ParseBoolOption("anonymous", "0", "gs://b").value(), false);
+  Result<bool> bad = ParseBoolOption("anonymous", "yes", "gs://b");
+  EXPECT_TRUE(absl::IsInvalidArgument(bad.status()));
+  EXPECT_NE(bad.status().message().find("'anonymous' is 'yes'"), std::string_view::npos);
+  EXPECT_EQ(ParseCountOption("part_size", "1048576", 1, 1u << 30, "gs://b").value(), 1048576u);
+  for (std::string_view value : {"0", "-1", "", "12x", "2000000000"}) {
+    EXPECT_TRUE(absl::IsInvalidArgument(
+        ParseCountOption("part_size", value, 1, 1u << 30, "gs://b").status()))
+        << value;
+  }
 }
 
 }  // namespace

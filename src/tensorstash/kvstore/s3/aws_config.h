@@ -26,19 +26,13 @@
 #include <string>
 #include <string_view>
 
+#include "tensorstash/kvstore/object_store/env_lookup.h"
 #include "tensorstash/kvstore/s3/sigv4.h"
 #include "tensorstash/util/status.h"
 
 namespace tensorstash {
 
-// Reads a variable of the environment; injectable so that tests do not touch the real one.
-using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
-
-// The process environment (getenv).
-EnvLookup ProcessEnv();
-
-// A fixed environment holding exactly `variables` (tests; explicit configurations).
-EnvLookup FixedEnv(std::map<std::string, std::string> variables);
+// EnvLookup, ProcessEnv and FixedEnv are the kit's (object_store/env_lookup.h).
 
 // ---------------------------------------------------------------------------------------------
 // The AWS config and credentials files: INI as the AWS tools read it.

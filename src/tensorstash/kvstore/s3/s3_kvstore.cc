@@ -10,14 +10,20 @@
 #include <optional>
 #include <utility>
 
+#include "tensorstash/kvstore/object_store/driver_options.h"
 #include "tensorstash/kvstore/object_store/lease.h"
 #include "tensorstash/kvstore/object_store/part_uploader.h"
+#include "tensorstash/kvstore/object_store/pinned_file.h"
+#include "tensorstash/kvstore/object_store/probe.h"
+#include "tensorstash/kvstore/object_store/ranged_read.h"
 #include "tensorstash/kvstore/object_store/request_slots.h"
 #include "tensorstash/kvstore/object_store/retry.h"
+#include "tensorstash/kvstore/object_store/scoped_defaults.h"
 #include "tensorstash/kvstore/registry.h"
 #include "tensorstash/kvstore/s3/aws_config.h"
 #include "tensorstash/kvstore/s3/s3_xml.h"
 #include "tensorstash/kvstore/s3/sigv4.h"
+#include "tensorstash/util/base64.h"
 #include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/random_id.h"
 #include "tensorstash/util/str_util.h"
@@ -28,21 +34,8 @@ namespace {
 constexpr size_t kMinPartSize = size_t{5} << 20;
 constexpr int kMaxParts = 10000;
 
-std::string Base64(const unsigned char* data, size_t size) {
-  std::string out(4 * ((size + 2) / 3), '\0');
-  const int n = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()), data, size);
-  out.resize(n < 0 ? 0 : static_cast<size_t>(n));
-  return out;
-}
-
 // x-amz-checksum-crc32c: the big-endian CRC-32C of the body, in base64.
-std::string Crc32cHeaderValue(std::string_view body) {
-  const uint32_t crc = Crc32c(body);
-  const unsigned char bytes[4] = {
-      static_cast<unsigned char>(crc >> 24), static_cast<unsigned char>(crc >> 16),
-      static_cast<unsigned char>(crc >> 8), static_cast<unsigned char>(crc)};
-  return Base64(bytes, 4);
-}
+std::string Crc32cHeaderValue(std::string_view body) { return Crc32cBase64(Crc32c(body)); }
 
 std::string Md5Hex(std::string_view data) {
   unsigned char digest[EVP_MAX_MD_SIZE];
@@ -258,44 +251,18 @@ struct S3KvStore::Impl {
     }
     if (!etag.empty()) call.headers.emplace_back("if-match", std::string(etag));
     TS_ASSIGN_OR_RETURN(HttpResponse response, Send(call, what));
-    // A ranged GET answered 200 that is not the whole object asked for (more bytes than asked,
-    // or any part but the start): the server ignored the Range header, or (rclone's "serve s3")
-    // sent a part with 200 and a Content-Range, which HTTP gives no meaning to in a 200. Said as
-    // what it is, and never FailedPrecondition or NotFound: a committed step's reader takes those
-    // for an object replaced or removed after the commit.
-    if (size > 0 && response.status == 200 && (response.overflow || offset > 0)) {
-      const std::string asked = StrCat("bytes ", offset, "-", offset + size - 1);
-      const std::string content_range = response.Header("content-range");
-      if (!response.overflow && !content_range.empty()) {
-        return UnimplementedError(StrCat(
-            what, ": the server answered a request for ", asked, " with 200 and Content-Range '",
-            content_range, "' instead of 206 (Partial Content); ", Describe(),
-            " does not implement range requests as HTTP specifies them, which reading a "
-            "checkpoint needs"));
-      }
-      const std::string length = response.Header("content-length");
-      return UnimplementedError(StrCat(
-          what, ": the server ignored the Range header and answered 200 with the whole object",
-          length.empty() ? "" : StrCat(" (", length, " bytes)"), " to a request for ", asked, "; ",
-          Describe(), " does not support range requests, which reading a checkpoint needs"));
-    }
-    if (response.overflow) {
-      return DataLossError(StrCat(what, ": the server answered HTTP ", response.status,
-                                  " with more than the ", size, " bytes asked for (bytes ",
-                                  offset, "-", offset + size - 1, ")"));
-    }
-    if (response.status == 412 && !etag.empty()) {
+    if (response.status == 200 || response.status == 206) {
+      TS_RETURN_IF_ERROR(CheckRangedAnswer({.status = response.status,
+                                            .content_range = response.Header("content-range"),
+                                            .content_length = response.Header("content-length"),
+                                            .received = response.received,
+                                            .overflow = response.overflow},
+                                           offset, size, what, Describe()));
+    } else if (response.status == 412 && !etag.empty()) {
       return FailedPreconditionError(StrCat(what, ": the object was replaced after it was ",
                                             "committed (its ETag is no longer ", etag, ")"));
-    }
-    if (response.status != 200 && response.status != 206) {
+    } else {
       return ErrorFor(response, what, key);
-    }
-    if (size > 0) {
-      if (response.received != size) {
-        return DataLossError(StrCat(what, " is truncated: ", response.received, " of the ", size,
-                                    " bytes at offset ", offset, " exist"));
-      }
     }
     if (text != nullptr) *text = std::move(response.body);
     return OkStatus();
@@ -389,7 +356,8 @@ struct S3KvStore::Impl {
   }
 
   // Checks what the server honours, with one small object of its own (deleted after).
-  Status Probe() {
+  Result<ProbeFindings> Probe() {
+    ProbeFindings found;
     // Some servers create a missing bucket on the first PUT: ask first.
     const std::string what = StrCat("opening ", Describe());
     TS_ASSIGN_OR_RETURN(HttpResponse bucket, Send(S3Call("HEAD", ""), what));
@@ -403,12 +371,12 @@ struct S3KvStore::Impl {
     char range[3] = {};
     Status ranged = Get(key, 2, 3, range, nullptr, "");
     if (!ranged.ok() || std::string_view(range, 3) != "234") {
-      generations = false;
+      found.generations = false;
       missing.push_back("Range (partial reads)");
     }
     Status again = Put(key, "again", /*if_absent=*/true);
     if (again.ok()) {
-      conditional_write = false;
+      found.conditional_write = false;
       missing.push_back("If-None-Match (create-only writes)");
     } else if (!absl::IsAlreadyExists(again)) {
       (void)DeleteObject(key);
@@ -416,55 +384,32 @@ struct S3KvStore::Impl {
     }
     Status pinned = Get(key, 0, 0, nullptr, nullptr, "\"00000000000000000000000000000000\"");
     if (pinned.ok()) {
-      generations = false;
+      found.generations = false;
       missing.push_back("If-Match (reads of one version)");
     }
     TS_RETURN_IF_ERROR(DeleteObject(key));
     if (!missing.empty()) {
-      probe_finding = StrCat("the server at ", options.settings.endpoint, " (bucket '",
+      found.finding = StrCat("the server at ", options.settings.endpoint, " (bucket '",
                              options.bucket, "') does not honour ", StrJoin(missing, ", "),
                              " (probed once per process)");
     }
-    return OkStatus();
-  }
-
-  // What a probe found, kept for the process per "endpoint bucket": the probe writes and
-  // deletes an object, so it runs once per server and bucket, not at every open.
-  struct ProbeFindings {
-    bool conditional_write = true;
-    bool generations = true;
-    std::string finding;
-  };
-  static std::mutex& ProbeCacheMutex() {
-    static std::mutex mu;
-    return mu;
-  }
-  static std::map<std::string, ProbeFindings>& ProbeCache() {  // guarded by ProbeCacheMutex()
-    static auto* cache = new std::map<std::string, ProbeFindings>();
-    return *cache;
+    return found;
   }
 
   // Runs the probe when the store was opened with `probe` and this process has not probed its
-  // endpoint and bucket yet; else uses what the earlier probe found. A failed probe is not kept
-  // (the next call probes again) and is returned.
+  // endpoint and bucket yet (the kit's ProbeOnce); else uses what the earlier probe found. A
+  // failed probe is not kept (the next call probes again) and is returned.
   Status EnsureProbed() {
     if (!options.probe) return OkStatus();
     std::lock_guard<std::mutex> lock(probe_mu);
     if (probed) return OkStatus();
     probe_tried = true;
-    const std::string cache_key = StrCat(options.settings.endpoint, " ", options.bucket);
-    // Held through the probe, so that stores opened at once on one bucket probe it once.
-    std::lock_guard<std::mutex> cache_lock(ProbeCacheMutex());
-    auto it = ProbeCache().find(cache_key);
-    if (it == ProbeCache().end()) {
-      TS_RETURN_IF_ERROR(Probe());
-      it = ProbeCache()
-               .emplace(cache_key, ProbeFindings{conditional_write, generations, probe_finding})
-               .first;
-    }
-    conditional_write = it->second.conditional_write;
-    generations = it->second.generations;
-    probe_finding = it->second.finding;
+    TS_ASSIGN_OR_RETURN(ProbeFindings found,
+                        ProbeOnce(StrCat(options.settings.endpoint, " ", options.bucket),
+                                  [this] { return Probe(); }));
+    conditional_write = found.conditional_write;
+    generations = found.generations;
+    probe_finding = found.finding;
     probed = true;
     return OkStatus();
   }
@@ -496,27 +441,6 @@ struct S3KvStore::Impl {
 };
 
 namespace {
-
-// A file whose reads all come from the version of the object seen at open (If-Match).
-class S3ReadableFile final : public ReadableFile {
- public:
-  S3ReadableFile(std::shared_ptr<S3KvStore::Impl> impl, std::string key, ObjectInfo info)
-      : impl_(std::move(impl)), key_(std::move(key)), info_(std::move(info)) {}
-  uint64_t size() const override { return info_.size; }
-  Status ReadAt(uint64_t offset, size_t size, void* dest) const override {
-    if (offset > info_.size || size > info_.size - offset) {
-      return DataLossError(StrCat(impl_->Where(key_), " is truncated: it ends at ", info_.size,
-                                  ", before ", offset + size));
-    }
-    if (size == 0) return OkStatus();
-    return impl_->Get(key_, offset, size, dest, nullptr, info_.generation);
-  }
-
- private:
-  std::shared_ptr<S3KvStore::Impl> impl_;
-  std::string key_;
-  ObjectInfo info_;
-};
 
 // How one object goes up in parts (the kit's part uploader cuts and schedules them): S3's
 // multipart upload, or one PUT for an object no larger than a part.
@@ -726,8 +650,13 @@ Status S3KvStore::ReadRangeAtGeneration(std::string_view key, std::string_view g
 
 Result<std::unique_ptr<ReadableFile>> S3KvStore::OpenForRead(std::string_view key) {
   TS_ASSIGN_OR_RETURN(ObjectInfo info, Stat(key));
-  return std::unique_ptr<ReadableFile>(
-      new S3ReadableFile(impl_, std::string(key), std::move(info)));
+  // Every read comes from the version seen here (If-Match its ETag).
+  return NewPinnedFile(std::move(info), impl_->Where(key),
+                       [impl = impl_, key = std::string(key)](uint64_t offset, size_t size,
+                                                              void* dest,
+                                                              const std::string& etag) {
+                         return impl->Get(key, offset, size, dest, nullptr, etag);
+                       });
 }
 
 Status S3KvStore::Write(std::string_view key, std::string_view value) {
@@ -858,40 +787,10 @@ Status S3KvStore::AbortPendingWrite(const PendingWrite& upload) {
 
 namespace {
 
-std::mutex& DefaultsMutex() {
-  static std::mutex mu;
-  return mu;
-}
-// By URL prefix ("" for every URL); guarded by DefaultsMutex().
-std::map<std::string, S3Defaults>& Defaults() {
-  static auto* defaults = new std::map<std::string, S3Defaults>();
+// By URL prefix ("" for every URL).
+ScopedDefaults<S3Defaults>& Defaults() {
+  static auto* defaults = new ScopedDefaults<S3Defaults>();
   return *defaults;
-}
-
-// Whether `url` is `prefix` or lies under it ("s3://b" covers "s3://b/run", not "s3://bb").
-bool UnderPrefix(std::string_view url, std::string_view prefix) {
-  if (prefix.empty()) return true;
-  if (!url.starts_with(prefix)) return false;
-  return url.size() == prefix.size() || prefix.ends_with('/') || url[prefix.size()] == '/';
-}
-
-// The defaults of the longest prefix `url` lies under (none set: empty defaults).
-S3Defaults DefaultsFor(std::string_view url) {
-  std::lock_guard<std::mutex> lock(DefaultsMutex());
-  const S3Defaults* best = nullptr;
-  for (const auto& [prefix, defaults] : Defaults()) {
-    if (!UnderPrefix(url, prefix)) continue;
-    if (best == nullptr || prefix.size() > best->url_prefix.size()) best = &defaults;
-  }
-  return best == nullptr ? S3Defaults() : *best;
-}
-
-Result<bool> ParseBoolOption(std::string_view name, const std::string& value,
-                             std::string_view where) {
-  if (value == "true" || value == "1") return true;
-  if (value == "false" || value == "0") return false;
-  return InvalidArgumentError(StrCat("opening ", where, ": the store option '", name, "' is '",
-                                     value, "', not true or false"));
 }
 
 // OpenStoreOptions::driver_options over `defaults` (each given option wins).
@@ -942,9 +841,8 @@ Status SetS3Defaults(S3Defaults defaults) {
   }
   TS_RETURN_IF_ERROR(ResolveS3Settings(defaults.settings, ProcessEnv()).status());
   while (defaults.url_prefix.ends_with('/')) defaults.url_prefix.pop_back();
-  std::lock_guard<std::mutex> lock(DefaultsMutex());
   std::string prefix = defaults.url_prefix;
-  Defaults()[prefix] = std::move(defaults);
+  Defaults().Set(std::move(prefix), std::move(defaults));
   return OkStatus();
 }
 
@@ -961,7 +859,7 @@ Status RegisterS3KvStore() {
         S3KvStoreOptions options;
         options.bucket = std::string(rest.substr(0, slash));
         options.prefix = slash == std::string_view::npos ? "" : std::string(rest.substr(slash + 1));
-        S3Defaults defaults = DefaultsFor(url);
+        S3Defaults defaults = Defaults().For(url);
         TS_RETURN_IF_ERROR(ApplyDriverOptions(open.driver_options, url, &defaults));
         options.credentials = defaults.credentials;
         TS_ASSIGN_OR_RETURN(options.settings, ResolveS3Settings(defaults.settings, ProcessEnv()));

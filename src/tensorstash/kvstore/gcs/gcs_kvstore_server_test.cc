@@ -1,0 +1,432 @@
+// The gs:// store against gcp-storage-emulator behind the enforcing proxy (tests/gcs/): the
+// proxy (TS_GCS_ENDPOINT) enforces preconditions, generations, paging and 416, which the raw
+// emulator (TS_GCS_RAW_ENDPOINT) ignores; the raw emulator is used only to check that writes to
+// it are refused. ctest starts the servers (fixtures in CMakeLists.txt) and names their
+// server.env in TS_GCS_ENV_FILE; without it every test here fails (a missing server is an
+// error, never a pass).
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tensorstash/array/box.h"
+#include "tensorstash/checkpoint/checkpoint_reader.h"
+#include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/kvstore/gcs/gcs_kvstore.h"
+#include "tensorstash/kvstore/http/http_client.h"
+#include "tensorstash/kvstore/registry.h"
+#include "tensorstash/testing/kvstore_conformance.h"
+#include "tensorstash/testing/status_test_macros.h"
+#include "tensorstash/util/random_id.h"
+#include "tensorstash/util/str_util.h"
+
+namespace tensorstash {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::map<std::string, std::string> ServerEnv() {
+  std::map<std::string, std::string> env;
+  const char* path = std::getenv("TS_GCS_ENV_FILE");
+  if (path == nullptr) return env;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t eq = line.find('=');
+    if (eq != std::string::npos) env[line.substr(0, eq)] = line.substr(eq + 1);
+  }
+  return env;
+}
+
+// A store on the enforcing proxy (or, with `raw`, the bare emulator) under a fresh prefix.
+GcsKvStoreOptions TestOptions(bool raw = false) {
+  std::map<std::string, std::string> env = ServerEnv();
+  GcsKvStoreOptions options;
+  options.bucket = env["TS_GCS_BUCKET"];
+  options.prefix = StrCat("t-", RandomHexId(12));
+  options.endpoint = raw ? env["TS_GCS_RAW_ENDPOINT"] : env["TS_GCS_ENDPOINT"];
+  options.credentials = AnonymousGcsCredentials();
+  options.part_size = size_t{1} << 20;
+  options.list_page_size = 2;  // every listing pages
+  options.initial_backoff = std::chrono::milliseconds(5);
+  options.probe = true;
+  return options;
+}
+
+std::unique_ptr<GcsKvStore> OpenOrNull(GcsKvStoreOptions options) {
+  Result<std::unique_ptr<GcsKvStore>> store = GcsKvStore::Open(std::move(options));
+  if (!store.ok()) {
+    ADD_FAILURE() << store.status();
+    return nullptr;
+  }
+  return std::move(*store);
+}
+
+class GcsServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_FALSE(ServerEnv().empty()) << "TS_GCS_ENV_FILE does not name a server.env (run "
+                                         "through ctest, which starts the servers)";
+  }
+};
+
+TS_INSTANTIATE_KVSTORE_CONFORMANCE(
+    GCS, std::vector<KvStoreBackend>({{"Proxy", [](const std::string&) -> std::unique_ptr<KvStore> {
+                                         return OpenOrNull(TestOptions());
+                                       }}}));
+
+TS_INSTANTIATE_KVSTORE_READ_CONFORMANCE(
+    GCS, std::vector<ReadableKvStoreBackend>(
+             {{"Proxy",
+               [](const std::string&,
+                  const std::map<std::string, std::string>& contents) -> std::unique_ptr<KvStore> {
+                 std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+                 if (store == nullptr) return nullptr;
+                 for (const auto& [key, value] : contents) {
+                   if (Status written = store->Write(key, value); !written.ok()) {
+                     ADD_FAILURE() << written;
+                     return nullptr;
+                   }
+                 }
+                 return store;
+               }}}));
+
+using GcsStoreTest = GcsServerTest;
+
+TEST_F(GcsStoreTest, TheRawEmulatorIsRefusedWritesButServesReads) {
+  std::unique_ptr<GcsKvStore> proxied = OpenOrNull(TestOptions());
+  ASSERT_NE(proxied, nullptr);
+  GcsKvStoreOptions raw_options = TestOptions(/*raw=*/true);
+  // The same prefix, so that the raw store reads what the proxied one wrote.
+  raw_options.prefix = proxied->Describe().substr(proxied->Describe().rfind('/') + 1);
+  std::unique_ptr<GcsKvStore> raw = OpenOrNull(raw_options);
+  ASSERT_NE(raw, nullptr);
+  TS_ASSERT_OK(proxied->Write("k", "value"));
+  for (const Status& refused :
+       {raw->Write("a", "1"), raw->WriteIfAbsent("b", "2"), raw->OpenForWrite("c").status(),
+        raw->TryLock("lock").status()}) {
+    EXPECT_TRUE(absl::IsFailedPrecondition(refused)) << refused;
+    EXPECT_THAT(std::string(refused.message()), HasSubstr("ignores ifGenerationMatch"));
+    EXPECT_THAT(std::string(refused.message()), HasSubstr("enforcing proxy"));
+  }
+  Result<std::string> read = raw->Read("k");
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, "value");
+  EXPECT_TRUE(absl::IsNotFound(proxied->Stat("a").status()));
+}
+
+TEST_F(GcsStoreTest, CreateOnlyWritesRaceAndOneWins) {
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  std::vector<Status> outcomes(8);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&, i] { outcomes[i] = store->WriteIfAbsent("COMMIT", StrCat("w", i)); });
+  }
+  for (std::thread& thread : threads) thread.join();
+  int won = -1;
+  for (int i = 0; i < 8; ++i) {
+    if (outcomes[i].ok()) {
+      EXPECT_EQ(won, -1) << "two writers won";
+      won = i;
+    } else {
+      EXPECT_TRUE(absl::IsAlreadyExists(outcomes[i])) << outcomes[i];
+    }
+  }
+  ASSERT_NE(won, -1);
+  EXPECT_EQ(store->Read("COMMIT").value(), StrCat("w", won));
+}
+
+TEST_F(GcsStoreTest, AReplacedObjectIsFailedPreconditionForPinnedReads) {
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("data", "0123456789"));
+  Result<ObjectInfo> info = store->Stat("data");
+  ASSERT_TRUE(info.ok()) << info.status();
+  Result<std::unique_ptr<ReadableFile>> file = store->OpenForRead("data");
+  ASSERT_TRUE(file.ok()) << file.status();
+  char bytes[4] = {};
+  TS_ASSERT_OK(store->ReadRangeAtGeneration("data", info->generation, 2, 4, bytes));
+  EXPECT_EQ(std::string_view(bytes, 4), "2345");
+  TS_ASSERT_OK(store->Write("data", "abcdefghij"));
+  Status pinned = store->ReadRangeAtGeneration("data", info->generation, 2, 4, bytes);
+  EXPECT_TRUE(absl::IsFailedPrecondition(pinned)) << pinned;
+  EXPECT_THAT(std::string(pinned.message()), HasSubstr("'data'"));
+  Status through_file = (*file)->ReadAt(0, 4, bytes);
+  EXPECT_TRUE(absl::IsFailedPrecondition(through_file)) << through_file;
+  // A range from the end on is DataLoss (the proxy answers 416, as GCS does).
+  Status past = store->ReadRange("data", 10, 4, bytes);
+  EXPECT_TRUE(absl::IsDataLoss(past)) << past;
+}
+
+TEST_F(GcsStoreTest, LargeFilesAreComposedFromPartsInATree) {
+  GcsKvStoreOptions options = TestOptions();
+  options.part_size = 1024;  // 40 parts: one level of 32-way composes, then the object
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  std::string data;
+  for (int i = 0; i < 40 * 1024 - 100; ++i) data += static_cast<char>('a' + (i * 7 + i / 1000) % 26);
+  Result<std::unique_ptr<WritableFile>> file = store->OpenForWrite("big/data.bin");
+  ASSERT_TRUE(file.ok()) << file.status();
+  // Written back to front, so that the parts go up out of order.
+  for (size_t offset = data.size(); offset > 0;) {
+    const size_t size = std::min<size_t>(3000, offset);
+    offset -= size;
+    TS_ASSERT_OK((*file)->WriteAt(offset, data.data() + offset, size));
+  }
+  // Not visible before Close.
+  EXPECT_TRUE(absl::IsNotFound(store->Stat("big/data.bin").status()));
+  Result<std::vector<PendingWrite>> pending = store->ListPendingWrites("");
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  ASSERT_EQ(pending->size(), 1u);
+  EXPECT_EQ((*pending)[0].key, "big/data.bin");
+  EXPECT_TRUE((*pending)[0].started.has_value());
+  TS_ASSERT_OK((*file)->Close());
+  EXPECT_EQ(store->Read("big/data.bin").value(), data);
+  // The parts are gone and were never listed.
+  EXPECT_EQ(store->List("").value(), std::vector<std::string>({"big/data.bin"}));
+  EXPECT_TRUE(store->ListPendingWrites("").value().empty());
+}
+
+TEST_F(GcsStoreTest, AnAbandonedUploadIsListedAndAborted) {
+  GcsKvStoreOptions options = TestOptions();
+  options.part_size = 1024;
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  Result<std::unique_ptr<WritableFile>> file = store->OpenForWrite("run/7/data/0-0.dat");
+  ASSERT_TRUE(file.ok()) << file.status();
+  const std::string part(2048, 'x');
+  TS_ASSERT_OK((*file)->WriteAt(0, part.data(), part.size()));  // two parts go up
+  // A crash: the file is never closed (leaked), its parts stay.
+  (void)file->release();
+  Result<std::vector<PendingWrite>> pending = store->ListPendingWrites("run/");
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  ASSERT_EQ(pending->size(), 1u);
+  EXPECT_EQ((*pending)[0].key, "run/7/data/0-0.dat");
+  EXPECT_TRUE(store->ListPendingWrites("other/").value().empty());
+  TS_ASSERT_OK(store->AbortPendingWrite((*pending)[0]));
+  EXPECT_TRUE(store->ListPendingWrites("").value().empty());
+  EXPECT_TRUE(store->List("").value().empty());
+}
+
+TEST_F(GcsStoreTest, KeysThatNeedEncodingRoundTrip) {
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  const std::vector<std::string> keys = {"dir/a b.bin", "dir/x+y", "dir/p%2Fq", "dir/k=v&w",
+                                         "dir/ключ/ü.txt", "dir/~t(1)*"};
+  for (const std::string& key : keys) TS_ASSERT_OK(store->Write(key, "v:" + key));
+  for (const std::string& key : keys) EXPECT_EQ(store->Read(key).value(), "v:" + key) << key;
+  std::vector<std::string> sorted = keys;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(store->List("dir/").value(), sorted);
+}
+
+// Sets the proxy's faults (tests/gcs/gcs_proxy.py: /__gcs_proxy__/config?...).
+void ConfigureProxy(const std::string& query) {
+  HttpClient client;
+  HttpRequest request;
+  request.url = StrCat(ServerEnv()["TS_GCS_ENDPOINT"], "/__gcs_proxy__/config?", query);
+  Result<HttpResponse> response = client.Perform(request, "configuring the proxy");
+  ASSERT_TRUE(response.ok()) << response.status();
+  ASSERT_EQ(response->status, 200) << response->body;
+}
+
+TEST_F(GcsStoreTest, ALostAnswerToOurCreateIsOursAndAnotherWritersIsNot) {
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("warm", "probe first"));  // the probe runs before the fault is set
+  // The create goes through, its answer is cut; the retry gets 412; our nonce settles it.
+  ConfigureProxy("fail_next=reset_after");
+  TS_ASSERT_OK(store->WriteIfAbsent("COMMIT", "mine"));
+  EXPECT_EQ(store->Read("COMMIT").value(), "mine");
+  // Another writer's object is not ours, whatever happened to the answer.
+  ConfigureProxy("fail_next=reset_after");
+  Status again = store->WriteIfAbsent("COMMIT", "theirs");
+  EXPECT_TRUE(absl::IsAlreadyExists(again)) << again;
+  EXPECT_EQ(store->Read("COMMIT").value(), "mine");
+}
+
+TEST_F(GcsStoreTest, ThrottlingAndResetsAreRetried) {
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("k", "0123456789"));
+  ConfigureProxy("fail_next=429,503,reset");
+  EXPECT_EQ(store->Read("k").value(), "0123456789");
+  ConfigureProxy("fail_next=503,reset_after");
+  TS_ASSERT_OK(store->Write("k", "abc"));
+  EXPECT_EQ(store->Read("k").value(), "abc");
+}
+
+// What the store can see for itself (bytes whose Content-Range is right but which are shifted or
+// flipped are caught by the checkpoint's checksums: GcsCheckpointTest below).
+TEST_F(GcsStoreTest, HostileRangedAnswersAreErrorsNeverShortReads) {
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("k", "0123456789"));
+  char bytes[4] = {};
+  ConfigureProxy("hostile=ignore_range&hostile_count=1");
+  Status ignored = store->ReadRange("k", 2, 4, bytes);
+  EXPECT_TRUE(absl::IsUnimplemented(ignored)) << ignored;
+  ConfigureProxy("hostile=truncate&hostile_count=1");
+  // Cut short then reset: retried, and the retry gives the right bytes (or the error says so).
+  Status truncated = store->ReadRange("k", 2, 4, bytes);
+  if (truncated.ok()) {
+    EXPECT_EQ(std::string_view(bytes, 4), "2345");
+  } else {
+    EXPECT_TRUE(absl::IsDataLoss(truncated) || absl::IsUnavailable(truncated)) << truncated;
+  }
+  ConfigureProxy("hostile=");
+}
+
+TEST_F(GcsStoreTest, AnUnknownTokenIsPermissionDeniedNamingTheCredential) {
+  GcsKvStoreOptions options = TestOptions();
+  options.endpoint = ServerEnv()["TS_GCS_AUTH_ENDPOINT"];
+  options.credentials = StaticGcsToken("not-a-token", "the token of this test");
+  options.probe = false;
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  Result<std::string> read = store->Read("k");
+  EXPECT_TRUE(absl::IsPermissionDenied(read.status())) << read.status();
+  EXPECT_THAT(std::string(read.status().message()), HasSubstr("the token of this test"));
+}
+
+TEST_F(GcsStoreTest, TheRegistryOpensGsUrlsWithDriverOptions) {
+  std::map<std::string, std::string> env = ServerEnv();
+  OpenStoreOptions open;
+  open.create = true;
+  open.driver_options = {{"endpoint", env["TS_GCS_ENDPOINT"]}, {"anonymous", "true"},
+                         {"list_page_size", "2"}};
+  const std::string url = StrCat("gs://", env["TS_GCS_BUCKET"], "/r-", RandomHexId(8));
+  Result<std::unique_ptr<KvStore>> store = OpenKvStore(url, open);
+  ASSERT_TRUE(store.ok()) << store.status();
+  TS_ASSERT_OK((*store)->WriteIfAbsent("a", "1"));
+  EXPECT_EQ((*store)->Read("a").value(), "1");
+  // The raw emulator through the registry: refused too.
+  open.driver_options["endpoint"] = env["TS_GCS_RAW_ENDPOINT"];
+  Result<std::unique_ptr<KvStore>> raw = OpenKvStore(url, open);
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  Status refused = (*raw)->WriteIfAbsent("b", "2");
+  EXPECT_TRUE(absl::IsFailedPrecondition(refused)) << refused;
+}
+
+// As Google's clients do: STORAGE_EMULATOR_HOST gives the endpoint and anonymous access to
+// stores opened by URL without settings of their own.
+TEST_F(GcsStoreTest, StorageEmulatorHostGivesTheEndpointAndAnonymousAccess) {
+  std::map<std::string, std::string> env = ServerEnv();
+  const std::string host = env["TS_GCS_ENDPOINT"].substr(env["TS_GCS_ENDPOINT"].find("://") + 3);
+  ASSERT_EQ(setenv("STORAGE_EMULATOR_HOST", host.c_str(), 1), 0);
+  OpenStoreOptions open;
+  open.create = true;
+  Result<std::unique_ptr<KvStore>> store =
+      OpenKvStore(StrCat("gs://", env["TS_GCS_BUCKET"], "/e-", RandomHexId(8)), open);
+  unsetenv("STORAGE_EMULATOR_HOST");
+  ASSERT_TRUE(store.ok()) << store.status();
+  TS_ASSERT_OK((*store)->WriteIfAbsent("k", "v"));
+  EXPECT_EQ((*store)->Read("k").value(), "v");
+}
+
+// --- Checkpoints on the store: commit without rename, reads pinned to generations. ---
+using GcsCheckpointTest = GcsServerTest;
+
+// Saves step `dir` holding one int64 array of 1000 elements, all `value`.
+Status SaveFilled(KvStore* kv, const std::string& dir, int64_t value, bool overwrite) {
+  std::vector<int64_t> data(1000, value);
+  WriterOptions options;
+  options.overwrite = overwrite;
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
+                      CheckpointWriter::Create(kv, dir, options));
+  TS_RETURN_IF_ERROR(writer->AddArray({.path = "x", .dtype = DType::kInt64, .shape = {1000}},
+                                      {{.box = Box::FromShape({1000}), .data = data.data()}}));
+  return writer->Commit();
+}
+
+// The value of every element of the step's array (-1 when they differ).
+Result<int64_t> RestoreFilled(KvStore* kv, const std::string& dir) {
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::Open(kv, dir));
+  std::vector<int64_t> data(1000, -7);
+  TS_RETURN_IF_ERROR(reader->Read(
+      {.path = "x", .box = Box::FromShape({1000}), .dtype = DType::kInt64, .dest = data.data()}));
+  for (int64_t v : data) {
+    if (v != data[0]) return int64_t{-1};
+  }
+  return data[0];
+}
+
+TEST_F(GcsCheckpointTest, OfWritersCommittingOneStepAtOnceExactlyOneWins) {
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  constexpr int kWriters = 4;
+  std::vector<Status> results(kWriters);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kWriters; ++i) {
+    threads.emplace_back(
+        [&, i] { results[i] = SaveFilled(store.get(), "0000000001", 100 + i, false); });
+  }
+  for (std::thread& thread : threads) thread.join();
+  int winner = -1;
+  for (int i = 0; i < kWriters; ++i) {
+    if (results[i].ok()) {
+      EXPECT_EQ(winner, -1) << "two writers committed the step";
+      winner = i;
+    } else {
+      EXPECT_TRUE(absl::IsAlreadyExists(results[i])) << results[i];
+    }
+  }
+  ASSERT_NE(winner, -1) << results[0];
+  Result<int64_t> restored = RestoreFilled(store.get(), "0000000001");
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(*restored, 100 + winner);
+}
+
+TEST_F(GcsCheckpointTest, AnObjectReplacedAfterTheCommitIsNamedNeverRead) {
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(SaveFilled(store.get(), "0000000009", 5, false));
+  Result<std::vector<std::string>> keys = store->List("0000000009/");
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  std::string data_key;
+  for (const std::string& key : *keys) {
+    if (key.ends_with(".dat")) data_key = key;
+  }
+  ASSERT_FALSE(data_key.empty());
+  Result<std::string> bytes = store->Read(data_key);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  // The same bytes, written again: a new generation, so not the committed object any more.
+  TS_ASSERT_OK(store->Write(data_key, *bytes));
+  Result<int64_t> restored = RestoreFilled(store.get(), "0000000009");
+  ASSERT_FALSE(restored.ok()) << "read " << *restored;
+  EXPECT_NE(restored.status().message().find(data_key), std::string_view::npos)
+      << restored.status();
+}
+
+// A server that flips or shifts the bytes of media reads: the checkpoint's checksums catch it,
+// every time, whichever read it hits; the restore never gives wrong values.
+TEST_F(GcsCheckpointTest, HostileBytesAreErrorsNeverWrongValues) {
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(SaveFilled(store.get(), "0000000003", 42, false));
+  for (const char* mode : {"flip", "shift_range"}) {
+    for (int count = 1; count <= 4; ++count) {
+      ConfigureProxy(StrCat("hostile=", mode, "&hostile_count=", count));
+      Result<int64_t> restored = RestoreFilled(store.get(), "0000000003");
+      if (restored.ok()) {
+        EXPECT_EQ(*restored, 42) << mode << " x" << count;
+      } else {
+        EXPECT_TRUE(absl::IsDataLoss(restored.status())) << mode << " x" << count << ": "
+                                                         << restored.status();
+      }
+    }
+  }
+  ConfigureProxy("hostile=");
+  Result<int64_t> restored = RestoreFilled(store.get(), "0000000003");
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(*restored, 42);
+}
+
+}  // namespace
+}  // namespace tensorstash
