@@ -391,6 +391,21 @@ class TorchCoordinator:
         return self._store.get(full).decode("utf-8", "surrogateescape")
 
 
+def coordinator_address() -> str | None:
+    """"host:port" of the TCPStore under torch.distributed's default process group (the rank 0
+    host, which every process reaches), or None when torch.distributed is not initialized or
+    its store is not a TCPStore. The manager's local tier picks the address its server
+    listens on from it, as it does from JAX's coordinator."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):  # PrefixStores over the TCPStore
+        store = store.underlying_store
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    return f"{host}:{port}" if host and port else None
+
+
 def default_coordinator() -> TorchCoordinator | None:
     """A TorchCoordinator when torch.distributed is initialized with several processes, else
     None."""
