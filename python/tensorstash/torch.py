@@ -15,11 +15,11 @@ a TorchCoordinator over the default process group's store (no collectives).
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import math
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -345,7 +345,8 @@ class TorchCoordinator:
     """A Coordinator (the protocol of tensorstash.jax.JaxCoordinator) over the key-value store
     of torch.distributed's default process group.
 
-    Barriers go through the store, never through collectives: a save may run in a background
+    Waits poll the store (check(), never a blocking wait() holding the store's client), and
+    barriers go through the store, never through collectives: a save may run in a background
     thread while the training thread issues collectives on the same group, and a collective
     from a second thread would desynchronize gloo or NCCL. Every process must create one per
     collective operation, in the same order: the keys of each instance carry a sequence number
@@ -353,6 +354,8 @@ class TorchCoordinator:
 
     def __init__(self, prefix: str | None = None, index: int | None = None,
                  count: int | None = None) -> None:
+        # prefix/index/count: a coordinator of its own sequence and ranks (DCP's writer gives
+        # one per save, named by its plan); by default the default group's ranks.
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch.distributed.init_process_group() has not been called")
@@ -369,12 +372,26 @@ class TorchCoordinator:
         return self._count
 
     def _wait(self, key: str, timeout_ms: int, what: str) -> None:
+        """Waits until `key` is set, polling with check(): a blocking store.wait() holds the
+        process's store client for as long as it waits (probed: a set() from another thread
+        of the process waited 5 s, the whole timeout, behind a wait() for that very key), so
+        the main thread's exchanges of the next save would deadlock against the background
+        thread's wait for the previous one until the timeout."""
         import torch.distributed as dist
-        try:
-            self._store.wait([key], datetime.timedelta(milliseconds=max(1, int(timeout_ms))))
-        except dist.DistStoreError as e:  # (DistStoreError is how a store wait times out)
-            raise TimeoutError(f"torch.distributed store: {what} {key!r} timed out after "
-                               f"{int(timeout_ms)} ms ({e})") from None
+        deadline = time.monotonic() + max(0, int(timeout_ms)) / 1000
+        delay = 0.0005
+        while True:
+            try:
+                if self._store.check([key]):
+                    return
+            except dist.DistStoreError as e:  # (how torch's stores report a timeout)
+                raise TimeoutError(f"torch.distributed store: {what} {key!r}: {e}") from None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"torch.distributed store: {what} {key!r} timed out after "
+                                   f"{int(timeout_ms)} ms")
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.02)
 
     def barrier(self, name: str, timeout_ms: int) -> None:
         key = self._prefix + "barrier/" + name

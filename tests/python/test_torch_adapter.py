@@ -181,3 +181,41 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(tmp_path),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
+@pytest.fixture
+def process_group_of_one():
+    """torch.distributed initialized with one gloo process on 127.0.0.1 (a free port)."""
+    import mp_launch
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{mp_launch.free_port()}",
+                            rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_coordinators_waits_leave_the_store_to_other_threads(process_group_of_one):
+    # A background save's wait must not hold the store's client: another thread of the same
+    # process sets the key meanwhile (torch's blocking store.wait() would hold it until its
+    # timeout, and the set with it).
+    import threading
+    import time
+    assert ttorch.default_coordinator() is None  # one process: no coordinator is needed
+    coord = ttorch.TorchCoordinator()
+    assert (coord.process_index(), coord.process_count()) == (0, 1)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(coord.key_value_get("k", 20_000)))
+    start = time.monotonic()
+    waiter.start()
+    time.sleep(0.2)
+    coord.key_value_set("k", "v\u00e9")
+    waiter.join(30)
+    assert got == ["v\u00e9"] and time.monotonic() - start < 10, got
+    coord.barrier("b", 1000)  # one process: passes
+    with pytest.raises(TimeoutError, match="never"):
+        coord.key_value_get("never", 200)
+    # Another instance uses other keys (each operation its own sequence number).
+    with pytest.raises(TimeoutError):
+        ttorch.TorchCoordinator().key_value_get("k", 100)

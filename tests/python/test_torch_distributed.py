@@ -25,7 +25,7 @@ TIMEOUT_S = 240  # for a whole job; a hang fails the test instead of blocking th
 PYTHONPATH = os.pathsep.join([os.path.dirname(os.path.dirname(tensorstash.__file__)), HERE])
 
 JOB2_CASES = ("layouts", "coordinator", "restore_1_to_2", "save_and_restore_2", "load_in_place",
-              "manager_local_dir")
+              "manager_local_dir", "fsdp2_get_state_dict")
 JOB4_CASES = ("restore_2_to_4", "save_and_restore_4")
 
 
@@ -101,3 +101,20 @@ def test_restore_by_one_process(jobs, root, step):
     if root == "root2":
         meta = tensorstash.metadata(path)
         assert meta["model"]["strided"].saved_sharding["sharding_type"] == "DTensor"
+
+
+def test_an_fsdp2_state_saved_by_2_restores_whole_in_one_process(jobs):
+    work, _, _ = jobs
+    want = torch.load(os.path.join(work, "fsdp_full.pt"))
+    step = os.path.join(work, "fsdp", "0000000001")
+    target = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()},
+              "optim": {"state": {fqn: {n: torch.zeros_like(v) for n, v in per.items()}
+                                  for fqn, per in want["optim"]["state"].items()},
+                        "param_groups": want["optim"]["param_groups"]}}
+    got = tensorstash.restore(step, target=target)
+    for k, v in want["model"].items():
+        assert torch_worker.same_bits(got["model"][k], v), k
+    for fqn, per in want["optim"]["state"].items():
+        for n, v in per.items():
+            assert torch_worker.same_bits(got["optim"]["state"][fqn][n], v), (fqn, n)
+    assert got["optim"]["param_groups"] == want["optim"]["param_groups"]

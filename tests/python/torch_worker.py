@@ -222,6 +222,57 @@ def job2(args) -> None:
     assert os.listdir(local), "the local tier holds nothing"
     case("manager_local_dir")
 
+    fsdp2_case(work, mesh)
+    case("fsdp2_get_state_dict")
+
+
+def fsdp2_case(work: str, mesh) -> None:
+    """FSDP2 (fully_shard) model and optimizer: get_state_dict's DTensors saved by tensorstash,
+    loaded in place into another model's state dict, applied with set_state_dict; rank 0
+    leaves the full state (torch.save) for the test's 2 -> 1 check."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                         set_state_dict)
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    import tensorstash
+
+    def trained(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(),
+                                    torch.nn.Linear(6, 3))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01 * seed)
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        return model, opt
+
+    model, opt = trained(1)
+    msd, osd = get_state_dict(model, opt)
+    assert any(isinstance(v, DTensor) for v in msd.values()), msd
+    step = os.path.join(work, "fsdp", "0000000001")
+    tensorstash.save(step, {"model": msd, "optim": osd})
+    full = StateDictOptions(full_state_dict=True)  # (every rank gets the full values)
+    want_m, want_o = get_state_dict(model, opt, options=full)
+    if dist.get_rank() == 0:
+        torch.save({"model": want_m, "optim": want_o}, os.path.join(work, "fsdp_full.pt"))
+
+    model2, opt2 = trained(2)
+    msd2, osd2 = get_state_dict(model2, opt2)
+    tensorstash.torch.load(step, {"model": msd2, "optim": osd2})
+    set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
+    got_m, got_o = get_state_dict(model2, opt2, options=full)
+    for k, v in want_m.items():
+        assert same_bits(got_m[k], v), k
+    for fqn, per_param in want_o["state"].items():
+        for name, v in per_param.items():
+            assert same_bits(got_o["state"][fqn][name], v), (fqn, name)
+    assert got_o["param_groups"][0]["lr"] == 0.01
+
 
 def job4(args) -> None:
     import torch.distributed as dist
