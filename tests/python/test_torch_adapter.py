@@ -116,6 +116,28 @@ def test_raw_state_dicts_save_and_load_in_place(tmp_path):
             assert same_bits(b["state"][i][name], v), (i, name)
 
 
+def test_get_state_dict_forms_save_and_load(tmp_path):
+    # torch.distributed.checkpoint.state_dict's forms: fqn keys ("0.weight") in the optimizer
+    # state and in param_groups' "params".
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model, opt = model_and_optimizer(1)
+    msd, osd = get_state_dict(model, opt)
+    assert "0.weight" in osd["state"] and "0.weight" in osd["param_groups"][0]["params"]
+    step = str(tmp_path / "1")
+    tensorstash.save(step, {"model": msd, "optim": osd})
+    model2, opt2 = model_and_optimizer(2)
+    msd2, osd2 = get_state_dict(model2, opt2)
+    tensorstash.torch.load(step, {"model": msd2, "optim": osd2})
+    set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
+    for k, v in model.state_dict().items():
+        assert same_bits(model2.state_dict()[k], v), k
+    a, b = opt.state_dict(), opt2.state_dict()
+    assert b["param_groups"][0]["lr"] == 1e-3
+    for i, per_param in a["state"].items():
+        for name, v in per_param.items():
+            assert same_bits(b["state"][i][name], v), (i, name)
+
+
 def test_restore_makes_new_tensors_like_the_target(tmp_path):
     model, _ = model_and_optimizer(1)
     step = str(tmp_path / "1")
