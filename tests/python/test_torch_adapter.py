@@ -193,6 +193,7 @@ import sys, numpy as np, tensorstash
 tensorstash.save({str(tmp_path / "1")!r}, {{"n": np.arange(3)}})
 assert "torch" not in sys.modules, "tensorstash imported torch"
 import torch
+assert callable(tensorstash.torch.load)  # the attribute imports tensorstash.torch on first use
 tensorstash.save({str(tmp_path / "2")!r}, {{"t": torch.arange(3, dtype=torch.bfloat16)}})
 back = tensorstash.restore({str(tmp_path / "2")!r}, target={{"t": torch.zeros(3, dtype=torch.bfloat16)}})
 assert isinstance(back["t"], torch.Tensor) and back["t"].tolist() == [0.0, 1.0, 2.0], back
