@@ -188,6 +188,19 @@ def _local_shape(x: Any) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _local_of(x: Any) -> torch.Tensor:
+    """The tensor holding this rank's data of `x`: a DTensor's local shard, else `x`."""
+    return x.to_local() if is_dtensor(x) else x
+
+
+class _HostCopy:
+    """A pinned host copy of a device tensor's (local) data that start_save made for one save,
+    complete once `done` has happened."""
+
+    def __init__(self, leaf: Any, host: torch.Tensor, done: Any):
+        self.leaf, self.host, self.done = leaf, host, done
+
+
 class TorchAdapter:
     """Leaves that are torch.Tensor (nn.Parameter too) and DTensor; restore targets likewise.
     See tensorstash._adapters for the protocol."""
@@ -219,21 +232,52 @@ class TorchAdapter:
     def restore_dtype(self, target: Any) -> np.dtype:
         return tnp.dtype_from_name(dtype_name(target.dtype))
 
+    def start_save(self, xs: list) -> list:
+        """Starts the copies of every device (CUDA) tensor of one save into pinned host memory
+        at once, queued on each device's current stream: after the work that computes the
+        values (the values of the moment save() was called) and before any later work that
+        changes them in place. save_shards waits for them (one event per device). Pinned
+        memory comes from torch's caching host allocator, which reuses the blocks of earlier
+        saves once their copies are dropped. CPU tensors are left as they are (their shards are
+        views)."""
+        out = list(xs)
+        by_device: dict[Any, list[int]] = {}
+        for i, x in enumerate(xs):
+            local = _local_of(x)
+            if local.device.type == "cuda":
+                by_device.setdefault(local.device, []).append(i)
+        for device, mine in by_device.items():
+            with torch.cuda.device(device):
+                copies = []
+                for i in mine:
+                    local = _local_of(xs[i]).detach()
+                    host = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
+                    host.copy_(local, non_blocking=True)
+                    copies.append((i, host))
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(device))
+            for i, host in copies:
+                out[i] = _HostCopy(xs[i], host, done)
+        return out
+
     def save_shards(self, x: Any, process_index: int, process_count: int):
+        stable = False
+        if isinstance(x, _HostCopy):  # a copy made for this save: nothing else changes it
+            x.done.synchronize()
+            x, local, stable = x.leaf, x.host, True
+        else:
+            local = _local_of(x)
+            if local.device.type != "cpu":  # (a device tensor start_save did not copy)
+                local, stable = local.cpu(), True
         shape = tuple(int(n) for n in x.shape)
         if not is_dtensor(x):
             # Every process holds the whole tensor: they share the writing as replicas.
-            data = _bytes_of(x.cpu() if x.device.type != "cpu" else x)
-            return shape, [((0,) * len(shape), shape, data, process_index, process_count)], \
-                x.device.type != "cpu"
-        local = x.to_local()
-        if local.device.type != "cpu":
-            local = local.cpu()
-        stable = x.to_local().device.type != "cpu"
-        boxes, replica_id, replica_count = _layout(x)
+            shards = [((0,) * len(shape), shape, _bytes_of(local), process_index, process_count)]
+            return shape, shards, stable
         if math.prod(shape) == 0:  # nothing to write; every rank names the empty array
             return shape, [((0,) * len(shape), shape, np.empty(0, np.uint8), process_index,
                             process_count)], True
+        boxes, replica_id, replica_count = _layout(x)
         shards = [(origin, extent, _bytes_of(local[slices]), replica_id, replica_count)
                   for (origin, extent), slices in boxes]
         return shape, shards, stable

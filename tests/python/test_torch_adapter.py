@@ -242,3 +242,28 @@ def test_the_coordinators_waits_leave_the_store_to_other_threads(process_group_o
     # Another instance uses other keys (each operation its own sequence number).
     with pytest.raises(TimeoutError):
         ttorch.TorchCoordinator().key_value_get("k", 100)
+
+
+def test_cpu_tensors_need_no_host_copy():
+    adapter = ttorch.TorchAdapter()
+    xs = [torch.arange(3), torch.zeros(2, 2)]
+    started = adapter.start_save(xs)
+    assert all(a is b for a, b in zip(started, xs))
+    shape, shards, stable = adapter.save_shards(started[0], 1, 2)
+    assert shape == (3,) and not stable  # views of memory the user may change
+    assert [s[3:] for s in shards] == [(1, 2)]  # the whole tensor, replica 1 of 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_save_from_pinned_copies_and_restore_onto_the_device(tmp_path):
+    x = torch.arange(64 * 33, dtype=torch.float32, device="cuda").reshape(64, 33)
+    tree = {"x": x, "t": x.t(), "b": x.to(torch.bfloat16), "s": x[1, 1]}
+    want = {k: v.cpu().clone() for k, v in tree.items()}
+    with tensorstash.CheckpointManager(str(tmp_path), async_save=True) as mgr:
+        mgr.save(1, tree)
+        x.add_(1000)  # at once, on the device's stream: the step keeps the values of save()
+        mgr.wait_until_finished()
+    target = {k: torch.empty_like(v) for k, v in tree.items()}
+    got = tensorstash.restore(str(tmp_path / "0000000001"), target=target)
+    for k, v in want.items():
+        assert got[k].device.type == "cuda" and same_bits(got[k].cpu(), v.contiguous()), k
