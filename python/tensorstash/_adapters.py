@@ -55,14 +55,15 @@ from code, or an entry point of the group "tensorstash.adapters" in a distributi
 that loads to an adapter class, instance or zero-argument factory:
 
     [project.entry-points."tensorstash.adapters"]
-    torch = "tensorstash_torch:TorchAdapter"
+    myframework = "myframework_tensorstash:Adapter"
 
 The entry points (in the order of their names), then torch's adapter (tensorstash.torch, when
 torch has been imported: tensorstash never imports torch itself) and JAX's (when jax imports) are
 registered at the first lookup, once, each after the adapters registered before it; an entry
 point that fails to load is left out with a warning naming it. When torch was not imported at
-the first lookup, later lookups check for it (one dict lookup) and register its adapter then. The first adapter that owns a
-leaf handles it; NumPy's is asked last and takes every target leaf that is left.
+the first lookup, later lookups check for it (one dict lookup) and register its adapter then.
+The first adapter that owns a leaf handles it; NumPy's is asked last and takes every target
+leaf that is left.
 """
 
 from __future__ import annotations
