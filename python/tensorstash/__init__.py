@@ -22,7 +22,8 @@ The package's modules, each small and none importing another in a circle:
     _export.py    export_safetensors (any step to a Hugging Face safetensors folder)
     manager.py    CheckpointManager, SaveStats, RestoreStats
     _adapters.py  the framework adapter protocol and its registry (register_adapter, the entry
-                  point group "tensorstash.adapters"); numpy.py and jax.py implement it
+                  point group "tensorstash.adapters"); numpy.py, jax.py and torch.py
+                  implement it
     _tree.py      pytrees <-> the engine's tree JSON
     _options.py   the engine's defaults; _paths.py step paths and URLs; _progress.py progress
 """
@@ -42,6 +43,15 @@ __all__ = ["save", "restore", "metadata", "ArrayMetadata", "CheckpointManager", 
            "RestoreStats", "store_schemes", "configure_s3", "configure_gcs", "register_adapter",
            "export_safetensors",
            "__version__"]
+
+
+def __getattr__(name: str):
+    """tensorstash.torch (tensorstash.torch.load, TorchCoordinator): imported on first use, so
+    that `import tensorstash` never imports torch."""
+    if name == "torch":
+        import importlib
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def store_schemes() -> list[str]:

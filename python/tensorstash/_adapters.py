@@ -55,17 +55,21 @@ from code, or an entry point of the group "tensorstash.adapters" in a distributi
 that loads to an adapter class, instance or zero-argument factory:
 
     [project.entry-points."tensorstash.adapters"]
-    torch = "tensorstash_torch:TorchAdapter"
+    myframework = "myframework_tensorstash:Adapter"
 
-The entry points (in the order of their names), then JAX's adapter (when jax imports) are
+The entry points (in the order of their names), then torch's adapter (tensorstash.torch, when
+torch has been imported: tensorstash never imports torch itself) and JAX's (when jax imports) are
 registered at the first lookup, once, each after the adapters registered before it; an entry
-point that fails to load is left out with a warning naming it. The first adapter that owns a
-leaf handles it; NumPy's is asked last and takes every target leaf that is left.
+point that fails to load is left out with a warning naming it. When torch was not imported at
+the first lookup, later lookups check for it (one dict lookup) and register its adapter then.
+The first adapter that owns a leaf handles it; NumPy's is asked last and takes every target
+leaf that is left.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 import threading
 import warnings
 from typing import Any, Protocol
@@ -115,6 +119,9 @@ _loaded_into: list | None = None
 # The adapters loaded from entry points and the built-in modules, once.
 _discovered: list | None = None
 _loading = False  # (an entry point's module being imported may look adapters up)
+# Whether torch was not imported when the built-in adapters were found: lookups then register
+# torch's adapter once the user imports torch.
+_torch_waiting = False
 _lock = threading.RLock()
 
 
@@ -188,14 +195,47 @@ def _entry_point_adapters() -> list:
     return out
 
 
+def _torch_adapter() -> list:
+    """[torch's adapter] when torch has been imported (never importing it: `import torch`
+    takes seconds, and a JAX or NumPy user must not pay it), else []. One that fails to load
+    (a broken torch install) is left out with a warning."""
+    global _torch_waiting
+    _torch_waiting = "torch" not in sys.modules
+    if _torch_waiting:
+        return []
+    try:
+        from . import torch as ttorch
+        return [ttorch.TorchAdapter()]
+    except Exception as e:  # tensorstash still works for the other frameworks
+        warnings.warn(f"tensorstash: the torch adapter is left out: importing it failed: "
+                      f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+        return []
+
+
 def _builtin_adapters() -> list:
-    """JAX's adapter when jax imports (JAX is optional: NumPy-only use works without it)."""
+    """Torch's adapter when torch has been imported, and JAX's when jax imports (both are
+    optional: NumPy-only use works without them)."""
+    out = _torch_adapter()
     try:
         import jax  # noqa: F401
     except ImportError:
-        return []
+        return out
     from . import jax as tjax
-    return [tjax.JaxAdapter()]
+    return out + [tjax.JaxAdapter()]
+
+
+def _torch_arrived() -> list:
+    """ADAPTERS with torch's adapter registered, now that torch has been imported after the
+    first lookup."""
+    global ADAPTERS, _loaded_into, _discovered
+    with _lock:
+        if not _torch_waiting or _discovered is None or ADAPTERS is not _loaded_into:
+            return ADAPTERS
+        found = _torch_adapter()
+        _discovered = _discovered + found
+        for adapter in found:
+            ADAPTERS = _loaded_into = _placed(ADAPTERS, adapter, first=False)
+        return ADAPTERS
 
 
 def _load() -> list:
@@ -221,15 +261,17 @@ def _load() -> list:
 def registered() -> list[FrameworkAdapter]:
     """The registered adapters, in the order they are asked (NumPy's last)."""
     adapters = ADAPTERS
-    return adapters if adapters is _loaded_into else _load()
+    if adapters is not _loaded_into:
+        return _load()
+    return _torch_arrived() if _torch_waiting and "torch" in sys.modules else adapters
 
 
 def _reset() -> None:
     """For tests: back to NumPy's adapter alone; the next lookup finds the entry points (and
     JAX's adapter) again, as at the first."""
-    global ADAPTERS, _loaded_into, _discovered
+    global ADAPTERS, _loaded_into, _discovered, _torch_waiting
     with _lock:
-        ADAPTERS, _loaded_into, _discovered = [NUMPY], None, None
+        ADAPTERS, _loaded_into, _discovered, _torch_waiting = [NUMPY], None, None, False
 
 
 def owner(x: Any) -> FrameworkAdapter | None:
@@ -237,6 +279,8 @@ def owner(x: Any) -> FrameworkAdapter | None:
     adapters = ADAPTERS  # asked per leaf: one identity check once loaded
     if adapters is not _loaded_into:
         adapters = _load()
+    elif _torch_waiting and "torch" in sys.modules:
+        adapters = _torch_arrived()
     for adapter in adapters:
         if adapter.owns(x):
             return adapter

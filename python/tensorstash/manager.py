@@ -32,6 +32,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -117,16 +118,26 @@ def _is_data_error(e: BaseException) -> bool:
 
 
 def _coordinator_address() -> str | None:
+    """"host:port" of the job's coordinator: JAX's, else the store of torch.distributed's
+    default process group (when torch has been imported; never importing it)."""
     try:
         from jax._src import distributed
 
-        return distributed.global_state.coordinator_address
+        address = distributed.global_state.coordinator_address
     except Exception:  # noqa: BLE001 - JAX absent or not initialised
-        return None
+        address = None
+    if not address and "torch" in sys.modules:
+        try:
+            from . import torch as ttorch
+
+            address = ttorch.coordinator_address()
+        except Exception:  # noqa: BLE001 - torch.distributed absent or not initialised
+            address = None
+    return address or None
 
 
 def _coordinator_is_local() -> bool:
-    """Whether the JAX coordinator is on this host's loopback (a job on one host)."""
+    """Whether the job's coordinator is on this host's loopback (a job on one host)."""
     address = _coordinator_address() or ""
     host = address.rsplit(":", 1)[0].strip("[]")
     return host in ("localhost", "::1") or host.startswith("127.")
@@ -134,7 +145,8 @@ def _coordinator_is_local() -> bool:
 
 def _default_server_address() -> str:
     """The address of this host that the job's coordinator sees: the source address of a route
-    to the JAX coordinator (no packet is sent); 127.0.0.1 when there is none."""
+    to the JAX coordinator or torch.distributed's store (no packet is sent); 127.0.0.1 when
+    there is none."""
     address = _coordinator_address()
     if not address:
         return "127.0.0.1"

@@ -21,28 +21,32 @@ def free_port() -> int:
 
 def run_job(worker: str, phase: str, step: str, nproc: int, layout: str, cwd: str, *,
             args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-            timeout_s: float = 150) -> str:
+            timeout_s: float = 150, pythonpath: str | None = None) -> str:
     """Runs `nproc` processes of `worker` (python WORKER --phase PHASE --step STEP *ARGS --nproc N
     --pid I --port P --layout LAYOUT) in `cwd`, with the environment `env` (default: this
-    process's) less XLA_FLAGS, JAX_ENABLE_X64 and PYTHONPATH, JAX on 8 // nproc CPU devices each;
+    process's) less XLA_FLAGS, JAX_ENABLE_X64 and PYTHONPATH (`pythonpath` instead, when given:
+    the folder of the tensorstash the test imported), JAX on 8 // nproc CPU devices each;
     returns their output. Fails (and kills them all) when any exits non-zero or the job outlives
     `timeout_s`. Retried once with another port when the coordinator's port was taken
     meanwhile."""
-    failure, text = _run_job_once(worker, phase, step, nproc, layout, cwd, args, env, timeout_s)
+    failure, text = _run_job_once(worker, phase, step, nproc, layout, cwd, args, env, timeout_s,
+                                  pythonpath)
     if failure and "already in use" in text.lower():
         failure, text = _run_job_once(worker, phase, step, nproc, layout, cwd, args, env,
-                                      timeout_s)
+                                      timeout_s, pythonpath)
     if failure:
         pytest.fail(f"{phase} by {nproc} process(es) failed: {failure}\n{text}", pytrace=False)
     return text
 
 
 def _run_job_once(worker, phase, step, nproc, layout, cwd, args, env,
-                  timeout_s) -> tuple[str, str]:
+                  timeout_s, pythonpath=None) -> tuple[str, str]:
     port = free_port()
     env = {k: v for k, v in (os.environ if env is None else env).items()
            if k not in ("XLA_FLAGS", "JAX_ENABLE_X64", "PYTHONPATH")}
     env["JAX_PLATFORMS"] = "cpu"
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // nproc}"
     procs, logs = [], []
     try:

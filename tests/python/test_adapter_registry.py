@@ -23,6 +23,15 @@ from tshelpers import assert_same_array
 PACKAGE = pathlib.Path(tensorstash.__file__).parent
 
 
+def builtin_types() -> list[type]:
+    """The types of the built-in adapters after the registered ones: torch's when torch has
+    been imported (by the torch tests of the same run), then JAX's."""
+    if "torch" in sys.modules:
+        from tensorstash import torch as ttorch
+        return [ttorch.TorchAdapter, tjax.JaxAdapter]
+    return [tjax.JaxAdapter]
+
+
 class ToyDType:
     """A made-up framework's dtype: not a NumPy dtype (np.dtype() refuses it), as torch's are
     not."""
@@ -212,7 +221,7 @@ def test_jax_adapter_is_registered_the_same_way_after_explicit_ones():
 
     mine = tensorstash.register_adapter(ToyAdapter())  # before the first lookup
     order = _adapters.registered()
-    assert [type(a) for a in order] == [ToyAdapter, tjax.JaxAdapter, tnp.NumpyAdapter]
+    assert [type(a) for a in order] == [ToyAdapter, *builtin_types(), tnp.NumpyAdapter]
     assert order[0] is mine
     assert isinstance(_adapters.owner(jnp.zeros(3)), tjax.JaxAdapter)
 
@@ -240,7 +249,7 @@ def test_an_entry_point_adapter_is_loaded_once_at_the_first_lookup(tmp_path, mon
         assert len(factory_calls) == 1  # once, whatever the number of lookups since
     # Entry points come after explicit registrations, before JAX's adapter and NumPy's.
     assert [type(a) for a in _adapters.registered()] == [
-        ToyAdapter, tjax.JaxAdapter, tnp.NumpyAdapter]
+        ToyAdapter, *builtin_types(), tnp.NumpyAdapter]
     assert isinstance(got["w"], ToyArray)
 
 
