@@ -139,6 +139,15 @@ def test_save_restore_and_metadata_on_gcs_are_bit_exact(gcs):
     path = gcs.step()
     tensorstash.save(path, tree)
     assert any("/0000000001/" in k for k in gcs.keys()), gcs.keys()  # it went to the bucket
+    # The record pins every object to its GCS generation number (docs/format.md, 13.1).
+    record = json.loads(gcs.read(f"{gcs.prefix}/0000000001/COMMIT"))
+    assert record["objects"], record
+    for name, obj in record["objects"].items():
+        live = json.loads(gcs_servers.http(
+            "GET", gcs.object_url(f"{gcs.prefix}/0000000001/{record['attempt']}/{name}"))[2])
+        assert obj["generation"] == str(live["generation"]) and obj["generation"].isdigit(), \
+            (name, obj, live.get("generation"))
+        assert obj["size"] == int(live["size"]), (name, obj, live.get("size"))
     assert_same_tree(tensorstash.restore(path), tree)
     assert_same_tree(tensorstash.restore(path, mmap=False), tree)
     meta = tensorstash.metadata(path)
