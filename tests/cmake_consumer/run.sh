@@ -31,15 +31,15 @@ cmake -S "$here/subproject" -B "$work/subproject" -G Ninja \
   || { cat "$work/subproject.log"; exit 1; }
 grep "subproject: only" "$work/subproject.log"
 grep -q "kvstore_s3" "$work/subproject/build.ninja"  # the default build has the S3 driver
-# Without the S3 driver and the tiers, a consumer links no libcurl, libmicrohttpd, OpenSSL or
+# Without the S3 and GCS drivers and the tiers, a consumer links no libcurl, libmicrohttpd, OpenSSL or
 # expat (the link line ninja would run for the parent's program says so), and the library
-# has no s3 or tiers layer.
+# has no s3, gcs or tiers layer.
 cmake -S "$here/subproject" -B "$work/slim" -G Ninja -DTENSORSTASH_WITH_S3=OFF \
-  -DTENSORSTASH_WITH_TIERS=OFF -DTENSORSTASH_SOURCE_DIR="$(cd "$here/../.." && pwd)" \
+  -DTENSORSTASH_WITH_GCS=OFF -DTENSORSTASH_WITH_TIERS=OFF -DTENSORSTASH_SOURCE_DIR="$(cd "$here/../.." && pwd)" \
   > "$work/slim.log" || { cat "$work/slim.log"; exit 1; }
 link_line=$(grep -A3 "^build parent_consumer" "$work/slim/build.ninja")
-if echo "$link_line" | grep -Eq "curl|microhttpd|ssl|crypto|expat|kvstore_s3|tensorstash_tiers"; then
-  echo "cmake_consumer: a build without S3 and tiers still links them:" >&2
+if echo "$link_line" | grep -Eq "curl|microhttpd|ssl|crypto|expat|kvstore_s3|kvstore_gcs|tensorstash_tiers"; then
+  echo "cmake_consumer: a build without S3, GCS and tiers still links them:" >&2
   echo "$link_line" >&2
   exit 1
 fi
