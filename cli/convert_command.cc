@@ -32,6 +32,7 @@
 #include "tensorstash/format/orbax_names.h"
 #include "tensorstash/format/safetensors/safetensors_header.h"
 #include "tensorstash/kvstore/registry.h"
+#include "tensorstash/util/random_id.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash::cli {
@@ -234,7 +235,9 @@ Status WriteNative(ConvertSource* source, StepLocation* dst, bool overwrite,
 }
 
 // `--to safetensors`: a Hugging Face folder (checkpoint/safetensors_export.h). --overwrite
-// replaces only a folder that is a safetensors export (it has the index).
+// replaces only a folder that is a safetensors export (it has the index). Where the store
+// renames folders, the new export is written beside the old one, which is deleted only once
+// the new one is whole; on object stores (no rename) the old one is deleted first.
 int RunExportSafetensors(const std::string& src, const std::string& dst, const std::string& item,
                          bool overwrite, uint64_t max_shard_bytes) {
   Result<std::pair<StepLocation, Format>> opened_source = OpenSource(src, item);
@@ -246,6 +249,7 @@ int RunExportSafetensors(const std::string& src, const std::string& dst, const s
   if (!destination.ok()) return Fail(destination.status());
   KvStore* kv = destination->kv.get();
   const std::string& key = destination->key;
+  std::string target = key;  // where the export is written; a sibling when replacing
   Result<std::vector<std::string>> there = kv->List(StrCat(key, "/"));
   if (there.ok() && !there->empty()) {
     if (!overwrite) {
@@ -256,7 +260,11 @@ int RunExportSafetensors(const std::string& src, const std::string& dst, const s
           StrCat("'", dst, "' is not a safetensors folder (no ", kSafetensorsIndexFileName,
                  "); it is not replaced")));
     }
-    if (Status s = kv->DeletePrefix(StrCat(key, "/")); !s.ok()) return Fail(s);
+    if (kv->SupportsRename()) {
+      target = StrCat(key, ".replacing-", RandomHexId(8));
+    } else if (Status s = kv->DeletePrefix(StrCat(key, "/")); !s.ok()) {
+      return Fail(s);
+    }
   }
   SafetensorsExportOptions options;
   if (max_shard_bytes > 0) options.max_shard_bytes = max_shard_bytes;
@@ -267,9 +275,19 @@ int RunExportSafetensors(const std::string& src, const std::string& dst, const s
   const auto start = std::chrono::steady_clock::now();
   ProgressBar bar("export", total);
   Result<SafetensorsExportResult> result =
-      ExportSafetensors(step->get(), kv, key, options,
+      ExportSafetensors(step->get(), kv, target, options,
                         [&](uint64_t done, uint64_t) { bar.Update(done); });
-  if (!result.ok()) return Fail(result.status());
+  if (!result.ok()) {
+    if (target != key) (void)kv->DeletePrefix(StrCat(target, "/"));
+    return Fail(result.status());
+  }
+  if (target != key) {
+    if (Status s = kv->DeletePrefix(StrCat(key, "/")); !s.ok()) return Fail(s);
+    if (Status s = kv->RenameDirectory(target, key); !s.ok()) {
+      return Fail(Annotate(s, StrCat("the new export is whole at '", target,
+                                     "'; it could not be renamed to '", key, "'")));
+    }
+  }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("exported %zu tensors (%s) from %s to safetensors at %s (%zu files) in %.2f s\n",

@@ -15,11 +15,13 @@ rm -f build/Testing/Temporary/LastTestsFailed.log
 sanitizers_wanted=0
 if [ "${CI:-}" = "true" ] || [ "${TS_SANITIZERS:-0}" = "1" ]; then sanitizers_wanted=1; fi
 mkdir -p build
-(
+# Its own process group (setsid), so that an interrupted run stops the builds too.
+setsid bash -c '
   nice -n 19 scripts/run_fuzz.sh --build-only
-  if [ "$sanitizers_wanted" = 1 ]; then nice -n 19 scripts/run_sanitizers.sh --build-only; fi
-) > build/prebuild.log 2>&1 &
+  if [ "$0" = 1 ]; then nice -n 19 scripts/run_sanitizers.sh --build-only; fi
+' "$sanitizers_wanted" > build/prebuild.log 2>&1 &
 prebuild_pid=$!
+trap 'kill -- -"$prebuild_pid" 2>/dev/null' EXIT
 (cd build && ctest --output-on-failure -j "$(nproc)" --timeout 600)
 ctest_status=$?
 .venv/bin/python -m pytest tests/python tests/s3 tests/gcs -q

@@ -304,8 +304,8 @@ def test_sharded_jax_save_exports(tmp_path):
 
 
 def test_llama_from_pretrained_gives_identical_logits(tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch  # scripts/setup.sh installs both: a missing one is a failure, never a skip
+    import transformers
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4,

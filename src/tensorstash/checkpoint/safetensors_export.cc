@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 
 #include "nlohmann/json.hpp"
 #include "tensorstash/format/safetensors/safetensors_header.h"
@@ -157,21 +158,41 @@ Result<SafetensorsExportResult> ExportSafetensors(
     for (size_t i = 0; i < f.tensors.size() && status.ok(); ++i) {
       const SafetensorsTensor& t = f.tensors[i];
       const ArrayMetadata& a = arrays[f.ids[i]];
-      // Pieces are slabs of whole rows along the first dimension.
-      int64_t rows = t.shape.empty() ? 1 : t.shape[0];
-      uint64_t row_bytes = (t.end - t.begin);
-      if (!t.shape.empty()) row_bytes = rows == 0 ? 0 : row_bytes / static_cast<uint64_t>(rows);
-      if (row_bytes == 0 || rows == 0) continue;
+      // Pieces are row-major slabs of at most piece_bytes: whole rows of the first dimension
+      // when a row fits, else slabs of a deeper dimension (a [2, 3e9] tensor must not need a
+      // 12 GB buffer). inner[d] is the bytes of one step along dimension d - 1, i.e. of the
+      // block of dimensions d.. .
+      const uint64_t total = t.end - t.begin;
+      const size_t rank = t.shape.size();
+      uint64_t count = 1;
+      for (int64_t extent : t.shape) count *= static_cast<uint64_t>(extent);
+      if (total == 0 || count == 0) continue;
+      std::vector<uint64_t> inner(rank + 1, total / count);
+      for (size_t d = rank; d-- > 0;) inner[d] = inner[d + 1] * static_cast<uint64_t>(t.shape[d]);
+      size_t split = 0;  // the dimension pieces cut; dimensions before it have extent 1
+      while (split + 1 < rank && inner[split + 1] > options.piece_bytes) ++split;
+      const uint64_t step_bytes = rank == 0 ? total : inner[split + 1];
+      const int64_t extent = rank == 0 ? 1 : t.shape[split];
       const int64_t per_piece = std::max<int64_t>(
-          1, static_cast<int64_t>(std::min<uint64_t>(options.piece_bytes / row_bytes, rows)));
-      for (int64_t r0 = 0; r0 < rows; r0 += per_piece) {
-        const int64_t n = std::min(per_piece, rows - r0);
-        const uint64_t bytes = static_cast<uint64_t>(n) * row_bytes;
-        const uint64_t offset = t.begin + static_cast<uint64_t>(r0) * row_bytes;
+          1, static_cast<int64_t>(std::min<uint64_t>(options.piece_bytes / step_bytes, extent)));
+      uint64_t outer_count = 1;
+      for (size_t d = 0; d < split && d < rank; ++d) outer_count *= static_cast<uint64_t>(t.shape[d]);
+      for (uint64_t outer = 0; outer < outer_count && status.ok(); ++outer)
+      for (int64_t r0 = 0; r0 < extent; r0 += per_piece) {
+        const int64_t n = std::min(per_piece, extent - r0);
+        const uint64_t bytes = static_cast<uint64_t>(n) * step_bytes;
+        const uint64_t offset = t.begin + outer * (rank == 0 ? total : inner[split]) +
+                                static_cast<uint64_t>(r0) * step_bytes;
         Box box = Box::FromShape(t.shape);
-        if (!box.shape.empty()) {
-          box.origin[0] = r0;
-          box.shape[0] = n;
+        if (rank > 0) {
+          uint64_t rest = outer;  // the index of each dimension before `split`, row-major
+          for (size_t d = split; d-- > 0;) {
+            box.origin[d] = static_cast<int64_t>(rest % static_cast<uint64_t>(t.shape[d]));
+            box.shape[d] = 1;
+            rest /= static_cast<uint64_t>(t.shape[d]);
+          }
+          box.origin[split] = r0;
+          box.shape[split] = n;
         }
         // Taken in the task, not here: a task the group skips after an error must not keep
         // bytes that the next piece would wait for.
@@ -179,7 +200,12 @@ Result<SafetensorsExportResult> ExportSafetensors(
         group.Run([&, box = std::move(box), bytes, offset, held, path = a.path,
                    dtype = a.dtype]() -> Status {
           limiter.Acquire(held);
-          std::unique_ptr<char[]> buffer(new char[bytes]);
+          std::unique_ptr<char[]> buffer(new (std::nothrow) char[bytes]);
+          if (buffer == nullptr) {
+            limiter.Release(held);
+            return ResourceExhaustedError(StrCat("safetensors export: no memory for a piece of ",
+                                                 bytes, " bytes of '", path, "'"));
+          }
           ReadRequest req{path, box, dtype, buffer.get()};
           Status s = source->ReadMany({req}, nullptr, nullptr);
           if (s.ok()) s = file->WriteAt(offset, buffer.get(), bytes);

@@ -11,9 +11,10 @@
 // A half export is never taken for a whole one: every file is written and synced before the
 // index, which is written last; where the store renames folders (file://), the whole folder is
 // written under a temporary name next to the destination and renamed into place at the end.
-// Memory is bounded: tensors are read and written in pieces of at most piece_bytes (one row
-// where a row is larger), with at most max_inflight_bytes held at once, by io_threads threads
-// writing at known offsets.
+// Memory is bounded: tensors are read and written in row-major pieces of at most piece_bytes
+// (cut at a deeper dimension where a row is larger; one element at least), with at most
+// max_inflight_bytes held at once, by io_threads threads writing at known offsets. A piece that
+// cannot be allocated is ResourceExhausted.
 #ifndef TENSORSTASH_CHECKPOINT_SAFETENSORS_EXPORT_H_
 #define TENSORSTASH_CHECKPOINT_SAFETENSORS_EXPORT_H_
 

@@ -2,6 +2,7 @@
 // folders, box reads of byte ranges, casts, zeros past the shape) and ExportSafetensors (names,
 // sharding, the index last). The safetensors library and transformers are checked against in
 // tests/python/test_safetensors_interop.py.
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -15,6 +16,7 @@
 #include "tensorstash/format/safetensors/safetensors_header.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/testing/status_test_macros.h"
+#include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
 namespace {
@@ -248,6 +250,35 @@ TEST(SafetensorsExportTest, ExportsShardedWithTheIndexLast) {
   // A second export into it is refused.
   EXPECT_EQ(ExportSafetensors(source->get(), &kv, "out", options).status().code(),
             absl::StatusCode::kAlreadyExists);
+}
+
+// Pieces never exceed piece_bytes, even when a row of the first dimension does: a row of "m"
+// is 168 bytes, cut at the second dimension (28-byte steps) or the third (4-byte elements).
+TEST(SafetensorsExportTest, PiecesSmallerThanARowGiveTheSameFile) {
+  MemoryKvStore kv;
+  TS_ASSERT_OK(kv.Write("src/model.safetensors", SampleFile()));
+  auto source = OpenStepSource(&kv, "src");
+  TS_ASSERT_OK(source.status());
+  std::string reference;
+  for (uint64_t piece : {uint64_t{1} << 20, uint64_t{100}, uint64_t{30}, uint64_t{8}, uint64_t{1}}) {
+    SafetensorsExportOptions options;
+    options.piece_bytes = piece;
+    options.max_inflight_bytes = std::max<uint64_t>(piece, 4);
+    const std::string out = StrCat("out", piece);
+    auto result = ExportSafetensors(source->get(), &kv, out, options);
+    TS_ASSERT_OK(result.status());
+    ASSERT_EQ(result->files.size(), 1u);
+    auto file = kv.Read(StrCat(out, "/", result->files[0]));
+    TS_ASSERT_OK(file.status());
+    if (reference.empty()) reference = *file;
+    EXPECT_EQ(*file, reference) << "piece_bytes " << piece;
+  }
+  auto back = OpenStepSource(&kv, "out1");
+  TS_ASSERT_OK(back.status());
+  std::vector<int32_t> m(210);
+  TS_ASSERT_OK((*back)->ReadMany({{"m", Box::FromShape({5, 6, 7}), DType::kInt32, m.data()}},
+                                 nullptr, nullptr));
+  for (int i = 0; i < 210; ++i) ASSERT_EQ(m[i], i);
 }
 
 TEST(SafetensorsExportTest, AFailedReadEndsTheExportWithoutAnIndexOrLeftovers) {

@@ -132,6 +132,10 @@ Result<std::chrono::system_clock::time_point> ParseRfc3339(std::string_view text
       text[13] != ':' || text[16] != ':') {
     return bad();
   }
+  // Every numeric field is digits only (ParseInt alone would take a sign: "T-1:00:00Z").
+  for (size_t at : {0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15, 17, 18}) {
+    if (text[at] < '0' || text[at] > '9') return bad();
+  }
   int year = 0, month = 0, day = 0, hour = 0, minute = 0, second = 0;
   if (!ParseInt(text.substr(0, 4), &year) || !ParseInt(text.substr(5, 2), &month) ||
       !ParseInt(text.substr(8, 2), &day) || !ParseInt(text.substr(11, 2), &hour) ||
@@ -154,6 +158,9 @@ Result<std::chrono::system_clock::time_point> ParseRfc3339(std::string_view text
   if (i < text.size() && (text[i] == 'Z' || text[i] == 'z') && i + 1 == text.size()) {
   } else if (i + 6 == text.size() && (text[i] == '+' || text[i] == '-') && text[i + 3] == ':') {
     int oh = 0, om = 0;
+    for (size_t at : {i + 1, i + 2, i + 4, i + 5}) {
+      if (text[at] < '0' || text[at] > '9') return bad();
+    }
     if (!ParseInt(text.substr(i + 1, 2), &oh) || !ParseInt(text.substr(i + 4, 2), &om)) {
       return bad();
     }

@@ -148,6 +148,11 @@ struct GcsKvStore::Impl {
   std::string Where(std::string_view key) const { return StrCat("'", key, "' in ", Describe()); }
   Status CheckKey(std::string_view key) const {
     TS_RETURN_IF_ERROR(ValidateKey(key));
+    // GCS object names are UTF-8, and they travel in JSON bodies, whose encoder would throw.
+    if (!IsValidUtf8(key)) {
+      return InvalidArgumentError(StrCat("the key '", EscapeBytes(key), "' in ", Describe(),
+                                         " is not valid UTF-8, which GCS object names must be"));
+    }
     if (HasUploadsSegment(key)) {
       return InvalidArgumentError(StrCat("the key '", key, "' in ", Describe(), " has a '",
                                          kUploadsFolder, "' segment, which tensorstash keeps "
@@ -187,6 +192,12 @@ struct GcsKvStore::Impl {
       request.headers = call.headers;
       Result<std::string> token = options.credentials->Token();
       if (!token.ok()) return fatal = Annotate(token.status(), what);
+      // A token with a control character would end the header early and inject others.
+      if (std::any_of(token->begin(), token->end(),
+                      [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; })) {
+        return fatal = PermissionDeniedError(StrCat(
+            what, ": the Google Cloud access token has a control character; it is not sent"));
+      }
       if (!token->empty()) request.headers.emplace_back("authorization", StrCat("Bearer ", *token));
       RequestSlot slot(*slots);
       return client->Perform(request, what);
@@ -666,6 +677,11 @@ Result<std::unique_ptr<GcsKvStore>> GcsKvStore::Open(GcsKvStoreOptions options) 
   }
   while (options.prefix.ends_with('/')) options.prefix.pop_back();
   if (!options.prefix.empty()) {
+    if (!IsValidUtf8(options.prefix)) {
+      return InvalidArgumentError(StrCat("the prefix of gs://", options.bucket, "/",
+                                         EscapeBytes(options.prefix),
+                                         " is not valid UTF-8, which GCS object names must be"));
+    }
     Status valid = ValidateKey(options.prefix);
     if (!valid.ok()) {
       return InvalidArgumentError(StrCat("the prefix of gs://", options.bucket, "/",
