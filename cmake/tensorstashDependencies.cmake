@@ -29,9 +29,12 @@ if(TENSORSTASH_WITH_S3 OR TENSORSTASH_WITH_GCS OR TENSORSTASH_WITH_TIERS)
   pkg_check_modules(CURL REQUIRED IMPORTED_TARGET libcurl)
   pkg_check_modules(MICROHTTPD REQUIRED IMPORTED_TARGET libmicrohttpd)
 endif()
-if(TENSORSTASH_WITH_S3)
-  # SHA-256 and HMAC of the S3 request signer (src/tensorstash/kvstore/s3/sigv4.h).
+if(TENSORSTASH_WITH_S3 OR TENSORSTASH_WITH_GCS)
+  # SHA-256 and HMAC of the S3 request signer (src/tensorstash/kvstore/s3/sigv4.h); the RS256
+  # JWTs of GCS service accounts (src/tensorstash/kvstore/gcs/gcs_credentials.cc).
   find_package(OpenSSL REQUIRED COMPONENTS Crypto)
+endif()
+if(TENSORSTASH_WITH_S3)
   # The XML answers of S3 (listings, multipart uploads, errors): src/tensorstash/kvstore/s3/.
   pkg_check_modules(EXPAT REQUIRED IMPORTED_TARGET expat)
 endif()

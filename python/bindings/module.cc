@@ -191,22 +191,25 @@ NB_MODULE(_ext, m) {
   m.def(
       "configure_gcs",
       [](std::optional<std::string> endpoint, std::optional<std::string> token, bool anonymous,
-         std::optional<std::string> user_project, std::optional<std::string> prefix) {
+         std::optional<std::string> user_project, std::optional<std::string> prefix,
+         std::optional<std::string> credentials_file) {
         tensorstash::GcsDefaults defaults;
         defaults.url_prefix = prefix.value_or("");
         defaults.endpoint = endpoint.value_or("");
         defaults.credentials.anonymous = anonymous;
         defaults.credentials.token = std::move(token);
+        defaults.credentials.credentials_file = std::move(credentials_file);
         defaults.user_project = user_project.value_or("");
         py::ThrowIfError(tensorstash::SetGcsDefaults(std::move(defaults)));
       },
       nb::arg("endpoint") = nb::none(), nb::arg("token") = nb::none(),
       nb::arg("anonymous") = false, nb::arg("user_project") = nb::none(),
-      nb::arg("prefix") = nb::none(),
+      nb::arg("prefix") = nb::none(), nb::arg("credentials_file") = nb::none(),
       "Settings for gs:// URLs (kvstore/gcs/gcs_kvstore.h, SetGcsDefaults); None keeps the "
       "environment's. With `prefix` (\"gs://bucket[/path]\"), only for URLs at or under it (the "
-      "longest prefix wins). ValueError for both a token and anonymous, or a prefix that is "
-      "not a gs:// URL.");
+      "longest prefix wins). ValueError for more than one of credentials_file, token and "
+      "anonymous, a malformed credentials file, or a prefix that is not a gs:// URL; "
+      "PermissionError for a credentials file that cannot be read.");
   m.def("store_schemes", &tensorstash::RegisteredKvStoreSchemes,
         "The URL schemes stores can be opened with (plain paths are local folders).");
   py::DefineWriter(m);

@@ -55,18 +55,22 @@ def configure_s3(*, endpoint: str | None = None, region: str | None = None,
                       session_token, anonymous, prefix)
 
 
-def configure_gcs(*, endpoint: str | None = None, token: str | None = None,
-                  anonymous: bool = False, user_project: str | None = None,
-                  prefix: str | None = None) -> None:
+def configure_gcs(*, endpoint: str | None = None, credentials_file: str | None = None,
+                  token: str | None = None, anonymous: bool = False,
+                  user_project: str | None = None, prefix: str | None = None) -> None:
     """Explicit settings for the ``gs://`` paths opened from now on in this process.
 
     ``endpoint`` (``"http(s)://host[:port]"``) wins over ``STORAGE_EMULATOR_HOST`` and Google's
-    ``https://storage.googleapis.com``. ``token`` is an OAuth 2 access token sent as it is
-    (never refreshed; e.g. ``gcloud auth print-access-token``); ``anonymous=True`` sends no
-    credentials (public buckets, emulators). Without either, an emulator named by
-    ``STORAGE_EMULATOR_HOST`` is used anonymously; otherwise requests fail with PermissionError
-    (Google's Application Default Credentials are not read yet). ``user_project`` bills
-    requester-pays buckets to that project.
+    ``https://storage.googleapis.com``. Credentials, at most one: ``credentials_file`` (a
+    service-account key or the ``authorized_user`` file of ``gcloud auth application-default
+    login``; read now), ``token`` (an OAuth 2 access token sent as it is, never refreshed; e.g.
+    ``gcloud auth print-access-token``) or ``anonymous=True`` (no credentials: public buckets,
+    emulators). Without any, an emulator named by ``STORAGE_EMULATOR_HOST`` is used
+    anonymously, and otherwise Google's Application Default Credentials are looked for:
+    ``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's ``application_default_credentials.json``, then
+    the metadata server (GCE, GKE, TPU VMs); when none is found, requests fail with
+    PermissionError listing where it looked. ``user_project`` bills requester-pays buckets to
+    that project.
 
     Any endpoint but Google's is checked once per process and bucket before the first write:
     a server that ignores ``ifGenerationMatch`` (gcp-storage-emulator) is refused writes.
@@ -74,7 +78,9 @@ def configure_gcs(*, endpoint: str | None = None, token: str | None = None,
     ``prefix`` (``"gs://bucket"`` or ``"gs://bucket/path"``) scopes the settings to the paths at
     or under it; a path takes the settings of the longest prefix it lies under, and those given
     without ``prefix`` when none matches. Each call replaces the previous one for the same
-    prefix. ValueError for both ``token`` and ``anonymous``, an empty token, or a prefix that is
-    not a ``gs://`` URL.
+    prefix. ValueError for more than one credential, an empty token, a malformed credentials
+    file, or a prefix that is not a ``gs://`` URL; PermissionError for a credentials file that
+    cannot be read.
     """
-    _ext.configure_gcs(endpoint, token, anonymous, user_project, prefix)
+    _ext.configure_gcs(endpoint, token, anonymous, user_project, prefix,
+                       credentials_file=credentials_file)

@@ -949,7 +949,8 @@ Status RegisterGcsKvStore() {
       [](std::string_view rest, const OpenStoreOptions& open) -> Result<std::unique_ptr<KvStore>> {
         TS_RETURN_IF_ERROR(CheckDriverOptions(
             "gs", rest, open,
-            {"endpoint", "token", "anonymous", "user_project", "part_size", "list_page_size"}));
+            {"endpoint", "credentials_file", "token", "anonymous", "user_project", "part_size",
+             "list_page_size"}));
         const std::string url = StrCat("gs://", rest);
         const size_t slash = rest.find('/');
         GcsKvStoreOptions options;
@@ -959,10 +960,13 @@ Status RegisterGcsKvStore() {
         const EnvLookup env = ProcessEnv();
         GcsCredentialOptions credentials = defaults.credentials;
         std::optional<std::string> token;
+        std::optional<std::string> credentials_file;
         bool anonymous = false;
         for (const auto& [name, value] : open.driver_options) {
           if (name == "endpoint") {
             defaults.endpoint = value;
+          } else if (name == "credentials_file") {
+            credentials_file = value;
           } else if (name == "token") {
             token = value;
           } else if (name == "anonymous") {
@@ -978,13 +982,17 @@ Status RegisterGcsKvStore() {
             options.list_page_size = static_cast<int>(page);
           }
         }
-        if (token.has_value() && anonymous) {
+        if (int{token.has_value()} + int{anonymous} + int{credentials_file.has_value()} > 1) {
           return InvalidArgumentError(StrCat("opening ", url,
-                                             ": give the store option token or anonymous, "
-                                             "not both"));
+                                             ": give one of the store options credentials_file, "
+                                             "token and anonymous"));
         }
-        if (token.has_value()) credentials = {.anonymous = false, .token = token};
-        if (anonymous) credentials = {.anonymous = true, .token = std::nullopt};
+        if (token.has_value() || anonymous || credentials_file.has_value()) {
+          credentials = GcsCredentialOptions();
+          credentials.anonymous = anonymous;
+          credentials.token = token;
+          credentials.credentials_file = credentials_file;
+        }
         if (!defaults.endpoint.empty()) {
           options.endpoint = defaults.endpoint;
         } else if (std::optional<std::string> emulator = GcsEmulatorEndpoint(env)) {

@@ -140,8 +140,9 @@ class GcsKvStore final : public KvStore {
 
 // Registers "gs://bucket/prefix" with the store registry. Driver options (each wins over the
 // SetGcsDefaults of the longest url_prefix the URL lies under, which win over the environment):
-// endpoint, token, anonymous ("true"/"false"), user_project, part_size (bytes),
-// list_page_size; any other name is InvalidArgument naming it. The endpoint, when none is
+// endpoint, credentials_file (a service-account key or authorized_user file), token,
+// anonymous ("true"/"false"), user_project, part_size (bytes), list_page_size; any other name
+// is InvalidArgument naming it, and so is more than one of credentials_file, token, anonymous. The endpoint, when none is
 // given: STORAGE_EMULATOR_HOST's, else Google's.
 Status RegisterGcsKvStore();
 
@@ -149,7 +150,8 @@ Status RegisterGcsKvStore();
 // wins over the environment. With `url_prefix` ("gs://bucket" or "gs://bucket/path"), they hold
 // for the URLs at or under it only (the longest prefix wins); without, for every other URL. A
 // call replaces the settings of the same prefix. InvalidArgument for a prefix that is not a gs://
-// URL, or both a token and anonymous, and nothing changes then.
+// URL or more than one credential; the errors of ResolveGcsCredentials for a credentials file
+// (read here); nothing changes then.
 struct GcsDefaults {
   std::string endpoint;  // "" = not set
   GcsCredentialOptions credentials;

@@ -4,13 +4,21 @@
 // it are refused. ctest starts the servers (fixtures in CMakeLists.txt) and names their
 // server.env in TS_GCS_ENV_FILE; without it every test here fails (a missing server is an
 // error, never a pass).
+#include <openssl/bio.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/rsa.h>
+
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -328,6 +336,190 @@ TEST_F(GcsStoreTest, StorageEmulatorHostGivesTheEndpointAndAnonymousAccess) {
   ASSERT_TRUE(store.ok()) << store.status();
   TS_ASSERT_OK((*store)->WriteIfAbsent("k", "v"));
   EXPECT_EQ((*store)->Read("k").value(), "v");
+}
+
+// --- The credential chain end to end: tokens from the fakes (tests/gcs/gcs_fakes.py), checked
+// by the proxy's listener that needs a bearer token the fakes issued (TS_GCS_AUTH_ENDPOINT). ---
+using GcsCredentialTest = GcsServerTest;
+
+// Explicit credentials (a helper: designated initializers would leave fields out).
+GcsCredentialOptions Given(bool anonymous, std::optional<std::string> token = std::nullopt,
+                           std::optional<std::string> credentials_file = std::nullopt) {
+  GcsCredentialOptions options;
+  options.anonymous = anonymous;
+  options.token = std::move(token);
+  options.credentials_file = std::move(credentials_file);
+  return options;
+}
+
+// GETs a fake's /__fake__/config?query (`base` is "http://host:port") and returns its stats.
+std::string FakeControl(const std::string& base, const std::string& query) {
+  HttpClient client;
+  HttpRequest request;
+  request.url = StrCat(base, "/__fake__/config?", query);
+  Result<HttpResponse> response = client.Perform(request, "asking a credentials fake");
+  EXPECT_TRUE(response.ok()) << response.status();
+  if (!response.ok()) return "";
+  EXPECT_EQ(response->status, 200) << response->body;
+  return response->body;
+}
+
+std::string TokenServerBase() {
+  std::string uri = ServerEnv()["TS_GCS_TOKEN_URI"];
+  return uri.substr(0, uri.rfind('/'));
+}
+
+// The count `kind` ("jwt", "refresh", "metadata") of the token server's grants.
+int64_t Grants(const std::string& kind) {
+  const nlohmann::json stats = nlohmann::json::parse(FakeControl(TokenServerBase(), ""),
+                                                     nullptr, /*allow_exceptions=*/false);
+  EXPECT_TRUE(stats.is_object() && stats.contains("grants")) << stats.dump();
+  if (!stats.is_object() || !stats.contains("grants")) return -1;
+  return stats["grants"].value(kind, int64_t{-1});
+}
+
+// A store on the listener that checks tokens, with the credentials `env` and `given` resolve to.
+std::unique_ptr<GcsKvStore> OpenWithChain(const GcsCredentialOptions& given,
+                                          std::map<std::string, std::string> env) {
+  Result<std::shared_ptr<GcsCredentialProvider>> credentials =
+      ResolveGcsCredentials(given, FixedEnv(std::move(env)));
+  if (!credentials.ok()) {
+    ADD_FAILURE() << credentials.status();
+    return nullptr;
+  }
+  GcsKvStoreOptions options = TestOptions();
+  options.endpoint = ServerEnv()["TS_GCS_AUTH_ENDPOINT"];
+  options.credentials = *std::move(credentials);
+  options.probe = false;  // so that each Write and Read below is one request (one Token())
+  return OpenOrNull(std::move(options));
+}
+
+std::string EmptyHome() {
+  const std::string home = StrCat(::testing::TempDir(), "/gcs-empty-home-", RandomHexId(6));
+  std::filesystem::create_directories(home);
+  return home;
+}
+
+TEST_F(GcsCredentialTest, AServiceAccountKeyIsExchangedForATokenTheServerAccepts) {
+  const int64_t before = Grants("jwt");
+  std::unique_ptr<GcsKvStore> store =
+      OpenWithChain(Given(false, std::nullopt, ServerEnv()["TS_GCS_SA_KEY"]), {});
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("k", "sa"));
+  EXPECT_EQ(store->Read("k").value(), "sa");
+  // One grant, kept for every request while it is fresh.
+  EXPECT_EQ(Grants("jwt"), before + 1);
+}
+
+TEST_F(GcsCredentialTest, AuthorizedUserCredentialsFromTheEnvironmentAreRefreshed) {
+  const int64_t before = Grants("refresh");
+  std::unique_ptr<GcsKvStore> store = OpenWithChain(
+      {}, {{"GOOGLE_APPLICATION_CREDENTIALS", ServerEnv()["TS_GCS_AUTHORIZED_USER"]},
+           {"HOME", EmptyHome()}, {"NO_GCE_CHECK", "true"}});
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("k", "user"));
+  EXPECT_EQ(store->Read("k").value(), "user");
+  EXPECT_EQ(Grants("refresh"), before + 1);
+}
+
+TEST_F(GcsCredentialTest, GcloudsApplicationDefaultCredentialsAreFound) {
+  const std::string config = EmptyHome();
+  std::filesystem::copy_file(ServerEnv()["TS_GCS_AUTHORIZED_USER"],
+                             config + "/application_default_credentials.json");
+  std::unique_ptr<GcsKvStore> store =
+      OpenWithChain({}, {{"CLOUDSDK_CONFIG", config}, {"NO_GCE_CHECK", "true"}});
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("k", "adc"));
+  EXPECT_EQ(store->Read("k").value(), "adc");
+}
+
+TEST_F(GcsCredentialTest, TheMetadataServerGivesATokenWhenNothingElseDoes) {
+  const int64_t before = Grants("metadata");
+  std::unique_ptr<GcsKvStore> store = OpenWithChain(
+      {}, {{"HOME", EmptyHome()}, {"GCE_METADATA_HOST", ServerEnv()["TS_GCS_METADATA_HOST"]}});
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("k", "gce"));
+  EXPECT_EQ(store->Read("k").value(), "gce");
+  EXPECT_EQ(Grants("metadata"), before + 1);
+}
+
+TEST_F(GcsCredentialTest, ATokenCloseToItsExpiryIsReplacedByASecondGrant) {
+  // Tokens that live 200 s are within the 5 minute refresh margin at once: every request
+  // fetches a new one. Tokens that live an hour are fetched once.
+  FakeControl(TokenServerBase(), "expires_in=200");
+  struct Restore {
+    ~Restore() { FakeControl(TokenServerBase(), "expires_in=3600"); }
+  } restore;  // the later tests get hour-long tokens even when this one fails
+  std::unique_ptr<GcsKvStore> store =
+      OpenWithChain(Given(false, std::nullopt, ServerEnv()["TS_GCS_SA_KEY"]), {});
+  ASSERT_NE(store, nullptr);
+  const int64_t before = Grants("jwt");
+  TS_ASSERT_OK(store->Write("k", "1"));
+  EXPECT_EQ(store->Read("k").value(), "1");
+  EXPECT_GE(Grants("jwt"), before + 2);
+  FakeControl(TokenServerBase(), "expires_in=3600");
+  TS_ASSERT_OK(store->Write("k", "2"));  // the last 200 s token is due: one more grant
+  const int64_t fresh = Grants("jwt");
+  EXPECT_EQ(store->Read("k").value(), "2");
+  TS_ASSERT_OK(store->Write("k", "3"));
+  EXPECT_EQ(store->Read("k").value(), "3");
+  EXPECT_EQ(Grants("jwt"), fresh);  // the hour-long token is kept
+}
+
+TEST_F(GcsCredentialTest, AKeyTheTokenEndpointDoesNotKnowIsPermissionDenied) {
+  // The registered key's id and email, but another private key: the signature does not verify.
+  std::ifstream in(ServerEnv()["TS_GCS_SA_KEY"]);
+  nlohmann::json key = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(key.is_object());
+  std::unique_ptr<EVP_PKEY_CTX, decltype(&EVP_PKEY_CTX_free)> ctx(
+      EVP_PKEY_CTX_new_id(EVP_PKEY_RSA, nullptr), &EVP_PKEY_CTX_free);
+  EVP_PKEY* raw_key = nullptr;
+  ASSERT_EQ(EVP_PKEY_keygen_init(ctx.get()), 1);
+  ASSERT_EQ(EVP_PKEY_CTX_set_rsa_keygen_bits(ctx.get(), 2048), 1);
+  ASSERT_EQ(EVP_PKEY_keygen(ctx.get(), &raw_key), 1);
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> other(raw_key, &EVP_PKEY_free);
+  std::unique_ptr<BIO, decltype(&BIO_free)> bio(BIO_new(BIO_s_mem()), &BIO_free);
+  ASSERT_EQ(PEM_write_bio_PrivateKey(bio.get(), other.get(), nullptr, nullptr, 0, nullptr, nullptr),
+            1);
+  char* pem = nullptr;
+  const long pem_size = BIO_get_mem_data(bio.get(), &pem);
+  key["private_key"] = std::string(pem, static_cast<size_t>(pem_size));
+  const std::string path = StrCat(EmptyHome(), "/wrong-key.json");
+  std::ofstream(path) << key.dump();
+
+  const int64_t refused_before = Grants("jwt");
+  std::unique_ptr<GcsKvStore> store = OpenWithChain(Given(false, std::nullopt, path), {});
+  ASSERT_NE(store, nullptr);
+  Result<std::string> read = store->Read("k");
+  ASSERT_TRUE(absl::IsPermissionDenied(read.status())) << read.status();
+  EXPECT_THAT(std::string(read.status().message()), HasSubstr(path));
+  EXPECT_THAT(std::string(read.status().message()), HasSubstr("refused"));
+  EXPECT_EQ(Grants("jwt"), refused_before);
+}
+
+TEST_F(GcsCredentialTest, NoCredentialAnywhereIsPermissionDeniedBeforeAnyRequest) {
+  std::unique_ptr<GcsKvStore> store =
+      OpenWithChain({}, {{"HOME", EmptyHome()}, {"NO_GCE_CHECK", "true"}});
+  ASSERT_NE(store, nullptr);
+  Status written = store->Write("k", "v");
+  ASSERT_TRUE(absl::IsPermissionDenied(written)) << written;
+  EXPECT_THAT(std::string(written.message()), HasSubstr("GOOGLE_APPLICATION_CREDENTIALS"));
+  EXPECT_THAT(std::string(written.message()), HasSubstr("gcloud auth application-default login"));
+}
+
+TEST_F(GcsCredentialTest, TheRegistryTakesACredentialsFileDriverOption) {
+  std::map<std::string, std::string> env = ServerEnv();
+  OpenStoreOptions open;
+  open.create = true;
+  open.driver_options = {{"endpoint", env["TS_GCS_AUTH_ENDPOINT"]},
+                         {"credentials_file", env["TS_GCS_SA_KEY"]}};
+  const std::string url = StrCat("gs://", env["TS_GCS_BUCKET"], "/c-", RandomHexId(8));
+  Result<std::unique_ptr<KvStore>> store = OpenKvStore(url, open);
+  ASSERT_TRUE(store.ok()) << store.status();
+  TS_ASSERT_OK((*store)->WriteIfAbsent("a", "1"));
+  EXPECT_EQ((*store)->Read("a").value(), "1");
+  open.driver_options["token"] = "t";
+  EXPECT_TRUE(absl::IsInvalidArgument(OpenKvStore(url, open).status()));
 }
 
 // --- Checkpoints on the store: commit without rename, reads pinned to generations. ---
