@@ -474,3 +474,91 @@ def default_coordinator() -> TorchCoordinator | None:
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
     return TorchCoordinator() if dist.get_world_size() > 1 else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Nested trees and dotted state_dict names.
+#
+# A checkpoint's tree paths are its dict keys joined with '/': the torch state dict
+# {"model": {"0.weight": t}} is saved at path "model/0.weight", the Flax-style tree
+# {"model": {"0": {"weight": x}}} at "model/0/weight". A restore matches a target by those paths,
+# so a tree saved in one form restores into a target of the same form; nest() and flatten()
+# turn one form into the other (sharing the leaves, no copy).
+
+
+def flatten(tree: Any, sep: str = ".") -> dict[str, Any]:
+    """The flat dict of `tree`'s leaves named by their keys joined with `sep` (list and tuple
+    positions as numbers, int keys as numbers): {"model": {"0": {"weight": x}}} ->
+    {"model.0.weight": x}, the names tensorstash.export_safetensors gives. Leaves are
+    everything but dicts, lists and tuples (empty ones are dropped); keys that already hold
+    `sep` are kept as they are ({"model": {"0.weight": t}} -> {"model.0.weight": t}).
+    ValueError naming both when two leaves join to the same name; TypeError for a key that
+    is neither a str nor an int."""
+    out: dict[str, Any] = {}
+    origin: dict[str, tuple] = {}
+
+    def walk(x: Any, keys: tuple) -> None:
+        if isinstance(x, dict):
+            items = x.items()
+        elif isinstance(x, (list, tuple)):
+            items = enumerate(x)
+        else:
+            name = sep.join(keys)
+            if name in out:
+                raise ValueError(f"flatten: {origin[name]!r} and {keys!r} both join to "
+                                 f"{name!r}")
+            out[name], origin[name] = x, keys
+            return
+        for k, v in items:
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                raise TypeError(f"flatten: key {k!r} under {sep.join(keys)!r} is not a str "
+                                f"or an int")
+            walk(v, keys + (str(k),))
+
+    walk(tree, ())
+    return out
+
+
+def nest(flat: Any, sep: str = ".") -> Any:
+    """`flat` with every str key split at `sep` into nested dicts, at every depth of dicts:
+    {"model.0.weight": t} and {"model": {"0.weight": t}} both -> {"model": {"0": {"weight": t}}},
+    so nest(model.state_dict()) is a target for a tree saved from JAX/Flax, and
+    tensorstash.torch.load(path, nest(sd)) fills the model's own tensors. Lists, tuples, int
+    keys and leaves are kept as they are (an optimizer's state and param_groups). ValueError
+    naming both when a name is a leaf and the prefix of another ("a" and "a.b") or appears
+    twice, and for an empty part ("a..b", ".a")."""
+    if not isinstance(flat, dict):
+        return flat
+    out: dict[Any, Any] = {}
+    for key, value in flat.items():
+        value = nest(value, sep)
+        parts = key.split(sep) if isinstance(key, str) else [key]
+        if any(p == "" for p in parts):
+            raise ValueError(f"nest: {key!r} has an empty part between {sep!r}")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"nest: {sep.join(map(str, parts[:i + 1]))!r} is a leaf and "
+                                 f"the prefix of {key!r}")
+            node = child
+        last = parts[-1]
+        if last in node:
+            if isinstance(node[last], dict) and isinstance(value, dict):
+                _merge(node[last], value, key, sep)
+                continue
+            raise ValueError(f"nest: {key!r} is given twice, or is a leaf and the prefix of "
+                             f"another name")
+        node[last] = value
+    return out
+
+
+def _merge(dst: dict, src: dict, where: Any, sep: str) -> None:
+    for k, v in src.items():
+        if k in dst:
+            if isinstance(dst[k], dict) and isinstance(v, dict):
+                _merge(dst[k], v, f"{where}{sep}{k}", sep)
+                continue
+            raise ValueError(f"nest: {f'{where}{sep}{k}'!r} is given twice, or is a leaf and the "
+                             f"prefix of another name")
+        dst[k] = v
