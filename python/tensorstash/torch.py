@@ -474,3 +474,13 @@ def default_coordinator() -> TorchCoordinator | None:
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
     return TorchCoordinator() if dist.get_world_size() > 1 else None
+
+
+def __getattr__(name: str) -> Any:
+    """StorageWriter and StorageReader (DCP's storage interfaces over tensorstash steps,
+    torch_dcp.py): imported on first use, so that importing this module never imports
+    torch.distributed.checkpoint."""
+    if name in ("StorageWriter", "StorageReader"):
+        from . import torch_dcp
+        return getattr(torch_dcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
