@@ -35,6 +35,9 @@ from torch.futures import Future
 from . import _ext, _paths, _restore, _tree
 from . import torch as ttorch
 
+# A non-tensor value the tree cannot hold is stored as {PICKLED: torch.save(value)'s bytes}.
+PICKLED = "dcp.torch_save"
+
 # How long a rank waits for another's part of a save (the coordinator, in finish()).
 _PART_TIMEOUT_MS = 30 * 60 * 1000
 
@@ -80,7 +83,10 @@ class StorageWriter(_DcpStorageWriter):
     Tensors are stored by their flattened state-dict name's object path (the tree
     tensorstash.save writes for the same state dict); non-tensor values DCP saves as bytes are
     stored as tree values when they are plain (None, bool, int, float, str, bytes, and lists,
-    tuples and dicts of them), else as the bytes of torch.save of the value. Errors raise from
+    tuples and dicts of them), else as {PICKLED: the bytes of torch.save of the value}, which
+    StorageReader gives back to DCP as they are. Dict keys that are ints come back as str
+    (DCP's flattened names carry str(key), and the planner keeps no other), so a raw
+    optimizer.state_dict()'s state is keyed "0", "1", ... where tensorstash.save keeps 0, 1. Errors raise from
     DCP's save (FileExistsError when the step is complete already and not `overwrite`,
     OSError for storage errors); on error nothing new is visible at `path`."""
 
@@ -141,7 +147,7 @@ class StorageWriter(_DcpStorageWriter):
         mappings = dict(getattr(planner, "mappings", None) or {})
         for fqn, value in flat.items():
             if not isinstance(value, torch.Tensor) and not _plain(value):
-                flat[fqn] = _torch_saved(value)
+                flat[fqn] = {PICKLED: _torch_saved(value)}
         fqns_by_id: dict[int, list[str]] = {}
         for fqn, value in flat.items():
             if isinstance(value, torch.Tensor):
@@ -208,6 +214,12 @@ class StorageWriter(_DcpStorageWriter):
         return StorageMeta(checkpoint_id=self.path)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pickled:
+    """A value StorageWriter stored as torch.save's bytes ({PICKLED: data})."""
+    data: bytes
+
+
 class StorageReader(_DcpStorageReader):
     """Reads the tensorstash step at `path` (any store URL; a step of tensorstash.save or of
     StorageWriter, or any format tensorstash.restore reads) for DCP's load. The flattened
@@ -243,6 +255,8 @@ class StorageReader(_DcpStorageReader):
                 stand_in[id(t)] = x.path
                 return t
             if isinstance(x, dict):
+                if len(x) == 1 and isinstance(x.get(PICKLED), bytes):
+                    return _Pickled(x[PICKLED])  # one value to DCP, not a dict to walk
                 return {k: swap(v) for k, v in x.items()}
             if isinstance(x, list):
                 return [swap(v) for v in x]
@@ -285,7 +299,9 @@ class StorageReader(_DcpStorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 if fqn not in self._values:
                     raise KeyError(f"{self.path}: no value {fqn!r} in the step")
-                planner.load_bytes(item, io.BytesIO(_torch_saved(self._values[fqn])))
+                value = self._values[fqn]
+                data = value.data if isinstance(value, _Pickled) else _torch_saved(value)
+                planner.load_bytes(item, io.BytesIO(data))
                 continue
             if fqn not in self._arrays:
                 raise KeyError(f"{self.path}: no tensor {fqn!r} in the step")
