@@ -86,9 +86,12 @@ class StorageWriter(_DcpStorageWriter):
     tuples and dicts of them), else as {PICKLED: the bytes of torch.save of the value}, which
     StorageReader gives back to DCP as they are. Dict keys that are ints come back as str
     (DCP's flattened names carry str(key), and the planner keeps no other), so a raw
-    optimizer.state_dict()'s state is keyed "0", "1", ... where tensorstash.save keeps 0, 1. Errors raise from
-    DCP's save (FileExistsError when the step is complete already and not `overwrite`,
-    OSError for storage errors); on error nothing new is visible at `path`."""
+    optimizer.state_dict()'s state is keyed "0", "1", ... where tensorstash.save keeps 0, 1.
+    Errors raise from DCP's save, wrapped in its CheckpointException (FileExistsError when the
+    step is complete already and not `overwrite`, OSError for storage errors); on error
+    nothing new is visible at `path`. The parts of ranks other than DCP's coordinator travel
+    through torch.distributed's store (under "tensorstash/dcp/<nonce>/"), so that a rank with
+    an empty plan (no WriteResult to carry it) still hands its part over."""
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False,
                  codec: str = "none") -> None:
