@@ -562,3 +562,13 @@ def _merge(dst: dict, src: dict, where: Any, sep: str) -> None:
             raise ValueError(f"nest: {f'{where}{sep}{k}'!r} is given twice, or is a leaf and the "
                              f"prefix of another name")
         dst[k] = v
+
+
+def __getattr__(name: str) -> Any:
+    """StorageWriter and StorageReader (DCP's storage interfaces over tensorstash steps,
+    torch_dcp.py): imported on first use, so that importing this module never imports
+    torch.distributed.checkpoint."""
+    if name in ("StorageWriter", "StorageReader"):
+        from . import torch_dcp
+        return getattr(torch_dcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
