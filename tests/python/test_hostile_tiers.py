@@ -153,6 +153,29 @@ def test_a_corrupt_only_local_copy_falls_back_to_an_intact_older_step(tmp_path, 
         assert "does not restore whole" not in caplog.text
 
 
+def test_a_damaged_only_metadata_file_falls_back_to_an_intact_older_step(tmp_path, caplog):
+    # The chaos test (seed 808614175) flipped a byte of metadata.json in the only holding of the
+    # latest step: the restore took that step with metadata() None instead of the older step.
+    local = tmp_path / "local"
+    options = dict(local_dir=local, save_interval_steps=10, local_save_interval_steps=1,
+                   local_max_to_keep=1, async_save=False)
+    with tensorstash.CheckpointManager(tmp_path / "p", **options) as mgr:
+        for step in (10, 11):
+            mgr.save(step, {"w": np.full(4096, float(step), np.float32)},
+                     per_process={"step": step}, metadata={"step": step})
+        assert mgr.all_steps() == [10]
+    flip_a_byte(str(local / "p0-of-1" / "0000000011" / "metadata.json"), offset=3)
+    with tensorstash.CheckpointManager(tmp_path / "p", **options) as mgr:
+        step = mgr.latest_step()
+        assert step == 11
+        tree = mgr.restore(step)
+        assert mgr.last_restore_stats.step == 10
+        np.testing.assert_array_equal(tree["w"], np.full(4096, 10.0, np.float32))
+        assert mgr.metadata(step) == {"step": 10}
+        assert mgr.per_process(step) == {"step": 10}
+        assert "step 11" in caplog.text and "metadata.json" in caplog.text
+
+
 def test_the_plain_manager_falls_back_from_a_corrupt_latest_step(tmp_path, caplog):
     with tensorstash.CheckpointManager(tmp_path, async_save=False) as mgr:
         for step in (1, 2):

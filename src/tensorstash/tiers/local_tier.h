@@ -154,8 +154,9 @@ class LocalTier {
   // peers' (starting after this process, so that requests spread), then `persistent` (if it has
   // the step; may be null), and reads the extras (this process's value from a holding that
   // carries it, else from the persistent step). NotFound when no tier holds all of the step;
-  // DataLoss when this process's value is held but no holder gives it intact. Every process must
-  // then call FinishRestore, whether this succeeded or not.
+  // DataLoss when this process's value, or the step's metadata, is held but no holder gives it
+  // intact (the step does not restore whole: an older one may). Every process must then call
+  // FinishRestore, whether this succeeded or not.
   Result<TieredRestore> OpenStep(int64_t step, const JobHoldings& job, KvStore* persistent,
                                  ReaderOptions options = {});
   // Collective: every process says how its restore ended (`error`: "" when it read everything),

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -472,6 +473,72 @@ TEST_F(MultiTierManagerTest, ASingleProcessSkipsTheServerAndRestoresItsOwnCopy) 
   Result<TieredRestore> missing = (*mgr)->OpenRestore(7);
   EXPECT_TRUE(absl::IsNotFound(missing.status())) << missing.status();
   TS_EXPECT_OK((*mgr)->FinishRestore(nullptr, nullptr));
+  TS_EXPECT_OK((*mgr)->Close());
+}
+
+// Flips one byte of `path` (a fault on the node, as the chaos test injects).
+void FlipByte(const std::string& path, std::streamoff offset) {
+  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+  ASSERT_TRUE(file.good()) << path;
+  file.seekg(offset);
+  char byte = 0;
+  ASSERT_TRUE(file.get(byte)) << path;
+  file.seekp(offset);
+  file.put(static_cast<char>(byte ^ 0x15));
+  ASSERT_TRUE(file.good()) << path;
+}
+
+TEST_F(MultiTierManagerTest, ADamagedMetadataFileComesFromAnotherTierOrFailsTheStep) {
+  // The chaos test flipped a byte of the metadata.json of the only holding of the latest step;
+  // the restore went on as if the step had no metadata (the file's every copy damaged read as
+  // NotFound), and the job failed its check instead of restoring the older step.
+  Result<std::unique_ptr<KvStore>> kv = OpenKvStore(PersistentDir(), {.create = true});
+  TS_ASSERT_OK(kv.status());
+  const std::string holdings = StrCat(NodeDir(0), "/", HoldingFolder(0, 1));
+  std::vector<char> data;
+  {
+    // Step 100 goes to both tiers; its local copy's metadata is damaged.
+    Result<std::unique_ptr<MultiTierManager>> mgr =
+        MultiTierManager::Open(kv->get(), Options(0, nullptr));
+    TS_ASSERT_OK(mgr.status());
+    TS_ASSERT_OK((*mgr)->Save(100, Request(0, 100, &data, Box::FromShape(kShape))).status());
+    TS_ASSERT_OK((*mgr)->Close());
+  }
+  FlipByte(StrCat(holdings, "/0000000100/metadata.json"), 3);
+  {
+    // The persistent tier's copy is intact: it gives the metadata.
+    Result<std::unique_ptr<MultiTierManager>> mgr =
+        MultiTierManager::Open(kv->get(), Options(0, nullptr));
+    TS_ASSERT_OK(mgr.status());
+    Result<TieredRestore> restore = (*mgr)->OpenRestore(100);
+    TS_ASSERT_OK(restore.status());
+    EXPECT_TRUE(restore->save.has_value());  // the local save, with the persistent step behind
+    EXPECT_EQ(restore->extras.metadata, "{\"step\": 100}");
+    EXPECT_TRUE(restore->source->tier_stats().local_failed);
+    TS_EXPECT_OK((*mgr)->FinishRestore(&*restore, nullptr));
+    // Step 101 goes to the local tier only: its one copy of the metadata is then damaged.
+    TS_ASSERT_OK((*mgr)->Save(101, Request(0, 101, &data, Box::FromShape(kShape))).status());
+    TS_ASSERT_OK((*mgr)->Close());
+  }
+  FlipByte(StrCat(holdings, "/0000000101/metadata.json"), 3);
+  Result<std::unique_ptr<MultiTierManager>> mgr =
+      MultiTierManager::Open(kv->get(), Options(0, nullptr));
+  TS_ASSERT_OK(mgr.status());
+  Result<std::optional<int64_t>> latest = (*mgr)->LatestStep();
+  TS_ASSERT_OK(latest.status());
+  ASSERT_EQ(*latest, std::optional<int64_t>(101));
+  // Not a step without metadata: lost data (an OSError in Python, which restores the older
+  // step instead), naming the file.
+  Result<TieredRestore> damaged = (*mgr)->OpenRestore(101);
+  EXPECT_TRUE(absl::IsDataLoss(damaged.status())) << damaged.status();
+  EXPECT_THAT(damaged.status().message(), HasSubstr("metadata.json"));
+  std::vector<std::string> words;
+  TS_EXPECT_OK((*mgr)->FinishRestore(nullptr, nullptr, "data", &words));
+  // The older step restores whole, with its metadata.
+  Result<TieredRestore> older = (*mgr)->OpenRestore(100);
+  TS_ASSERT_OK(older.status());
+  EXPECT_EQ(older->extras.metadata, "{\"step\": 100}");
+  TS_EXPECT_OK((*mgr)->FinishRestore(&*older, nullptr));
   TS_EXPECT_OK((*mgr)->Close());
 }
 

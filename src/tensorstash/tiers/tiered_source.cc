@@ -437,14 +437,22 @@ Status TieredStepSource::Impl::ReadPieces(
 
 Result<std::string> TieredStepSource::ReadFile(std::string_view name) const {
   std::vector<std::string> errors;
+  bool damaged = false;
   for (const OpenHolder& h : impl_->holders) {
     Result<std::string> file = h.source->ReadFile(name);
     if (file.ok()) return file;
     errors.push_back(StrCat(h.name, ": ", file.status().message()));
-    if (!absl::IsNotFound(file.status())) impl_->Fail(h, file.status());
+    if (!absl::IsNotFound(file.status())) {
+      impl_->Fail(h, file.status());
+      damaged = true;
+    }
   }
-  return NotFoundError(
-      StrCat("no holder of step ", dir(), " has '", name, "' intact: ", StrJoin(errors, "; ")));
+  // NotFound only when no holder has the file: a file the step was saved with whose every copy
+  // is damaged (or unreadable) is lost data, never "the step has no such file" (a restore would
+  // then go on without the step's metadata instead of trying another step).
+  std::string message =
+      StrCat("no holder of step ", dir(), " has '", name, "' intact: ", StrJoin(errors, "; "));
+  return damaged ? DataLossError(std::move(message)) : NotFoundError(std::move(message));
 }
 
 Result<std::vector<BadChunk>> TieredStepSource::Verify(

@@ -88,7 +88,8 @@ class TieredStepSource final : public StepSource {
   // options.max_mappings is one budget for all the local holders.
   std::vector<Result<MappedBox>> MapMany(const std::vector<ReadRequest>& requests,
                                          const MapOptions& options) override;
-  // From the first holder whose step has the file intact.
+  // From the first holder whose step has the file intact. NotFound when no holder has it;
+  // DataLoss when some holder has it but none gives it intact (damaged, unreachable).
   Result<std::string> ReadFile(std::string_view name) const override;
   // Verifies every holder; the bad chunks of all of them (the chunk names say which holder).
   Result<std::vector<BadChunk>> Verify(
