@@ -29,20 +29,43 @@ if [ "${1:-}" = "--regenerate-corpus" ]; then
   echo "run_fuzz: wrote fuzz/corpus/"
   exit 0
 fi
-status=0
-for target in index tree_json commit_record chunk_codec step ocdbt foreign_step safetensors_header; do
-  work="$BUILD_DIR/work/$target"      # what the fuzzer adds to the corpus (not committed)
-  findings="$BUILD_DIR/findings/$target"
+# Every target built (each fuzz/*.cc registered in CMake), as many at a time as there are cores:
+# a fuzzer runs on one core, and the short run is part of the test suite's time budget.
+fuzz_one() {
+  local target=$1
+  local work="$BUILD_DIR/work/$target"      # what the fuzzer adds to the corpus (not committed)
+  local findings="$BUILD_DIR/findings/$target"
   mkdir -p "$work" "$findings"
-  echo "== fuzzing $target for ${SECONDS_PER_TARGET}s"
   if ! "$BUILD_DIR/${target}_fuzzer" "$work" "fuzz/corpus/$target" -max_total_time="$SECONDS_PER_TARGET" \
       -max_len=65536 -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
       -artifact_prefix="$findings/" 2>"$BUILD_DIR/$target.log"; then
     echo "run_fuzz: $target FAILED; input in $findings/, log in $BUILD_DIR/$target.log" >&2
     tail -n 40 "$BUILD_DIR/$target.log" >&2
-    status=1
-  else
-    grep -E "stat::number_of_executed_units|Done [0-9]+ runs" "$BUILD_DIR/$target.log" | tail -n 1
+    return 1
+  fi
+  echo "== fuzzed $target for ${SECONDS_PER_TARGET}s: $(grep -E "stat::number_of_executed_units|Done [0-9]+ runs" "$BUILD_DIR/$target.log" | tail -n 1)"
+}
+targets=()
+for fuzzer in "$BUILD_DIR"/*_fuzzer; do
+  name=$(basename "$fuzzer"); targets+=("${name%_fuzzer}")
+done
+[ "${#targets[@]}" -gt 0 ] || { echo "run_fuzz: no fuzz targets in $BUILD_DIR" >&2; exit 1; }
+for target in "${targets[@]}"; do
+  [ -d "fuzz/corpus/$target" ] || { echo "run_fuzz: no seed corpus fuzz/corpus/$target" >&2; exit 1; }
+done
+status=0
+running=0
+for target in "${targets[@]}"; do
+  fuzz_one "$target" &
+  running=$((running + 1))
+  if [ "$running" -ge "$(nproc)" ]; then
+    wait -n || status=1
+    running=$((running - 1))
   fi
 done
+while [ "$running" -gt 0 ]; do
+  wait -n || status=1
+  running=$((running - 1))
+done
+echo "run_fuzz: ${#targets[@]} targets"
 exit $status

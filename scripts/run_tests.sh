@@ -30,7 +30,7 @@ trap 'kill -- -"$prebuild_pid" 2>/dev/null' EXIT
 (cd build && ctest --output-on-failure -j "$(nproc)" --timeout 600)
 ctest_status=$?
 took ctest
-.venv/bin/python -m pytest tests/python tests/s3 tests/gcs -q
+.venv/bin/python -m pytest tests/python tests/s3 tests/gcs -q --durations=40
 pytest_status=$?
 took pytest
 # A short run of every fuzz target (clang; scripts/run_fuzz.sh), and the C++ suite under
