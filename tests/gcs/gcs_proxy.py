@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import email.message
 import email.parser
 import email.policy
 import http.client
@@ -350,9 +351,22 @@ _SRC_RENAME = {k: k.replace("Source", "") for k in _SRC_KEYS}
 
 
 def _multipart_meta(content_type: str, body: bytes) -> dict:
-    """The JSON metadata part (the first part) of a multipart/related upload body."""
+    """The JSON metadata part (the first part) of a multipart/related upload body. Only the
+    body up to the second delimiter is parsed: the email parser takes about a minute of CPU per
+    GiB of data part, which made the proxy, not the client, the bottleneck of large uploads."""
+    ctype = email.message.Message()
+    ctype["Content-Type"] = content_type
+    boundary = ctype.get_param("boundary")
+    if not isinstance(boundary, str) or not boundary:
+        raise ValueError(f"no boundary in Content-Type {content_type!r}")
+    delim = b"--" + boundary.encode()
+    start = body.find(delim)
+    second = body.find(delim, start + len(delim)) if start >= 0 else -1
+    if second < 0:
+        raise ValueError("not a multipart body (fewer than two delimiters)")
     msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
-        b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body)
+        b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body[:second] + delim
+        + b"--\r\n")
     if not msg.is_multipart():
         raise ValueError("not a multipart body")
     first = next(iter(msg.iter_parts()))

@@ -54,6 +54,14 @@ WORKER_PYTHONPATH = os.pathsep.join([os.path.dirname(os.path.dirname(tensorstash
                                      HERE])
 
 
+def closed_port() -> str:
+    """127.0.0.1:P with nothing listening on P (bound, then closed)."""
+    return f"127.0.0.1:{mp_launch.free_port()}"
+
+
+NO_METADATA_SERVER = closed_port()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """The emulator and the enforcing proxy, for the module."""
@@ -66,7 +74,9 @@ def server(tmp_path_factory):
 
 def google_free_env(base: dict[str, str], scratch: str) -> dict[str, str]:
     """`base` less every Google variable, with an empty gcloud folder, so that no credential of
-    the machine is found (the proxy's open listener needs none)."""
+    the machine is found (the proxy's open listener needs none), and the GCE metadata server
+    that Google's libraries and TensorStore look for when they find none pointed at a closed
+    port of 127.0.0.1 (never at the link-local address they would try)."""
     env = {k: v for k, v in base.items()
            if not k.startswith(("GOOGLE_", "STORAGE_", "GCLOUD_", "CLOUDSDK_", "GCE_",
                                 "TENSORSTORE_GCS_"))}
@@ -74,6 +84,8 @@ def google_free_env(base: dict[str, str], scratch: str) -> dict[str, str]:
     os.makedirs(gcloud, exist_ok=True)
     env["CLOUDSDK_CONFIG"] = gcloud
     env["NO_GCE_CHECK"] = "true"
+    for var in ("GCE_METADATA_ROOT", "GCE_METADATA_HOST", "GCE_METADATA_IP"):
+        env[var] = NO_METADATA_SERVER
     return env
 
 
