@@ -40,6 +40,17 @@ import gcs_servers  # noqa: E402
 CLI = os.environ.get("TENSORSTASH_CLI", os.path.join(REPO, "build", "tensorstash"))
 
 
+def _closed_port() -> str:
+    """127.0.0.1:P with nothing listening on P (bound, then closed)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+NO_METADATA_SERVER = _closed_port()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """The emulator, the enforcing proxy and the credential fakes, for the module."""
@@ -102,11 +113,13 @@ class Gcs:
 @pytest.fixture
 def gcs(server, monkeypatch, request):
     """STORAGE_EMULATOR_HOST = the enforcing proxy (every other Google variable removed), the
-    proxy's faults off, and a fresh prefix for the test."""
+    proxy's faults off, and a fresh prefix for the test. The metadata server, which the
+    credential chain asks last, is a closed port of 127.0.0.1: never metadata.google.internal."""
     for var in list(os.environ):
-        if var.startswith(("GOOGLE_", "STORAGE_", "GCLOUD_", "CLOUDSDK_")):
+        if var.startswith(("GOOGLE_", "STORAGE_", "GCLOUD_", "CLOUDSDK_", "GCE_")):
             monkeypatch.delenv(var)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.endpoint)
+    monkeypatch.setenv("GCE_METADATA_HOST", NO_METADATA_SERVER)
     server.proxy_control("config", p_429=0, p_503=0, p_reset=0, p_reset_after=0, fail_next="",
                          hostile="")
     name = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:50]
