@@ -84,10 +84,14 @@ fi
 
 # The GCS emulator of the gs:// tests (tests/gcs/gcs_servers.py: gcp-storage-emulator behind the
 # enforcing proxy tests/gcs/gcs_proxy.py), and cryptography for the credential fakes
-# (tests/gcs/gcs_fakes.py), all started by the tests on 127.0.0.1 only.
-if [ ! -x .venv/bin/gcp-storage-emulator ] || ! .venv/bin/python -c "import gcp_storage_emulator, cryptography" 2>/dev/null; then
-  echo "setup: installing the GCS test emulator into .venv (gcp-storage-emulator, cryptography)"
-  .venv/bin/pip install -q --disable-pip-version-check -c scripts/constraints.txt gcp-storage-emulator cryptography
+# (tests/gcs/gcs_fakes.py), all started by the tests on 127.0.0.1 only. gcsfs is how Orbax
+# (etils.epath) writes gs:// paths, for tests/python/test_gcs_jax.py; each gcsfs release requires
+# the fsspec release of the same number, so constraints.txt pins both (2026.7.0: the newest pair
+# on PyPI). google-cloud-storage (Google's own client, which gcsfs brings) is bench/gcs.py's
+# reference for raw transfers.
+if [ ! -x .venv/bin/gcp-storage-emulator ] || ! .venv/bin/python -c "import gcp_storage_emulator, cryptography, gcsfs, google.cloud.storage" 2>/dev/null; then
+  echo "setup: installing the GCS test emulator and clients into .venv (gcp-storage-emulator, cryptography, gcsfs, google-cloud-storage)"
+  .venv/bin/pip install -q --disable-pip-version-check -c scripts/constraints.txt gcp-storage-emulator cryptography gcsfs google-cloud-storage
 fi
 
 GENERATOR=()

@@ -42,12 +42,16 @@ Fault injection (decisions from random.Random(seed), one draw per forwarded requ
       p_reset_after: forward (the request takes effect), then cut the connection unanswered;
       fail_next: a comma list of faults (429, 503, reset, reset_after) for the next requests,
       one each, before the probabilities are consulted. Returns the stats.
-  GET /__gcs_proxy__/config?hostile=MODE&hostile_count=N
+  GET /__gcs_proxy__/config?hostile=MODE&hostile_count=N&hostile_match=RE&hostile_skip=K
       a hostile server on media reads (after every check): flip (one byte of the body flipped,
       headers as for the true bytes), truncate (the whole length announced, half the body sent,
       then a reset), ignore_range (200 with the whole object), shift_range (the bytes one off
       from what Content-Range claims; ranged reads only). N: that many reads (default: all,
-      until hostile= turns it off).
+      until hostile= turns it off). RE: only reads of objects whose name matches the regular
+      expression (re.search; default: every object), e.g. `/state/data/` for the data files
+      of a tensorstash step. K: the first K reads that would be hostile are served true
+      (default 0). Setting hostile= resets the other three. /stats counts the hostile answers
+      (hostile_served) and names their objects (hostile_objects: name -> count).
   GET /__gcs_proxy__/stats   JSON counters: requests, forwarded, status (by code), ops (by
       kind: media, multipart, resumable_start, session_put, compose, read, meta, list, ...),
       faults injected, precondition_failed, unauthorized.
@@ -63,12 +67,14 @@ from __future__ import annotations
 
 import argparse
 import base64
+import email.message
 import email.parser
 import email.policy
 import http.client
 import json
 import os
 import random
+import re
 import socket
 import struct
 import sys
@@ -118,13 +124,15 @@ class ProxyState:
         self.fail_next: list[str] = []
         self.hostile: Optional[str] = None
         self.hostile_left = -1  # -1: every media read while `hostile` is set
+        self.hostile_match: Optional[re.Pattern] = None  # None: every object
+        self.hostile_skip = 0  # hostile reads still to be served true
         self.reset_stats()
 
     def reset_stats(self) -> None:
         self.stats = {"requests": 0, "forwarded": 0, "status": {}, "injected_429": 0,
                       "injected_503": 0, "injected_reset": 0, "injected_reset_after": 0,
                       "precondition_failed": 0, "unauthorized": 0, "upstream_errors": 0,
-                      "ops": {}, "hostile_served": 0}
+                      "ops": {}, "hostile_served": 0, "hostile_objects": {}}
 
     def count_op(self, op: str) -> None:
         with self.cfg_lock:
@@ -148,18 +156,25 @@ class ProxyState:
                     return name
             return None
 
-    def take_hostile(self, ranged: bool) -> Optional[str]:
-        """The hostile mode for this media read, if any (range modes only for ranged reads of
-        objects of 2 bytes or more; they wait for one)."""
+    def take_hostile(self, ranged: bool, name: str) -> Optional[str]:
+        """The hostile mode for this media read of object `name`, if any (range modes only for
+        ranged reads of objects of 2 bytes or more; they wait for one)."""
         with self.cfg_lock:
             mode = self.hostile
             if mode is None or self.hostile_left == 0:
                 return None
             if mode in ("ignore_range", "shift_range") and not ranged:
                 return None
+            if self.hostile_match is not None and not self.hostile_match.search(name):
+                return None
+            if self.hostile_skip > 0:
+                self.hostile_skip -= 1
+                return None
             if self.hostile_left > 0:
                 self.hostile_left -= 1
             self.stats["hostile_served"] += 1
+            objects = self.stats["hostile_objects"]
+            objects[name] = objects.get(name, 0) + 1
             return mode
 
     def configure(self, q: dict[str, list[str]]) -> None:
@@ -171,8 +186,22 @@ class ProxyState:
                                      f"{HOSTILE_MODES} or empty (off)")
                 self.hostile = mode or None
                 self.hostile_left = -1
+                self.hostile_match = None
+                self.hostile_skip = 0
             if "hostile_count" in q:
                 self.hostile_left = int(q["hostile_count"][0])
+            if "hostile_match" in q:
+                pattern = q["hostile_match"][0]
+                try:
+                    self.hostile_match = re.compile(pattern) if pattern else None
+                except re.error as e:
+                    raise ValueError(f"hostile_match={pattern!r} is not a regular expression: "
+                                     f"{e}") from None
+            if "hostile_skip" in q:
+                skip = int(q["hostile_skip"][0])
+                if skip < 0:
+                    raise ValueError(f"hostile_skip={skip} is negative")
+                self.hostile_skip = skip
             for key in self.p:
                 if key in q:
                     v = float(q[key][0])
@@ -195,7 +224,9 @@ class ProxyState:
         with self.cfg_lock:
             return {**json.loads(json.dumps(self.stats)), **self.p, "seed": self.seed,
                     "fail_next": list(self.fail_next), "hostile": self.hostile or "",
-                    "hostile_count": self.hostile_left}
+                    "hostile_count": self.hostile_left,
+                    "hostile_match": self.hostile_match.pattern if self.hostile_match else "",
+                    "hostile_skip": self.hostile_skip}
 
     def token_ok(self, header: Optional[str]) -> bool:
         if not header or not header.startswith("Bearer "):
@@ -320,9 +351,22 @@ _SRC_RENAME = {k: k.replace("Source", "") for k in _SRC_KEYS}
 
 
 def _multipart_meta(content_type: str, body: bytes) -> dict:
-    """The JSON metadata part (the first part) of a multipart/related upload body."""
+    """The JSON metadata part (the first part) of a multipart/related upload body. Only the
+    body up to the second delimiter is parsed: the email parser takes about a minute of CPU per
+    GiB of data part, which made the proxy, not the client, the bottleneck of large uploads."""
+    ctype = email.message.Message()
+    ctype["Content-Type"] = content_type
+    boundary = ctype.get_param("boundary")
+    if not isinstance(boundary, str) or not boundary:
+        raise ValueError(f"no boundary in Content-Type {content_type!r}")
+    delim = b"--" + boundary.encode()
+    start = body.find(delim)
+    second = body.find(delim, start + len(delim)) if start >= 0 else -1
+    if second < 0:
+        raise ValueError("not a multipart body (fewer than two delimiters)")
     msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
-        b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body)
+        b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body[:second] + delim
+        + b"--\r\n")
     if not msg.is_multipart():
         raise ValueError("not a multipart body")
     first = next(iter(msg.iter_parts()))
@@ -698,7 +742,7 @@ class Handler(BaseHTTPRequestHandler):
                     headers.append(("Range", f"bytes={start}-{end}"))
         # A hostile server, when asked (the config's `hostile`): wrong bytes, short bodies,
         # ranges ignored or shifted. Clients must answer each with an error or a correct retry.
-        mode = self.state.take_hostile(ranged=start is not None and size > 1)
+        mode = self.state.take_hostile(ranged=start is not None and size > 1, name=name)
         rewrite, truncate = None, False
         if mode == "ignore_range":
             headers = [(k, v) for k, v in headers if k.lower() != "range"]

@@ -7,6 +7,9 @@ free ports; nothing talks to any other address (the emulator has no telemetry).
   emulator  `gcp-storage-emulator start --in-memory --default-bucket BUCKET`: the GCS JSON API,
             but it ignores preconditions, `generation=` on reads, paging and credentials, and
             serves one request at a time (tests/gcs/gcs_proxy.py says what the proxy adds).
+            start(..., on_disk=True) keeps its objects in files instead (WORKDIR/.cloudstorage/
+            BUCKET/NAME; Servers.stored_path), for tests that damage stored bytes behind its
+            back: the object keeps its generation and recorded checksums.
   proxy     tests/gcs/gcs_proxy.py in front of it, two listeners sharing one lock: an open one
             (TS_GCS_ENDPOINT) and one that needs a bearer token listed in TS_GCS_TOKENS
             (TS_GCS_AUTH_ENDPOINT; tests/gcs/gcs_fakes.py appends the tokens it issues there).
@@ -105,7 +108,14 @@ class Servers:
         self.emulator_log = os.path.join(workdir, "emulator.log")
         self.proxy_log = os.path.join(workdir, "proxy.log")
         self.ready_s: Optional[float] = None
+        self.on_disk = False
         self._procs: list[subprocess.Popen] = []
+
+    def stored_path(self, name: str) -> str:
+        """The file that holds object `name` of the bucket (on_disk servers only)."""
+        if not self.on_disk:
+            raise RuntimeError("the emulator keeps its objects in memory (start(on_disk=True))")
+        return os.path.join(self.workdir, ".cloudstorage", self.bucket, *name.split("/"))
 
     def env(self) -> dict[str, str]:
         return {
@@ -211,7 +221,11 @@ def _wait(deadline: float, proc: subprocess.Popen, what: str, fn, interval: floa
 def _start_emulator(srv: Servers, deadline: float, detach: bool) -> subprocess.Popen:
     (port,) = _s3.free_ports(1)
     cmd = [_s3._exe("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port),
-           "--in-memory", "--default-bucket", srv.bucket]
+           "--default-bucket", srv.bucket]
+    if not srv.on_disk:
+        cmd.insert(-2, "--in-memory")
+    # On disk, it keeps its files under ./.cloudstorage of its working folder (STORAGE_BASE's
+    # default, and _child_env drops the STORAGE_ variables).
     proc = _spawn(cmd, srv.emulator_log, srv.workdir)
     srv.emulator_pid = proc.pid
     srv.raw_endpoint = f"http://127.0.0.1:{port}"
@@ -292,12 +306,13 @@ def _roundtrip(srv: Servers) -> None:
 
 
 def start(workdir: str, bucket: str = DEFAULT_BUCKET, timeout: float = START_TIMEOUT_S,
-          attempts: int = 3, detach: bool = False) -> Servers:
+          attempts: int = 3, detach: bool = False, on_disk: bool = False) -> Servers:
     """Start the emulator (bucket created), the proxy and the credential fakes with their files
     in workdir; return once a create-only upload, a read and a delete work through the proxy. Raises RuntimeError
     (the log tails also go to stderr) if they are not ready within `timeout` s; a start whose
     emulator dies early (its port taken meanwhile) is retried, `attempts` times in all.
-    detach=True: not stopped at interpreter exit (the CLI)."""
+    detach=True: not stopped at interpreter exit (the CLI). on_disk=True: the emulator keeps
+    its objects in files under workdir (Servers.stored_path) instead of in memory."""
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     deadline = time.monotonic() + timeout
@@ -305,6 +320,7 @@ def start(workdir: str, bucket: str = DEFAULT_BUCKET, timeout: float = START_TIM
     errors = []
     for attempt in range(1, attempts + 1):
         srv = Servers(workdir, bucket)
+        srv.on_disk = on_disk
         if not detach:
             _LIVE.add(srv)
         try:

@@ -826,3 +826,28 @@ def test_hostile_modes(srv, proxy):
     st = srv.proxy_control("stats")
     assert st["hostile_served"] >= 6 and st["hostile_count"] == 0
     assert req(srv.endpoint, "GET", "/__gcs_proxy__/config?hostile=evil")[0] == 400
+
+
+def test_hostile_reads_of_matching_objects_only_and_after_skipping_some(srv, proxy):
+    a, b = fresh() + "/state/data/0-0.dat", fresh() + "/state/index"
+    for name in (a, b):
+        assert proxy.media(name, DATA)[0] == 200
+    srv.proxy_control("reset_stats")
+    srv.proxy_control("config", hostile="flip", hostile_match=r"/state/data/", hostile_skip=1,
+                      hostile_count=1)
+    assert proxy.read(b)[2] == DATA  # does not match: never flipped
+    assert proxy.read(a)[2] == DATA  # matches, skipped
+    assert proxy.read(b)[2] == DATA
+    body = proxy.read(a)[2]          # flipped
+    assert len(body) == len(DATA) and sum(x != y for x, y in zip(body, DATA)) == 1
+    assert proxy.read(a)[2] == DATA  # count 1: spent
+    st = srv.proxy_control("stats")
+    assert st["hostile_served"] == 1 and st["hostile_objects"] == {a: 1}, st
+    assert st["hostile_match"] == "/state/data/" and st["hostile_skip"] == 0, st
+    # hostile= resets the pattern and the skip: every object again.
+    st = srv.proxy_control("config", hostile="flip", hostile_count=1)
+    assert st["hostile_match"] == "" and st["hostile_skip"] == 0, st
+    assert proxy.read(b)[2] != DATA
+    assert req(srv.endpoint, "GET", "/__gcs_proxy__/config?hostile_match=(")[0] == 400
+    assert req(srv.endpoint, "GET", "/__gcs_proxy__/config?hostile_skip=-1")[0] == 400
+    srv.proxy_control("config", hostile="")

@@ -1,8 +1,9 @@
 """tensorstash on Google Cloud Storage ("gs://bucket/prefix/..."), end to end against a local
 gcp-storage-emulator behind the enforcing proxy (tests/gcs/gcs_servers.py, gcs_proxy.py): the
 Python API, the manager, the CLI, credentials, faults and hostile answers injected by the proxy,
-objects replaced behind the engine's back, a writer SIGKILLed mid-save, racing writers, Orbax
-in place, the multi-tier manager, configure_gcs.
+objects replaced behind the engine's back, bytes of data files flipped on the wire (the proxy)
+and in the server's storage (an emulator that keeps its objects in files), a writer SIGKILLed
+mid-save, racing writers, Orbax in place, the multi-tier manager, configure_gcs.
 
 The emulator ignores preconditions and generations; the proxy adds them back, as real GCS has
 them. Nothing here talks to real GCS. The emulator is single-threaded Python: arrays are small.
@@ -37,6 +38,17 @@ sys.path.insert(0, os.path.join(REPO, "tests", "gcs"))
 import gcs_servers  # noqa: E402
 
 CLI = os.environ.get("TENSORSTASH_CLI", os.path.join(REPO, "build", "tensorstash"))
+
+
+def _closed_port() -> str:
+    """127.0.0.1:P with nothing listening on P (bound, then closed)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+NO_METADATA_SERVER = _closed_port()
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +113,13 @@ class Gcs:
 @pytest.fixture
 def gcs(server, monkeypatch, request):
     """STORAGE_EMULATOR_HOST = the enforcing proxy (every other Google variable removed), the
-    proxy's faults off, and a fresh prefix for the test."""
+    proxy's faults off, and a fresh prefix for the test. The metadata server, which the
+    credential chain asks last, is a closed port of 127.0.0.1: never metadata.google.internal."""
     for var in list(os.environ):
-        if var.startswith(("GOOGLE_", "STORAGE_", "GCLOUD_", "CLOUDSDK_")):
+        if var.startswith(("GOOGLE_", "STORAGE_", "GCLOUD_", "CLOUDSDK_", "GCE_")):
             monkeypatch.delenv(var)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.endpoint)
+    monkeypatch.setenv("GCE_METADATA_HOST", NO_METADATA_SERVER)
     server.proxy_control("config", p_429=0, p_503=0, p_reset=0, p_reset_after=0, fail_next="",
                          hostile="")
     name = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:50]
@@ -388,6 +402,121 @@ def test_data_object_replaced_after_commit_is_an_error_naming_it(gcs):
     r = run_cli(gcs, "verify", path)
     assert r.returncode != 0, r.stdout + r.stderr
     assert key.rsplit("/", 1)[1] in r.stdout + r.stderr
+
+
+# --- damaged data files: a flipped byte is DataLoss naming the array, chunk and file ------------
+
+# Several chunks per array and several data files per step, so that a damaged file is one of many.
+DAMAGE_SAVE = dict(chunk_bytes=16 << 10, data_file_bytes=64 << 10)
+CRC_ERROR = re.compile(r"CRC-32C mismatch in chunk \[[0-9, ]+\] of array '([^']+)' "
+                       r"\(file '([^']+)', offset [0-9]+")
+
+
+def damage_tree() -> dict:
+    return {"x": pattern((256, 300), np.float32, seed=61), "y": pattern((999,), np.int32, seed=62),
+            "z": pattern((64, 128), ml_dtypes.bfloat16, seed=63)}
+
+
+def assert_crc_error_names(msg: str, tree: dict, damaged: str) -> None:
+    """`msg` is a checksum error naming an array of `tree`, a chunk and the file `damaged` (an
+    object name; the message names it from the step down)."""
+    m = CRC_ERROR.search(msg)
+    assert m, msg
+    assert m.group(1) in tree, (m.group(1), msg)
+    assert damaged.endswith("/" + m.group(2).split("/", 1)[1]), (damaged, msg)
+    assert m.group(2).rsplit("/", 1)[1] == damaged.rsplit("/", 1)[1], (damaged, msg)
+
+
+def restore_fails(path: str, tree: dict, **kw) -> str:
+    """The message of the OSError restore(path) raises; fails the test on wrong or right bytes."""
+    with pytest.raises(OSError) as raised:
+        got = tensorstash.restore(path, **kw)
+        same = all(np.array_equal(got[k], tree[k]) for k in tree)
+        pytest.fail(f"restore({kw}) returned {'the saved' if same else 'WRONG'} data from a "
+                    "damaged data file")
+    assert not isinstance(raised.value, (FileNotFoundError, PermissionError)), raised.value
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("skip", [0, 2])
+def test_a_byte_flipped_in_a_data_file_on_the_wire_is_data_loss_naming_it(gcs, skip):
+    """The proxy flips one byte of one read of a data object (the first such read, or the
+    third: hostile_skip), headers as for the true bytes."""
+    tree = damage_tree()
+    tensorstash.save(gcs.step(), tree, **DAMAGE_SAVE)
+    data = [k for k in gcs.keys() if "/state/data/" in k]
+    assert len(data) > skip, data
+    flip = dict(hostile="flip", hostile_match=r"/state/data/[^/]+$", hostile_skip=skip,
+                hostile_count=1)
+    for kw in ({}, {"mmap": False}):
+        gcs.srv.proxy_control("reset_stats")
+        gcs.srv.proxy_control("config", **flip)
+        msg = restore_fails(gcs.step(), tree, **kw)
+        flipped = gcs.srv.proxy_control("stats")["hostile_objects"]
+        assert list(flipped.values()) == [1] and next(iter(flipped)) in data, (flipped, data)
+        assert_crc_error_names(msg, tree, next(iter(flipped)))
+    gcs.srv.proxy_control("reset_stats")
+    gcs.srv.proxy_control("config", **flip)
+    r = run_cli(gcs, "verify", gcs.step())
+    flipped = gcs.srv.proxy_control("stats")["hostile_objects"]
+    assert r.returncode != 0 and len(flipped) == 1, (r.returncode, r.stdout + r.stderr, flipped)
+    assert next(iter(flipped)).rsplit("/", 1)[1] in r.stdout + r.stderr, (flipped, r.stdout,
+                                                                          r.stderr)
+    gcs.srv.proxy_control("config", hostile="")
+    assert_same_tree(tensorstash.restore(gcs.step()), tree)
+
+
+def test_a_byte_flipped_in_a_stored_data_object_is_data_loss_naming_it(gcs, tmp_path, monkeypatch):
+    """Bit rot in the server's storage: an emulator that keeps its objects in files, one byte of
+    a data object flipped there. The object keeps its generation and the checksums recorded at
+    upload, so only tensorstash's own chunk checksums can catch it."""
+    srv = gcs_servers.start(str(tmp_path / "on-disk"), on_disk=True)
+    try:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", srv.endpoint)
+        here = Gcs(srv, gcs.prefix)
+        tree = damage_tree()
+        tensorstash.save(here.step(), tree, **DAMAGE_SAVE)
+        data = [k for k in here.keys() if "/state/data/" in k]
+        damaged = data[len(data) // 2]
+        before = json.loads(gcs_servers.http("GET", here.object_url(damaged))[2])
+        stored = srv.stored_path(damaged)
+        with open(stored, "r+b") as f:
+            blob = bytearray(f.read())
+            assert bytes(blob) == here.read(damaged)  # the emulator serves this file
+            blob[len(blob) // 3] ^= 0x10
+            f.seek(0)
+            f.write(blob)
+        after = json.loads(gcs_servers.http("GET", here.object_url(damaged))[2])
+        assert after["generation"] == before["generation"], (before, after)
+        for kw in ({}, {"mmap": False}):
+            assert_crc_error_names(restore_fails(here.step(), tree, **kw), tree, damaged)
+        r = run_cli(here, "verify", here.step())
+        assert r.returncode != 0, r.stdout + r.stderr
+        assert damaged.rsplit("/", 1)[1] in r.stdout + r.stderr, r.stdout + r.stderr
+    finally:
+        srv.stop()
+
+
+def test_a_data_object_rewritten_through_the_raw_emulator_is_data_loss_naming_it(gcs):
+    """The same bytes damaged, written back through the emulator's own endpoint (not the
+    proxy): a new generation, so the read pinned to the recorded one fails before any checksum."""
+    tree = damage_tree()
+    tensorstash.save(gcs.step(), tree, **DAMAGE_SAVE)
+    data = [k for k in gcs.keys() if "/state/data/" in k]
+    damaged = data[0]
+    blob = bytearray(gcs.read(damaged))
+    blob[len(blob) // 3] ^= 0x10
+    url = (f"{gcs.srv.raw_endpoint}/upload/storage/v1/b/{gcs.bucket}/o?uploadType=media&name="
+           + urllib.parse.quote(damaged, safe=""))
+    code, _, body = gcs_servers.http("POST", url, bytes(blob),
+                                     {"Content-Type": "application/octet-stream"})
+    assert code == 200, (code, body[:300])
+    for kw in ({}, {"mmap": False}):
+        msg = restore_fails(gcs.step(), tree, **kw)
+        assert damaged in msg or f"state/data/{damaged.rsplit('/', 1)[1]}" in msg, msg
+    r = run_cli(gcs, "verify", gcs.step())
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert damaged.rsplit("/", 1)[1] in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 # --- SIGKILL, gc, racing writers -----------------------------------------------------------------
