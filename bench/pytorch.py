@@ -39,6 +39,7 @@ import scenarios as S  # noqa: E402  (numpy only)
 MiB, GiB = 1 << 20, 1 << 30
 D_MODEL = 1024
 TOOLS = ("tensorstash", "dcp", "dcp+ts", "torch.save", "safetensors")
+DEFAULT_TOOLS = ("tensorstash", "dcp", "torch.save", "safetensors")
 DISTRIBUTED = ("tensorstash", "dcp", "dcp+ts")  # the tools that save and restore DTensors
 
 
@@ -119,6 +120,18 @@ class Worker:
         if world > 1:
             from torch.distributed.device_mesh import init_device_mesh
             self.mesh = init_device_mesh("cpu", (world,))
+        # Every module a tool's calls use is imported here, outside the timed regions (the
+        # first import of tensorstash or of torch.distributed.checkpoint takes seconds on a
+        # loaded machine).
+        import safetensors.torch  # noqa: F401
+        import torch.distributed.checkpoint  # noqa: F401
+        import torch.distributed.checkpoint.format_utils  # noqa: F401
+        import torch.distributed.checkpoint._consolidate_hf_safetensors  # noqa: F401
+        import torch.distributed.tensor  # noqa: F401
+        import tensorstash
+        import tensorstash.torch
+        import tensorstash.torch_dcp  # noqa: F401
+        del tensorstash
 
     # Values: a function of the tensor's number and the element's global index, exact in
     # float32, so that any process can make or check any part of any tensor.
@@ -128,8 +141,8 @@ class Worker:
         for d in shape[1:]:
             cols *= d
         lo, hi = rows if rows is not None else (0, shape[0])
-        idx = torch.arange(lo * cols, hi * cols, dtype=torch.int64)
-        v = ((idx * 2654435761 + k * 97) % 16777216).to(torch.float32)
+        idx = torch.arange(lo * cols, hi * cols, dtype=torch.int32)
+        v = idx.mul_(40503).add_(k * 97).bitwise_and_(0xFFFFFF).to(torch.float32)
         return v.reshape((hi - lo,) + tuple(shape[1:]))
 
     def state(self, shapes: dict, sharded: bool, zero: bool = False) -> dict:
@@ -633,7 +646,9 @@ def parse_args(argv=None):
     ap.add_argument("--small-kib", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--tools", default=",".join(DEFAULT_TOOLS),
+                    help=f"any of {', '.join(TOOLS)} (dcp+ts: DCP's save and load through "
+                         "tensorstash.torch.StorageWriter/StorageReader)")
     ap.add_argument("--no-export", dest="export", action="store_false")
     ap.add_argument("--dir", default="/tmp/tensorstash-bench-torch")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
