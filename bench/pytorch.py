@@ -542,15 +542,23 @@ def one_run(args, run: int, results: dict) -> None:
         for op, value in run_job(args, tool, 2, ["restore_1_to_2"], run).items():
             record(op, tool, value)
     if args.export and "tensorstash" in tools and "dcp" in tools:
-        log(f"run {run}: export to safetensors (tensorstash convert), raw write")
+        log(f"run {run}: export to safetensors (tensorstash convert)")
         record("export", "tensorstash", export_ts(args, run))
         if run < args.warmup + 1:
             check_exports(args)
-        from run import RawFile  # (bench/run.py's raw file test: write + fsync)
-        raw = os.path.join(args.dir, "raw.bin")
-        record("export", "raw write", {"seconds": RawFile().write(raw, nbytes(
-            model_shapes(args.gib)), True)})
-        os.remove(raw)
+    # The storage's raw speed for the same bytes (bench/run.py's raw file test): a write with
+    # fsync, and a cold read into fresh memory (its page faults count, as a restore's do).
+    from run import RawFile
+    raw, n = os.path.join(args.dir, "raw.bin"), nbytes(model_shapes(args.gib))
+    log(f"run {run}: raw write and read")
+    raw_file = RawFile()
+    written = raw_file.write(raw, n, True)
+    record("export", "raw write", {"seconds": written})
+    record("save_1", "raw write", {"seconds": written})
+    read = raw_file.read(raw, n, cold=True, fresh=True)
+    if read is not None:
+        record("restore_1", "raw read", {"seconds": read, "cache": "cold"})
+    os.remove(raw)
     for tool in tools:
         shutil.rmtree(os.path.join(args.dir, tool.replace("+", "_").replace(".", "_")),
                       ignore_errors=True)
@@ -615,7 +623,8 @@ def write_markdown(results: dict, path: str) -> None:
                 label = what + (" (blocking)" if metric == "blocking" else
                                 " (until complete)" if "blocking" in s else "")
                 ref = summary[op].get("dcp", {}).get(metric, {}).get("median")
-                ratio = f"{ref / m['median']:.2f}x" if ref and tool != "dcp" else ""
+                ratio = (f"{ref / m['median']:.2f}x" if ref and tool != "dcp"
+                         and not tool.startswith("raw") else "")
                 rate = sizes[size] / GiB / m["median"]
                 lines.append(f"| {label} | {tool} | {m['median']:.3f} s | {m['min']:.3f}.."
                              f"{m['max']:.3f} | {rate:.2f} | {ratio} |")
@@ -632,8 +641,10 @@ def write_markdown(results: dict, path: str) -> None:
             lines.append(f"| {op} | {goal:.0f}x | {r:.2f}x {'met' if r >= goal else 'missed'} |")
     if "tensorstash" in exports and "raw write" in exports:
         frac = exports["raw write"] / exports["tensorstash"]
+        theirs = (f" (DCP's consolidation: {exports['raw write'] / exports['dcp consolidate']:.0%})"
+                  if "dcp consolidate" in exports else "")
         lines.append(f"| export (of raw write speed) | 80% | {frac:.0%} "
-                     f"{'met' if frac >= 0.8 else 'missed'} |")
+                     f"{'met' if frac >= 0.8 else 'missed'}{theirs} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
