@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 from typing import Any
 
@@ -137,7 +138,8 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     if orbax_item is not None:
         raise ValueError("orbax_item applies to format='orbax' only")
     _options.check_codec(codec)
-    if coordinator is None:
+    made = coordinator is None
+    if made:
         coordinator = default_coordinator()
     arrays, tree_json = arrays_to_save(tree, coordinator)
     writer = _ext.Writer(root, step, target_chunk_bytes=chunk_bytes,
@@ -148,7 +150,24 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
         writer.add_array(array_path, dtype, shape, shards, codec=codec or "none",
                          zstd_level=zstd_level)
     writer.set_tree(tree_json)
-    return writer.commit()
+    stats = writer.commit()
+    if made:
+        _close_coordinator(coordinator)
+    return stats
+
+
+def _close_coordinator(coordinator: Any) -> None:
+    """Lets a coordinator this save made for itself drop what it left in the job's store
+    (TorchCoordinator.close: the keys of the save), once every process has committed. A
+    failure there leaves keys behind but the step is committed, so it is logged, not raised."""
+    close = getattr(coordinator, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except Exception as e:  # noqa: BLE001 - the save itself succeeded
+        logging.getLogger("tensorstash").warning(
+            "tensorstash: the coordinator's keys of this save stay in the store: %s", e)
 
 
 def _orbax_name(array_path: str) -> str:

@@ -46,7 +46,8 @@ from . import numpy as _tnp
 from ._progress import format_bytes as _format_bytes
 from ._restore import _restore, restore as _restore_signature
 from ._save import _save_orbax
-from ._save import arrays_to_save as _arrays_to_save, default_coordinator as _default_coordinator
+from ._save import (_close_coordinator, arrays_to_save as _arrays_to_save,
+                    default_coordinator as _default_coordinator)
 
 # Marks a per-process value saved as bytes (JSON text never contains a NUL character).
 _BYTES_MARKER = b"\0bytes\n"
@@ -333,6 +334,9 @@ class CheckpointManager:
         self.on_restore = on_restore
         self.last_save_stats: SaveStats | None = None
         self.last_restore_stats: RestoreStats | None = None
+        # A coordinator the manager took itself is closed with it (TorchCoordinator: the keys
+        # of every save leave torch.distributed's store then).
+        self._own_coordinator = coordinator is None
         self._coordinator = coordinator if coordinator is not None else _default_coordinator()
         self._process_index = (self._coordinator.process_index()
                                if self._coordinator is not None else 0)
@@ -471,18 +475,28 @@ class CheckpointManager:
     def close(self) -> None:
         """Waits for the save in flight (raising its error, if any), restores the SIGTERM
         handler and releases the root's lock. Later calls do nothing; the step queries and
-        restores still work, saves raise ValueError."""
+        restores still work, saves raise ValueError. With the torch.distributed coordinator the
+        manager took itself, close() is collective: it waits (up to a minute) for every
+        process's close() and then deletes the keys its saves left in the process group's
+        store (a wait that times out is logged and leaves them); on leaving a `with` block by
+        an exception it does not wait."""
+        self._close(drop_coordinator_keys=True)
+
+    def _close(self, drop_coordinator_keys: bool) -> None:
         if self._closed:
             return
         self._closed = True
         self._finalizer.detach()
         self._ext.close()
+        if drop_coordinator_keys and self._own_coordinator:
+            _close_coordinator(self._coordinator)  # collective: every process closes
 
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        # After an error the other processes may never close theirs: nobody waits for them.
+        self._close(drop_coordinator_keys=exc_type is None)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -394,7 +394,9 @@ class TorchCoordinator:
     thread while the training thread issues collectives on the same group, and a collective
     from a second thread would desynchronize gloo or NCCL. Every process must create one per
     collective operation, in the same order: the keys of each instance carry a sequence number
-    so that operations never reuse each other's keys."""
+    so that operations never reuse each other's keys. close() (collective) removes the
+    instance's keys from the store once every process is done with them, so that a long job's
+    saves do not pile keys up in the store."""
 
     def __init__(self, prefix: str | None = None, index: int | None = None,
                  count: int | None = None) -> None:
@@ -408,6 +410,18 @@ class TorchCoordinator:
         self._count = dist.get_world_size() if count is None else int(count)
         seq = next(_coordinator_counter) if prefix is None else prefix
         self._prefix = f"tensorstash/{seq}/"
+        # The keys this process wrote (kv values, barrier counters): close() deletes them.
+        self._keys: set[str] = set()
+        self._keys_lock = threading.Lock()
+
+    @property
+    def prefix(self) -> str:
+        """The prefix of every key this coordinator writes in the store."""
+        return self._prefix
+
+    def _wrote(self, *keys: str) -> None:
+        with self._keys_lock:
+            self._keys.update(keys)
 
     def process_index(self) -> int:
         return self._index
@@ -439,17 +453,55 @@ class TorchCoordinator:
 
     def barrier(self, name: str, timeout_ms: int) -> None:
         key = self._prefix + "barrier/" + name
+        self._wrote(key, key + "/done")
         if self._store.add(key, 1) == self._count:
             self._store.set(key + "/done", b"1")
         self._wait(key + "/done", timeout_ms, "barrier")
 
     def key_value_set(self, key: str, value: str) -> None:
-        self._store.set(self._prefix + "kv/" + key, value.encode("utf-8", "surrogateescape"))
+        full = self._prefix + "kv/" + key
+        self._wrote(full)
+        self._store.set(full, value.encode("utf-8", "surrogateescape"))
 
     def key_value_get(self, key: str, timeout_ms: int) -> str:
         full = self._prefix + "kv/" + key
         self._wait(full, timeout_ms, "waiting for key")
         return self._store.get(full).decode("utf-8", "surrogateescape")
+
+    def close(self, timeout_ms: int = 60_000) -> None:
+        """Deletes this coordinator's keys from the store; collective: every process calls it
+        once, after its last use of the coordinator. A key may be read by any process until
+        all of them have finished the operation that wrote it, so each process deletes the
+        keys it wrote only once every process has arrived here (then nobody reads them any
+        more), and the last process to leave deletes the keys of this final meeting itself.
+        TimeoutError (naming the key) when the others do not arrive within `timeout_ms`; the
+        keys then stay."""
+        arrived, done, left = (self._prefix + "close/" + k for k in ("arrived", "done", "left"))
+        if self._store.add(arrived, 1) == self._count:
+            self._store.set(done, b"1")
+        self._wait(done, timeout_ms, "closing")
+        with self._keys_lock:
+            mine, self._keys = sorted(self._keys), set()
+        for key in mine:
+            self._store.delete_key(key)  # (False for a key another process deleted already)
+        if self._store.add(left, 1) == self._count:
+            for key in (arrived, done, left):
+                self._store.delete_key(key)
+
+    def drop_keys(self) -> int:
+        """Deletes every key under this coordinator's prefix, whoever wrote it, for a caller
+        that knows no process reads them any more (DCP's coordinator rank once it holds every
+        rank's part: every rank finished its exchanges before handing its part over). Needs a
+        store that lists its keys (TCPStore does); elsewhere deletes the keys this process
+        wrote. Returns how many keys were deleted."""
+        try:
+            keys = [k for k in self._store.list_keys() if k.startswith(self._prefix)]
+        except (RuntimeError, NotImplementedError, AttributeError):
+            with self._keys_lock:
+                keys = sorted(self._keys)
+        with self._keys_lock:
+            self._keys = set()
+        return sum(1 for k in keys if self._store.delete_key(k))
 
 
 def coordinator_address() -> str | None:

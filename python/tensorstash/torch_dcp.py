@@ -91,7 +91,8 @@ class StorageWriter(_DcpStorageWriter):
     step is complete already and not `overwrite`, OSError for storage errors); on error
     nothing new is visible at `path`. The parts of ranks other than DCP's coordinator travel
     through torch.distributed's store (under "tensorstash/dcp/<nonce>/"), so that a rank with
-    an empty plan (no WriteResult to carry it) still hands its part over."""
+    an empty plan (no WriteResult to carry it) still hands its part over; the coordinator rank
+    deletes the save's keys from the store once it holds every part."""
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False,
                  codec: str = "none") -> None:
@@ -209,6 +210,10 @@ class StorageWriter(_DcpStorageWriter):
             if i != me:
                 text = self._coord.key_value_get(f"part/{i}", _PART_TIMEOUT_MS)
                 parts.append(base64.b64decode(text))
+        if self._coord is not None:
+            # Every rank handed its part over after its last exchange of this save, so no rank
+            # reads the save's keys any more: drop them (the parts are the bulk of them).
+            self._coord.drop_keys()
         self._writer.commit_parts(parts)
         self._writer = None
 

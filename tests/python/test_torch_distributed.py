@@ -1,7 +1,8 @@
 """torch.distributed jobs (issue 39 parts 1 and 2): DTensors (Shard, Replicate, uneven and
 _StridedShard shards) saved and restored by 2 and 4 gloo processes on 127.0.0.1 through
-tests/python/torch_worker.py, across world sizes (1 -> 2, 2 -> 1, 2 -> 4, 4 -> 1), with the
-coordinator over torch.distributed's store and the manager's local tier.
+tests/python/torch_worker.py, across world sizes (1 -> 2, 2 -> 1, 2 -> 4, 4 -> 1, 4 -> 2),
+with the coordinator over torch.distributed's store (which saves leave empty) and the
+manager's local tier.
 
 Spawning is slow (each process imports torch), so each job runs many cases (torch_worker's
 "CASE ... ok" lines) and the tests here check their reports and what they wrote."""
@@ -27,6 +28,7 @@ PYTHONPATH = os.pathsep.join([os.path.dirname(os.path.dirname(tensorstash.__file
 JOB2_CASES = ("layouts", "coordinator", "restore_1_to_2", "save_and_restore_2", "load_in_place",
               "manager_local_dir", "fsdp2_get_state_dict")
 JOB4_CASES = ("restore_2_to_4", "save_and_restore_4")
+JOB2B_CASES = ("restore_4_to_2", "no_keys_left")
 
 
 def run_job(phase: str, nproc: int, work: str) -> str:
@@ -42,13 +44,14 @@ def full_plain() -> dict:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """The work folder after the test's own save by 1 process, job2 and job4, with their
-    outputs."""
+    """The work folder after the test's own save by 1 process, job2, job4 and job2b (4 -> 2
+    and the store's keys), with their outputs."""
     work = str(tmp_path_factory.mktemp("torchjobs"))
     tensorstash.save(os.path.join(work, "root1", "0000000001"), full_plain())
     out2 = run_job("job2", 2, work)
     out4 = run_job("job4", 4, work)
-    return work, out2, out4
+    out2b = run_job("job2b", 2, work)
+    return work, out2, out4, out2b
 
 
 def reports(text: str, nproc: int) -> dict[int, set[str]]:
@@ -66,19 +69,27 @@ def reports(text: str, nproc: int) -> dict[int, set[str]]:
 
 
 def test_every_case_of_the_2_process_job_passed_in_every_process(jobs):
-    _, out2, _ = jobs
+    _, out2, _, _ = jobs
     for pid, cases in reports(out2, 2).items():
         assert cases == set(JOB2_CASES), (pid, out2)
 
 
 def test_every_case_of_the_4_process_job_passed_in_every_process(jobs):
-    _, _, out4 = jobs
+    _, _, out4, _ = jobs
     for pid, cases in reports(out4, 4).items():
         assert cases == set(JOB4_CASES), (pid, out4)
 
 
+def test_every_case_of_the_2_process_job_after_the_4_process_one_passed(jobs):
+    # 4 -> 2 with DTensors, and no tensorstash keys left in torch.distributed's store after
+    # saves by tensorstash.save and by DCP's save through StorageWriter.
+    _, _, _, out2b = jobs
+    for pid, cases in reports(out2b, 2).items():
+        assert cases == set(JOB2B_CASES), (pid, out2b)
+
+
 def test_both_processes_wrote_and_replicas_split_the_writing(jobs):
-    work, _, _ = jobs
+    work, _, _, _ = jobs
     step = os.path.join(work, "root2", "0000000002")
     files = os.listdir(os.path.join(step, "state", "data"))
     assert {int(name.split("-")[0]) for name in files} == {0, 1}, files
@@ -87,7 +98,7 @@ def test_both_processes_wrote_and_replicas_split_the_writing(jobs):
 @pytest.mark.parametrize("root, step", [("root2", "0000000002"), ("root4", "0000000004")])
 def test_restore_by_one_process(jobs, root, step):
     # 2 -> 1 and 4 -> 1: whole arrays, as NumPy without a target and as tensors with one.
-    work, _, _ = jobs
+    work, _, _, _ = jobs
     path = os.path.join(work, root, step)
     saved = tensorstash.restore(path)["model"]
     full = full_plain()
@@ -104,7 +115,7 @@ def test_restore_by_one_process(jobs, root, step):
 
 
 def test_an_fsdp2_state_saved_by_2_restores_whole_in_one_process(jobs):
-    work, _, _ = jobs
+    work, _, _, _ = jobs
     want = torch.load(os.path.join(work, "fsdp_full.pt"))
     step = os.path.join(work, "fsdp", "0000000001")
     target = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()},

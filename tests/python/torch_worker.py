@@ -1,13 +1,14 @@
 """One process of a torch.distributed job of test_torch_distributed.py (gloo on 127.0.0.1),
 launched by mp_launch.run_job, hence its command line:
 
-    python torch_worker.py --phase job2|job4 --step WORK --nproc N --pid I --port P --layout -
+    python torch_worker.py --phase job2|job4|job2b --step WORK --nproc N --pid I --port P --layout -
 
 Each job runs many cases (spawning is slow: the imports take most of it) and prints
 "CASE <name> ok" after each; any failure exits 1 with a traceback. WORK holds the steps: the
 test saves WORK/root1/0000000001 (plain tensors, one process) before job2, which saves
 WORK/root2/0000000002 (DTensors on a mesh of 2); job4 saves WORK/root4/0000000004 on a (2, 2)
-mesh. The expected values are full_tensors(): each process lays them out itself
+mesh, which job2b (2 processes again) restores (4 -> 2) before it checks that saves leave no
+keys in the process group's store. The expected values are full_tensors(): each process lays them out itself
 (distribute_tensor with src_data_rank=None: no communication) to build leaves and expectations.
 """
 
@@ -70,7 +71,7 @@ def main() -> int:
                                 rank=args.pid, world_size=args.nproc,
                                 timeout=datetime.timedelta(seconds=90))
         try:
-            {"job2": job2, "job4": job4}[args.phase](args)
+            {"job2": job2, "job4": job4, "job2b": job2b}[args.phase](args)
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the test through the exit status
@@ -301,6 +302,78 @@ def job4(args) -> None:
     got = tensorstash.restore(step4, target={"model": dtensors(full, mesh, other, zero=True)})
     check_locals("4->4", got["model"], full, mesh, other)
     case("save_and_restore_4")
+
+
+# The leaves job4 saves, with their placements there and the ones job2b restores them onto.
+JOB4_LEAVES = ("even", "uneven", "cols", "rep")
+
+
+def job2b(args) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    import tensorstash
+    import tensorstash.torch as ttorch
+
+    work = args.step
+    assert dist.get_world_size() == 2
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    full = {k: v for k, v in full_tensors().items() if k in JOB4_LEAVES}
+
+    # 4 -> 2: job4's step (saved on a (2, 2) mesh) onto a mesh of 2, two layouts.
+    step4 = os.path.join(work, "root4", "0000000004")
+    for name, placements in (
+            ("sharded", {"even": [Shard(0)], "uneven": [Shard(1)], "cols": [Shard(0)],
+                         "rep": [Shard(0)]}),
+            ("mixed", {"even": [_StridedShard(0, split_factor=2)], "uneven": [Replicate()],
+                       "cols": [Shard(1)], "rep": [Replicate()]})):
+        got = tensorstash.restore(step4, target={"model": dtensors(full, mesh, placements,
+                                                                   zero=True)})
+        check_locals(f"4->2 {name}", got["model"], full, mesh, placements)
+        state = {"model": dtensors(full, mesh, placements, zero=True)}
+        ttorch.load(step4, state)
+        check_locals(f"4->2 in place {name}", state["model"], full, mesh, placements)
+    case("restore_4_to_2")
+
+    # Saves leave nothing in the process group's store: tensorstash.save (its own
+    # coordinator, closed when the save is done) and DCP through StorageWriter (the
+    # coordinator rank drops the save's keys), several times each.
+    store = dist.distributed_c10d._get_default_store()
+
+    def ours() -> list[str]:
+        return sorted(k for k in store.list_keys() if k.startswith("tensorstash"))
+
+    placements = {"even": [Shard(0)], "uneven": [Shard(0)], "cols": [Shard(1)],
+                  "rep": [Replicate()]}
+    dist.barrier()  # (the other rank may start its first save as soon as it is here)
+    before = ours()
+    for i in range(3):
+        tree = {"model": dtensors({k: v + i for k, v in full.items()}, mesh, placements),
+                "i": i}
+        tensorstash.save(os.path.join(work, "keys", f"{i:010d}"), tree)
+        dcp.save(tree, storage_writer=ttorch.StorageWriter(
+            os.path.join(work, "keys_dcp", f"{i:010d}")))
+    # A manager's saves (both tiers): the keys go when the managers close.
+    root = os.path.join(work, "keys_mgr")
+    options = dict(max_to_keep=2, local_dir=os.path.join(work, "keys_local", str(dist.get_rank())),
+                   local_save_interval_steps=1, save_interval_steps=2)
+    with tensorstash.CheckpointManager(root, **options) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"model": dtensors({k: v + step for k, v in full.items()}, mesh,
+                                              placements)}, per_process={"step": step})
+        mgr.wait_until_finished()
+        assert mgr.latest_step() == 3
+    dist.barrier()  # (every rank is past its last save before the store is looked at)
+    assert ours() == before == [], (before, ours())
+    got = tensorstash.restore(os.path.join(work, "keys", "0000000002"),
+                              target={"model": dtensors(full, mesh, placements, zero=True),
+                                      "i": 0})
+    check_locals("after the saves", got["model"], {k: v + 2 for k, v in full.items()}, mesh,
+                 placements)
+    case("no_keys_left")
 
 
 if __name__ == "__main__":
