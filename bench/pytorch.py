@@ -602,7 +602,9 @@ def write_markdown(results: dict, path: str) -> None:
     summary, meta = results["summary"], results["meta"]
     sizes = {"model": meta["model_bytes"], "small": meta["small_bytes"]}
     lines = [f"# PyTorch: tensorstash against DCP, torch.save and safetensors",
-             "", f"{meta['date']}, commit {meta['commit']}; {meta['runs']} counted runs after "
+             "", f"{meta['date']}, commit {meta['commit']}; "
+             f"{meta.get('runs_done', meta['warmup'] + meta['runs']) - meta['warmup']} counted "
+             "runs after "
              f"{meta['warmup']} warm-up; state dict {meta['model_bytes'] / GiB:.2f} GiB "
              f"({meta['model_tensors']} float32 tensors), many small: "
              f"{meta['small_count']} x {meta['small_kib']} KiB; load average "
@@ -712,15 +714,21 @@ def main(argv=None) -> int:
                  "warm (the page cache could not be dropped)"},
         "runs": {}}
     json_path = os.path.join(args.out, args.name + ".json")
-    try:
-        for run in range(args.warmup + args.runs):
-            one_run(args, run, results)
-    finally:
+
+    def write_results() -> None:
         results["meta"]["load_end"] = os.getloadavg()[0]
         results["summary"] = summarize(results, args.warmup)
         with open(json_path, "w") as f:
             json.dump(results, f, indent=1)
         write_markdown(results, os.path.join(args.out, args.name + ".md"))
+
+    try:
+        for run in range(args.warmup + args.runs):
+            one_run(args, run, results)
+            results["meta"]["runs_done"] = run + 1
+            write_results()  # (after every run: a stopped benchmark keeps what it measured)
+    finally:
+        write_results()
         shutil.rmtree(args.dir, ignore_errors=True)
     log(open(os.path.join(args.out, args.name + ".md")).read())
     return 0
