@@ -427,7 +427,8 @@ def no_soft_delete(srv) -> None:
                                        body, {"Content-Type": "application/json"})
     got = json.loads(answer).get("softDeletePolicy", {}) if code == 200 else {}
     if str(got.get("retentionDurationSeconds")) != "0":
-        raise RuntimeError(f"could not turn the emulator's soft delete off: {code} {answer[:300]!r}")
+        raise RuntimeError(f"could not turn the emulator's soft delete off: {code} "
+                           f"{answer[:300]!r}")
 
 
 def main(argv=None) -> int:
