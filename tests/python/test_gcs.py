@@ -81,7 +81,9 @@ class Gcs:
                 q["pageToken"] = token
             url = (f"{self.srv.endpoint}/storage/v1/b/{self.bucket}/o?"
                    + urllib.parse.urlencode(q))
-            code, _, body = gcs_servers.http("GET", url)
+            # The emulator is single-threaded: a listing waits behind any upload it is parsing
+            # (a 40 MiB multipart body takes it seconds on a loaded machine).
+            code, _, body = gcs_servers.http("GET", url, timeout=120)
             assert code == 200, (url, code, body[:300])
             r = json.loads(body)
             out += [o["name"] for o in r.get("items", [])]
