@@ -1002,7 +1002,9 @@ class _OrbaxRunManager(CheckpointManager):
         if inflight is not None:
             inflight.result()
 
-    def close(self) -> None:
+    def _close(self, drop_coordinator_keys: bool) -> None:
+        # close() and __exit__ both come here, as for native roots. Dropping a torch
+        # coordinator's keys is left to the native manager: Orbax-format torch jobs do not exist yet.
         if self._closed:
             return
         self._closed = True
