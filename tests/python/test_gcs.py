@@ -33,32 +33,10 @@ from tshelpers import assert_same_tree, pattern
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(REPO, "tests", "gcs"))
 
-import gcs_servers  # noqa: E402
+from gcs_fixtures import NO_METADATA_SERVER, gcs_servers, server  # noqa: E402,F401
 
 CLI = os.environ.get("TENSORSTASH_CLI", os.path.join(REPO, "build", "tensorstash"))
-
-
-def _closed_port() -> str:
-    """127.0.0.1:P with nothing listening on P (bound, then closed)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
-NO_METADATA_SERVER = _closed_port()
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The emulator, the enforcing proxy and the credential fakes, for the module."""
-    srv = gcs_servers.start(str(tmp_path_factory.mktemp("gcs")))
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 class Gcs:

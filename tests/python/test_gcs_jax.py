@@ -43,33 +43,14 @@ from tshelpers import assert_restored_numpy, assert_same_array, global_array, pa
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(REPO, "tests", "gcs"))
 
-import gcs_servers  # noqa: E402
+from gcs_fixtures import NO_METADATA_SERVER, gcs_servers, server  # noqa: E402,F401
 
 CLI = os.environ.get("TENSORSTASH_CLI", os.path.join(REPO, "build", "tensorstash"))
 JOB_TIMEOUT_S = 150  # for a whole multi-process job; a hang fails the test instead of blocking
 # The folder of the tensorstash this test imported, for the workers (mp_launch drops PYTHONPATH).
 WORKER_PYTHONPATH = os.pathsep.join([os.path.dirname(os.path.dirname(tensorstash.__file__)),
                                      HERE])
-
-
-def closed_port() -> str:
-    """127.0.0.1:P with nothing listening on P (bound, then closed)."""
-    return f"127.0.0.1:{mp_launch.free_port()}"
-
-
-NO_METADATA_SERVER = closed_port()
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The emulator and the enforcing proxy, for the module."""
-    srv = gcs_servers.start(str(tmp_path_factory.mktemp("gcs")))
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 def google_free_env(base: dict[str, str], scratch: str) -> dict[str, str]:
