@@ -19,8 +19,8 @@ Three series of points, each point measured for each tool:
               (untimed), restored onto that one device and onto all 8 (sharded): the fixed cost
               of an array, reported in microseconds per array.
 
---quick (a smoke run): arrays (100, 1,000) at 64 MiB, bytes (16, 64 MiB), fixed-cost
-(100, 1,000); 1 run, no warm-up. Its files are named scaling-quick.* so as not to replace the
+--quick (a smoke run): arrays (10, 100) at 16 MiB, bytes (16, 32 MiB), fixed-cost
+(10, 100); 1 run, no warm-up. Its files are named scaling-quick.* so as not to replace the
 full results.
 
 Every save and every restore runs in a fresh worker process (this script with --worker; JAX on
@@ -70,8 +70,8 @@ SERIES = ("arrays", "bytes", "fixed-cost")
 FULL = {"arrays": (1000, 3000, 10000, 30000, 100000),
         "bytes": (256 * MiB, 1 * GiB, 4 * GiB, 8 * GiB),
         "fixed-cost": (1000, 10000, 100000)}
-QUICK = {"arrays": (100, 1000), "bytes": (16 * MiB, 64 * MiB), "fixed-cost": (100, 1000)}
-ARRAYS_TOTAL = {"full": 256 * MiB, "quick": 64 * MiB}  # the "arrays" series' fixed total
+QUICK = {"arrays": (10, 100), "bytes": (16 * MiB, 32 * MiB), "fixed-cost": (10, 100)}
+ARRAYS_TOTAL = {"full": 256 * MiB, "quick": 16 * MiB}  # the "arrays" series' fixed total
 BYTES_COUNT = 64  # the "bytes" series' fixed array count
 TINY = 16  # float32 elements of a fixed-cost array
 SHARDED_8 = (("a", "b"),)  # a 1-D array's rows over all 8 devices of a 2x4 mesh (or the 1 of "1")

@@ -84,12 +84,27 @@ def tool_info(tool, path):
     return info
 
 
+def tool_get_many(tool, path, keys):
+    """ocdbt_tool getmany: every key's value in one process, {key: value}."""
+    result = subprocess.run([str(tool), "getmany", str(path)], capture_output=True,
+                            input=b"".join(key + b"\n" for key in keys))
+    assert result.returncode == 0, (path, result.returncode, result.stderr.decode())
+    out, pos, values = result.stdout, 0, {}
+    for key in keys:
+        end = out.index(b"\n", pos)
+        length = int(out[pos:end])
+        values[key] = out[end + 1:end + 1 + length]
+        pos = end + 1 + length
+    assert pos == len(out), f"{len(out) - pos} bytes after the last value"
+    return values
+
+
 def assert_tool_reads(tool, path, expected):
     """ocdbt_tool lists exactly the keys of `expected` and reads each value bit for bit."""
     assert tool_list(tool, path) == sorted(expected)
+    got = tool_get_many(tool, path, sorted(expected))
     for key, value in expected.items():
-        got = tool_get(tool, path, key)
-        assert got == value, f"{key!r}: {len(got)} bytes, expected {len(value)}"
+        assert got[key] == value, f"{key!r}: {len(got[key])} bytes, expected {len(value)}"
 
 
 def random_items(rng, count, prefix="k"):

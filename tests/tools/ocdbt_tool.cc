@@ -3,6 +3,9 @@
 //
 //   ocdbt_tool list DIR [PREFIX]   keys of the latest version, one per line, sorted
 //   ocdbt_tool get DIR KEY         the value of KEY, raw, to stdout
+//   ocdbt_tool getmany DIR         for each key on stdin (a line each): its value's length in
+//                                  decimal and a newline, then the value, raw (one process for
+//                                  thousands of keys: the tests compare whole databases)
 //   ocdbt_tool info DIR            the latest version and the root node's data files, as
 //                                  "name value" lines (for tests that check what was covered)
 //   ocdbt_tool put DIR [--zstd] [--max-inline N] [--max-node-bytes N] [--data-file-bytes N]
@@ -35,9 +38,24 @@ int Fail(const Status& status) {
 int Usage() {
   std::fprintf(
       stderr,
-      "usage: ocdbt_tool list DIR [PREFIX] | get DIR KEY | put DIR [--zstd] "
+      "usage: ocdbt_tool list DIR [PREFIX] | get DIR KEY | getmany DIR < KEY lines | put DIR [--zstd] "
       "[--max-inline N] [--max-node-bytes N] [--data-file-bytes N] < KEY<TAB>FILE lines\n");
   return 2;
+}
+
+// Writes KEY's value to stdout, read through OpenForRead in pieces as a reader of a large chunk
+// would; with_length puts its length and a newline first.
+Status WriteValue(OcdbtKvStore* store, const std::string& key, bool with_length) {
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, store->OpenForRead(key));
+  if (with_length) std::printf("%llu\n", static_cast<unsigned long long>(file->size()));
+  std::vector<char> buffer(1 << 20);
+  for (uint64_t done = 0; done < file->size();) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(buffer.size(), file->size() - done));
+    TS_RETURN_IF_ERROR(file->ReadAt(done, n, buffer.data()));
+    std::fwrite(buffer.data(), 1, n, stdout);
+    done += n;
+  }
+  return OkStatus();
 }
 
 Status Put(KvStore* base, const OcdbtWriter::Options& options) {
@@ -137,17 +155,15 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (command == "get" && argc == 4) {
-    // Through OpenForRead, in pieces, as a reader of a large chunk would.
-    Result<std::unique_ptr<ReadableFile>> file = (*store)->OpenForRead(argv[3]);
-    if (!file.ok()) return Fail(file.status());
-    std::vector<char> buffer(1 << 20);
-    for (uint64_t done = 0; done < (*file)->size();) {
-      const size_t n =
-          static_cast<size_t>(std::min<uint64_t>(buffer.size(), (*file)->size() - done));
-      const Status status = (*file)->ReadAt(done, n, buffer.data());
+    const Status status = WriteValue(store->get(), argv[3], /*with_length=*/false);
+    if (!status.ok()) return Fail(status);
+    return std::fflush(stdout) == 0 ? 0 : 1;
+  }
+  if (command == "getmany" && argc == 3) {
+    std::string key;
+    while (std::getline(std::cin, key)) {
+      const Status status = WriteValue(store->get(), key, /*with_length=*/true);
       if (!status.ok()) return Fail(status);
-      std::fwrite(buffer.data(), 1, n, stdout);
-      done += n;
     }
     return std::fflush(stdout) == 0 ? 0 : 1;
   }
