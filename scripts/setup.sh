@@ -96,9 +96,12 @@ fi
 
 GENERATOR=()
 command -v ninja >/dev/null && GENERATOR=(-G Ninja)
+# Line tables only (-g1): stack traces and perf keep file and line, and on CI's 2 cores the build
+# takes about a fifth less time than with full debug info (-g). Reconfigure with
+# -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g -DNDEBUG" to inspect variables in a debugger.
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
   cmake -S . -B "$BUILD_DIR" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DTENSORSTASH_PYTHON="$PWD/.venv/bin/python"
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" -DTENSORSTASH_PYTHON="$PWD/.venv/bin/python"
 fi
 if ((${#TARGETS[@]})); then
   cmake --build "$BUILD_DIR" -j "$(nproc)" --target "${TARGETS[@]}"
