@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets (fuzz/) with clang + ASan + UBSan in build-fuzz and runs each for a
-# while from its seed corpus. A crash leaves its input in build-fuzz/findings/<target>/; copy it
+# Builds the libFuzzer targets (fuzz/) with clang + ASan + UBSan in build-asan (the tree the ASan
+# suite uses too: scripts/lib/clang_tree.sh) and runs each for a while from its seed corpus.
+# A crash leaves its input in build-asan/findings/<target>/; copy it
 # to fuzz/regressions/<target>/ (replayed by the normal test suite) and fix the parser.
 #   scripts/run_fuzz.sh                      short run: 20 s per target (part of the tests)
 #   TS_FUZZ_SECONDS=3600 scripts/run_fuzz.sh a longer hunt
@@ -9,17 +10,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_PER_TARGET=${TS_FUZZ_SECONDS:-20}
-BUILD_DIR=build-fuzz
+BUILD_DIR=build-asan
 if ! command -v clang++ >/dev/null; then
   echo "run_fuzz: clang++ not found (scripts/setup.sh installs it)" >&2
   exit 1
 fi
-GENERATOR=()
-command -v ninja >/dev/null && GENERATOR=(-G Ninja)
-if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
-  cmake -S . -B "$BUILD_DIR" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DCMAKE_CXX_COMPILER=clang++ -DTENSORSTASH_FUZZ=ON -DTENSORSTASH_BUILD_TESTS=OFF >/dev/null
-fi
+. scripts/lib/clang_tree.sh
+clang_tree_configure asan
 cmake --build "$BUILD_DIR" -j "$(nproc)" --target fuzzers
 if [ "${1:-}" = "--build-only" ]; then
   exit 0
