@@ -42,9 +42,16 @@ def saved(tmp_path_factory):
     """The checkpoint folder a 2-process job saved in Orbax's format."""
     work = tmp_path_factory.mktemp("orbax2")
     path = str(work / "ckpt")
-    mp_launch.run_job(WORKER, "save", path, 2, "A", str(work), timeout_s=150,
-                      pythonpath=WORKER_PYTHONPATH)
-    return path
+    output = mp_launch.run_job(WORKER, "save", path, 2, "A", str(work), timeout_s=150,
+                               pythonpath=WORKER_PYTHONPATH)
+    # Each process prints its save's statistics: "process <p>: saved {...}".
+    stats = {}
+    for line in output.splitlines():
+        if line.startswith("process ") and ": saved " in line:
+            head, _, body = line.partition(": saved ")
+            stats[int(head.split()[1])] = json.loads(body)
+    assert set(stats) == {0, 1}, output
+    return path, stats
 
 
 def restore_layout():
@@ -101,6 +108,9 @@ def check_restored(got, what: str) -> None:
 
 
 def test_each_process_wrote_its_own_database(saved):
+    saved, stats = saved
+    # Each wrote the chunks it owns: process 1 holds the second row of the mesh alone.
+    assert stats[0]["chunks"] > 0 and stats[1]["chunks"] > 0, stats
     names = set(os.listdir(saved))
     assert {"ocdbt.process_0", "ocdbt.process_1", "manifest.ocdbt", "d", "_METADATA",
             "_CHECKPOINT_METADATA", "_sharding", "_strings.json"} <= names, names
@@ -117,6 +127,7 @@ def test_each_process_wrote_its_own_database(saved):
 
 
 def test_orbax_restores_it_onto_another_sharding(saved):
+    saved, _ = saved
     # PyTreeCheckpointer (StandardCheckpointer takes no str target) with restore_args built
     # from the target, as Orbax's docs do it.
     target = target_tree()
@@ -129,6 +140,7 @@ def test_orbax_restores_it_onto_another_sharding(saved):
 
 
 def test_tensorstash_restores_it(saved):
+    saved, _ = saved
     check_restored(tensorstash.restore(saved, target=target_tree()), "tensorstash")
     plain = tensorstash.restore(saved)
     arrays, slash, _ = tree_values()
@@ -137,6 +149,7 @@ def test_tensorstash_restores_it(saved):
 
 
 def test_verify_passes(saved):
+    saved, _ = saved
     result = subprocess.run([cli(), "verify", saved], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
