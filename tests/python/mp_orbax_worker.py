@@ -5,8 +5,9 @@ through mp_launch.run_job, hence mp_worker.py's command line; only --phase save)
 
 Every process builds the same deterministic tree (tree_values(): arrays sharded over all 8
 devices of the job, a replicated one, a NumPy array, a key holding '/', a string, an int, and
-typed PRNG keys, sharded and replicated) and calls tensorstash.save(..., format="orbax"); the
-package coordinates through jax.distributed. Exits 0 when all is well, 1 with a traceback.
+typed PRNG keys, sharded and replicated) and calls tensorstash.save(..., format="orbax") (the
+package coordinates through jax.distributed), then again without and with overwrite=True.
+Exits 0 when all is well, 1 with a traceback.
 """
 
 from __future__ import annotations
@@ -71,7 +72,16 @@ def run(args) -> None:
                  "one": jax.random.wrap_key_data(
                      global_array(np.asarray(jax.random.key_data(jax.random.key(3))), ()))},
     }
-    stats = tensorstash.save(args.step, tree, format="orbax")
+    tensorstash.save(args.step, tree, format="orbax")
+    # Again: every process refuses the complete checkpoint (process 0 finds it and tells the
+    # others), and with overwrite=True every process saves it anew.
+    try:
+        tensorstash.save(args.step, tree, format="orbax")
+    except FileExistsError as e:
+        print(f"process {args.pid}: refused: {e}", flush=True)
+    else:
+        raise AssertionError("a second save without overwrite=True succeeded")
+    stats = tensorstash.save(args.step, tree, format="orbax", overwrite=True)
     print(f"process {args.pid}: saved {json.dumps(stats)}", flush=True)
 
 

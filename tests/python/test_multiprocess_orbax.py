@@ -51,6 +51,8 @@ def saved(tmp_path_factory):
             head, _, body = line.partition(": saved ")
             stats[int(head.split()[1])] = json.loads(body)
     assert set(stats) == {0, 1}, output
+    # The second save, without overwrite=True, failed in both processes.
+    assert output.count(": refused: ") == 2, output
     return path, stats
 
 
