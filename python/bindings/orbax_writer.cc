@@ -2,12 +2,16 @@
 // URL (kvstore/registry.h).
 //
 // Like the Writer, it reads the caller's shard buffers during commit() and keeps a reference to
-// each of them until commit() returns; commit() releases the GIL. Single process only.
+// each of them until commit() returns; commit() releases the GIL (a Python coordinator takes it
+// back for each call). With a coordinator of several processes, each process's writer writes
+// its own shards and process 0 publishes the checkpoint (orbax_writer.h). It takes part in
+// garbage collection as the Writer does, for the coordinator it holds (gc_slots.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -16,7 +20,9 @@
 
 #include "bindings.h"
 #include "buffers.h"
+#include "coordinator.h"
 #include "errors.h"
+#include "gc_slots.h"
 #include "save_args.h"
 #include "tensorstash/checkpoint/orbax_writer.h"
 #include "tensorstash/format/tree.h"
@@ -30,8 +36,21 @@ namespace {
 
 class PyOrbaxWriter {
  public:
-  PyOrbaxWriter(std::unique_ptr<KvStore> kv, std::unique_ptr<OrbaxWriter> writer)
-      : kv_(std::move(kv)), writer_(std::move(writer)) {}
+  PyOrbaxWriter(std::unique_ptr<KvStore> kv, std::unique_ptr<PyCoordinator> coordinator,
+                std::unique_ptr<OrbaxWriter> writer)
+      : kv_(std::move(kv)), coordinator_(std::move(coordinator)), writer_(std::move(writer)) {}
+
+  // The Python objects it holds, for the garbage collector (gc_slots.h).
+  std::array<nb::handle, 1> python_objects() const {
+    return {coordinator_ != nullptr ? coordinator_->object() : nb::handle()};
+  }
+
+  // Drops everything, for tp_clear; unusable afterwards. writer_ goes first: it uses the rest.
+  void Clear() {
+    writer_.reset();
+    buffers_.clear();
+    coordinator_.reset();
+  }
 
   void AddArray(const std::string& path, const std::string& dtype,
                 const std::vector<int64_t>& shape, const std::vector<ShardTuple>& shards,
@@ -88,10 +107,12 @@ class PyOrbaxWriter {
  private:
   Status CheckUsable() const {
     if (committing_) return FailedPreconditionError("commit() is running in another thread");
+    if (writer_ == nullptr) return FailedPreconditionError("the writer was cleared");
     return OkStatus();
   }
 
   std::unique_ptr<KvStore> kv_;
+  std::unique_ptr<PyCoordinator> coordinator_;
   std::vector<ReadOnlyBytes> buffers_;
   std::unique_ptr<OrbaxWriter> writer_;  // after the buffers and the store it reads and writes
   bool committing_ = false;
@@ -99,7 +120,8 @@ class PyOrbaxWriter {
 
 void InitOrbaxWriter(PyOrbaxWriter* self, const std::string& root, const std::string& step,
                      const std::string& item, bool overwrite, bool sync, int io_threads,
-                     int zstd_level, const std::vector<std::vector<std::string>>& json_items) {
+                     int zstd_level, const std::vector<std::vector<std::string>>& json_items,
+                     nb::object coordinator) {
   OrbaxWriterOptions options;
   options.item = item;
   for (const std::vector<std::string>& json_item : json_items) {
@@ -112,10 +134,11 @@ void InitOrbaxWriter(PyOrbaxWriter* self, const std::string& root, const std::st
   options.sync = sync;
   options.io_threads = io_threads;
   options.zstd_level = zstd_level;
-  SaveTarget target = OpenSaveTarget(root, nb::none());
-  std::unique_ptr<OrbaxWriter> writer =
-      ValueOrThrow(OrbaxWriter::Create(target.kv.get(), step, options));
-  new (self) PyOrbaxWriter(std::move(target.kv), std::move(writer));
+  SaveTarget target = OpenSaveTarget(root, std::move(coordinator));
+  std::unique_ptr<OrbaxWriter> writer = ValueOrThrow(
+      OrbaxWriter::Create(target.kv.get(), step, options, target.coordinator.get()));
+  new (self)
+      PyOrbaxWriter(std::move(target.kv), std::move(target.coordinator), std::move(writer));
 }
 
 }  // namespace
@@ -123,11 +146,14 @@ void InitOrbaxWriter(PyOrbaxWriter* self, const std::string& root, const std::st
 void DefineOrbaxWriter(nb::module_& m) {
   nb::class_<PyOrbaxWriter>(m, "OrbaxWriter",
                             "Saves arrays and a pytree as an Orbax checkpoint (OCDBT + zarr3) "
-                            "at folder `step` of `root`.")
+                            "at folder `step` of `root`; with a coordinator of several "
+                            "processes, each process's shards.",
+                            nb::type_slots(GcSlots<PyOrbaxWriter>()))
       .def("__init__", &InitOrbaxWriter, nb::arg("root"), nb::arg("step"), nb::kw_only(),
            nb::arg("item") = "", nb::arg("overwrite") = false, nb::arg("sync") = true,
            nb::arg("io_threads") = 0, nb::arg("zstd_level") = ArraySpec{}.zstd_level,
-           nb::arg("json_items") = std::vector<std::vector<std::string>>{})
+           nb::arg("json_items") = std::vector<std::vector<std::string>>{},
+           nb::arg("coordinator").none() = nb::none())
       .def("add_array", &PyOrbaxWriter::AddArray, nb::arg("path"), nb::arg("dtype"),
            nb::arg("shape"), nb::arg("shards"), nb::kw_only(), nb::arg("value_type"),
            nb::arg("random_key_impl") = "",

@@ -92,7 +92,9 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     `format="orbax"` writes an Orbax checkpoint instead (OCDBT + zarr3, what orbax-checkpoint
     0.12 writes by default), which `orbax.checkpoint.StandardCheckpointer().restore(path, ...)`
     restores; with `orbax_item="default"` the folder is laid out as a step of an Orbax
-    CheckpointManager with that item. Orbax format: a single process only; chunks are zstd
+    CheckpointManager with that item. Orbax format: in a job of several processes each
+    writes its own shards into its own OCDBT database and the first publishes the checkpoint
+    (as Orbax writes them; the folder must be on a store that can rename); chunks are zstd
     (`zstd_level`), one per shard of each jax.Array and one per NumPy array; `chunk_bytes`,
     `data_file_bytes` and `max_inflight_bytes` do not apply; Python scalars are stored as Orbax
     stores them (0-d int64/float64/bool), and str leaves as its StringHandler does (in
@@ -182,10 +184,11 @@ def _save_orbax(root: str, step: str, tree: Any, *, overwrite: bool, codec: str 
     file name, JSON text) of JSON items committed beside `item` (the manager's metrics)."""
     if codec not in (None, "zstd"):
         raise ValueError(f"the Orbax format stores zstd chunks; codec {codec!r} is not available")
-    if coordinator is None:
+    made = coordinator is None
+    if made:
         coordinator = default_coordinator()
-    if coordinator is not None and coordinator.process_count() > 1:
-        raise NotImplementedError("format='orbax' writes from a single process only")
+    if coordinator is not None and coordinator.process_count() <= 1:
+        coordinator = None
     # Orbax stores a PRNG key array as its key data at the leaf's own name (not the native
     # format's marked dict node), the implementation in its array metadata (random_key_impl).
     key_impls: dict[str, str] = {}
@@ -198,10 +201,10 @@ def _save_orbax(root: str, step: str, tree: Any, *, overwrite: bool, codec: str 
         return data
 
     tree = _tree.map_target(tree, key_data)
-    arrays, tree_json = arrays_to_save(tree, None)
+    arrays, tree_json = arrays_to_save(tree, coordinator)
     writer = _ext.OrbaxWriter(root, step, item=item or "", overwrite=overwrite, sync=sync,
                               io_threads=io_threads, zstd_level=zstd_level,
-                              json_items=[list(j) for j in json_items])
+                              json_items=[list(j) for j in json_items], coordinator=coordinator)
     shardings = {}
     leaves: dict[str, Any] = {}
     _tree.encode(tree, leaves.__setitem__)
@@ -224,4 +227,7 @@ def _save_orbax(root: str, step: str, tree: Any, *, overwrite: bool, codec: str 
     if shardings:
         writer.add_file("_sharding", json.dumps(shardings))
     writer.set_tree(tree_json)
-    return writer.commit()
+    stats = writer.commit()
+    if made and coordinator is not None:
+        _close_coordinator(coordinator)
+    return stats

@@ -17,10 +17,28 @@
 //     parent folder. With `overwrite` an existing `dir` is first renamed aside and removed only
 //     after the new one is in place; a failure puts the old one back.
 // Any failure removes the temporary folder: nothing new is visible.
+//
+// Several processes (CommitMultiProcess), every step a collective of coordination/collectives.h
+// under keys "tensorstash/orbax/<dir>/<operation id>/":
+//  1. Every process checks the tree (the same in each) and they agree on the outcome.
+//  2. Process 0 checks the destination and broadcasts the temporary folder's name.
+//  3. The processes gather every array's spec and largest local shard: all must describe the
+//     arrays alike, and each array's chunk shape is the largest shard any process holds; each
+//     checks that its shards lie on that grid. Each then writes the chunks it owns (replica 0 of
+//     each box, as PlanChunkWrites deals them) into its own database `ocdbt.process_<p>` of the
+//     item folder; process 0 also writes every zarr.json and the scalars. Each publishes how
+//     many chunks of each array it wrote, and the sum of their linear indices.
+//  4. Process 0 gathers every status (AgreeOnStatus). If all are OK it checks that each array's
+//     chunks were written exactly once (count and index sum; a key written twice also fails the
+//     merge), writes the item's own database, whose leaves refer to the values in the
+//     processes' data files (OcdbtWriter::AddReference, base path "ocdbt.process_<p>/"), then
+//     the metadata files, and publishes the folder as in step 5 above; otherwise, or on any
+//     failure, it removes the temporary folder. Every process returns that verdict.
 
 #include "tensorstash/checkpoint/orbax_writer.h"
 
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -31,6 +49,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tensorstash/array/chunk_grid.h"
+#include "tensorstash/coordination/collectives.h"
 #include "tensorstash/engine/step_folder.h"
 #include "tensorstash/engine/executor.h"
 #include "tensorstash/engine/publish.h"
@@ -51,6 +70,9 @@ using Json = nlohmann::ordered_json;
 
 constexpr std::string_view kStandardHandler =
     "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler";
+
+// Each process's own database in a multi-process save, as Orbax names them.
+constexpr std::string_view kOrbaxProcessDatabasePrefix = "ocdbt.process_";
 
 constexpr std::string_view kJsonHandler =
     "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler";
@@ -74,8 +96,11 @@ class OcdbtSink final : public KvStore {
     return Missing(key);
   }
   Status Write(std::string_view key, std::string_view value) override {
+    // A process other than 0 of a multi-process save: process 0 writes every zarr.json.
+    if (dropped_.count(key) != 0) return OkStatus();
     return writer_->Add(key, value);
   }
+  void Drop(std::string key) { dropped_.insert(std::move(key)); }
   Result<std::unique_ptr<WritableFile>> OpenForWrite(std::string_view) override {
     return Unsupported();
   }
@@ -98,6 +123,7 @@ class OcdbtSink final : public KvStore {
     return FailedPreconditionError("the OCDBT database being written only takes whole values");
   }
   OcdbtWriter* writer_;
+  std::set<std::string, std::less<>> dropped_;  // filled before the first Write
 };
 
 // One leaf of the tree as Orbax records it.
@@ -213,7 +239,9 @@ int64_t NowNanos() {
 struct OrbaxWriter::Impl {
   struct ArrayEntry {
     OrbaxArraySpec spec;
-    std::vector<ShardData> shards;  // replica 0 only; unused with `source`
+    // Replica 0 only in one process; every shard with several (the plan picks the writer);
+    // unused with `source`.
+    std::vector<ShardData> shards;
     std::vector<int64_t> chunk_shape;
     ChunkSource source;
   };
@@ -221,6 +249,7 @@ struct OrbaxWriter::Impl {
   KvStore* kv;
   std::string dir;
   OrbaxWriterOptions options;
+  Coordinator* coordinator = nullptr;  // set when the job has several processes
   std::vector<ArrayEntry> arrays;
   std::vector<std::pair<std::string, std::string>> files;
   std::optional<TreeNode> tree;
@@ -228,6 +257,30 @@ struct OrbaxWriter::Impl {
 
   Status CommitImpl(OrbaxWriteStats* stats,
                     const std::function<void(uint64_t, uint64_t)>& progress);
+  // Steps 2-5 in one process.
+  Status WriteChecked(const std::vector<Leaf>& leaves, OrbaxWriteStats* stats,
+                      const std::function<void(uint64_t, uint64_t)>& progress);
+  // Step 1: the leaves of the tree, checked.
+  Status CollectCheckedLeaves(std::vector<Leaf>* leaves);
+  // The multi-process commit (see the top of this file).
+  Status CommitMultiProcess(OrbaxWriteStats* stats,
+                            const std::function<void(uint64_t, uint64_t)>& progress);
+  // Step 2 on process 0 of a multi-process save: the temporary folder to write into.
+  Result<std::string> PrepareFolder();
+  // Agrees on every array's chunk shape with the other processes (the largest shard shape
+  // any of them holds) and checks that this process's shards lie on that grid.
+  Status AgreeOnGrids(const std::string& key_prefix);
+  // Step 3 alone: the arrays (and, with `scalars`, the scalar leaves) into the database at
+  // `db_dir`. `zarr_metadata`: also each array's zarr.json. `written`, when given, gets per
+  // array "<chunks>:<sum of their linear indices>" of the chunks this process writes.
+  Status WriteDatabase(const std::string& db_dir, const std::vector<Leaf>& leaves, bool scalars,
+                       bool zarr_metadata, std::vector<std::string>* written,
+                       OrbaxWriteStats* stats,
+                       const std::function<void(uint64_t, uint64_t)>& progress);
+  // Step 4: _METADATA and the other files of folder `tmp`.
+  Status WriteMetadata(const std::string& tmp, const std::vector<Leaf>& leaves);
+  // Process 0's merge: one database at `item_dir` over the processes' ones.
+  Status MergeDatabases(const std::string& item_dir, int processes);
   // Object stores: the checkpoint written at `dir` itself, then Orbax's commit marker.
   Status WriteInPlace(const std::vector<Leaf>& leaves, OrbaxWriteStats* stats,
                       const std::function<void(uint64_t, uint64_t)>& progress);
@@ -243,7 +296,8 @@ OrbaxWriter::OrbaxWriter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 OrbaxWriter::~OrbaxWriter() = default;
 
 Result<std::unique_ptr<OrbaxWriter>> OrbaxWriter::Create(KvStore* kv, std::string dir,
-                                                         OrbaxWriterOptions options) {
+                                                         OrbaxWriterOptions options,
+                                                         Coordinator* coordinator) {
   TS_RETURN_IF_ERROR(ValidateKey(dir));
   if (!options.item.empty()) {
     TS_RETURN_IF_ERROR(ValidateKey(options.item));
@@ -276,6 +330,7 @@ Result<std::unique_ptr<OrbaxWriter>> OrbaxWriter::Create(KvStore* kv, std::strin
   impl->kv = kv;
   impl->dir = std::move(dir);
   impl->options = std::move(options);
+  if (coordinator != nullptr && coordinator->process_count() > 1) impl->coordinator = coordinator;
   return std::unique_ptr<OrbaxWriter>(new OrbaxWriter(std::move(impl)));
 }
 
@@ -310,7 +365,8 @@ Status OrbaxWriter::AddArray(OrbaxArraySpec spec, std::vector<ShardData> shards)
       return InvalidArgumentError(StrCat(what, ": replica id ", shard.replica_id,
                                          " out of range for ", shard.num_replicas, " replicas"));
     }
-    if (shard.replica_id != 0) continue;
+    const bool multi_process = impl_->coordinator != nullptr;
+    if (shard.replica_id != 0 && !multi_process) continue;
     if (shard.data == nullptr && !shard.box.empty()) {
       return InvalidArgumentError(StrCat(what, ": shard ", shard.box.ToString(), " has no data"));
     }
@@ -318,6 +374,12 @@ Status OrbaxWriter::AddArray(OrbaxArraySpec spec, std::vector<ShardData> shards)
       entry.chunk_shape[d] = std::max(entry.chunk_shape[d], shard.box.shape[d]);
     }
     entry.shards.push_back(std::move(shard));
+  }
+  if (impl_->coordinator != nullptr) {
+    // The grid is agreed on with the other processes and checked at Commit.
+    entry.spec = std::move(spec);
+    impl_->arrays.push_back(std::move(entry));
+    return OkStatus();
   }
   for (int64_t& c : entry.chunk_shape) c = std::max<int64_t>(c, 1);
   // The shards must tile the array on the grid of chunk_shape: each one exactly one cell (cut
@@ -367,6 +429,10 @@ Status OrbaxWriter::AddArray(OrbaxArraySpec spec, std::vector<int64_t> chunk_sha
     }
   }
   if (source == nullptr) return InvalidArgumentError(StrCat(what, ": no chunk source"));
+  if (impl_->coordinator != nullptr) {
+    return UnimplementedError(StrCat(what, ": arrays from a chunk source are written by a "
+                                           "single process"));
+  }
   TS_RETURN_IF_ERROR(CheckRandomKeyImpl(spec, what));
   Impl::ArrayEntry entry;
   entry.spec = std::move(spec);
@@ -403,6 +469,14 @@ Status OrbaxWriter::Commit(OrbaxWriteStats* stats,
 
 Status OrbaxWriter::Impl::CommitImpl(OrbaxWriteStats* stats,
                                      const std::function<void(uint64_t, uint64_t)>& progress) {
+  if (coordinator != nullptr) return CommitMultiProcess(stats, progress);
+  std::vector<Leaf> leaves;
+  TS_RETURN_IF_ERROR(CollectCheckedLeaves(&leaves));
+  return WriteChecked(leaves, stats, progress);
+}
+
+Status OrbaxWriter::Impl::CollectCheckedLeaves(std::vector<Leaf>* out) {
+  std::vector<Leaf>& leaves = *out;
   // 1. The tree and its leaves.
   if (!tree.has_value()) {
     std::vector<ArrayMetadata> paths(arrays.size());
@@ -410,7 +484,6 @@ Status OrbaxWriter::Impl::CommitImpl(OrbaxWriteStats* stats,
     TS_ASSIGN_OR_RETURN(TreeNode built, TreeFromArrayPaths(paths));
     tree = std::move(built);
   }
-  std::vector<Leaf> leaves;
   std::vector<OrbaxKey> keys;
   TS_RETURN_IF_ERROR(CollectLeaves(*tree, &keys, &leaves, 0));
   if (leaves.empty()) return InvalidArgumentError("the tree is empty; Orbax needs a leaf");
@@ -453,7 +526,11 @@ Status OrbaxWriter::Impl::CommitImpl(OrbaxWriteStats* stats,
                                          references[i], " leaves of the tree instead of one"));
     }
   }
+  return OkStatus();
+}
 
+Status OrbaxWriter::Impl::WriteChecked(const std::vector<Leaf>& leaves, OrbaxWriteStats* stats,
+                                       const std::function<void(uint64_t, uint64_t)>& progress) {
   // 2. The destination, and the temporary folder.
   // Orbax's layout has no commit record: where the store cannot rename folders (an object
   // store), it is written in place as Orbax writes it (engine/step_committer.h).
@@ -515,12 +592,27 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
                                     OrbaxWriteStats* stats,
                                     const std::function<void(uint64_t, uint64_t)>& progress) {
   const std::string item_dir = options.item.empty() ? tmp : StrCat(tmp, "/", options.item);
+  Status status = WriteDatabase(item_dir, leaves, /*scalars=*/true, /*zarr_metadata=*/true,
+                                nullptr, stats, progress);
+  if (status.ok()) status = WriteMetadata(tmp, leaves);
+  if (!status.ok()) (void)kv->DeletePrefix(tmp + "/");
+  return status;
+}
+
+Status OrbaxWriter::Impl::WriteDatabase(const std::string& db_dir, const std::vector<Leaf>& leaves,
+                                        bool scalars, bool zarr_metadata,
+                                        std::vector<std::string>* written, OrbaxWriteStats* stats,
+                                        const std::function<void(uint64_t, uint64_t)>& progress) {
   // 3. The arrays, into one OCDBT database.
   OcdbtWriter::Options ocdbt_options;
   ocdbt_options.target_data_file_bytes = options.target_data_file_bytes;
   TS_ASSIGN_OR_RETURN(std::unique_ptr<OcdbtWriter> ocdbt,
-                      OcdbtWriter::Create(kv, item_dir, ocdbt_options));
+                      OcdbtWriter::Create(kv, db_dir, ocdbt_options));
   OcdbtSink sink(ocdbt.get());
+  if (!zarr_metadata) {
+    for (const Leaf& leaf : leaves) sink.Drop(StrCat(leaf.name, "/zarr.json"));
+  }
+  if (written != nullptr) written->assign(arrays.size(), "0:0");
   ZarrArraySpec zarr;
   zarr.level = options.zstd_level;
 
@@ -568,13 +660,24 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
       if (a.source == nullptr) {
         // Write planning as for the native format (engine/write_plan.h): the shards tile the
         // grid (AddArray checked it), so each chunk is one shard, encoded from where it is.
+        // With several processes, the chunks of a replicated shard are dealt out among its
+        // replicas as the native writer deals them (one chunk per shard here: replica 0's).
+        const bool split = coordinator != nullptr;
         ArrayToWrite to_write{a.spec.path, &grid, item, {}};
-        for (const ShardData& shard : a.shards) to_write.shards.push_back({shard.box, 0, 1});
-        Result<std::vector<ChunkWrite>> planned =
-            PlanChunkWrites({to_write}, /*split_replicated_writes=*/false);
+        for (const ShardData& shard : a.shards) {
+          to_write.shards.push_back(split ? ShardPlacement{shard.box, shard.replica_id,
+                                                           shard.num_replicas}
+                                          : ShardPlacement{shard.box, 0, 1});
+        }
+        Result<std::vector<ChunkWrite>> planned = PlanChunkWrites({to_write}, split);
         if (!planned.ok()) {
           run.Fail(planned.status());
           break;
+        }
+        if (written != nullptr) {
+          uint64_t sum = 0;  // modulo 2^64, as the check computes it
+          for (const ChunkWrite& chunk : *planned) sum += static_cast<uint64_t>(chunk.chunk);
+          (*written)[leaf.node->array_id] = StrCat(planned->size(), ":", sum);
         }
         for (const ChunkWrite& chunk : *planned) {
           run.RunHolding(chunk.raw_bytes,
@@ -611,7 +714,7 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
   }
   // Scalars: 0-d arrays, as Orbax's ScalarHandler stores np.asarray(value).
   for (const Leaf& leaf : leaves) {
-    if (!status.ok()) break;
+    if (!status.ok() || !scalars) break;
     const TreeNode& n = *leaf.node;
     if (!leaf.IsScalar()) continue;
     int64_t i = 0;
@@ -634,13 +737,14 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
     status = writer.ok() ? (*writer)->WriteChunk({}, value) : writer.status();
   }
   if (status.ok()) status = ocdbt->Finish();
-  if (!status.ok()) {
-    (void)kv->DeletePrefix(tmp + "/");
-    return status;
-  }
   stats->raw_bytes = done.load();
   stats->chunks = chunks.load();
+  return status;
+}
 
+Status OrbaxWriter::Impl::WriteMetadata(const std::string& tmp, const std::vector<Leaf>& leaves) {
+  const std::string item_dir = options.item.empty() ? tmp : StrCat(tmp, "/", options.item);
+  Status status;
   // 4. The metadata files.
   OrbaxMetadata metadata;
   Json array_metadatas = Json::array();
@@ -716,8 +820,194 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
     status = kv->SyncDirectory(item_dir);
     if (status.ok() && item_dir != tmp) status = kv->SyncDirectory(tmp);
   }
-  if (!status.ok()) (void)kv->DeletePrefix(tmp + "/");
   return status;
+}
+
+Result<std::string> OrbaxWriter::Impl::PrepareFolder() {
+  // As CommitImpl does in one process; a store that cannot rename is refused before (there,
+  // Orbax's in-place commit would let readers see a merge in progress).
+  TS_ASSIGN_OR_RETURN(FolderContent content, CheckSaveDestination(kv, dir, options.overwrite));
+  if (content == FolderContent::kTensorstashLeftover)
+    TS_RETURN_IF_ERROR(kv->DeletePrefix(dir + "/"));
+  std::string tmp = TmpFolderName(dir);
+  TS_RETURN_IF_ERROR(kv->DeletePrefix(tmp + "/"));
+  return tmp;
+}
+
+Status OrbaxWriter::Impl::AgreeOnGrids(const std::string& key_prefix) {
+  // Each process's view of every array: what must match, and the largest shard it holds (a
+  // process may hold only shards cut by the array's end, or none).
+  std::string mine;
+  for (const ArrayEntry& a : arrays) {
+    mine += StrCat(DTypeName(a.spec.dtype), ":", StrJoin(a.spec.shape, ","), ":",
+                   static_cast<int>(a.spec.value_type), ":", a.spec.random_key_impl, "|",
+                   StrJoin(a.chunk_shape, ","), ";");
+  }
+  TS_ASSIGN_OR_RETURN(std::vector<std::string> all,
+                      AllGather(*coordinator, key_prefix + "grids/", mine,
+                                kDefaultCoordinationTimeout));
+  std::vector<std::vector<int64_t>> agreed(arrays.size());
+  for (size_t i = 0; i < arrays.size(); ++i) agreed[i] = arrays[i].chunk_shape;
+  for (size_t p = 0; p < all.size(); ++p) {
+    const std::vector<std::string_view> theirs = StrSplit(all[p], ';');
+    if (theirs.size() != arrays.size() + 1) {
+      return InvalidArgumentError(StrCat("process ", p, " saves ", theirs.size() - 1,
+                                         " arrays, process ", coordinator->process_index(),
+                                         " ", arrays.size(), ": every process must save the "
+                                         "same tree"));
+    }
+    for (size_t i = 0; i < arrays.size(); ++i) {
+      const size_t bar = theirs[i].rfind('|');
+      const std::string_view spec = theirs[i].substr(0, bar);
+      const std::string_view own = StrSplit(StrSplit(mine, ';')[i], '|')[0];
+      if (bar == std::string::npos || spec != own) {
+        return InvalidArgumentError(StrCat("array '", arrays[i].spec.path, "' differs between "
+                                           "process ", p, " (", spec, ") and process ",
+                                           coordinator->process_index(), " (", own, ")"));
+      }
+      const std::vector<std::string_view> extents = StrSplit(theirs[i].substr(bar + 1), ',');
+      for (size_t d = 0; d < agreed[i].size() && d < extents.size(); ++d) {
+        int64_t e = 0;
+        if (!ParseInt(extents[d], &e)) {
+          return InternalError(StrCat("process ", p, " sent a malformed grid: ", theirs[i]));
+        }
+        agreed[i][d] = std::max(agreed[i][d], e);
+      }
+    }
+  }
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    ArrayEntry& a = arrays[i];
+    a.chunk_shape = std::move(agreed[i]);
+    for (int64_t& c : a.chunk_shape) c = std::max<int64_t>(c, 1);
+    for (const ShardData& shard : a.shards) {
+      if (shard.box.empty()) continue;
+      for (int d = 0; d < shard.box.rank(); ++d) {
+        const int64_t c = a.chunk_shape[d];
+        const int64_t o = shard.box.origin[d];
+        if (o % c != 0 || shard.box.shape[d] != std::min(c, a.spec.shape[d] - o)) {
+          return InvalidArgumentError(StrCat(
+              "array '", a.spec.path, "': shard ", shard.box.ToString(), " of process ",
+              coordinator->process_index(), " is not a cell of the regular grid [",
+              StrJoin(a.chunk_shape, ", "), "] (Orbax stores one zarr chunk per shard)"));
+        }
+      }
+    }
+  }
+  return OkStatus();
+}
+
+Status OrbaxWriter::Impl::MergeDatabases(const std::string& item_dir, int processes) {
+  // What TensorStore's merge gives Orbax: a database at the item folder whose leaves point
+  // into the processes' data files (base path "ocdbt.process_<p>/"); their files stay.
+  OcdbtWriter::Options ocdbt_options;
+  ocdbt_options.target_data_file_bytes = options.target_data_file_bytes;
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<OcdbtWriter> merged,
+                      OcdbtWriter::Create(kv, item_dir, ocdbt_options));
+  for (int p = 0; p < processes; ++p) {
+    const std::string sub = StrCat(kOrbaxProcessDatabasePrefix, p);
+    TS_ASSIGN_OR_RETURN(std::unique_ptr<OcdbtKvStore> db,
+                        OcdbtKvStore::Open(kv, StrCat(item_dir, "/", sub)));
+    TS_ASSIGN_OR_RETURN(std::vector<OcdbtKvStore::Entry> entries, db->Entries());
+    for (const OcdbtKvStore::Entry& e : entries) {
+      // A key two processes wrote (a chunk written twice) is InvalidArgument here.
+      Status added = e.is_inline
+                         ? merged->Add(e.key, e.inline_value)
+                         : merged->AddReference(
+                               e.key, {StrCat(sub, "/", e.file.base_path), e.file.relative_path},
+                               e.offset, e.length);
+      TS_RETURN_IF_ERROR(Annotate(added, StrCat("merging the database of process ", p)));
+    }
+  }
+  return merged->Finish();
+}
+
+Status OrbaxWriter::Impl::CommitMultiProcess(
+    OrbaxWriteStats* stats, const std::function<void(uint64_t, uint64_t)>& progress) {
+  Coordinator& c = *coordinator;
+  const auto timeout = kDefaultCoordinationTimeout;
+  const int me = c.process_index();
+  const int n = c.process_count();
+  const std::string key_prefix = StrCat("tensorstash/orbax/", dir, "/", c.NextOperationId(), "/");
+
+  // 1. Every process checks the tree (the same in each); all fail if one does.
+  std::vector<Leaf> leaves;
+  Status checked = CollectCheckedLeaves(&leaves);
+  if (checked.ok() && StepCommitter(kv).protocol() != CommitProtocol::kRename) {
+    checked = UnimplementedError(StrCat(kv->Describe(), " cannot rename folders; an Orbax "
+                                        "checkpoint of several processes is published by one"));
+  }
+  const Status all_checked = AgreeOnStatus(c, key_prefix + "checked/", checked, timeout);
+  TS_RETURN_IF_ERROR(checked);
+  TS_RETURN_IF_ERROR(all_checked);
+
+  // 2. Process 0 picks the temporary folder.
+  Result<std::string> prepared = std::string();
+  if (me == 0) prepared = PrepareFolder();
+  TS_ASSIGN_OR_RETURN(const std::string tmp,
+                      Broadcast(c, key_prefix + "folder", prepared, /*root=*/0, timeout,
+                                "process 0 could not prepare the checkpoint folder"));
+  const std::string item_dir = options.item.empty() ? tmp : StrCat(tmp, "/", options.item);
+
+  // 3. The grids, then each process's own database "ocdbt.process_<p>" (process 0's also holds
+  // the scalars and every zarr.json), and what each wrote.
+  Status written = AgreeOnGrids(key_prefix);
+  std::vector<std::string> chunks_written;
+  if (written.ok()) {
+    written = WriteDatabase(StrCat(item_dir, "/", kOrbaxProcessDatabasePrefix, me), leaves,
+                            /*scalars=*/me == 0, /*zarr_metadata=*/me == 0, &chunks_written,
+                            stats, progress);
+  }
+  Result<std::vector<std::string>> reports = AllGather(
+      c, key_prefix + "written/", written.ok() ? StrJoin(chunks_written, ";") : "", timeout);
+  if (written.ok() && !reports.ok()) written = reports.status();
+
+  // 4-5. Process 0 checks that every chunk was written once, merges the databases, writes the
+  // metadata and renames the folder into place; or removes it.
+  const auto commit_or_clean_up = [&](const Status& all_written) -> Status {
+    Status status = all_written;
+    for (size_t i = 0; status.ok() && i < arrays.size(); ++i) {
+      uint64_t count = 0;
+      uint64_t sum = 0;
+      for (const std::string& report : *reports) {
+        const std::vector<std::string_view> per_array = StrSplit(report, ';');
+        const std::vector<std::string_view> fields = i < per_array.size()
+                                                         ? StrSplit(per_array[i], ':')
+                                                         : std::vector<std::string_view>();
+        int64_t k = 0;
+        uint64_t s = 0;  // the sum is modulo 2^64
+        if (fields.size() != 2 || !ParseInt(fields[0], &k) ||
+            std::from_chars(fields[1].data(), fields[1].data() + fields[1].size(), s).ec !=
+                std::errc()) {
+          status = InternalError(StrCat("a process sent a malformed report: ", report));
+          break;
+        }
+        count += static_cast<uint64_t>(k);
+        sum += s;
+      }
+      if (!status.ok()) break;
+      const ArrayEntry& a = arrays[i];
+      uint64_t cells = 1;
+      for (size_t d = 0; d < a.chunk_shape.size(); ++d) {
+        cells *= static_cast<uint64_t>((a.spec.shape[d] + a.chunk_shape[d] - 1) / a.chunk_shape[d]);
+      }
+      const uint64_t expected_sum = cells % 2 == 0 ? (cells / 2) * (cells - 1)
+                                                   : cells * ((cells - 1) / 2);
+      if (count != cells || sum != expected_sum) {
+        status = InvalidArgumentError(StrCat(
+            "array '", a.spec.path, "': the processes wrote ", count, " chunks of the ", cells,
+            " of the grid [", StrJoin(a.chunk_shape, ", "), "]; their shards must cover it, each "
+            "box held by replicas 0..n-1"));
+      }
+    }
+    if (status.ok()) status = MergeDatabases(item_dir, n);
+    if (status.ok()) status = WriteMetadata(tmp, leaves);
+    if (status.ok()) status = PublishFolder(kv, tmp, dir, TmpFolderName(dir, "old-"), options.sync);
+    if (!status.ok()) (void)kv->DeletePrefix(tmp + "/");
+    return status;
+  };
+  const Status verdict =
+      AgreeOnStatus(c, key_prefix, written, timeout, commit_or_clean_up);
+  return written.ok() ? verdict : written;
 }
 
 }  // namespace tensorstash

@@ -19,7 +19,15 @@
 // Orbax's CheckpointManager ignores) and renames it to `<dir>` last, so a checkpoint is visible
 // whole or not at all; on failure the temporary folder is removed.
 //
-// Single process only: every array's shards must cover it (replica 0 of each box is written).
+// In one process every array's shards must cover it (replica 0 of each box is written).
+//
+// Several processes (a coordinator, coordination/coordinator.h): as Orbax writes them, each
+// process writes the chunks it owns into its own OCDBT database `ocdbt.process_<p>/` of the item
+// folder (a box held by several replicas is written by replica 0: one chunk per shard), and
+// process 0 then checks that every chunk was written exactly once, writes a root database
+// whose entries point into the processes' data files, the metadata, and renames the temporary
+// folder into place: the checkpoint is visible whole or not at all, and every process's Commit
+// returns the same outcome. Needs a store that can rename folders (Unimplemented otherwise).
 //
 // Thread-safety: one thread uses a writer. Shard buffers must stay valid and unchanged until
 // Commit returns; chunk sources are called from several threads at once during Commit.
@@ -37,6 +45,7 @@
 #include "tensorstash/array/chunk_source.h"
 #include "tensorstash/array/dtype.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/coordination/coordinator.h"
 #include "tensorstash/format/tree.h"
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/util/status.h"
@@ -95,8 +104,12 @@ class OrbaxWriter {
  public:
   // `dir` is the checkpoint folder's key in `kv` (e.g. "run1/100"). InvalidArgument for a bad
   // key or item name. Nothing is written before Commit.
+  // With a `coordinator` of several processes, every process creates a writer with the same
+  // arguments, adds the same arrays (each its own shards) and tree, and calls Commit (see
+  // "Several processes" above). The coordinator must outlive the writer.
   static Result<std::unique_ptr<OrbaxWriter>> Create(KvStore* kv, std::string dir,
-                                                     OrbaxWriterOptions options = {});
+                                                     OrbaxWriterOptions options = {},
+                                                     Coordinator* coordinator = nullptr);
   ~OrbaxWriter();
 
   // Adds an array with the shards of it this process holds. The shards (replica 0 of each box)

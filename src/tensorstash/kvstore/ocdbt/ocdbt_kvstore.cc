@@ -367,6 +367,24 @@ Result<std::vector<std::string>> OcdbtKvStore::List(std::string_view prefix) {
   return keys;
 }
 
+Result<std::vector<OcdbtKvStore::Entry>> OcdbtKvStore::Entries() {
+  TS_ASSIGN_OR_RETURN(std::vector<std::string> keys, List(""));
+  std::vector<Entry> entries;
+  entries.reserve(keys.size());
+  for (std::string& key : keys) {
+    TS_ASSIGN_OR_RETURN(ValueRef ref, Lookup(key));
+    Entry entry;
+    entry.key = std::move(key);
+    entry.is_inline = ref.is_inline;
+    entry.inline_value = std::move(ref.inline_value);
+    entry.file = std::move(ref.file);
+    entry.offset = ref.offset;
+    entry.length = ref.length;
+    entries.push_back(std::move(entry));
+  }
+  return entries;
+}
+
 // ---------------------------------------------------------------------------------------------
 // OcdbtWriter
 
@@ -430,14 +448,45 @@ Status OcdbtWriter::CheckNewKey(std::string_view key) const {
 }
 
 Result<uint32_t> OcdbtWriter::FileForLocked(uint64_t size) {
-  if (data_files_.empty() || (data_files_.back().size > 0 &&
-                              data_files_.back().size + size > options_.target_data_file_bytes)) {
+  if (open_file_ < 0 ||
+      (data_files_[open_file_].size > 0 &&
+       data_files_[open_file_].size + size > options_.target_data_file_bytes)) {
     DataFile file;
     file.relative_path = StrCat("d/", RandomHexId(32));
     TS_ASSIGN_OR_RETURN(file.file, base_->OpenForWrite(StrCat(root_, file.relative_path)));
     data_files_.push_back(std::move(file));
+    open_file_ = static_cast<int64_t>(data_files_.size() - 1);
   }
-  return static_cast<uint32_t>(data_files_.size() - 1);
+  return static_cast<uint32_t>(open_file_);
+}
+
+Status OcdbtWriter::AddReference(std::string_view key, const ocdbt::DataFileId& file,
+                                 uint64_t offset, uint64_t length) {
+  const std::string path = file.FullPath();
+  // The file must stay under this database's root, as a reader requires (DataFileKey).
+  if (path.empty() || path.front() == '/' || !ValidateKey(path).ok()) {
+    return InvalidArgumentError(
+        StrCat("OCDBT key '", key, "': '", path, "' is not a data file path under the root"));
+  }
+  if (offset > std::numeric_limits<uint64_t>::max() - length) {
+    return InvalidArgumentError(StrCat("OCDBT key '", key, "': value range overflows"));
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  TS_RETURN_IF_ERROR(CheckNewKey(key));
+  auto [it, added] = referenced_files_.emplace(path, static_cast<uint32_t>(data_files_.size()));
+  if (added) {
+    DataFile referenced;
+    referenced.base_path = file.base_path;
+    referenced.relative_path = file.relative_path;
+    data_files_.push_back(std::move(referenced));
+  }
+  Entry entry;
+  entry.is_inline = false;
+  entry.file = it->second;
+  entry.offset = offset;
+  entry.length = length;
+  entries_.emplace(std::string(key), entry);
+  return OkStatus();
 }
 
 Status OcdbtWriter::Add(std::string_view key, std::string_view value) {
@@ -519,6 +568,7 @@ Status OcdbtWriter::Finish() {
     return Annotate(first_error_, "OcdbtWriter::Finish: an earlier value write failed");
   }
   for (DataFile& file : data_files_) {
+    if (file.file == nullptr) continue;  // another database's, written and synced there
     TS_RETURN_IF_ERROR(file.file->Sync());
     TS_RETURN_IF_ERROR(file.file->Close());
     TS_RETURN_IF_ERROR(base_->Sync(StrCat(root_, file.relative_path)));
@@ -564,13 +614,16 @@ Status OcdbtWriter::Finish() {
     for (auto& [key, entry] : entries_) {
       size_t add = LeafEntryBytes(key, entry.is_inline ? entry.inline_value.size() : 0);
       if (!entry.is_inline && local_index[entry.file] < 0) {
-        add += data_files_[entry.file].relative_path.size() + 3 * 10;
+        add += data_files_[entry.file].base_path.size() +
+               data_files_[entry.file].relative_path.size() + 3 * 10;
       }
       if (!leaf.leaves.empty() &&
           (bytes + add > budget || leaf.leaves.size() >= ocdbt::kMaxNodeArity)) {
         TS_RETURN_IF_ERROR(flush());
         add = LeafEntryBytes(key, entry.is_inline ? entry.inline_value.size() : 0) +
-              (entry.is_inline ? 0 : data_files_[entry.file].relative_path.size() + 3 * 10);
+              (entry.is_inline ? 0
+                               : data_files_[entry.file].base_path.size() +
+                                     data_files_[entry.file].relative_path.size() + 3 * 10);
       }
       bytes += add;
       ocdbt::LeafEntry e;
@@ -581,7 +634,8 @@ Status OcdbtWriter::Finish() {
       } else {
         if (local_index[entry.file] < 0) {
           local_index[entry.file] = static_cast<int64_t>(leaf.files.size());
-          leaf.files.push_back(DataFileId{"", data_files_[entry.file].relative_path});
+          leaf.files.push_back(DataFileId{data_files_[entry.file].base_path,
+                                          data_files_[entry.file].relative_path});
           used_files.push_back(entry.file);
         }
         e.location.file = static_cast<uint32_t>(local_index[entry.file]);

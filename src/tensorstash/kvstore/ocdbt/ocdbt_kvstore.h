@@ -75,6 +75,20 @@ class OcdbtKvStore final : public ReadOnlyKvStore {
   // such keys.
   Result<std::vector<std::string>> List(std::string_view prefix) override;
 
+  // A key of the latest version and where its value lies: inline, or `length` bytes at
+  // `offset` of `file` (its path relative to the database root, base_path included).
+  struct Entry {
+    std::string key;
+    bool is_inline = true;
+    std::string inline_value;
+    ocdbt::DataFileId file;
+    uint64_t offset = 0;
+    uint64_t length = 0;
+  };
+  // Every entry, sorted by key, without reading the out-of-line values: what a database that
+  // merges this one refers to (OcdbtWriter::AddReference). Errors as List and Read.
+  Result<std::vector<Entry>> Entries();
+
   // Where a value lives; defined in the .cc.
   struct ValueRef;
   struct NodeCache;
@@ -147,6 +161,13 @@ class OcdbtWriter {
   Status Add(std::string_view key, std::string_view value);
   // Adds `key` with a value of `size` bytes that the caller writes through the returned sink.
   Result<ValueSink> AddValue(std::string_view key, uint64_t size);
+  // Adds `key` whose value already lies in a data file of another database under this one's
+  // root: `length` bytes at `offset` of `file`, a path relative to this root (e.g.
+  // {"ocdbt.process_1/", "d/<32 hex>"}). Nothing is copied or checked there: how a database
+  // merges per-process ones (Orbax's multi-process layout). InvalidArgument as Add, and for a
+  // file path that is empty, absolute or holds "..".
+  Status AddReference(std::string_view key, const ocdbt::DataFileId& file, uint64_t offset,
+                      uint64_t length);
   // Syncs the data files, writes the B+tree nodes and then manifest.ocdbt, and syncs them.
   // FailedPrecondition if called twice.
   Status Finish();
@@ -160,8 +181,9 @@ class OcdbtWriter {
     uint64_t length = 0;
   };
   struct DataFile {
+    std::string base_path;      // "" for this writer's own files
     std::string relative_path;  // "d/<32 hex>"
-    std::unique_ptr<WritableFile> file;
+    std::unique_ptr<WritableFile> file;  // null for another database's file (AddReference)
     uint64_t size = 0;
   };
 
@@ -177,6 +199,8 @@ class OcdbtWriter {
   std::mutex mutex_;
   std::map<std::string, Entry, std::less<>> entries_;  // guarded by mutex_
   std::vector<DataFile> data_files_;                   // guarded by mutex_
+  int64_t open_file_ = -1;  // the own file values are appended to; guarded by mutex_
+  std::map<std::string, uint32_t, std::less<>> referenced_files_;  // by full path; mutex_
   bool finished_ = false;                              // guarded by mutex_
   Status first_error_;                                 // guarded by mutex_
 };

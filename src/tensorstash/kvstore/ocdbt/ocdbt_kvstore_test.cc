@@ -199,6 +199,53 @@ TEST(OcdbtWriterTest, RejectsBadUse) {
   EXPECT_EQ(*(*store)->Read("a"), "1");
 }
 
+// A database that merges two others (as Orbax's multi-process layout does): its entries point
+// into their data files under base paths, and reading it gives every value of both.
+TEST(OcdbtWriterTest, ReferencesIntoOtherDatabasesUnderItsRoot) {
+  MemoryKvStore base;
+  const std::string big0(300, 'a');
+  const std::string big1(400, 'b');
+  for (int p = 0; p < 2; ++p) {
+    auto writer = OcdbtWriter::Create(&base, "db/ocdbt.process_" + std::to_string(p)).value();
+    ASSERT_TRUE(writer->Add("k" + std::to_string(p), p == 0 ? big0 : big1).ok());
+    ASSERT_TRUE(writer->Add("small" + std::to_string(p), "tiny").ok());
+    ASSERT_TRUE(writer->Finish().ok());
+  }
+  auto merged = OcdbtWriter::Create(&base, "db").value();
+  for (int p = 0; p < 2; ++p) {
+    const std::string sub = "ocdbt.process_" + std::to_string(p);
+    auto db = OcdbtKvStore::Open(&base, "db/" + sub).value();
+    const std::vector<OcdbtKvStore::Entry> entries = db->Entries().value();
+    ASSERT_EQ(entries.size(), 2u);
+    EXPECT_FALSE(entries[0].is_inline);
+    EXPECT_EQ(entries[0].length, p == 0 ? 300u : 400u);
+    EXPECT_TRUE(entries[1].is_inline);
+    for (const OcdbtKvStore::Entry& e : entries) {
+      ASSERT_TRUE((e.is_inline ? merged->Add(e.key, e.inline_value)
+                               : merged->AddReference(
+                                     e.key, {sub + "/" + e.file.base_path, e.file.relative_path},
+                                     e.offset, e.length))
+                      .ok());
+    }
+  }
+  // A key twice, and paths that would leave the root, are refused.
+  EXPECT_TRUE(absl::IsInvalidArgument(merged->AddReference("k0", {"x/", "d/1"}, 0, 1)));
+  EXPECT_TRUE(absl::IsInvalidArgument(merged->AddReference("n", {"../", "d/1"}, 0, 1)));
+  EXPECT_TRUE(absl::IsInvalidArgument(merged->AddReference("n", {"", ""}, 0, 1)));
+  ASSERT_TRUE(merged->Finish().ok());
+
+  auto store = OcdbtKvStore::Open(&base, "db").value();
+  EXPECT_THAT(store->List("").value(),
+              ::testing::ElementsAre("k0", "k1", "small0", "small1"));
+  EXPECT_EQ(store->Read("k0").value(), big0);
+  EXPECT_EQ(store->Read("k1").value(), big1);
+  EXPECT_EQ(store->Read("small1").value(), "tiny");
+  // The merged leaves name the other databases' files; its own d/ holds only its B+tree.
+  const std::vector<OcdbtKvStore::Entry> entries = store->Entries().value();
+  EXPECT_EQ(entries[1].file.base_path, "ocdbt.process_1/");
+  EXPECT_EQ(base.List("db/d/").value().size(), 1u);
+}
+
 // Orbax's merged multi-process layout: the top-level tree's interior node points at the root of
 // a per-process database with base path "proc/", and everything below resolves under "proc/".
 TEST(OcdbtKvStoreTest, BasePathsAreTransitive) {
