@@ -482,7 +482,7 @@ struct GcsKvStore::Impl {
     if (!options.probe) return OkStatus();
     std::lock_guard<std::mutex> lock(probe_mu);
     if (!probed) {
-      TS_ASSIGN_OR_RETURN(findings, ProbeOnce(StrCat(options.endpoint, " ", options.bucket),
+      TS_ASSIGN_OR_RETURN(findings, ProbeOnce(ProbeKey{"gs", options.endpoint, options.bucket},
                                               [this] { return Probe(); }));
       probed = true;
     }
