@@ -52,6 +52,10 @@ Fault injection (decisions from random.Random(seed), one draw per forwarded requ
       of a tensorstash step. K: the first K reads that would be hostile are served true
       (default 0). Setting hostile= resets the other three. /stats counts the hostile answers
       (hostile_served) and names their objects (hostile_objects: name -> count).
+  GET /__gcs_proxy__/config?strip_upload_crc32c=N
+      the next N answers that complete an upload (multipart, media or a resumable session's
+      last PUT) go back without their "crc32c" field (the upload itself happens), as a server
+      or middlebox that leaves it out would. 0 turns it off.
   GET /__gcs_proxy__/stats   JSON counters: requests, forwarded, status (by code), ops (by
       kind: media, multipart, resumable_start, session_put, compose, read, meta, list, ...),
       faults injected, precondition_failed, unauthorized.
@@ -126,6 +130,7 @@ class ProxyState:
         self.hostile_left = -1  # -1: every media read while `hostile` is set
         self.hostile_match: Optional[re.Pattern] = None  # None: every object
         self.hostile_skip = 0  # hostile reads still to be served true
+        self.strip_crc_left = 0  # upload answers still to lose their crc32c
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -213,6 +218,11 @@ class ProxyState:
             if "seed" in q:
                 self.seed = int(q["seed"][0])
                 self.rng = random.Random(self.seed)
+            if "strip_upload_crc32c" in q:
+                n = int(q["strip_upload_crc32c"][0])
+                if n < 0:
+                    raise ValueError(f"strip_upload_crc32c={n} is negative")
+                self.strip_crc_left = n
             if "fail_next" in q:
                 faults = [f for f in q["fail_next"][0].split(",") if f]
                 for f in faults:
@@ -226,7 +236,26 @@ class ProxyState:
                     "fail_next": list(self.fail_next), "hostile": self.hostile or "",
                     "hostile_count": self.hostile_left,
                     "hostile_match": self.hostile_match.pattern if self.hostile_match else "",
-                    "hostile_skip": self.hostile_skip}
+                    "hostile_skip": self.hostile_skip,
+                    "strip_upload_crc32c": self.strip_crc_left}
+
+    def upload_answer_rewrite(self):
+        """A rewrite that drops "crc32c" from an upload's answer, while strip_upload_crc32c
+        lasts; else None."""
+        with self.cfg_lock:
+            if self.strip_crc_left <= 0:
+                return None
+            self.strip_crc_left -= 1
+
+        def strip(raw: bytes) -> bytes:
+            try:
+                d = json.loads(raw)
+            except ValueError:
+                return raw
+            if isinstance(d, dict):
+                d.pop("crc32c", None)
+            return json.dumps(d).encode()
+        return strip
 
     def token_ok(self, header: Optional[str]) -> bool:
         if not header or not header.startswith("Bearer "):
@@ -843,7 +872,8 @@ class Handler(BaseHTTPRequestHandler):
             self._check_pre(bucket, name, pre)
             if not body:
                 return self._empty_media(name, reset_after)
-            return self._finish(self._forward(body=body), reset_after)
+            return self._finish(self._forward(body=body), reset_after,
+                                rewrite=self.state.upload_answer_rewrite())
         if utype == "multipart":
             try:
                 meta = _multipart_meta(self.headers.get("Content-Type", ""), body)
@@ -853,7 +883,8 @@ class Handler(BaseHTTPRequestHandler):
             if not name:
                 raise _Reply(400, "required", "multipart upload without an object name")
             self._check_pre(bucket, name, pre)
-            return self._finish(self._forward(body=body), reset_after)
+            return self._finish(self._forward(body=body), reset_after,
+                                rewrite=self.state.upload_answer_rewrite())
         if utype == "resumable":
             try:
                 meta = json.loads(body) if body else {}
@@ -904,9 +935,11 @@ class Handler(BaseHTTPRequestHandler):
             pre.update(_pre_from_query(q))
             self._check_pre(sess["bucket"], sess["name"], pre)
         resp = self._forward(body=body)
+        rewrite = None
         if resp.status in (200, 201):
             st.sessions.pop(upload_id, None)
-        self._finish(resp, reset_after)
+            rewrite = st.upload_answer_rewrite()
+        self._finish(resp, reset_after, rewrite=rewrite)
 
     def _finalises(self, nbody: int) -> bool:
         """Whether this PUT completes the session (Content-Range forms as GCS defines them)."""

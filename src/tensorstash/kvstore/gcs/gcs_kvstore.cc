@@ -355,20 +355,36 @@ struct GcsKvStore::Impl {
         Result<GcsObject> there = StatObject(object, key);
         if (there.ok()) {
           auto it = there->metadata.find(std::string(kNonceKey));
-          if (it != there->metadata.end() && it->second == nonce) return *std::move(there);
+          if (it != there->metadata.end() && it->second == nonce) {
+            TS_RETURN_IF_ERROR(CheckStored(*there, what, value.size(), crc));
+            return *std::move(there);
+          }
         }
       }
       return AlreadyExistsError(StrCat(what, ": it already exists"));
     }
     if (response.status != 200) return ErrorFor(response, what, key);
     TS_ASSIGN_OR_RETURN(GcsObject created, ParseGcsObject(response.body, what));
-    if (created.size != value.size() ||
-        (!created.crc32c.empty() && created.crc32c != Crc32cBase64(crc))) {
-      return DataLossError(StrCat(what, ": the server stored ", created.size,
-                                  " bytes with CRC-32C '", created.crc32c, "', not the ",
-                                  value.size(), " bytes sent ('", Crc32cBase64(crc), "')"));
-    }
+    TS_RETURN_IF_ERROR(CheckStored(created, what, value.size(), crc));
     return created;
+  }
+
+  // OK when the server's answer about an object it stored gives our size and CRC-32C. An answer
+  // without a CRC-32C is DataLoss too: the commit relies on every object having been checked,
+  // and a server (or something in between) that leaves it out cannot be told from one that
+  // stored other bytes.
+  static Status CheckStored(const GcsObject& stored, std::string_view what, uint64_t size,
+                            uint32_t crc) {
+    if (stored.crc32c.empty()) {
+      return DataLossError(StrCat(what, ": the server's answer gives no CRC-32C to check the ",
+                                  size, " bytes sent against"));
+    }
+    if (stored.size != size || stored.crc32c != Crc32cBase64(crc)) {
+      return DataLossError(StrCat(what, ": the server stored ", stored.size,
+                                  " bytes with CRC-32C '", stored.crc32c, "', not the ", size,
+                                  " bytes sent ('", Crc32cBase64(crc), "')"));
+    }
+    return OkStatus();
   }
 
   Status Put(std::string_view key, std::string_view value, bool if_absent) {

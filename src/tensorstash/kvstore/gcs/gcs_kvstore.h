@@ -11,7 +11,9 @@
 // Requests carry a bearer token (gcs_credentials.h) and go over HttpClient, at most
 // `max_concurrent_requests` at once; 408, 429, 5xx and lost connections are retried with
 // exponential backoff and jitter (the kit's RunWithRetries), while 404 and 412 are answers.
-// Every upload is a multipart upload carrying its CRC-32C, which the server checks.
+// Every upload is a multipart upload carrying its CRC-32C, which the server checks; an answer
+// that does not give back that size and CRC-32C (none at all included) is DataLoss naming the
+// object.
 //
 // Guarantees (KvStoreCapabilities): no rename (a checkpoint commits with a create-only record);
 // generations are GCS's generation numbers: ReadRangeAtGeneration sends ifGenerationMatch, and

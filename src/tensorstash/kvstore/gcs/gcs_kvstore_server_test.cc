@@ -259,6 +259,35 @@ TEST_F(GcsStoreTest, ALostAnswerToOurCreateIsOursAndAnotherWritersIsNot) {
   EXPECT_EQ(store->Read("COMMIT").value(), "mine");
 }
 
+// The server's answer to an upload is the only evidence that it stored our bytes: one without a
+// CRC-32C is DataLoss naming the object, for a whole object as for a part of a large one.
+TEST_F(GcsStoreTest, AnUploadAnswerWithoutACrc32cIsDataLossNamingTheObject) {
+  GcsKvStoreOptions options = TestOptions();
+  options.part_size = 1024;
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("warm", "probe first"));  // the probe's uploads keep their crc32c
+  ConfigureProxy("strip_upload_crc32c=1");
+  Status whole = store->Write("small.bin", "0123456789");
+  EXPECT_TRUE(absl::IsDataLoss(whole)) << whole;
+  EXPECT_THAT(std::string(whole.message()), HasSubstr("small.bin"));
+  EXPECT_THAT(std::string(whole.message()), HasSubstr("CRC-32C"));
+
+  Result<std::unique_ptr<WritableFile>> file = store->OpenForWrite("big.bin");
+  ASSERT_TRUE(file.ok()) << file.status();
+  ConfigureProxy("strip_upload_crc32c=1");
+  const std::string data(5000, 'x');  // 5 parts: the first one's answer loses its crc32c
+  Status wrote = (*file)->WriteAt(0, data.data(), data.size());
+  Status closed = wrote.ok() ? (*file)->Close() : wrote;
+  EXPECT_TRUE(absl::IsDataLoss(closed)) << closed;
+  EXPECT_THAT(std::string(closed.message()), HasSubstr("big.bin"));
+  ConfigureProxy("strip_upload_crc32c=0");
+  EXPECT_TRUE(absl::IsNotFound(store->Stat("big.bin").status()));
+  // With the answers whole again, both go up.
+  TS_ASSERT_OK(store->Write("small.bin", "0123456789"));
+  EXPECT_EQ(store->Read("small.bin").value(), "0123456789");
+}
+
 TEST_F(GcsStoreTest, ThrottlingAndResetsAreRetried) {
   std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
   ASSERT_NE(store, nullptr);
