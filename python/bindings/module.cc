@@ -192,8 +192,9 @@ NB_MODULE(_ext, m) {
       "configure_gcs",
       [](std::optional<std::string> endpoint, std::optional<std::string> token, bool anonymous,
          std::optional<std::string> user_project, std::optional<std::string> prefix,
-         std::optional<std::string> credentials_file) {
+         std::optional<std::string> credentials_file, bool allow_http_token) {
         tensorstash::GcsDefaults defaults;
+        defaults.allow_http_token = allow_http_token;
         defaults.url_prefix = prefix.value_or("");
         defaults.endpoint = endpoint.value_or("");
         defaults.credentials.anonymous = anonymous;
@@ -205,6 +206,7 @@ NB_MODULE(_ext, m) {
       nb::arg("endpoint") = nb::none(), nb::arg("token") = nb::none(),
       nb::arg("anonymous") = false, nb::arg("user_project") = nb::none(),
       nb::arg("prefix") = nb::none(), nb::arg("credentials_file") = nb::none(),
+      nb::arg("allow_http_token") = false,
       "Settings for gs:// URLs (kvstore/gcs/gcs_kvstore.h, SetGcsDefaults); None keeps the "
       "environment's. With `prefix` (\"gs://bucket[/path]\"), only for URLs at or under it (the "
       "longest prefix wins). ValueError for more than one of credentials_file, token and "

@@ -102,6 +102,25 @@ Status CheckTokenUri(std::string_view uri, std::string_view where) {
                                      "loopback host only)"));
 }
 
+}  // namespace
+
+Status CheckGcsTokenTransport(std::string_view endpoint, bool allow_http_token,
+                              const EnvLookup& env) {
+  const auto [scheme, host] = SchemeAndHost(endpoint);
+  if (scheme == "https" || IsLoopback(host) || allow_http_token) return OkStatus();
+  if (std::optional<std::string> emulator = GcsEmulatorEndpoint(env);
+      emulator.has_value() && SchemeAndHost(*emulator).second == host) {
+    return OkStatus();
+  }
+  return PermissionDeniedError(StrCat(
+      "not sending a Google Cloud access token over plain http to ", endpoint,
+      " (anyone on the way could read and reuse it): use https, or, for an emulator or proxy "
+      "you trust, name its host in STORAGE_EMULATOR_HOST or give the store option "
+      "allow_http_token=true"));
+}
+
+namespace {
+
 // The access token of a grant's JSON answer.
 Result<ExpiringCredential<std::string>> ParseTokenAnswer(const HttpResponse& response,
                                                          std::string_view what) {

@@ -139,6 +139,8 @@ struct GcsKvStore::Impl {
   std::mutex probe_mu;
   bool probed = false;
   ProbeFindings findings;  // guarded by probe_mu
+  // Whether a token may go to the endpoint (CheckGcsTokenTransport, decided at Open).
+  Status token_transport;
 
   std::string Describe() const {
     return options.prefix.empty() ? StrCat("gs://", options.bucket)
@@ -198,7 +200,10 @@ struct GcsKvStore::Impl {
         return fatal = PermissionDeniedError(StrCat(
             what, ": the Google Cloud access token has a control character; it is not sent"));
       }
-      if (!token->empty()) request.headers.emplace_back("authorization", StrCat("Bearer ", *token));
+      if (!token->empty()) {
+        if (!token_transport.ok()) return fatal = Annotate(token_transport, what);
+        request.headers.emplace_back("authorization", StrCat("Bearer ", *token));
+      }
       RequestSlot slot(*slots);
       return client->Perform(request, what);
     };
@@ -728,6 +733,8 @@ Result<std::unique_ptr<GcsKvStore>> GcsKvStore::Open(GcsKvStoreOptions options) 
   }
   auto impl = std::make_shared<Impl>();
   impl->root = options.prefix.empty() ? "" : options.prefix + "/";
+  impl->token_transport =
+      CheckGcsTokenTransport(options.endpoint, options.allow_http_token, ProcessEnv());
   if (options.credentials == nullptr) {
     TS_ASSIGN_OR_RETURN(options.credentials, ResolveGcsCredentials({}, ProcessEnv()));
   }
@@ -966,13 +973,14 @@ Status RegisterGcsKvStore() {
         TS_RETURN_IF_ERROR(CheckDriverOptions(
             "gs", rest, open,
             {"endpoint", "credentials_file", "token", "anonymous", "user_project", "part_size",
-             "list_page_size"}));
+             "list_page_size", "allow_http_token"}));
         const std::string url = StrCat("gs://", rest);
         const size_t slash = rest.find('/');
         GcsKvStoreOptions options;
         options.bucket = std::string(rest.substr(0, slash));
         options.prefix = slash == std::string_view::npos ? "" : std::string(rest.substr(slash + 1));
         GcsDefaults defaults = Defaults().For(url);
+        options.allow_http_token = defaults.allow_http_token;
         const EnvLookup env = ProcessEnv();
         GcsCredentialOptions credentials = defaults.credentials;
         std::optional<std::string> token;
@@ -987,6 +995,8 @@ Status RegisterGcsKvStore() {
             token = value;
           } else if (name == "anonymous") {
             TS_ASSIGN_OR_RETURN(anonymous, ParseBoolOption(name, value, url));
+          } else if (name == "allow_http_token") {
+            TS_ASSIGN_OR_RETURN(options.allow_http_token, ParseBoolOption(name, value, url));
           } else if (name == "user_project") {
             defaults.user_project = value;
           } else if (name == "part_size") {

@@ -81,6 +81,10 @@ struct GcsKvStoreOptions {
   // Probe the server before the first write (see above). The registry sets it for every
   // endpoint but Google's.
   bool probe = false;
+  // Send the bearer token over plain http to a host that is not loopback. Off, such requests
+  // are PermissionDenied before anything is sent, unless the host is STORAGE_EMULATOR_HOST's
+  // (CheckGcsTokenTransport). Anonymous stores send no token and are not affected.
+  bool allow_http_token = false;
   // How long a lease (TryLock) lasts without renewal; renewed every third of it.
   std::chrono::milliseconds lease_duration = std::chrono::seconds(60);
 };
@@ -158,6 +162,7 @@ struct GcsDefaults {
   std::string endpoint;  // "" = not set
   GcsCredentialOptions credentials;
   std::string user_project;
+  bool allow_http_token = false;  // GcsKvStoreOptions::allow_http_token
   std::string url_prefix;  // "" = every URL without settings of its own
 };
 Status SetGcsDefaults(GcsDefaults defaults);
