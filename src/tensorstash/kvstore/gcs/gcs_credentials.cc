@@ -26,6 +26,10 @@ namespace {
 using nlohmann::json;
 
 constexpr std::string_view kDefaultTokenUri = "https://oauth2.googleapis.com/token";
+// read_write even for a store opened only to read: the store cannot know it will only read.
+// create=false does not mean read-only: `tensorstash gc` opens its root with create=false and
+// then deletes abandoned uploads and attempts, which a read_only token would fail with 403.
+// (full_control is not needed: tensorstash changes no ACLs.)
 constexpr std::string_view kScope = "https://www.googleapis.com/auth/devstorage.read_write";
 constexpr std::string_view kMetadataHost = "metadata.google.internal";
 constexpr std::string_view kMetadataTokenPath =
