@@ -209,6 +209,15 @@ def test_raw_emulator_ignores_what_the_proxy_enforces(raw):
     assert raw.delete(name, ifGenerationMatch=1)[0] in (200, 204)
 
 
+def test_the_bucket_keeps_no_soft_deleted_objects(srv):
+    """start() turns soft delete off: otherwise every deleted object stays in the emulator's
+    memory for 7 days."""
+    code, _, body = req(srv.raw_endpoint, "GET", f"/storage/v1/b/{srv.bucket}")
+    assert code == 200, body
+    policy = json.loads(body).get("softDeletePolicy", {})
+    assert str(policy.get("retentionDurationSeconds")) == "0", policy
+
+
 def test_upload_answers_lose_their_crc32c_when_asked(srv, proxy):
     name = fresh()
     srv.proxy_control("config", strip_upload_crc32c=2)
