@@ -10,7 +10,10 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bindings.h"
@@ -212,6 +215,48 @@ NB_MODULE(_ext, m) {
       "longest prefix wins). ValueError for more than one of credentials_file, token and "
       "anonymous, a malformed credentials file, or a prefix that is not a gs:// URL; "
       "PermissionError for a credentials file that cannot be read.");
+  m.def(
+      "store_list",
+      [](const std::string& url) {
+        tensorstash::Result<tensorstash::ListedChildren> listed = [&] {
+          nb::gil_scoped_release release;
+          return [&]() -> tensorstash::Result<tensorstash::ListedChildren> {
+            TS_ASSIGN_OR_RETURN(std::unique_ptr<tensorstash::KvStore> store,
+                                tensorstash::OpenKvStore(url, {.create = false}));
+            return store->ListChildren("");
+          }();
+        }();
+        py::ThrowIfError(listed.status());
+        std::vector<std::string> folders;
+        for (std::string& prefix : listed->prefixes) {
+          while (prefix.ends_with('/')) prefix.pop_back();
+          folders.push_back(std::move(prefix));
+        }
+        return std::make_pair(std::move(listed->keys), std::move(folders));
+      },
+      nb::arg("url"),
+      "(files, folders): the names of the files and folders right under the store URL `url` "
+      "(kvstore ListChildren), each sorted; both empty for a prefix that holds nothing. For "
+      "code that walks a root on an object store as it walks a local folder. OSError when the "
+      "store cannot be opened or listed.");
+  m.def(
+      "store_read",
+      [](const std::string& url, const std::string& key) -> std::optional<nb::bytes> {
+        tensorstash::Result<std::string> value = [&] {
+          nb::gil_scoped_release release;
+          return [&]() -> tensorstash::Result<std::string> {
+            TS_ASSIGN_OR_RETURN(std::unique_ptr<tensorstash::KvStore> store,
+                                tensorstash::OpenKvStore(url, {.create = false}));
+            return store->Read(key);
+          }();
+        }();
+        if (absl::IsNotFound(value.status())) return std::nullopt;
+        py::ThrowIfError(value.status());
+        return nb::bytes(value->data(), value->size());
+      },
+      nb::arg("url"), nb::arg("key"),
+      "The bytes of the file `key` under the store URL `url`, or None when there is none. "
+      "OSError when the store cannot be opened or read.");
   m.def("store_schemes", &tensorstash::RegisteredKvStoreSchemes,
         "The URL schemes stores can be opened with (plain paths are local folders).");
   py::DefineWriter(m);
