@@ -40,8 +40,8 @@ Fault injection (decisions from random.Random(seed), one draw per forwarded requ
       p_429 / p_503: answer 429 rateLimitExceeded / 503 backendError without forwarding;
       p_reset: cut the connection (TCP reset) without forwarding;
       p_reset_after: forward (the request takes effect), then cut the connection unanswered;
-      fail_next: a comma list of faults (429, 503, reset, reset_after) for the next requests,
-      one each, before the probabilities are consulted. Returns the stats.
+      fail_next: a comma list of faults (429, 503, reset, reset_after, or pass: none) for the
+      next requests, one each, before the probabilities are consulted. Returns the stats.
   GET /__gcs_proxy__/config?hostile=MODE&hostile_count=N&hostile_match=RE&hostile_skip=K
       a hostile server on media reads (after every check): flip (one byte of the body flipped,
       headers as for the true bytes), truncate (the whole length announced, half the body sent,
@@ -226,7 +226,7 @@ class ProxyState:
             if "fail_next" in q:
                 faults = [f for f in q["fail_next"][0].split(",") if f]
                 for f in faults:
-                    if f not in ("429", "503", "reset", "reset_after"):
+                    if f not in ("429", "503", "reset", "reset_after", "pass"):
                         raise ValueError(f"unknown fault {f!r} in fail_next")
                 self.fail_next = faults
 

@@ -288,6 +288,63 @@ TEST_F(GcsStoreTest, AnUploadAnswerWithoutACrc32cIsDataLossNamingTheObject) {
   EXPECT_EQ(store->Read("small.bin").value(), "0123456789");
 }
 
+// The proxy's counters (GET /__gcs_proxy__/stats).
+nlohmann::json ProxyStats() {
+  HttpClient client;
+  HttpRequest request;
+  request.url = StrCat(ServerEnv()["TS_GCS_ENDPOINT"], "/__gcs_proxy__/stats");
+  Result<HttpResponse> response = client.Perform(request, "reading the proxy's stats");
+  if (!response.ok() || response->status != 200) {
+    ADD_FAILURE() << (response.ok() ? response->body : response.status().ToString());
+    return {};
+  }
+  return nlohmann::json::parse(response->body);
+}
+
+int Ops(const nlohmann::json& stats, const std::string& op) {
+  return stats.contains("ops") && stats["ops"].contains(op) ? stats["ops"][op].get<int>() : 0;
+}
+
+// From resumable_min_bytes on, objects and parts go up as a resumable session and one PUT
+// (no multipart body), with the same checks: the CRC-32C in the answer, create-only, a lost
+// answer settled by the nonce.
+TEST_F(GcsStoreTest, LargeUploadsAreOneResumablePutWithTheSameChecks) {
+  GcsKvStoreOptions options = TestOptions();
+  options.part_size = 4096;
+  options.resumable_min_bytes = 2048;
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("warm", "probe first"));
+  std::string big;
+  for (int i = 0; i < 10000; ++i) big += static_cast<char>('a' + (i * 7) % 26);
+  const nlohmann::json before = ProxyStats();
+  TS_ASSERT_OK(store->Write("one.bin", big));
+  Result<std::unique_ptr<WritableFile>> file = store->OpenForWrite("parts.bin");
+  ASSERT_TRUE(file.ok()) << file.status();
+  TS_ASSERT_OK((*file)->WriteAt(0, big.data(), big.size()));  // 4096 + 4096 + 1808 bytes
+  TS_ASSERT_OK((*file)->Close());
+  const nlohmann::json after = ProxyStats();
+  // one.bin and the two full parts: resumable; the last part (1808 bytes): multipart.
+  EXPECT_EQ(Ops(after, "resumable_start") - Ops(before, "resumable_start"), 3) << after;
+  EXPECT_EQ(Ops(after, "session_put") - Ops(before, "session_put"), 3) << after;
+  EXPECT_EQ(Ops(after, "multipart") - Ops(before, "multipart"), 1) << after;
+  EXPECT_EQ(store->Read("one.bin").value(), big);
+  EXPECT_EQ(store->Read("parts.bin").value(), big);
+
+  Status again = store->WriteIfAbsent("one.bin", big);
+  EXPECT_TRUE(absl::IsAlreadyExists(again)) << again;
+  ConfigureProxy("strip_upload_crc32c=1");
+  Status stripped = store->Write("two.bin", big);
+  EXPECT_TRUE(absl::IsDataLoss(stripped)) << stripped;
+  EXPECT_THAT(std::string(stripped.message()), HasSubstr("two.bin"));
+  ConfigureProxy("strip_upload_crc32c=0");
+  // The PUT goes through and its answer is cut: the retried PUT finds the session gone (the
+  // emulator forgets completed sessions) and the nonce says the object is ours.
+  ConfigureProxy("fail_next=pass,reset_after");
+  TS_ASSERT_OK(store->WriteIfAbsent("three.bin", big));
+  EXPECT_EQ(store->Read("three.bin").value(), big);
+}
+
 TEST_F(GcsStoreTest, ThrottlingAndResetsAreRetried) {
   std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
   ASSERT_NE(store, nullptr);
