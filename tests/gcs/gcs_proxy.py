@@ -56,6 +56,8 @@ Fault injection (decisions from random.Random(seed), one draw per forwarded requ
       the next N answers that complete an upload (multipart, media or a resumable session's
       last PUT) go back without their "crc32c" field (the upload itself happens), as a server
       or middlebox that leaves it out would. 0 turns it off.
+  GET /__gcs_proxy__/config?compose_delay_s=S
+      every compose is answered S seconds late (a server busy writing the composite); 0: off.
   GET /__gcs_proxy__/stats   JSON counters: requests, forwarded, status (by code), ops (by
       kind: media, multipart, resumable_start, session_put, compose, read, meta, list, ...),
       faults injected, precondition_failed, unauthorized.
@@ -131,6 +133,7 @@ class ProxyState:
         self.hostile_match: Optional[re.Pattern] = None  # None: every object
         self.hostile_skip = 0  # hostile reads still to be served true
         self.strip_crc_left = 0  # upload answers still to lose their crc32c
+        self.compose_delay_s = 0.0
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -218,6 +221,11 @@ class ProxyState:
             if "seed" in q:
                 self.seed = int(q["seed"][0])
                 self.rng = random.Random(self.seed)
+            if "compose_delay_s" in q:
+                delay = float(q["compose_delay_s"][0])
+                if not 0.0 <= delay <= 600.0:
+                    raise ValueError(f"compose_delay_s={delay} is not 0..600")
+                self.compose_delay_s = delay
             if "strip_upload_crc32c" in q:
                 n = int(q["strip_upload_crc32c"][0])
                 if n < 0:
@@ -848,6 +856,8 @@ class Handler(BaseHTTPRequestHandler):
                              f"ifGenerationMatch={op['ifGenerationMatch']} but the live generation "
                              f"is {meta['generation']}")
         self._check_pre(bucket, name, _pre_from_query(q))
+        if self.state.compose_delay_s:
+            time.sleep(self.state.compose_delay_s)
         dest = req.get("destination")
         if not isinstance(dest, dict):
             req["destination"] = {}

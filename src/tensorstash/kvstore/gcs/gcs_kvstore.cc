@@ -104,6 +104,7 @@ struct GcsCall {
   std::string_view body;
   char* dest = nullptr;
   size_t dest_size = 0;
+  bool slow = false;  // answered only after server-side work (compose): Impl::slow_client
 };
 
 // What a part of a composed upload answered: "<generation>:<crc32c hex>:<size>".
@@ -137,6 +138,10 @@ struct PartToken {
 struct GcsKvStore::Impl {
   GcsKvStoreOptions options;
   std::unique_ptr<HttpClient> client;
+  // For compose: the server answers only once it has written the whole composite, which can
+  // take longer than a stall timeout meant for moving bytes (gcp-storage-emulator takes seconds
+  // per 256 MiB); abandoning it there makes each retry redo all of that work.
+  std::unique_ptr<HttpClient> slow_client;
   std::string root;  // options.prefix + "/", or ""
   std::unique_ptr<RequestSlots> slots;
   RetryPolicy retry;
@@ -212,7 +217,7 @@ struct GcsKvStore::Impl {
         request.headers.emplace_back("authorization", StrCat("Bearer ", *token));
       }
       RequestSlot slot(*slots);
-      return client->Perform(request, what);
+      return (call.slow ? slow_client : client)->Perform(request, what);
     };
     const RetryClassifier<HttpResponse> classify =
         [&](const Result<HttpResponse>& outcome) -> std::optional<Status> {
@@ -600,6 +605,7 @@ struct GcsKvStore::Impl {
     GcsCall call;
     call.method = "POST";
     call.path = StrCat(ObjectPath(object), "/compose");
+    call.slow = true;
     if (if_absent) call.query = {{"ifGenerationMatch", "0"}};
     call.headers = {{"content-type", "application/json; charset=UTF-8"}};
     call.body = body;
@@ -807,6 +813,10 @@ Result<std::unique_ptr<GcsKvStore>> GcsKvStore::Open(GcsKvStoreOptions options) 
     TS_ASSIGN_OR_RETURN(options.credentials, ResolveGcsCredentials({}, ProcessEnv()));
   }
   impl->client = std::make_unique<HttpClient>(options.http);
+  HttpClientOptions slow_http = options.http;
+  slow_http.stall_timeout = std::max(slow_http.stall_timeout,
+                                     std::chrono::milliseconds(std::chrono::minutes(5)));
+  impl->slow_client = std::make_unique<HttpClient>(slow_http);
   impl->slots = std::make_unique<RequestSlots>(options.max_concurrent_requests);
   impl->retry = RetryPolicy{.max_attempts = options.max_attempts,
                             .initial_backoff = options.initial_backoff,

@@ -345,6 +345,28 @@ TEST_F(GcsStoreTest, LargeUploadsAreOneResumablePutWithTheSameChecks) {
   EXPECT_EQ(store->Read("three.bin").value(), big);
 }
 
+// A compose answered after the stall timeout (the server writing a large composite) is waited
+// for, not abandoned and sent again (each retry would redo all of the server's work).
+TEST_F(GcsStoreTest, ASlowComposeIsWaitedForNotRetried) {
+  GcsKvStoreOptions options = TestOptions();
+  options.part_size = 1024;
+  options.http.stall_timeout = std::chrono::seconds(1);
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("warm", "probe first"));
+  const std::string data(3000, 'c');
+  Result<std::unique_ptr<WritableFile>> file = store->OpenForWrite("slow.bin");
+  ASSERT_TRUE(file.ok()) << file.status();
+  TS_ASSERT_OK((*file)->WriteAt(0, data.data(), data.size()));
+  const nlohmann::json before = ProxyStats();
+  ConfigureProxy("compose_delay_s=3");
+  Status closed = (*file)->Close();
+  ConfigureProxy("compose_delay_s=0");
+  TS_ASSERT_OK(closed);
+  EXPECT_EQ(Ops(ProxyStats(), "compose") - Ops(before, "compose"), 1);
+  EXPECT_EQ(store->Read("slow.bin").value(), data);
+}
+
 TEST_F(GcsStoreTest, ThrottlingAndResetsAreRetried) {
   std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
   ASSERT_NE(store, nullptr);
