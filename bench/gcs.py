@@ -419,18 +419,6 @@ def quiet_google_environment(scratch: str) -> None:
         os.environ[var] = closed
 
 
-def no_soft_delete(srv) -> None:
-    """The emulator keeps every deleted object in memory for the bucket's soft-delete retention
-    (7 days by default, as GCS): without this, each run's deleted gibibytes pile up in it."""
-    body = json.dumps({"softDeletePolicy": {"retentionDurationSeconds": "0"}}).encode()
-    code, _, answer = gcs_servers.http("PATCH", f"{srv.raw_endpoint}/storage/v1/b/{srv.bucket}",
-                                       body, {"Content-Type": "application/json"})
-    got = json.loads(answer).get("softDeletePolicy", {}) if code == 200 else {}
-    if str(got.get("retentionDurationSeconds")) != "0":
-        raise RuntimeError(f"could not turn the emulator's soft delete off: {code} "
-                           f"{answer[:300]!r}")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1.0)")
@@ -483,7 +471,6 @@ def main(argv=None) -> int:
         servers.append(srv)
         log(f"emulator {srv.raw_endpoint} (pid {srv.emulator_pid}), proxy {srv.endpoint} "
             f"(pid {srv.proxy_pid}), bucket {srv.bucket}, ready in {srv.ready_s:.1f} s")
-        no_soft_delete(srv)
         os.environ["STORAGE_EMULATOR_HOST"] = srv.endpoint
         meta["server"] = {"emulator": srv.raw_endpoint, "proxy": srv.endpoint,
                           "bucket": srv.bucket}

@@ -10,7 +10,10 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bindings.h"
@@ -192,8 +195,9 @@ NB_MODULE(_ext, m) {
       "configure_gcs",
       [](std::optional<std::string> endpoint, std::optional<std::string> token, bool anonymous,
          std::optional<std::string> user_project, std::optional<std::string> prefix,
-         std::optional<std::string> credentials_file) {
+         std::optional<std::string> credentials_file, bool allow_http_token) {
         tensorstash::GcsDefaults defaults;
+        defaults.allow_http_token = allow_http_token;
         defaults.url_prefix = prefix.value_or("");
         defaults.endpoint = endpoint.value_or("");
         defaults.credentials.anonymous = anonymous;
@@ -205,11 +209,54 @@ NB_MODULE(_ext, m) {
       nb::arg("endpoint") = nb::none(), nb::arg("token") = nb::none(),
       nb::arg("anonymous") = false, nb::arg("user_project") = nb::none(),
       nb::arg("prefix") = nb::none(), nb::arg("credentials_file") = nb::none(),
+      nb::arg("allow_http_token") = false,
       "Settings for gs:// URLs (kvstore/gcs/gcs_kvstore.h, SetGcsDefaults); None keeps the "
       "environment's. With `prefix` (\"gs://bucket[/path]\"), only for URLs at or under it (the "
       "longest prefix wins). ValueError for more than one of credentials_file, token and "
       "anonymous, a malformed credentials file, or a prefix that is not a gs:// URL; "
       "PermissionError for a credentials file that cannot be read.");
+  m.def(
+      "store_list",
+      [](const std::string& url) {
+        tensorstash::Result<tensorstash::ListedChildren> listed = [&] {
+          nb::gil_scoped_release release;
+          return [&]() -> tensorstash::Result<tensorstash::ListedChildren> {
+            TS_ASSIGN_OR_RETURN(std::unique_ptr<tensorstash::KvStore> store,
+                                tensorstash::OpenKvStore(url, {.create = false}));
+            return store->ListChildren("");
+          }();
+        }();
+        py::ThrowIfError(listed.status());
+        std::vector<std::string> folders;
+        for (std::string& prefix : listed->prefixes) {
+          while (prefix.ends_with('/')) prefix.pop_back();
+          folders.push_back(std::move(prefix));
+        }
+        return std::make_pair(std::move(listed->keys), std::move(folders));
+      },
+      nb::arg("url"),
+      "(files, folders): the names of the files and folders right under the store URL `url` "
+      "(kvstore ListChildren), each sorted; both empty for a prefix that holds nothing. For "
+      "code that walks a root on an object store as it walks a local folder. OSError when the "
+      "store cannot be opened or listed.");
+  m.def(
+      "store_read",
+      [](const std::string& url, const std::string& key) -> std::optional<nb::bytes> {
+        tensorstash::Result<std::string> value = [&] {
+          nb::gil_scoped_release release;
+          return [&]() -> tensorstash::Result<std::string> {
+            TS_ASSIGN_OR_RETURN(std::unique_ptr<tensorstash::KvStore> store,
+                                tensorstash::OpenKvStore(url, {.create = false}));
+            return store->Read(key);
+          }();
+        }();
+        if (absl::IsNotFound(value.status())) return std::nullopt;
+        py::ThrowIfError(value.status());
+        return nb::bytes(value->data(), value->size());
+      },
+      nb::arg("url"), nb::arg("key"),
+      "The bytes of the file `key` under the store URL `url`, or None when there is none. "
+      "OSError when the store cannot be opened or read.");
   m.def("store_schemes", &tensorstash::RegisteredKvStoreSchemes,
         "The URL schemes stores can be opened with (plain paths are local folders).");
   py::DefineWriter(m);

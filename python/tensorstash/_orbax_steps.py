@@ -15,7 +15,8 @@ for a root of Orbax steps. Orbax's own rules, as orbax-checkpoint 0.12 applies t
   `ocp.args.Composite`), listed with their handlers in the step's `_CHECKPOINT_METADATA`;
   the item "metrics" (a JsonSave written by the manager) holds the metrics of best_fn.
 
-Local folders only (the listing is os.scandir).
+A root is a local folder or a store URL (gs://, s3://): on a URL the folders and files are
+those of the store's listing (_ext.store_list) and files are read whole (_ext.store_read).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import json
 import os
 import re
 from typing import Any
+
+from . import _ext
 
 TMP_MARKER = ".orbax-checkpoint-tmp"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
@@ -40,12 +43,66 @@ _NATIVE_FILES = ("COMMIT", "tree.json")
 _NATIVE_ROOT_FILES = ("LOCK", "RUN_ID")
 
 
-def _entries(root: str) -> list[os.DirEntry]:
+@dataclasses.dataclass(frozen=True)
+class _UrlEntry:
+    """What this module uses of an os.DirEntry, for a name under a store URL."""
+
+    name: str
+    path: str
+    folder: bool
+
+    def is_dir(self) -> bool:
+        return self.folder
+
+    def is_file(self) -> bool:
+        return not self.folder
+
+
+def _is_url(path: str) -> bool:
+    return _ext.has_url_scheme(path)
+
+
+def join(folder: str, name: str) -> str:
+    """`folder`/`name` for a local folder or a store URL."""
+    return f"{folder.rstrip('/')}/{name}" if _is_url(folder) else os.path.join(folder, name)
+
+
+def _entries(root: str) -> list:
+    """The folders and files right under `root` (os.DirEntry, or _UrlEntry on a URL); [] for a
+    missing root."""
+    if _is_url(root):
+        files, folders = _ext.store_list(root)
+        return ([_UrlEntry(n, join(root, n), True) for n in folders]
+                + [_UrlEntry(n, join(root, n), False) for n in files])
     try:
         with os.scandir(root) as it:
             return list(it)
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def _has_file(folder: str, name: str) -> bool:
+    if _is_url(folder):
+        return name in _ext.store_list(folder)[0]
+    return os.path.exists(os.path.join(folder, name))
+
+
+def _has_folder(folder: str, name: str) -> bool:
+    if _is_url(folder):
+        return name in _ext.store_list(folder)[1]
+    return os.path.isdir(os.path.join(folder, name))
+
+
+def _read(path: str) -> bytes:
+    """The bytes of the file `path`; FileNotFoundError naming it when there is none."""
+    if _is_url(path):
+        folder, _, name = path.rstrip("/").rpartition("/")
+        value = _ext.store_read(folder, name)
+        if value is None:
+            raise FileNotFoundError(f"{path} does not exist")
+        return value
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def detect_format(root: str) -> str | None:
@@ -63,10 +120,10 @@ def detect_format(root: str) -> str | None:
             continue
         elif TMP_MARKER in entry.name:
             orbax = orbax or entry.name
-        elif os.path.exists(os.path.join(entry.path, CHECKPOINT_METADATA)):
+        elif _has_file(entry.path, CHECKPOINT_METADATA):
             orbax = orbax or entry.name
         elif _NATIVE_STEP.match(entry.name) and any(
-                os.path.exists(os.path.join(entry.path, f)) for f in _NATIVE_FILES):
+                _has_file(entry.path, f) for f in _NATIVE_FILES):
             native = native or entry.name
     if native and orbax:
         raise ValueError(f"{root} holds both tensorstash steps ({native!r}) and Orbax steps "
@@ -109,7 +166,7 @@ def infer_names(root: str) -> StepNames:
     prefixes, padded = set(), set()
     for entry in _entries(root):
         if (TMP_MARKER in entry.name or not entry.is_dir()
-                or not os.path.exists(os.path.join(entry.path, CHECKPOINT_METADATA))):
+                or not _has_file(entry.path, CHECKPOINT_METADATA)):
             continue
         match = re.fullmatch(r"(?:(.+)_)?(\d+)", entry.name)
         if match is None:
@@ -134,10 +191,9 @@ def list_steps(root: str, names: StepNames) -> dict[int, str]:
 
 def checkpoint_metadata(step_dir: str) -> dict:
     """The step's _CHECKPOINT_METADATA, or {} when it has none (older Orbax)."""
-    path = os.path.join(step_dir, CHECKPOINT_METADATA)
+    path = join(step_dir, CHECKPOINT_METADATA)
     try:
-        with open(path, "rb") as f:
-            value = json.loads(f.read())
+        value = json.loads(_read(path))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, RecursionError) as e:
@@ -162,12 +218,12 @@ def items(step_dir: str) -> dict[str, str]:
             if not _is_item_name(name):
                 raise ValueError(f"the Orbax step {step_dir} names an item {name!r} that is "
                                  "not a folder of the step (_CHECKPOINT_METADATA)")
-            if os.path.isdir(os.path.join(step_dir, name)):
+            if _has_folder(step_dir, name):
                 found[name] = "json" if _JSON_HANDLER in str(handler) else "tree"
         return found
     for entry in _entries(step_dir):
         if entry.is_dir() and not entry.name.startswith("_") and entry.name != "d":
-            tree = os.path.exists(os.path.join(entry.path, ITEM_METADATA))
+            tree = _has_file(entry.path, ITEM_METADATA)
             found[entry.name] = "tree" if tree else "json"
     return found
 
@@ -179,16 +235,14 @@ def read_json_item(item_dir: str) -> Any:
              if e.is_file() and e.name != COMMIT_SUCCESS and not e.name.startswith("_")]
     if len(files) != 1:
         raise OSError(f"the JSON item {item_dir} holds {len(files)} files, not one")
-    with open(files[0].path, "rb") as f:
-        return json.loads(f.read())
+    return json.loads(_read(files[0].path))
 
 
 def read_metrics(step_dir: str) -> dict | None:
     """The metrics that the step's "metrics" item holds, or None without one."""
-    path = os.path.join(step_dir, METRICS_ITEM, METRICS_ITEM)
+    path = join(join(step_dir, METRICS_ITEM), METRICS_ITEM)
     try:
-        with open(path, "rb") as f:
-            value = json.loads(f.read())
+        value = json.loads(_read(path))
     except (OSError, ValueError, RecursionError):
         # Missing or unreadable: the step has no metrics (retention then ranks it as one
         # without the metric), rather than failing every later save's retention.

@@ -57,7 +57,8 @@ def configure_s3(*, endpoint: str | None = None, region: str | None = None,
 
 def configure_gcs(*, endpoint: str | None = None, credentials_file: str | None = None,
                   token: str | None = None, anonymous: bool = False,
-                  user_project: str | None = None, prefix: str | None = None) -> None:
+                  user_project: str | None = None, prefix: str | None = None,
+                  allow_http_token: bool = False) -> None:
     """Explicit settings for the ``gs://`` paths opened from now on in this process.
 
     ``endpoint`` (``"http(s)://host[:port]"``) wins over ``STORAGE_EMULATOR_HOST`` and Google's
@@ -72,6 +73,11 @@ def configure_gcs(*, endpoint: str | None = None, credentials_file: str | None =
     PermissionError listing where it looked. ``user_project`` bills requester-pays buckets to
     that project.
 
+    A token is never sent over plain ``http://`` to a host other than loopback (127.0.0.0/8,
+    ``::1``, ``localhost``) or the one ``STORAGE_EMULATOR_HOST`` names: such requests fail with
+    PermissionError before anything is sent, unless ``allow_http_token=True`` (an emulator or
+    proxy you trust elsewhere on your network).
+
     Any endpoint but Google's is checked once per process and bucket before the first write:
     a server that ignores ``ifGenerationMatch`` (gcp-storage-emulator) is refused writes.
 
@@ -83,4 +89,4 @@ def configure_gcs(*, endpoint: str | None = None, credentials_file: str | None =
     cannot be read.
     """
     _ext.configure_gcs(endpoint, token, anonymous, user_project, prefix,
-                       credentials_file=credentials_file)
+                       credentials_file=credentials_file, allow_http_token=allow_http_token)

@@ -277,7 +277,9 @@ class CheckpointManager:
     steps. No lock is taken on storage (Orbax takes none, and leaves nothing a LOCK file would
     guard): a second manager of the same root in this process is refused, one in another
     process is not detected. metadata() is the step's Orbax custom_metadata; save's `metadata`
-    and `per_process`, local_dir, several processes and URL roots are not available there.
+    and `per_process`, local_dir and several processes are not available there. An Orbax root
+    on a store URL (gs://, s3://) is detected, listed and restored from, but save() there is a
+    NotImplementedError.
 
     Raises ValueError when another manager holds the root's lock (until it is closed or its
     process ends) or for bad options. A context manager: close() on exit.
@@ -790,11 +792,7 @@ def _root_format(root: str | os.PathLike, format: str) -> str:
     if format not in ("auto", "native", "orbax"):
         raise ValueError(f"unknown format {format!r}; use 'auto', 'native' or 'orbax'")
     text = _paths.abspath(root)
-    if _ext.has_url_scheme(text):
-        if format == "orbax":
-            raise NotImplementedError("a manager of Orbax steps takes a local folder, not "
-                                      f"{text}")
-        return "native"
+    # On a store URL too: an Orbax root on gs:// must not look like an empty native one.
     found = _orbax_steps.detect_format(text)
     if format != "auto" and found is not None and found != format:
         raise ValueError(f"{text} holds {found} steps, not {format} ones: open it with "
@@ -889,7 +887,11 @@ class _OrbaxRunManager(CheckpointManager):
                 raise ValueError(f"{self.root} is locked by another manager in this process")
             _OPEN_ORBAX_ROOTS.add(self.root)
         self._finalizer = weakref.finalize(self, _release_orbax_root, self.root)
-        os.makedirs(self.root, exist_ok=True)
+        # On a store URL the steps are listed and restored; saving needs folder renames and
+        # removals that this manager does with os calls (a follow-up: through the store).
+        self._url = _ext.has_url_scheme(self.root)
+        if not self._url:
+            os.makedirs(self.root, exist_ok=True)
         if step_prefix is not None or step_format_fixed_length is not None:
             self._names = _orbax_steps.StepNames(step_prefix, step_format_fixed_length)
         else:
@@ -911,6 +913,11 @@ class _OrbaxRunManager(CheckpointManager):
         step = _check_step(step)
         if not force and not self.should_save(step):
             return False
+        if self._url:
+            raise NotImplementedError(
+                f"saving Orbax steps to {self.root} is not available: a manager of Orbax steps "
+                "on a store URL lists and restores them only. Save Orbax steps to a local "
+                "folder, or native steps (format='native') to a new URL root")
         if metadata is not None or per_process is not None:
             raise NotImplementedError("Orbax steps hold no `metadata` or `per_process` of "
                                       "tensorstash's; save them as items of a native root")
@@ -1036,7 +1043,7 @@ class _OrbaxRunManager(CheckpointManager):
 
     def step_path(self, step: int) -> str:
         step = _check_step(step)
-        return self._steps().get(step) or os.path.join(self.root, self._names.name(step))
+        return self._steps().get(step) or _orbax_steps.join(self.root, self._names.name(step))
 
     def _existing_step(self, step: int | None) -> tuple[int, str]:
         steps = self._steps()
@@ -1075,7 +1082,7 @@ class _OrbaxRunManager(CheckpointManager):
             tree = restore_item(step_dir, target)
         elif len(found) == 1:
             (name, kind), = found.items()
-            item_dir = os.path.join(step_dir, name)
+            item_dir = _orbax_steps.join(step_dir, name)
             tree = (_orbax_steps.read_json_item(item_dir) if kind == "json"
                     else restore_item(item_dir, target))
         else:
@@ -1085,7 +1092,7 @@ class _OrbaxRunManager(CheckpointManager):
                                  "the target is a dict of targets by item name")
             tree = {}
             for name, kind in found.items():
-                item_dir = os.path.join(step_dir, name)
+                item_dir = _orbax_steps.join(step_dir, name)
                 tree[name] = (_orbax_steps.read_json_item(item_dir) if kind == "json"
                               else restore_item(item_dir, (target or {}).get(name)))
         seconds = time.perf_counter() - started

@@ -40,8 +40,8 @@ Fault injection (decisions from random.Random(seed), one draw per forwarded requ
       p_429 / p_503: answer 429 rateLimitExceeded / 503 backendError without forwarding;
       p_reset: cut the connection (TCP reset) without forwarding;
       p_reset_after: forward (the request takes effect), then cut the connection unanswered;
-      fail_next: a comma list of faults (429, 503, reset, reset_after) for the next requests,
-      one each, before the probabilities are consulted. Returns the stats.
+      fail_next: a comma list of faults (429, 503, reset, reset_after, or pass: none) for the
+      next requests, one each, before the probabilities are consulted. Returns the stats.
   GET /__gcs_proxy__/config?hostile=MODE&hostile_count=N&hostile_match=RE&hostile_skip=K
       a hostile server on media reads (after every check): flip (one byte of the body flipped,
       headers as for the true bytes), truncate (the whole length announced, half the body sent,
@@ -52,6 +52,12 @@ Fault injection (decisions from random.Random(seed), one draw per forwarded requ
       of a tensorstash step. K: the first K reads that would be hostile are served true
       (default 0). Setting hostile= resets the other three. /stats counts the hostile answers
       (hostile_served) and names their objects (hostile_objects: name -> count).
+  GET /__gcs_proxy__/config?strip_upload_crc32c=N
+      the next N answers that complete an upload (multipart, media or a resumable session's
+      last PUT) go back without their "crc32c" field (the upload itself happens), as a server
+      or middlebox that leaves it out would. 0 turns it off.
+  GET /__gcs_proxy__/config?compose_delay_s=S
+      every compose is answered S seconds late (a server busy writing the composite); 0: off.
   GET /__gcs_proxy__/stats   JSON counters: requests, forwarded, status (by code), ops (by
       kind: media, multipart, resumable_start, session_put, compose, read, meta, list, ...),
       faults injected, precondition_failed, unauthorized.
@@ -126,6 +132,8 @@ class ProxyState:
         self.hostile_left = -1  # -1: every media read while `hostile` is set
         self.hostile_match: Optional[re.Pattern] = None  # None: every object
         self.hostile_skip = 0  # hostile reads still to be served true
+        self.strip_crc_left = 0  # upload answers still to lose their crc32c
+        self.compose_delay_s = 0.0
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -213,10 +221,20 @@ class ProxyState:
             if "seed" in q:
                 self.seed = int(q["seed"][0])
                 self.rng = random.Random(self.seed)
+            if "compose_delay_s" in q:
+                delay = float(q["compose_delay_s"][0])
+                if not 0.0 <= delay <= 600.0:
+                    raise ValueError(f"compose_delay_s={delay} is not 0..600")
+                self.compose_delay_s = delay
+            if "strip_upload_crc32c" in q:
+                n = int(q["strip_upload_crc32c"][0])
+                if n < 0:
+                    raise ValueError(f"strip_upload_crc32c={n} is negative")
+                self.strip_crc_left = n
             if "fail_next" in q:
                 faults = [f for f in q["fail_next"][0].split(",") if f]
                 for f in faults:
-                    if f not in ("429", "503", "reset", "reset_after"):
+                    if f not in ("429", "503", "reset", "reset_after", "pass"):
                         raise ValueError(f"unknown fault {f!r} in fail_next")
                 self.fail_next = faults
 
@@ -226,7 +244,26 @@ class ProxyState:
                     "fail_next": list(self.fail_next), "hostile": self.hostile or "",
                     "hostile_count": self.hostile_left,
                     "hostile_match": self.hostile_match.pattern if self.hostile_match else "",
-                    "hostile_skip": self.hostile_skip}
+                    "hostile_skip": self.hostile_skip,
+                    "strip_upload_crc32c": self.strip_crc_left}
+
+    def upload_answer_rewrite(self):
+        """A rewrite that drops "crc32c" from an upload's answer, while strip_upload_crc32c
+        lasts; else None."""
+        with self.cfg_lock:
+            if self.strip_crc_left <= 0:
+                return None
+            self.strip_crc_left -= 1
+
+        def strip(raw: bytes) -> bytes:
+            try:
+                d = json.loads(raw)
+            except ValueError:
+                return raw
+            if isinstance(d, dict):
+                d.pop("crc32c", None)
+            return json.dumps(d).encode()
+        return strip
 
     def token_ok(self, header: Optional[str]) -> bool:
         if not header or not header.startswith("Bearer "):
@@ -819,6 +856,8 @@ class Handler(BaseHTTPRequestHandler):
                              f"ifGenerationMatch={op['ifGenerationMatch']} but the live generation "
                              f"is {meta['generation']}")
         self._check_pre(bucket, name, _pre_from_query(q))
+        if self.state.compose_delay_s:
+            time.sleep(self.state.compose_delay_s)
         dest = req.get("destination")
         if not isinstance(dest, dict):
             req["destination"] = {}
@@ -843,7 +882,8 @@ class Handler(BaseHTTPRequestHandler):
             self._check_pre(bucket, name, pre)
             if not body:
                 return self._empty_media(name, reset_after)
-            return self._finish(self._forward(body=body), reset_after)
+            return self._finish(self._forward(body=body), reset_after,
+                                rewrite=self.state.upload_answer_rewrite())
         if utype == "multipart":
             try:
                 meta = _multipart_meta(self.headers.get("Content-Type", ""), body)
@@ -853,7 +893,8 @@ class Handler(BaseHTTPRequestHandler):
             if not name:
                 raise _Reply(400, "required", "multipart upload without an object name")
             self._check_pre(bucket, name, pre)
-            return self._finish(self._forward(body=body), reset_after)
+            return self._finish(self._forward(body=body), reset_after,
+                                rewrite=self.state.upload_answer_rewrite())
         if utype == "resumable":
             try:
                 meta = json.loads(body) if body else {}
@@ -904,9 +945,11 @@ class Handler(BaseHTTPRequestHandler):
             pre.update(_pre_from_query(q))
             self._check_pre(sess["bucket"], sess["name"], pre)
         resp = self._forward(body=body)
+        rewrite = None
         if resp.status in (200, 201):
             st.sessions.pop(upload_id, None)
-        self._finish(resp, reset_after)
+            rewrite = st.upload_answer_rewrite()
+        self._finish(resp, reset_after, rewrite=rewrite)
 
     def _finalises(self, nbody: int) -> bool:
         """Whether this PUT completes the session (Content-Range forms as GCS defines them)."""

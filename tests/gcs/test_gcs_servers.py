@@ -144,7 +144,7 @@ def srv(tmp_path_factory):
 @pytest.fixture
 def proxy(srv):
     srv.proxy_control("config", p_429=0, p_503=0, p_reset=0, p_reset_after=0, fail_next="",
-                      hostile="")
+                      hostile="", strip_upload_crc32c=0)
     return Gcs(srv.endpoint, srv.bucket)
 
 
@@ -207,6 +207,27 @@ def test_raw_emulator_ignores_what_the_proxy_enforces(raw):
     srcs = {"sourceObjects": [{"name": name}] * 33, "destination": {}}
     assert raw.compose(name + "-c", srcs)[0] == 200
     assert raw.delete(name, ifGenerationMatch=1)[0] in (200, 204)
+
+
+def test_the_bucket_keeps_no_soft_deleted_objects(srv):
+    """start() turns soft delete off: otherwise every deleted object stays in the emulator's
+    memory for 7 days."""
+    code, _, body = req(srv.raw_endpoint, "GET", f"/storage/v1/b/{srv.bucket}")
+    assert code == 200, body
+    policy = json.loads(body).get("softDeletePolicy", {})
+    assert str(policy.get("retentionDurationSeconds")) == "0", policy
+
+
+def test_upload_answers_lose_their_crc32c_when_asked(srv, proxy):
+    name = fresh()
+    srv.proxy_control("config", strip_upload_crc32c=2)
+    for upload in (proxy.media, proxy.multipart):
+        code, _, body = upload(name, b"bytes")
+        assert code == 200, body
+        assert "crc32c" not in json.loads(body)
+    code, _, body = proxy.media(name, b"bytes")  # the count is spent: answers are whole again
+    assert code == 200 and json.loads(body)["crc32c"], body
+    assert proxy.meta(name)[0] == 200 and "crc32c" in json.loads(proxy.meta(name)[2])
 
 
 # ---------------------------------------------------------------------------------------------

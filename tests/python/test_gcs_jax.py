@@ -319,9 +319,23 @@ def test_an_orbax_manager_root_written_by_orbax_on_gcs_lists_and_restores(server
             got = tensorstash.restore(path, target=target)
             for k, v in values["params"].items():
                 job.check_sharded(got[k], (v + step).astype(v.dtype), shardings[k], f"{path} {k}")
-    # (tensorstash.CheckpointManager manages Orbax roots in local folders only: the steps are
-    # read one by one here, and listed by the CLI.)
     r = run_cli("ls", root, env=child_env(server, str(tmp_path)))
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [line.split()[:2] for line in r.stdout.splitlines()[1:]]
     assert rows == [["2", "orbax-ocdbt"], ["3", "orbax-ocdbt"]], r.stdout
+
+    # tensorstash's manager finds the Orbax steps through the store (never an empty native
+    # listing), restores them, and refuses to save there with an error that says so.
+    with tensorstash.CheckpointManager(root) as mgr:
+        assert mgr.format == "orbax"
+        assert mgr.all_steps() == [2, 3] and mgr.latest_step() == 3
+        got = mgr.restore(target=target)
+        for k, v in values["params"].items():
+            job.check_sharded(got[k], (v + 3).astype(v.dtype), shardings[k], f"manager {k}")
+        assert mgr.metrics(2) is None
+        with pytest.raises(NotImplementedError, match="saving Orbax steps to gs://"):
+            mgr.save(4, params, force=True)
+    with pytest.raises(ValueError, match="holds orbax steps"):
+        tensorstash.CheckpointManager(root, format="native")
+    assert {k[len(orbax_gcs) + len("/mgr/"):].split("/")[0]
+            for k in list_keys(server, f"{orbax_gcs}/mgr/")} == tops  # nothing written

@@ -26,6 +26,10 @@ namespace {
 using nlohmann::json;
 
 constexpr std::string_view kDefaultTokenUri = "https://oauth2.googleapis.com/token";
+// read_write even for a store opened only to read: the store cannot know it will only read.
+// create=false does not mean read-only: `tensorstash gc` opens its root with create=false and
+// then deletes abandoned uploads and attempts, which a read_only token would fail with 403.
+// (full_control is not needed: tensorstash changes no ACLs.)
 constexpr std::string_view kScope = "https://www.googleapis.com/auth/devstorage.read_write";
 constexpr std::string_view kMetadataHost = "metadata.google.internal";
 constexpr std::string_view kMetadataTokenPath =
@@ -101,6 +105,25 @@ Status CheckTokenUri(std::string_view uri, std::string_view where) {
                                      " is not an https URL (plain http is allowed for a "
                                      "loopback host only)"));
 }
+
+}  // namespace
+
+Status CheckGcsTokenTransport(std::string_view endpoint, bool allow_http_token,
+                              const EnvLookup& env) {
+  const auto [scheme, host] = SchemeAndHost(endpoint);
+  if (scheme == "https" || IsLoopback(host) || allow_http_token) return OkStatus();
+  if (std::optional<std::string> emulator = GcsEmulatorEndpoint(env);
+      emulator.has_value() && SchemeAndHost(*emulator).second == host) {
+    return OkStatus();
+  }
+  return PermissionDeniedError(StrCat(
+      "not sending a Google Cloud access token over plain http to ", endpoint,
+      " (anyone on the way could read and reuse it): use https, or, for an emulator or proxy "
+      "you trust, name its host in STORAGE_EMULATOR_HOST or give the store option "
+      "allow_http_token=true"));
+}
+
+namespace {
 
 // The access token of a grant's JSON answer.
 Result<ExpiringCredential<std::string>> ParseTokenAnswer(const HttpResponse& response,

@@ -62,6 +62,14 @@ Result<std::shared_ptr<GcsCredentialProvider>> ResolveGcsCredentials(
 // kept, trailing '/' dropped), or nullopt when it is unset or empty.
 std::optional<std::string> GcsEmulatorEndpoint(const EnvLookup& env);
 
+// OK when a bearer token may be sent to `endpoint`: over https; over plain http to a loopback
+// host (127.0.0.0/8, ::1, localhost); to another plain-http host only with `allow_http_token`
+// or when it is the host STORAGE_EMULATOR_HOST names in `env` (as Google's clients trust their
+// emulator). Else PermissionDenied naming the endpoint and both ways to allow it: a token sent
+// in the clear can be read and replayed by anyone on the path.
+Status CheckGcsTokenTransport(std::string_view endpoint, bool allow_http_token,
+                              const EnvLookup& env);
+
 // --- Pieces of the chain, exposed for tests. ---
 
 // A credentials file's fields (those of its `type` that tensorstash uses).

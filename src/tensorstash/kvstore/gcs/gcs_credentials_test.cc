@@ -300,6 +300,33 @@ TEST(GcsCredentialsTest, TheServiceAccountJwtIsSignedWithTheKeyAndVerifiesWithIt
   EXPECT_TRUE(Contains(bad.status().message(), "sa@p.iam.gserviceaccount.com"));
 }
 
+TEST(GcsCredentialsTest, ATokenGoesInTheClearOnlyToLoopbackTheEmulatorOrWhenAllowed) {
+  const EnvLookup none = FixedEnv({});
+  for (const char* safe : {"https://storage.googleapis.com", "https://10.0.0.5:8443",
+                           "http://127.0.0.1:4443", "http://127.8.9.10", "http://localhost:9000",
+                           "http://[::1]:4443"}) {
+    EXPECT_TRUE(CheckGcsTokenTransport(safe, false, none).ok()) << safe;
+  }
+  for (const char* clear : {"http://10.0.0.5:4443", "http://storage.example.com",
+                            "http://127.example.com", "http://[2001:db8::1]:80"}) {
+    Status refused = CheckGcsTokenTransport(clear, false, none);
+    EXPECT_TRUE(absl::IsPermissionDenied(refused)) << clear << ": " << refused;
+    EXPECT_NE(refused.message().find(clear), std::string_view::npos) << refused;
+    EXPECT_NE(refused.message().find("allow_http_token=true"), std::string_view::npos) << refused;
+    EXPECT_NE(refused.message().find("STORAGE_EMULATOR_HOST"), std::string_view::npos) << refused;
+    EXPECT_TRUE(CheckGcsTokenTransport(clear, true, none).ok()) << clear;
+  }
+  // The emulator's host, with or without a scheme in the variable; another host is not.
+  EXPECT_TRUE(CheckGcsTokenTransport("http://10.0.0.5:4443", false,
+                                     FixedEnv({{"STORAGE_EMULATOR_HOST", "10.0.0.5:4443"}}))
+                  .ok());
+  EXPECT_TRUE(CheckGcsTokenTransport("http://gcs.test:80", false,
+                                     FixedEnv({{"STORAGE_EMULATOR_HOST", "http://gcs.test"}}))
+                  .ok());
+  EXPECT_TRUE(absl::IsPermissionDenied(CheckGcsTokenTransport(
+      "http://10.0.0.6:4443", false, FixedEnv({{"STORAGE_EMULATOR_HOST", "10.0.0.5:4443"}}))));
+}
+
 TEST(GcsCredentialsTest, AnUnsupportedTypeInGoogleApplicationCredentialsIsUnimplemented) {
   const std::string path = TempFolder("wif") + "/wif.json";
   WriteFile(path, R"({"type":"impersonated_service_account"})");

@@ -6,6 +6,11 @@
 //              multipart/related: {"name", "crc32c", "metadata": {"tensorstash-write": nonce}},
 //              then the bytes. Not uploadType=media: multipart's crc32c is checked by the
 //              server, and gcp-storage-emulator drops the connection on an empty media body.
+//              From options.resumable_min_bytes on, a single-request resumable upload instead:
+//              POST ...?uploadType=resumable with the same JSON (the server checks its crc32c
+//              when the session completes), then one PUT of the bytes to the session's
+//              Location. Both are checked by GCS alike; the multipart body costs the emulator
+//              ~70 CPU s/GiB to parse (bench/README.md "gcs"), the PUT's raw body almost none.
 //   list       GET  /storage/v1/b/B/o?prefix=&delimiter=/&pageToken=&maxResults=
 //   delete     DELETE /storage/v1/b/B/o/NAME           (404 is NotFound directly)
 //   compose    POST /storage/v1/b/B/o/NAME/compose     {"sourceObjects": [{name, generation}],
@@ -99,6 +104,7 @@ struct GcsCall {
   std::string_view body;
   char* dest = nullptr;
   size_t dest_size = 0;
+  bool slow = false;  // answered only after server-side work (compose): Impl::slow_client
 };
 
 // What a part of a composed upload answered: "<generation>:<crc32c hex>:<size>".
@@ -132,6 +138,10 @@ struct PartToken {
 struct GcsKvStore::Impl {
   GcsKvStoreOptions options;
   std::unique_ptr<HttpClient> client;
+  // For compose: the server answers only once it has written the whole composite, which can
+  // take longer than a stall timeout meant for moving bytes (gcp-storage-emulator takes seconds
+  // per 256 MiB); abandoning it there makes each retry redo all of that work.
+  std::unique_ptr<HttpClient> slow_client;
   std::string root;  // options.prefix + "/", or ""
   std::unique_ptr<RequestSlots> slots;
   RetryPolicy retry;
@@ -139,6 +149,8 @@ struct GcsKvStore::Impl {
   std::mutex probe_mu;
   bool probed = false;
   ProbeFindings findings;  // guarded by probe_mu
+  // Whether a token may go to the endpoint (CheckGcsTokenTransport, decided at Open).
+  Status token_transport;
 
   std::string Describe() const {
     return options.prefix.empty() ? StrCat("gs://", options.bucket)
@@ -177,8 +189,10 @@ struct GcsKvStore::Impl {
   Result<HttpResponse> Send(GcsCall call, std::string_view what, int* attempts = nullptr) {
     if (!options.user_project.empty()) call.query.emplace_back("userProject", options.user_project);
     std::string url = StrCat(options.endpoint, call.path);
+    // A resumable session's path comes with its own query (upload_id=...).
+    const bool has_query = call.path.find('?') != std::string::npos;
     for (size_t i = 0; i < call.query.size(); ++i) {
-      url += i == 0 ? '?' : '&';
+      url += i == 0 && !has_query ? '?' : '&';
       url += StrCat(PercentEncode(call.query[i].first), "=", PercentEncode(call.query[i].second));
     }
     Status fatal;  // a failure before sending (no credentials): never retried
@@ -198,9 +212,12 @@ struct GcsKvStore::Impl {
         return fatal = PermissionDeniedError(StrCat(
             what, ": the Google Cloud access token has a control character; it is not sent"));
       }
-      if (!token->empty()) request.headers.emplace_back("authorization", StrCat("Bearer ", *token));
+      if (!token->empty()) {
+        if (!token_transport.ok()) return fatal = Annotate(token_transport, what);
+        request.headers.emplace_back("authorization", StrCat("Bearer ", *token));
+      }
       RequestSlot slot(*slots);
-      return client->Perform(request, what);
+      return (call.slow ? slow_client : client)->Perform(request, what);
     };
     const RetryClassifier<HttpResponse> classify =
         [&](const Result<HttpResponse>& outcome) -> std::optional<Status> {
@@ -328,6 +345,9 @@ struct GcsKvStore::Impl {
                                {"crc32c", Crc32cBase64(crc)},
                                {"contentType", "application/octet-stream"},
                                {"metadata", {{std::string(kNonceKey), nonce}}}};
+    if (value.size() >= options.resumable_min_bytes) {
+      return UploadResumable(object, key, value, if_absent, crc, nonce, metadata.dump());
+    }
     // A boundary that the bytes do not hold (a random one almost never collides; check anyway).
     std::string boundary;
     do {
@@ -346,29 +366,103 @@ struct GcsKvStore::Impl {
     if (if_absent) call.query.emplace_back("ifGenerationMatch", "0");
     call.headers = {{"content-type", StrCat("multipart/related; boundary=", boundary)}};
     call.body = body;
-    int attempts = 0;
-    TS_ASSIGN_OR_RETURN(HttpResponse response, Send(std::move(call), what, &attempts));
+    TS_ASSIGN_OR_RETURN(HttpResponse response, Send(std::move(call), what));
     if (response.status == 412 && if_absent) {
-      if (attempts > 1) {
-        // An earlier attempt may have created it before its answer was lost: then our nonce is
-        // in its metadata.
-        Result<GcsObject> there = StatObject(object, key);
-        if (there.ok()) {
-          auto it = there->metadata.find(std::string(kNonceKey));
-          if (it != there->metadata.end() && it->second == nonce) return *std::move(there);
-        }
-      }
-      return AlreadyExistsError(StrCat(what, ": it already exists"));
+      // An earlier sending may have created it before its answer was lost.
+      return SettleLostAnswer(response, object, key, what, nonce, value.size(), crc);
     }
     if (response.status != 200) return ErrorFor(response, what, key);
     TS_ASSIGN_OR_RETURN(GcsObject created, ParseGcsObject(response.body, what));
-    if (created.size != value.size() ||
-        (!created.crc32c.empty() && created.crc32c != Crc32cBase64(crc))) {
-      return DataLossError(StrCat(what, ": the server stored ", created.size,
-                                  " bytes with CRC-32C '", created.crc32c, "', not the ",
-                                  value.size(), " bytes sent ('", Crc32cBase64(crc), "')"));
-    }
+    TS_RETURN_IF_ERROR(CheckStored(created, what, value.size(), crc));
     return created;
+  }
+
+  // The object an upload answered `response` (412 or 404) may still have created: ours when an
+  // earlier sending of it did before its answer was lost (our nonce is in its metadata), else
+  // AlreadyExists (412) or the server's error. Asked whatever the retry count says: libcurl
+  // itself resends a request whose reused connection was reset before any answer.
+  Result<GcsObject> SettleLostAnswer(const HttpResponse& response, const std::string& object,
+                                     std::string_view key, std::string_view what,
+                                     const std::string& nonce, uint64_t size, uint32_t crc) {
+    Result<GcsObject> there = StatObject(object, key);
+    if (there.ok()) {
+      auto it = there->metadata.find(std::string(kNonceKey));
+      if (it != there->metadata.end() && it->second == nonce) {
+        TS_RETURN_IF_ERROR(CheckStored(*there, what, size, crc));
+        return *std::move(there);
+      }
+    }
+    if (response.status == 412) return AlreadyExistsError(StrCat(what, ": it already exists"));
+    return ErrorFor(response, what, key);
+  }
+
+  // A single-request resumable upload: a session started with the object's metadata (its
+  // crc32c and our nonce, `metadata_json`), then one PUT of `value`. A PUT whose answer was lost
+  // is sent again whole to the same session (GCS answers a completed session with the object;
+  // gcp-storage-emulator forgets it, 404); a 404 or 412 is settled by the nonce.
+  Result<GcsObject> UploadResumable(const std::string& object, std::string_view key,
+                                    std::string_view value, bool if_absent, uint32_t crc,
+                                    const std::string& nonce, const std::string& metadata_json) {
+    const std::string what = StrCat("writing ", Where(key));
+    GcsCall start;
+    start.method = "POST";
+    start.path = StrCat("/upload/storage/v1/b/", options.bucket, "/o");
+    start.query = {{"uploadType", "resumable"}};
+    if (if_absent) start.query.emplace_back("ifGenerationMatch", "0");
+    start.headers = {{"content-type", "application/json; charset=UTF-8"},
+                     {"x-upload-content-type", "application/octet-stream"},
+                     {"x-upload-content-length", StrCat(value.size())}};
+    start.body = metadata_json;
+    TS_ASSIGN_OR_RETURN(HttpResponse started, Send(std::move(start), what));
+    if (started.status == 412 && if_absent) {
+      return AlreadyExistsError(StrCat(what, ": it already exists"));
+    }
+    if (started.status != 200 && started.status != 201) return ErrorFor(started, what, key);
+    const std::string location = started.Header("location");
+    // The session URL carries the right to write: it must be on our endpoint (a token goes
+    // with the PUT, and the bytes must go where the session was opened).
+    if (!location.starts_with(StrCat(options.endpoint, "/"))) {
+      return DataLossError(StrCat(what, ": the server's resumable session URL '", location,
+                                  "' is not on ", options.endpoint));
+    }
+    GcsCall put;
+    put.method = "PUT";
+    put.path = location.substr(options.endpoint.size());
+    put.headers = {{"content-type", "application/octet-stream"}};
+    put.body = value;
+    TS_ASSIGN_OR_RETURN(HttpResponse response, Send(std::move(put), what));
+    if (response.status == 412 || response.status == 404) {
+      if (response.status == 412 && !if_absent) return ErrorFor(response, what, key);
+      return SettleLostAnswer(response, object, key, what, nonce, value.size(), crc);
+    }
+    if (response.status == 308) {
+      return UnavailableError(StrCat(what, ": the server kept ",
+                                     response.Header("range").empty() ? std::string("none")
+                                                                      : response.Header("range"),
+                                     " of the ", value.size(), " bytes sent"));
+    }
+    if (response.status != 200 && response.status != 201) return ErrorFor(response, what, key);
+    TS_ASSIGN_OR_RETURN(GcsObject created, ParseGcsObject(response.body, what));
+    TS_RETURN_IF_ERROR(CheckStored(created, what, value.size(), crc));
+    return created;
+  }
+
+  // OK when the server's answer about an object it stored gives our size and CRC-32C. An answer
+  // without a CRC-32C is DataLoss too: the commit relies on every object having been checked,
+  // and a server (or something in between) that leaves it out cannot be told from one that
+  // stored other bytes.
+  static Status CheckStored(const GcsObject& stored, std::string_view what, uint64_t size,
+                            uint32_t crc) {
+    if (stored.crc32c.empty()) {
+      return DataLossError(StrCat(what, ": the server's answer gives no CRC-32C to check the ",
+                                  size, " bytes sent against"));
+    }
+    if (stored.size != size || stored.crc32c != Crc32cBase64(crc)) {
+      return DataLossError(StrCat(what, ": the server stored ", stored.size,
+                                  " bytes with CRC-32C '", stored.crc32c, "', not the ", size,
+                                  " bytes sent ('", Crc32cBase64(crc), "')"));
+    }
+    return OkStatus();
   }
 
   Status Put(std::string_view key, std::string_view value, bool if_absent) {
@@ -482,7 +576,7 @@ struct GcsKvStore::Impl {
     if (!options.probe) return OkStatus();
     std::lock_guard<std::mutex> lock(probe_mu);
     if (!probed) {
-      TS_ASSIGN_OR_RETURN(findings, ProbeOnce(StrCat(options.endpoint, " ", options.bucket),
+      TS_ASSIGN_OR_RETURN(findings, ProbeOnce(ProbeKey{"gs", options.endpoint, options.bucket},
                                               [this] { return Probe(); }));
       probed = true;
     }
@@ -511,6 +605,7 @@ struct GcsKvStore::Impl {
     GcsCall call;
     call.method = "POST";
     call.path = StrCat(ObjectPath(object), "/compose");
+    call.slow = true;
     if (if_absent) call.query = {{"ifGenerationMatch", "0"}};
     call.headers = {{"content-type", "application/json; charset=UTF-8"}};
     call.body = body;
@@ -712,10 +807,16 @@ Result<std::unique_ptr<GcsKvStore>> GcsKvStore::Open(GcsKvStoreOptions options) 
   }
   auto impl = std::make_shared<Impl>();
   impl->root = options.prefix.empty() ? "" : options.prefix + "/";
+  impl->token_transport =
+      CheckGcsTokenTransport(options.endpoint, options.allow_http_token, ProcessEnv());
   if (options.credentials == nullptr) {
     TS_ASSIGN_OR_RETURN(options.credentials, ResolveGcsCredentials({}, ProcessEnv()));
   }
   impl->client = std::make_unique<HttpClient>(options.http);
+  HttpClientOptions slow_http = options.http;
+  slow_http.stall_timeout = std::max(slow_http.stall_timeout,
+                                     std::chrono::milliseconds(std::chrono::minutes(5)));
+  impl->slow_client = std::make_unique<HttpClient>(slow_http);
   impl->slots = std::make_unique<RequestSlots>(options.max_concurrent_requests);
   impl->retry = RetryPolicy{.max_attempts = options.max_attempts,
                             .initial_backoff = options.initial_backoff,
@@ -950,13 +1051,14 @@ Status RegisterGcsKvStore() {
         TS_RETURN_IF_ERROR(CheckDriverOptions(
             "gs", rest, open,
             {"endpoint", "credentials_file", "token", "anonymous", "user_project", "part_size",
-             "list_page_size"}));
+             "list_page_size", "allow_http_token"}));
         const std::string url = StrCat("gs://", rest);
         const size_t slash = rest.find('/');
         GcsKvStoreOptions options;
         options.bucket = std::string(rest.substr(0, slash));
         options.prefix = slash == std::string_view::npos ? "" : std::string(rest.substr(slash + 1));
         GcsDefaults defaults = Defaults().For(url);
+        options.allow_http_token = defaults.allow_http_token;
         const EnvLookup env = ProcessEnv();
         GcsCredentialOptions credentials = defaults.credentials;
         std::optional<std::string> token;
@@ -971,6 +1073,8 @@ Status RegisterGcsKvStore() {
             token = value;
           } else if (name == "anonymous") {
             TS_ASSIGN_OR_RETURN(anonymous, ParseBoolOption(name, value, url));
+          } else if (name == "allow_http_token") {
+            TS_ASSIGN_OR_RETURN(options.allow_http_token, ParseBoolOption(name, value, url));
           } else if (name == "user_project") {
             defaults.user_project = value;
           } else if (name == "part_size") {

@@ -11,7 +11,10 @@
 // Requests carry a bearer token (gcs_credentials.h) and go over HttpClient, at most
 // `max_concurrent_requests` at once; 408, 429, 5xx and lost connections are retried with
 // exponential backoff and jitter (the kit's RunWithRetries), while 404 and 412 are answers.
-// Every upload is a multipart upload carrying its CRC-32C, which the server checks.
+// Every upload carries its CRC-32C, which the server checks (a multipart upload, or from
+// `resumable_min_bytes` on a resumable session and one PUT); an answer
+// that does not give back that size and CRC-32C (none at all included) is DataLoss naming the
+// object.
 //
 // Guarantees (KvStoreCapabilities): no rename (a checkpoint commits with a create-only record);
 // generations are GCS's generation numbers: ReadRangeAtGeneration sends ifGenerationMatch, and
@@ -73,12 +76,19 @@ struct GcsKvStoreOptions {
   size_t part_size = size_t{32} << 20;  // compose has no minimum part size
   int max_parts = 1024;                 // a composite's component limit
   int list_page_size = 1000;            // objects per listing request (GCS's maximum is 1000)
+  // Objects and parts of at least this many bytes go up as single-request resumable uploads
+  // (2 requests), smaller ones as multipart uploads (1 request); both carry the CRC-32C.
+  size_t resumable_min_bytes = size_t{8} << 20;
   int max_attempts = 8;                 // per request, the first included
   std::chrono::milliseconds initial_backoff{50};
   std::chrono::milliseconds max_backoff{5000};
   // Probe the server before the first write (see above). The registry sets it for every
   // endpoint but Google's.
   bool probe = false;
+  // Send the bearer token over plain http to a host that is not loopback. Off, such requests
+  // are PermissionDenied before anything is sent, unless the host is STORAGE_EMULATOR_HOST's
+  // (CheckGcsTokenTransport). Anonymous stores send no token and are not affected.
+  bool allow_http_token = false;
   // How long a lease (TryLock) lasts without renewal; renewed every third of it.
   std::chrono::milliseconds lease_duration = std::chrono::seconds(60);
 };
@@ -156,6 +166,7 @@ struct GcsDefaults {
   std::string endpoint;  // "" = not set
   GcsCredentialOptions credentials;
   std::string user_project;
+  bool allow_http_token = false;  // GcsKvStoreOptions::allow_http_token
   std::string url_prefix;  // "" = every URL without settings of its own
 };
 Status SetGcsDefaults(GcsDefaults defaults);

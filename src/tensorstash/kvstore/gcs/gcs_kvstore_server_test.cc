@@ -259,6 +259,114 @@ TEST_F(GcsStoreTest, ALostAnswerToOurCreateIsOursAndAnotherWritersIsNot) {
   EXPECT_EQ(store->Read("COMMIT").value(), "mine");
 }
 
+// The server's answer to an upload is the only evidence that it stored our bytes: one without a
+// CRC-32C is DataLoss naming the object, for a whole object as for a part of a large one.
+TEST_F(GcsStoreTest, AnUploadAnswerWithoutACrc32cIsDataLossNamingTheObject) {
+  GcsKvStoreOptions options = TestOptions();
+  options.part_size = 1024;
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("warm", "probe first"));  // the probe's uploads keep their crc32c
+  ConfigureProxy("strip_upload_crc32c=1");
+  Status whole = store->Write("small.bin", "0123456789");
+  EXPECT_TRUE(absl::IsDataLoss(whole)) << whole;
+  EXPECT_THAT(std::string(whole.message()), HasSubstr("small.bin"));
+  EXPECT_THAT(std::string(whole.message()), HasSubstr("CRC-32C"));
+
+  Result<std::unique_ptr<WritableFile>> file = store->OpenForWrite("big.bin");
+  ASSERT_TRUE(file.ok()) << file.status();
+  ConfigureProxy("strip_upload_crc32c=1");
+  const std::string data(5000, 'x');  // 5 parts: the first one's answer loses its crc32c
+  Status wrote = (*file)->WriteAt(0, data.data(), data.size());
+  Status closed = wrote.ok() ? (*file)->Close() : wrote;
+  EXPECT_TRUE(absl::IsDataLoss(closed)) << closed;
+  EXPECT_THAT(std::string(closed.message()), HasSubstr("big.bin"));
+  ConfigureProxy("strip_upload_crc32c=0");
+  EXPECT_TRUE(absl::IsNotFound(store->Stat("big.bin").status()));
+  // With the answers whole again, both go up.
+  TS_ASSERT_OK(store->Write("small.bin", "0123456789"));
+  EXPECT_EQ(store->Read("small.bin").value(), "0123456789");
+}
+
+// The proxy's counters (GET /__gcs_proxy__/stats).
+nlohmann::json ProxyStats() {
+  HttpClient client;
+  HttpRequest request;
+  request.url = StrCat(ServerEnv()["TS_GCS_ENDPOINT"], "/__gcs_proxy__/stats");
+  Result<HttpResponse> response = client.Perform(request, "reading the proxy's stats");
+  if (!response.ok() || response->status != 200) {
+    ADD_FAILURE() << (response.ok() ? response->body : response.status().ToString());
+    return {};
+  }
+  return nlohmann::json::parse(response->body);
+}
+
+int Ops(const nlohmann::json& stats, const std::string& op) {
+  return stats.contains("ops") && stats["ops"].contains(op) ? stats["ops"][op].get<int>() : 0;
+}
+
+// From resumable_min_bytes on, objects and parts go up as a resumable session and one PUT
+// (no multipart body), with the same checks: the CRC-32C in the answer, create-only, a lost
+// answer settled by the nonce.
+TEST_F(GcsStoreTest, LargeUploadsAreOneResumablePutWithTheSameChecks) {
+  GcsKvStoreOptions options = TestOptions();
+  options.part_size = 4096;
+  options.resumable_min_bytes = 2048;
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("warm", "probe first"));
+  std::string big;
+  for (int i = 0; i < 10000; ++i) big += static_cast<char>('a' + (i * 7) % 26);
+  const nlohmann::json before = ProxyStats();
+  TS_ASSERT_OK(store->Write("one.bin", big));
+  Result<std::unique_ptr<WritableFile>> file = store->OpenForWrite("parts.bin");
+  ASSERT_TRUE(file.ok()) << file.status();
+  TS_ASSERT_OK((*file)->WriteAt(0, big.data(), big.size()));  // 4096 + 4096 + 1808 bytes
+  TS_ASSERT_OK((*file)->Close());
+  const nlohmann::json after = ProxyStats();
+  // one.bin and the two full parts: resumable; the last part (1808 bytes): multipart.
+  EXPECT_EQ(Ops(after, "resumable_start") - Ops(before, "resumable_start"), 3) << after;
+  EXPECT_EQ(Ops(after, "session_put") - Ops(before, "session_put"), 3) << after;
+  EXPECT_EQ(Ops(after, "multipart") - Ops(before, "multipart"), 1) << after;
+  EXPECT_EQ(store->Read("one.bin").value(), big);
+  EXPECT_EQ(store->Read("parts.bin").value(), big);
+
+  Status again = store->WriteIfAbsent("one.bin", big);
+  EXPECT_TRUE(absl::IsAlreadyExists(again)) << again;
+  ConfigureProxy("strip_upload_crc32c=1");
+  Status stripped = store->Write("two.bin", big);
+  EXPECT_TRUE(absl::IsDataLoss(stripped)) << stripped;
+  EXPECT_THAT(std::string(stripped.message()), HasSubstr("two.bin"));
+  ConfigureProxy("strip_upload_crc32c=0");
+  // The PUT goes through and its answer is cut: the retried PUT finds the session gone (the
+  // emulator forgets completed sessions) and the nonce says the object is ours.
+  ConfigureProxy("fail_next=pass,reset_after");
+  TS_ASSERT_OK(store->WriteIfAbsent("three.bin", big));
+  EXPECT_EQ(store->Read("three.bin").value(), big);
+}
+
+// A compose answered after the stall timeout (the server writing a large composite) is waited
+// for, not abandoned and sent again (each retry would redo all of the server's work).
+TEST_F(GcsStoreTest, ASlowComposeIsWaitedForNotRetried) {
+  GcsKvStoreOptions options = TestOptions();
+  options.part_size = 1024;
+  options.http.stall_timeout = std::chrono::seconds(1);
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  TS_ASSERT_OK(store->Write("warm", "probe first"));
+  const std::string data(3000, 'c');
+  Result<std::unique_ptr<WritableFile>> file = store->OpenForWrite("slow.bin");
+  ASSERT_TRUE(file.ok()) << file.status();
+  TS_ASSERT_OK((*file)->WriteAt(0, data.data(), data.size()));
+  const nlohmann::json before = ProxyStats();
+  ConfigureProxy("compose_delay_s=3");
+  Status closed = (*file)->Close();
+  ConfigureProxy("compose_delay_s=0");
+  TS_ASSERT_OK(closed);
+  EXPECT_EQ(Ops(ProxyStats(), "compose") - Ops(before, "compose"), 1);
+  EXPECT_EQ(store->Read("slow.bin").value(), data);
+}
+
 TEST_F(GcsStoreTest, ThrottlingAndResetsAreRetried) {
   std::unique_ptr<GcsKvStore> store = OpenOrNull(TestOptions());
   ASSERT_NE(store, nullptr);

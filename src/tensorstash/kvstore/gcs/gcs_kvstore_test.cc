@@ -85,6 +85,31 @@ TEST(GcsKvStoreTest, MissingCredentialsArePermissionDeniedBeforeSending) {
   EXPECT_NE(read.status().message().find("reading 'k' in gs://bkt/run"), std::string_view::npos);
 }
 
+// 192.0.2.1 (TEST-NET-1) is never reached: the refusal comes before a connection is tried.
+TEST(GcsKvStoreTest, ATokenIsNotSentOverPlainHttpToARemoteHost) {
+  GcsKvStoreOptions options = Unreachable();
+  options.endpoint = "http://192.0.2.1:9";
+  options.credentials = StaticGcsToken("secret-token", "the token of this test");
+  Result<std::unique_ptr<GcsKvStore>> store = GcsKvStore::Open(options);
+  ASSERT_TRUE(store.ok()) << store.status();
+  Result<std::string> read = (*store)->Read("k");
+  EXPECT_TRUE(absl::IsPermissionDenied(read.status())) << read.status();
+  EXPECT_NE(read.status().message().find("reading 'k' in gs://bkt/run"), std::string_view::npos);
+  EXPECT_NE(read.status().message().find("allow_http_token"), std::string_view::npos);
+  EXPECT_EQ(read.status().message().find("secret-token"), std::string_view::npos);
+
+  OpenStoreOptions open;
+  open.driver_options = {{"endpoint", "http://192.0.2.1:9"}, {"token", "secret-token"}};
+  Result<std::unique_ptr<KvStore>> opened = OpenKvStore("gs://bkt/run", open);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_TRUE(absl::IsPermissionDenied((*opened)->Read("k").status()));
+  // The option is a bool, and it is known to the registry.
+  open.driver_options["allow_http_token"] = "maybe";
+  EXPECT_TRUE(absl::IsInvalidArgument(OpenKvStore("gs://bkt/run", open).status()));
+  open.driver_options["allow_http_token"] = "true";
+  EXPECT_TRUE(OpenKvStore("gs://bkt/run", open).ok());
+}
+
 TEST(GcsKvStoreTest, TheRegistryOpensGsUrlsAndChecksDriverOptions) {
   const auto open = [](std::string url, std::map<std::string, std::string> driver_options) {
     OpenStoreOptions options;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -542,7 +543,7 @@ TEST(PinnedFileTest, ReadsAtTheGenerationOfOpenAndRefusesPastTheEnd) {
 
 TEST(ProbeOnceTest, ProbesOncePerKeyAndForgetsFailures) {
   int probes = 0;
-  const std::string key = StrCat("http://probe-test ", RandomHexId());
+  const ProbeKey key{"s3", "http://probe-test", RandomHexId()};
   Result<ProbeFindings> failed = ProbeOnce(key, [&]() -> Result<ProbeFindings> {
     ++probes;
     return UnavailableError("down");
@@ -558,6 +559,83 @@ TEST(ProbeOnceTest, ProbesOncePerKeyAndForgetsFailures) {
     EXPECT_EQ(found->finding, "ignored");
   }
   EXPECT_EQ(probes, 2);
+}
+
+TEST(ProbeOnceTest, TheSchemeEndpointAndBucketEachMakeAKey) {
+  const std::string bucket = RandomHexId();
+  const std::vector<ProbeKey> keys = {{"s3", "http://probe-test", bucket},
+                                      {"gs", "http://probe-test", bucket},
+                                      {"gs", "http://other-probe-test", bucket},
+                                      {"gs", "http://probe-test", bucket + "x"}};
+  for (size_t i = 0; i < keys.size(); ++i) {
+    Result<ProbeFindings> found = ProbeOnce(keys[i], [&]() -> Result<ProbeFindings> {
+      return ProbeFindings{.conditional_write = true, .generations = true, .finding = StrCat(i)};
+    });
+    ASSERT_TRUE(found.ok()) << found.status();
+    EXPECT_EQ(found->finding, StrCat(i)) << keys[i].scheme << " " << keys[i].endpoint;
+  }
+}
+
+// A probe hanging on one server must not hold up the stores of another: the probe of `slow`
+// waits until the probe of `fast` has run, which can only happen when no lock is shared.
+TEST(ProbeOnceTest, ProbesOfDifferentKeysRunAtTheSameTime) {
+  const ProbeKey slow{"gs", "http://slow-probe-test", RandomHexId()};
+  const ProbeKey fast{"gs", "http://fast-probe-test", RandomHexId()};
+  std::mutex mu;
+  std::condition_variable cv;
+  bool slow_started = false;
+  bool fast_done = false;
+  bool give_up = false;  // set when the test has failed, so that the slow probe ends
+  std::thread slow_thread([&] {
+    Result<ProbeFindings> found = ProbeOnce(slow, [&]() -> Result<ProbeFindings> {
+      std::unique_lock<std::mutex> lock(mu);
+      slow_started = true;
+      cv.notify_all();
+      cv.wait(lock, [&] { return fast_done || give_up; });
+      return ProbeFindings{};
+    });
+    EXPECT_TRUE(found.ok()) << found.status();
+  });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return slow_started; });
+  }
+  std::thread fast_thread([&] {
+    Result<ProbeFindings> found = ProbeOnce(fast, [] { return Result<ProbeFindings>(ProbeFindings{}); });
+    EXPECT_TRUE(found.ok()) << found.status();
+    std::lock_guard<std::mutex> lock(mu);
+    fast_done = true;
+    cv.notify_all();
+  });
+  {
+    // Not a timing assertion: the bound only turns a deadlock (one lock across all probes)
+    // into a failure instead of a hung test.
+    std::unique_lock<std::mutex> lock(mu);
+    const bool done = cv.wait_for(lock, std::chrono::seconds(60), [&] { return fast_done; });
+    EXPECT_TRUE(done) << "the probe of one key waited for the probe of another";
+    give_up = true;
+    cv.notify_all();
+  }
+  slow_thread.join();
+  fast_thread.join();
+}
+
+TEST(ProbeOnceTest, ThreadsAskingForOneKeyAtOnceShareOneProbe) {
+  const ProbeKey key{"s3", "http://shared-probe-test", RandomHexId()};
+  std::atomic<int> probes{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&] {
+      Result<ProbeFindings> found = ProbeOnce(key, [&]() -> Result<ProbeFindings> {
+        ++probes;
+        std::this_thread::yield();
+        return ProbeFindings{};
+      });
+      EXPECT_TRUE(found.ok()) << found.status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(probes.load(), 1);
 }
 
 TEST(ScopedDefaultsTest, TheLongestPrefixWins) {

@@ -1,9 +1,10 @@
 // What a probe of an object store found (which conditional requests the server honours), kept
-// for the process per endpoint and bucket: a probe writes and deletes an object, so it runs once
-// per server and bucket, not at every open.
+// for the process per store scheme, endpoint and bucket: a probe writes and deletes an object, so
+// it runs once per server and bucket, not at every open.
 //
-// Thread-safety: ProbeOnce may be called from several threads at once; one probe of a key runs
-// at a time, and the others wait for it and use what it found.
+// Thread-safety: ProbeOnce may be called from several threads at once. One probe of a key runs at
+// a time and the others asking for that key wait for it and use what it found; probes of
+// different keys run at the same time (a slow or unreachable server delays only its own key).
 #ifndef TENSORSTASH_KVSTORE_OBJECT_STORE_PROBE_H_
 #define TENSORSTASH_KVSTORE_OBJECT_STORE_PROBE_H_
 
@@ -20,10 +21,17 @@ struct ProbeFindings {
   std::string finding;            // why a capability is off, for errors ("" when none is)
 };
 
-// The findings of this process's probe of `cache_key` ("<endpoint> <bucket>"), running `probe`
-// when there are none yet. A failed probe is not kept (the next call probes again) and its error
-// is returned.
-Result<ProbeFindings> ProbeOnce(const std::string& cache_key,
+// Which server and bucket a probe is about. The scheme ("gs", "s3") is part of it because two
+// drivers pointed at one endpoint speak different protocols and may find different things.
+struct ProbeKey {
+  std::string scheme;
+  std::string endpoint;
+  std::string bucket;
+};
+
+// The findings of this process's probe of `key`, running `probe` when there are none yet. A
+// failed probe is not kept (the next call probes again) and its error is returned.
+Result<ProbeFindings> ProbeOnce(const ProbeKey& key,
                                 const std::function<Result<ProbeFindings>()>& probe);
 
 }  // namespace tensorstash

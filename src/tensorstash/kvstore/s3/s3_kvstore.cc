@@ -405,7 +405,7 @@ struct S3KvStore::Impl {
     if (probed) return OkStatus();
     probe_tried = true;
     TS_ASSIGN_OR_RETURN(ProbeFindings found,
-                        ProbeOnce(StrCat(options.settings.endpoint, " ", options.bucket),
+                        ProbeOnce(ProbeKey{"s3", options.settings.endpoint, options.bucket},
                                   [this] { return Probe(); }));
     conditional_write = found.conditional_write;
     generations = found.generations;
