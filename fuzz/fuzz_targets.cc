@@ -12,6 +12,7 @@
 #include "tensorstash/format/chunk_codec.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/format/dcp/pickle.h"
+#include "tensorstash/format/dcp/torch_zip.h"
 #include "tensorstash/format/index_format.h"
 #include "tensorstash/format/safetensors/safetensors_header.h"
 #include "tensorstash/format/tree.h"
@@ -243,6 +244,18 @@ void FuzzDcpPickle(const uint8_t* data, size_t size) {
   TS_FUZZ_CHECK(tree->node_count() <= size);
   // Depth 3 keeps the walk linear-ish on hostile shapes while touching every kind of link.
   WalkPickle(&tree->root(), 3);
+}
+
+void FuzzTorchZip(const uint8_t* data, size_t size) {
+  Result<std::vector<ZipEntry>> entries = ReadStoredZip(AsView(data, size), "f");
+  if (!entries.ok()) {
+    TS_FUZZ_CHECK(!entries.status().message().empty());
+    return;
+  }
+  for (const ZipEntry& e : *entries) {
+    TS_FUZZ_CHECK(e.data_offset <= size && e.size <= size - e.data_offset);
+  }
+  (void)FindTorchZipEntry(*entries, "data.pkl");
 }
 
 std::string EncodeBundle(const std::map<std::string, std::string>& files) {

@@ -30,7 +30,8 @@ std::vector<Target> Targets() {
           {"ocdbt", fuzz::FuzzOcdbt},
           {"foreign_step", fuzz::FuzzForeignStep},
           {"safetensors_header", fuzz::FuzzSafetensorsHeader},
-          {"dcp_pickle", fuzz::FuzzDcpPickle}};
+          {"dcp_pickle", fuzz::FuzzDcpPickle},
+          {"torch_zip", fuzz::FuzzTorchZip}};
 }
 
 // Runs every file under `dir` (if it exists) through `target`; returns how many.
