@@ -11,6 +11,8 @@
 #include "tensorstash/checkpoint/open_step.h"
 #include "tensorstash/format/chunk_codec.h"
 #include "tensorstash/format/commit_record.h"
+#include "tensorstash/format/dcp/pickle.h"
+#include "tensorstash/format/dcp/torch_zip.h"
 #include "tensorstash/format/index_format.h"
 #include "tensorstash/format/safetensors/safetensors_header.h"
 #include "tensorstash/format/tree.h"
@@ -208,6 +210,52 @@ void FuzzSafetensorsHeader(const uint8_t* data, size_t size) {
     TS_FUZZ_CHECK((*source)->ReadMany({{array.path, whole, array.dtype, dest.data()}}, nullptr,
                                       nullptr).ok());
   }
+}
+
+namespace {
+// Visits every node reachable from `v` within `depth` levels; returns how many were visited.
+size_t WalkPickle(const PickleValue* v, int depth) {
+  TS_FUZZ_CHECK(v != nullptr);
+  TS_FUZZ_CHECK(PickleKindName(v->kind) != "?");
+  if (depth == 0) return 1;
+  size_t n = 1;
+  for (const PickleValue* item : v->items) n += WalkPickle(item, depth - 1);
+  for (const auto& [key, value] : v->entries) {
+    n += WalkPickle(key, depth - 1) + WalkPickle(value, depth - 1);
+  }
+  if (v->kind == PickleKind::kObject) {
+    TS_FUZZ_CHECK(v->callee != nullptr && v->callee->kind == PickleKind::kGlobal);
+    TS_FUZZ_CHECK(v->args != nullptr && v->args->kind == PickleKind::kTuple);
+    n += WalkPickle(v->args, depth - 1);
+    if (v->state != nullptr) n += WalkPickle(v->state, depth - 1);
+  }
+  if (v->kind == PickleKind::kPersistentId) n += WalkPickle(v->args, depth - 1);
+  return n;
+}
+}  // namespace
+
+void FuzzDcpPickle(const uint8_t* data, size_t size) {
+  Result<PickleTree> tree = DecodePickle(AsView(data, size), DcpPickleGlobals(), "f");
+  if (!tree.ok()) {
+    TS_FUZZ_CHECK(tree.status().code() == absl::StatusCode::kInvalidArgument);
+    TS_FUZZ_CHECK(!tree.status().message().empty());
+    return;
+  }
+  TS_FUZZ_CHECK(tree->node_count() <= size);
+  // Depth 3 keeps the walk linear-ish on hostile shapes while touching every kind of link.
+  WalkPickle(&tree->root(), 3);
+}
+
+void FuzzTorchZip(const uint8_t* data, size_t size) {
+  Result<std::vector<ZipEntry>> entries = ReadStoredZip(AsView(data, size), "f");
+  if (!entries.ok()) {
+    TS_FUZZ_CHECK(!entries.status().message().empty());
+    return;
+  }
+  for (const ZipEntry& e : *entries) {
+    TS_FUZZ_CHECK(e.data_offset <= size && e.size <= size - e.data_offset);
+  }
+  (void)FindTorchZipEntry(*entries, "data.pkl");
 }
 
 std::string EncodeBundle(const std::map<std::string, std::string>& files) {

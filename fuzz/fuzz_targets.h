@@ -40,6 +40,13 @@ void FuzzForeignStep(const uint8_t* data, size_t size);
 // to the same tensors. Then the file as `step/model.safetensors`, opened and read through
 // OpenStepSource.
 void FuzzSafetensorsHeader(const uint8_t* data, size_t size);
+// A pickle (DCP's .metadata, torch.save's data.pkl): DecodePickle with DcpPickleGlobals; a
+// decoded tree is walked (depth-bounded: a pickle can make cycles) and every node is reachable
+// and of a known kind. Seeds: real DCP files from tests/tools/make_dcp_checkpoints.py.
+void FuzzDcpPickle(const uint8_t* data, size_t size);
+// A torch.save zip archive (one DCP .distcp item): ReadStoredZip; every entry listed lies
+// inside the archive, and its CRC was checked.
+void FuzzTorchZip(const uint8_t* data, size_t size);
 
 // The bundle format of FuzzStep: repeated [u16 key length][key][u32 value length][value],
 // little-endian. Decoding stops at the first record that does not fit.

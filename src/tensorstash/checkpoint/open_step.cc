@@ -5,6 +5,7 @@
 
 #include "tensorstash/engine/layout.h"
 #include "tensorstash/checkpoint/orbax_reader.h"
+#include "tensorstash/checkpoint/dcp_reader.h"
 #include "tensorstash/checkpoint/safetensors_reader.h"
 #include "tensorstash/format/safetensors/safetensors_header.h"
 #include "tensorstash/util/str_util.h"
@@ -99,6 +100,12 @@ Result<DetectedStep> DetectStepFormat(KvStore* kv, const std::string& dir) {
     step.format = StepFormat::kSafetensors;
     return step;
   }
+  // A PyTorch DCP checkpoint (FileSystemWriter writes .metadata last, once every rank's files
+  // are written).
+  if (Exists(kv, StrCat(dir, "/", kDcpMetadataFileName))) {
+    step.format = StepFormat::kDcp;
+    return step;
+  }
   // An Orbax CheckpointManager step: items in subfolders ("default", "state", ...).
   Result<std::vector<std::string>> keys = kv->List(StrCat(dir, "/"));
   if (!keys.ok()) return step;  // the native reader reports the missing folder
@@ -146,6 +153,10 @@ Result<std::unique_ptr<StepSource>> OpenStepSource(KvStore* kv, const std::strin
   if (step.format == StepFormat::kSafetensors) {
     TS_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> reader,
                         SafetensorsReader::Open(kv, step.dir, options));
+    return std::unique_ptr<StepSource>(std::move(reader));
+  }
+  if (step.format == StepFormat::kDcp) {
+    TS_ASSIGN_OR_RETURN(std::unique_ptr<DcpReader> reader, DcpReader::Open(kv, step.dir, options));
     return std::unique_ptr<StepSource>(std::move(reader));
   }
   TS_ASSIGN_OR_RETURN(std::unique_ptr<OrbaxReader> reader,

@@ -30,7 +30,8 @@ struct DetectedStep {
 // Looks at the marker files of folder `dir` of `kv` (reads no array data):
 //   COMMIT -> native; `dir` a .safetensors file, or a folder with model.safetensors.index.json
 //   or model.safetensors -> safetensors; _METADATA -> Orbax (with manifest.ocdbt: OCDBT); .zgroup or a zarr.json
-//   group -> zarr group; else the one subfolder holding _METADATA (an Orbax manager step).
+//   group -> zarr group; .metadata -> PyTorch DCP; else the one subfolder holding _METADATA (an
+//   Orbax manager step).
 // A folder with none of them is reported as native, so that the native reader gives its usual
 // error (NotFound, or FailedPrecondition for a step without COMMIT). FailedPrecondition for an
 // Orbax temporary folder (".orbax-checkpoint-tmp") or an Orbax step without _METADATA;

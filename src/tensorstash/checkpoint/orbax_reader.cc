@@ -240,6 +240,7 @@ Result<std::unique_ptr<OrbaxReader>> OrbaxReader::Open(KvStore* kv, std::string 
       break;
     case StepFormat::kNative:
     case StepFormat::kSafetensors:
+    case StepFormat::kDcp:
       return InvalidArgumentError(StrCat("OrbaxReader cannot open a ", StepFormatName(format),
                                          " step"));
   }

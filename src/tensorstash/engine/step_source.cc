@@ -63,6 +63,8 @@ std::string_view StepFormatName(StepFormat format) {
       return "zarr-group";
     case StepFormat::kSafetensors:
       return "safetensors";
+    case StepFormat::kDcp:
+      return "dcp";
   }
   return "unknown";
 }

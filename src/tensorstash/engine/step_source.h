@@ -133,9 +133,10 @@ enum class StepFormat {
   kOrbaxFolders,  // Orbax PyTree item, one zarr folder per parameter (use_ocdbt=False)
   kZarrGroup,     // a zarr group of arrays named by pytree key path, `write_completed` attribute
   kSafetensors,   // a .safetensors file, or a Hugging Face folder of them (safetensors_reader.h)
+  kDcp,           // a PyTorch DCP FileSystemWriter folder: .metadata, *.distcp (dcp_reader.h)
 };
 
-// "tensorstash", "orbax-ocdbt", "orbax-zarr-folders", "zarr-group", "safetensors".
+// "tensorstash", "orbax-ocdbt", "orbax-zarr-folders", "zarr-group", "safetensors", "dcp".
 std::string_view StepFormatName(StepFormat format);
 
 class StepSource {

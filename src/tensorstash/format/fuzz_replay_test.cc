@@ -29,7 +29,9 @@ std::vector<Target> Targets() {
           {"step", fuzz::FuzzStep},
           {"ocdbt", fuzz::FuzzOcdbt},
           {"foreign_step", fuzz::FuzzForeignStep},
-          {"safetensors_header", fuzz::FuzzSafetensorsHeader}};
+          {"safetensors_header", fuzz::FuzzSafetensorsHeader},
+          {"dcp_pickle", fuzz::FuzzDcpPickle},
+          {"torch_zip", fuzz::FuzzTorchZip}};
 }
 
 // Runs every file under `dir` (if it exists) through `target`; returns how many.

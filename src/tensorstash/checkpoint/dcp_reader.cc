@@ -1,0 +1,248 @@
+#include "tensorstash/checkpoint/dcp_reader.h"
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tensorstash/array/box.h"
+#include "tensorstash/format/dcp/pickle.h"
+#include "tensorstash/format/dcp/torch_save.h"
+#include "tensorstash/format/dcp/torch_zip.h"
+#include "tensorstash/util/str_util.h"
+
+namespace tensorstash {
+namespace {
+
+// Nesting a bytes item may have (a pickle can make cycles; real values are shallow).
+constexpr int kMaxValueDepth = 64;
+
+Result<TreeNode> ValueNode(const PickleValue& v, int depth, const std::string& where) {
+  if (depth > kMaxValueDepth) {
+    return UnimplementedError(StrCat(where, ": nested deeper than ", kMaxValueDepth));
+  }
+  TreeNode n;
+  switch (v.kind) {
+    case PickleKind::kNone:
+      return n;
+    case PickleKind::kBool:
+      n.kind = TreeNode::Kind::kBool;
+      n.bool_value = v.boolean;
+      return n;
+    case PickleKind::kInt:
+      n.kind = TreeNode::Kind::kInt;
+      n.int_value = std::to_string(v.integer);
+      return n;
+    case PickleKind::kFloat:
+      n.kind = TreeNode::Kind::kFloat;
+      n.float_value = v.real;
+      return n;
+    case PickleKind::kStr:
+      n.kind = TreeNode::Kind::kString;
+      n.string_value = v.text;
+      return n;
+    case PickleKind::kBytes:
+      n.kind = TreeNode::Kind::kBytes;
+      n.string_value = v.text;
+      return n;
+    case PickleKind::kList:
+    case PickleKind::kTuple:
+      n.kind = v.kind == PickleKind::kList ? TreeNode::Kind::kList : TreeNode::Kind::kTuple;
+      for (const PickleValue* item : v.items) {
+        TS_ASSIGN_OR_RETURN(TreeNode child, ValueNode(*item, depth + 1, where));
+        n.items.push_back(std::move(child));
+      }
+      return n;
+    case PickleKind::kDict:
+      n.kind = TreeNode::Kind::kDict;
+      for (const auto& [key, value] : v.entries) {
+        if (!key->Is(PickleKind::kStr)) {
+          return UnimplementedError(StrCat(where, ": a dict with a ", PickleKindName(key->kind), " key"));
+        }
+        TS_ASSIGN_OR_RETURN(TreeNode child, ValueNode(*value, depth + 1, where));
+        n.entries.emplace_back(key->text, std::move(child));
+      }
+      return n;
+    default:
+      return UnimplementedError(
+          StrCat(where, ": a ",
+                 v.Is(PickleKind::kObject) ? v.callee->text : std::string(PickleKindName(v.kind)),
+                 " (only plain values are read from DCP bytes items)"));
+  }
+}
+
+}  // namespace
+
+DcpReader::DcpReader(KvStore* kv, std::string path, ReaderOptions options)
+    : kv_(kv), path_(std::move(path)), options_(options) {}
+
+Result<std::string> DcpReader::ReadItem(const DcpItemLocation& loc) {
+  const std::string key = StrCat(path_, "/", loc.relative_path);
+  auto it = file_sizes_.find(loc.relative_path);
+  if (it == file_sizes_.end()) return InternalError(StrCat("unknown file ", key));
+  if (loc.offset > it->second || loc.length > it->second - loc.offset) {
+    return DataLossError(StrCat("DCP checkpoint '", path_, "': an item at ", loc.offset, " + ",
+                                loc.length, " is past the end of ", key, " (", it->second,
+                                " bytes)"));
+  }
+  std::string bytes(loc.length, '\0');
+  if (loc.length > 0) TS_RETURN_IF_ERROR(kv_.ReadRange(key, loc.offset, loc.length, bytes.data()));
+  return bytes;
+}
+
+Result<std::unique_ptr<DcpReader>> DcpReader::Open(KvStore* kv, std::string path,
+                                                   ReaderOptions options) {
+  std::unique_ptr<DcpReader> r(new DcpReader(kv, std::move(path), options));
+  TS_ASSIGN_OR_RETURN(std::string pickle,
+                      r->kv_.Read(StrCat(r->path_, "/", kDcpMetadataFileName)));
+  TS_ASSIGN_OR_RETURN(r->meta_, ParseDcpMetadata(pickle, r->path_));
+  auto note_file = [&](const DcpItemLocation& loc) -> Status {
+    if (r->file_sizes_.count(loc.relative_path)) return OkStatus();
+    TS_ASSIGN_OR_RETURN(uint64_t size, r->kv_.Size(StrCat(r->path_, "/", loc.relative_path)));
+    r->file_sizes_[loc.relative_path] = size;
+    return OkStatus();
+  };
+  for (const DcpTensor& t : r->meta_.tensors) {
+    for (const DcpChunk& c : t.chunks) TS_RETURN_IF_ERROR(note_file(c.location));
+    ArrayMetadata a;
+    a.path = EscapePathKey(t.fqn);
+    a.dtype = t.dtype;
+    a.grid.shape = t.shape;
+    a.grid.cell_shape = t.shape;
+    for (int64_t& e : a.grid.cell_shape) e = std::max<int64_t>(e, 1);
+    a.grid.chunk_shape = a.grid.cell_shape;
+    a.codec = Codec::kNone;
+    r->tree_.entries.emplace_back(t.fqn, TreeNode::Array(static_cast<int64_t>(r->metadata_.size())));
+    r->by_path_.emplace(a.path, r->metadata_.size());
+    r->metadata_.push_back(std::move(a));
+  }
+  for (const DcpBytesItem& item : r->meta_.bytes_items) {
+    TS_RETURN_IF_ERROR(note_file(item.location));
+    const std::string where = StrCat("DCP checkpoint '", r->path_, "': bytes item '", item.fqn, "'");
+    TS_ASSIGN_OR_RETURN(std::string archive, r->ReadItem(item.location));
+    TS_ASSIGN_OR_RETURN(std::vector<ZipEntry> entries,
+                        ReadStoredZip(archive, where, options.verify_checksums));
+    const ZipEntry* pkl = FindTorchZipEntry(entries, "data.pkl");
+    if (pkl == nullptr) return DataLossError(StrCat(where, ": no data.pkl in its archive"));
+    TS_ASSIGN_OR_RETURN(PickleTree value,
+                        DecodePickle(std::string_view(archive).substr(pkl->data_offset, pkl->size),
+                                     DcpPickleGlobals(), where));
+    TS_ASSIGN_OR_RETURN(TreeNode node, ValueNode(value.root(), 0, where));
+    r->tree_.entries.emplace_back(item.fqn, std::move(node));
+  }
+  return r;
+}
+
+uint64_t DcpReader::StoredBytes(size_t id) const {
+  uint64_t n = 0;
+  for (const DcpChunk& c : meta_.tensors[id].chunks) n += c.location.length;
+  return n;
+}
+
+uint64_t DcpReader::VerifyTotalBytes() const {
+  uint64_t n = 0;
+  for (size_t i = 0; i < meta_.tensors.size(); ++i) n += StoredBytes(i);
+  return n;
+}
+
+size_t DcpReader::VerifyTotalItems() const {
+  size_t n = 0;
+  for (const DcpTensor& t : meta_.tensors) n += t.chunks.size();
+  return n;
+}
+
+Result<std::string> DcpReader::ReadFile(std::string_view name) const {
+  return NotFoundError(StrCat("'", path_, "' is a DCP checkpoint, which has no file '", name, "'"));
+}
+
+Result<std::pair<std::string, uint64_t>> DcpReader::ReadChunk(size_t id, size_t c, bool check_crc) {
+  const DcpTensor& t = meta_.tensors[id];
+  const DcpChunk& chunk = t.chunks[c];
+  TS_ASSIGN_OR_RETURN(std::string archive, ReadItem(chunk.location));
+  const std::string what = StrCat("'", path_, "/", chunk.location.relative_path, "' at ",
+                                  chunk.location.offset, " (tensor '", t.fqn, "')");
+  TS_ASSIGN_OR_RETURN(TorchSavedTensor saved, ReadTorchSavedTensor(archive, what, check_crc));
+  if (saved.dtype != t.dtype || saved.shape != chunk.sizes) {
+    return DataLossError(StrCat("DCP item ", what, " holds a ", DTypeName(saved.dtype),
+                                " tensor of another shape or dtype than the metadata's ",
+                                DTypeName(t.dtype), " chunk"));
+  }
+  return std::make_pair(std::move(archive), saved.data_offset);
+}
+
+Status DcpReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats,
+                           const std::function<void(uint64_t, uint64_t)>& progress) {
+  std::vector<size_t> ids;
+  uint64_t total = 0;
+  for (const ReadRequest& req : requests) {
+    auto it = by_path_.find(req.path);
+    if (it == by_path_.end()) {
+      return NotFoundError(StrCat("'", path_, "' has no tensor '", req.path, "'"));
+    }
+    TS_RETURN_IF_ERROR(ValidateReadRequest(req, metadata_[it->second], req.dtype));
+    ids.push_back(it->second);
+    total += static_cast<uint64_t>(req.box.num_elements()) * ItemSize(req.dtype);
+  }
+  const uint64_t bytes0 = kv_.bytes(), requests0 = kv_.requests();
+  uint64_t done = 0;
+  uint64_t chunks_read = 0;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const ReadRequest& req = requests[i];
+    const ArrayMetadata& a = metadata_[ids[i]];
+    const DcpTensor& t = meta_.tensors[ids[i]];
+    const Box region = Intersect(req.box, Box::FromShape(a.shape()));
+    if (region != req.box) {
+      std::memset(req.dest, 0, static_cast<size_t>(req.box.num_elements()) * ItemSize(req.dtype));
+    }
+    if (!region.empty()) {
+      for (size_t c = 0; c < t.chunks.size(); ++c) {
+        Box chunk_box;
+        chunk_box.origin = t.chunks[c].offsets;
+        chunk_box.shape = t.chunks[c].sizes;
+        const Box part = Intersect(region, chunk_box);
+        if (part.empty()) continue;
+        TS_ASSIGN_OR_RETURN(auto chunk, ReadChunk(ids[i], c, options_.verify_checksums));
+        ++chunks_read;
+        TS_RETURN_IF_ERROR(CopyBox(part, a.dtype, chunk.first.data() + chunk.second, chunk_box,
+                                   req.dtype, req.dest, req.box, a.path));
+      }
+    }
+    done += static_cast<uint64_t>(req.box.num_elements()) * ItemSize(req.dtype);
+    if (progress) progress(done, total);
+  }
+  if (stats != nullptr) {
+    stats->bytes_read += kv_.bytes() - bytes0;
+    stats->requests += kv_.requests() - requests0;
+    stats->staged_chunks += chunks_read;
+  }
+  return OkStatus();
+}
+
+Result<std::vector<BadChunk>> DcpReader::Verify(
+    const std::function<void(uint64_t, uint64_t)>& progress) {
+  std::vector<BadChunk> bad;
+  const uint64_t total = VerifyTotalBytes();
+  uint64_t done = 0;
+  for (size_t id = 0; id < meta_.tensors.size(); ++id) {
+    const DcpTensor& t = meta_.tensors[id];
+    for (size_t c = 0; c < t.chunks.size(); ++c) {
+      Result<std::pair<std::string, uint64_t>> chunk = ReadChunk(id, c, /*check_crc=*/true);
+      if (!chunk.ok()) {
+        std::string coords = "[";
+        for (size_t d = 0; d < t.chunks[c].offsets.size(); ++d) {
+          coords += StrCat(d ? ", " : "", t.chunks[c].offsets[d]);
+        }
+        bad.push_back(BadChunk{metadata_[id].path, coords + "]",
+                               StrCat(path_, "/", t.chunks[c].location.relative_path),
+                               std::string(chunk.status().message())});
+      }
+      done += t.chunks[c].location.length;
+      if (progress) progress(done, total);
+    }
+  }
+  return bad;
+}
+
+}  // namespace tensorstash

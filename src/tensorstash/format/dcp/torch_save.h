@@ -1,0 +1,40 @@
+// One tensor saved by torch.save (the archive of a DCP tensor item, torch_zip.h), located
+// without Python: data.pkl is decoded (DecodePickle, DcpPickleGlobals) as the call
+// torch._utils._rebuild_tensor_v2/v3(storage, storage_offset, size, stride, ...), where
+// `storage` is a persistent id ("storage", storage type, key, location, numel) naming the
+// archive entry data/<key> that holds the storage's raw little-endian bytes.
+//
+// Thread-safety: pure functions.
+#ifndef TENSORSTASH_FORMAT_DCP_TORCH_SAVE_H_
+#define TENSORSTASH_FORMAT_DCP_TORCH_SAVE_H_
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "tensorstash/array/dtype.h"
+#include "tensorstash/util/status.h"
+
+namespace tensorstash {
+
+struct TorchSavedTensor {
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  // The tensor's bytes, C order: `data_length` (= elements * item size) bytes at `data_offset`
+  // from the archive's first byte.
+  uint64_t data_offset = 0;
+  uint64_t data_length = 0;
+};
+
+// Locates the tensor in the torch.save archive `archive` (its whole bytes; `what` names it in
+// messages). Every entry's CRC-32 is checked when `check_crc`. On failure: the errors of
+// ReadStoredZip and DecodePickle; DataLoss for an archive that is not one saved tensor (no
+// data.pkl, a storage entry missing or shorter than the tensor needs, a malformed call);
+// Unimplemented for a tensor that is not stored contiguously in C order, big-endian bytes, or a
+// storage type or dtype tensorstash lacks.
+Result<TorchSavedTensor> ReadTorchSavedTensor(std::string_view archive, std::string_view what,
+                                              bool check_crc = true);
+
+}  // namespace tensorstash
+
+#endif  // TENSORSTASH_FORMAT_DCP_TORCH_SAVE_H_
