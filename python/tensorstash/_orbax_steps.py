@@ -81,6 +81,17 @@ def _entries(root: str) -> list:
         return []
 
 
+def _file_names(folder: str) -> set[str]:
+    """The names of the files right under `folder` (empty for a missing folder)."""
+    if _is_url(folder):
+        return set(_ext.store_list(folder)[0])
+    try:
+        with os.scandir(folder) as it:
+            return {e.name for e in it if e.is_file()}
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+
+
 def _has_file(folder: str, name: str) -> bool:
     if _is_url(folder):
         return name in _ext.store_list(folder)[0]
@@ -120,11 +131,13 @@ def detect_format(root: str) -> str | None:
             continue
         elif TMP_MARKER in entry.name:
             orbax = orbax or entry.name
-        elif _has_file(entry.path, CHECKPOINT_METADATA):
-            orbax = orbax or entry.name
-        elif _NATIVE_STEP.match(entry.name) and any(
-                _has_file(entry.path, f) for f in _NATIVE_FILES):
-            native = native or entry.name
+        else:
+            # One look into the folder (on a store URL each look is a listing request).
+            files = _file_names(entry.path)
+            if CHECKPOINT_METADATA in files:
+                orbax = orbax or entry.name
+            elif _NATIVE_STEP.match(entry.name) and any(f in files for f in _NATIVE_FILES):
+                native = native or entry.name
     if native and orbax:
         raise ValueError(f"{root} holds both tensorstash steps ({native!r}) and Orbax steps "
                          f"({orbax!r}); a checkpoint root holds one format")
