@@ -67,11 +67,20 @@ def join(folder: str, name: str) -> str:
     return f"{folder.rstrip('/')}/{name}" if _is_url(folder) else os.path.join(folder, name)
 
 
+def _url_listing(folder: str) -> tuple[list[str], list[str]]:
+    """(files, folders) right under the store URL `folder`; both empty when there is no such
+    folder, or no such store yet (a memory:// store that a manager is about to create)."""
+    try:
+        return _ext.store_list(folder)
+    except FileNotFoundError:
+        return [], []
+
+
 def _entries(root: str) -> list:
     """The folders and files right under `root` (os.DirEntry, or _UrlEntry on a URL); [] for a
     missing root."""
     if _is_url(root):
-        files, folders = _ext.store_list(root)
+        files, folders = _url_listing(root)
         return ([_UrlEntry(n, join(root, n), True) for n in folders]
                 + [_UrlEntry(n, join(root, n), False) for n in files])
     try:
@@ -84,7 +93,7 @@ def _entries(root: str) -> list:
 def _file_names(folder: str) -> set[str]:
     """The names of the files right under `folder` (empty for a missing folder)."""
     if _is_url(folder):
-        return set(_ext.store_list(folder)[0])
+        return set(_url_listing(folder)[0])
     try:
         with os.scandir(folder) as it:
             return {e.name for e in it if e.is_file()}
@@ -94,13 +103,13 @@ def _file_names(folder: str) -> set[str]:
 
 def _has_file(folder: str, name: str) -> bool:
     if _is_url(folder):
-        return name in _ext.store_list(folder)[0]
+        return name in _url_listing(folder)[0]
     return os.path.exists(os.path.join(folder, name))
 
 
 def _has_folder(folder: str, name: str) -> bool:
     if _is_url(folder):
-        return name in _ext.store_list(folder)[1]
+        return name in _url_listing(folder)[1]
     return os.path.isdir(os.path.join(folder, name))
 
 

@@ -289,9 +289,14 @@ class CheckpointManager:
                 **kwargs: Any) -> CheckpointManager:
         # The class that manages the root's format (checked before anything is written there):
         # this one for native steps, _OrbaxRunManager for a root of Orbax steps.
-        if cls is CheckpointManager and _root_format(root, format) == "orbax":
-            return super().__new__(_OrbaxRunManager)
-        return super().__new__(cls)
+        if cls is not CheckpointManager:
+            return super().__new__(cls)
+        found = _root_format(root, format)
+        manager = super().__new__(_OrbaxRunManager if found == "orbax" else cls)
+        # __init__ uses it rather than looking again: on a store URL each look is a listing of
+        # the root and of every step folder in it.
+        manager._found_format = found
+        return manager
 
     def __init__(self, root: str | os.PathLike, *, max_to_keep: int | None = None,
                  keep_period: int | None = None, save_interval_steps: int = 1,
@@ -311,7 +316,8 @@ class CheckpointManager:
                  format: str = "auto", step_prefix: str | None = None,
                  step_format_fixed_length: int | None = None):
         _options.check_codec(codec)
-        if _root_format(root, format) != "native":  # a subclass's (__new__ picks the class)
+        found = getattr(self, "_found_format", None) or _root_format(root, format)
+        if found != "native":  # a subclass's (__new__ picks the class)
             raise ValueError(f"{root} holds Orbax steps: {type(self).__name__} manages native "
                              "steps only")
         if step_prefix is not None or step_format_fixed_length is not None:
