@@ -9,7 +9,6 @@ casts on restore match ml_dtypes' astype, and metadata() and `tensorstash inspec
 
 from __future__ import annotations
 
-import os
 import subprocess
 
 import jax
@@ -19,10 +18,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import tensorstash
-from tshelpers import assert_jax_array, assert_same_array, global_array, mesh, named
+from tshelpers import (assert_jax_array, assert_same_array, cli_path, global_array, mesh,
+                       named)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 
 # name -> bits that carry the value (the rest of the byte is zero, as ml_dtypes writes it)
 NEW = {
@@ -51,13 +49,6 @@ def codes(name: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     return raw.view(dt(name))
 
 
-def cli() -> str:
-    path = os.environ.get("TENSORSTASH_CLI", os.path.join(REPO, "build", "tensorstash"))
-    if not os.access(path, os.X_OK):
-        pytest.fail(f"{path} is missing: build the tensorstash target, or set TENSORSTASH_CLI")
-    return path
-
-
 @pytest.mark.parametrize("name", list(NEW))
 def test_native_numpy_roundtrip_and_metadata(tmp_path, name):
     tree = {"a": codes(name, (7, 5)), "s": codes(name, (), 1), "e": codes(name, (0, 3)),
@@ -74,7 +65,7 @@ def test_native_numpy_roundtrip_and_metadata(tmp_path, name):
     meta = tensorstash.metadata(path)
     assert meta["a"].dtype == dt(name) and meta["a"].shape == (7, 5)
     assert meta["z"]["b"].stored_bytes >= 300  # one byte per element (no packing)
-    shown = subprocess.run([cli(), "inspect", path], capture_output=True, text=True)
+    shown = subprocess.run([cli_path(), "inspect", path], capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
     assert name in shown.stdout
 

@@ -20,21 +20,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import mp_launch
 import tensorstash
 from mp_orbax_worker import ARRAYS, KEY_COUNT, tree_values
-from tshelpers import assert_jax_array
+from tshelpers import assert_jax_array, cli_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "mp_orbax_worker.py")
 # The workers import the tensorstash this test imported, and this folder's helpers.
 WORKER_PYTHONPATH = os.pathsep.join([os.path.dirname(os.path.dirname(tensorstash.__file__)),
                                      HERE])
-
-
-def cli() -> str:
-    path = os.environ.get("TENSORSTASH_CLI", os.path.join(REPO, "build", "tensorstash"))
-    if not os.access(path, os.X_OK):
-        pytest.fail(f"{path} is missing: build the tensorstash target, or set TENSORSTASH_CLI")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +144,6 @@ def test_tensorstash_restores_it(saved):
 
 def test_verify_passes(saved):
     saved, _ = saved
-    result = subprocess.run([cli(), "verify", saved], capture_output=True, text=True,
+    result = subprocess.run([cli_path(), "verify", saved], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr

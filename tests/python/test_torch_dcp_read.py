@@ -22,19 +22,13 @@ import torch
 
 import tensorstash
 import torch_worker
+from tshelpers import cli_path
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 GENERATOR = os.path.join(REPO, "tests", "tools", "make_dcp_checkpoints.py")
-
-
-def cli() -> str:
-    path = os.environ.get("TENSORSTASH_CLI", os.path.join(REPO, "build", "tensorstash"))
-    if not os.access(path, os.X_OK):
-        pytest.fail(f"{path} is missing: build the tensorstash target, or set TENSORSTASH_CLI")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +90,13 @@ def test_restore_onto_another_layout_reads_each_box(made):
 
 def test_cli_inspect_verify_and_convert(made, tmp_path):
     ck = str(made / "two_ranks")
-    out = subprocess.run([cli(), "inspect", ck], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([cli_path(), "inspect", ck], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "dcp" in out.stdout and "sharded" in out.stdout
-    out = subprocess.run([cli(), "verify", ck], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([cli_path(), "verify", ck], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     dst = str(tmp_path / "native")
-    out = subprocess.run([cli(), "convert", ck, dst], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([cli_path(), "convert", ck, dst], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     want = dcp_loaded(ck)
     got = tensorstash.restore(dst, target=tensors_of(ck))
@@ -126,7 +120,7 @@ def test_a_hostile_metadata_is_refused_and_runs_nothing(made, tmp_path):
         pickle.dump(_Evil(str(marker)), f)
     with pytest.raises(Exception, match="posix.system|os.system"):
         tensorstash.restore(str(ck))
-    out = subprocess.run([cli(), "inspect", str(ck)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([cli_path(), "inspect", str(ck)], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert not marker.exists()
 
@@ -145,6 +139,6 @@ def test_a_damaged_distcp_is_found(made, tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(Exception, match=info.relative_path):
         tensorstash.restore(str(ck), target=tensors_of(str(ck)))
-    out = subprocess.run([cli(), "verify", str(ck)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([cli_path(), "verify", str(ck)], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "sharded" in out.stdout + out.stderr

@@ -13,6 +13,20 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def cli_path() -> str:
+    """The tensorstash command the tests run: $TENSORSTASH_CLI, or <repo>/build/tensorstash.
+    Fails the test (never skips it) when it is missing."""
+    import pytest  # here: the workers import this module without pytest's plugins
+
+    path = os.environ.get("TENSORSTASH_CLI", os.path.join(REPO, "build", "tensorstash"))
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"{path} is missing: build the tensorstash target, or set TENSORSTASH_CLI")
+    return path
+
+
 DTYPE_NAMES = (
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float16", "bfloat16", "float32", "float64", "complex64", "complex128",

@@ -13,6 +13,7 @@
 #include "tensorstash/format/dcp/torch_zip.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/testing/status_test_macros.h"
+#include "tensorstash/testing/test_files.h"
 
 namespace tensorstash {
 namespace {
@@ -20,19 +21,14 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 // The checkpoint tests/data/dcp/<name> (written by tests/tools/make_dcp_checkpoints.py) under
 // "ck/" of `kv`.
 void Load(MemoryKvStore* kv, const std::string& name) {
   const std::filesystem::path dir = std::filesystem::path(TS_TEST_DATA_DIR) / "dcp" / name;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-    ASSERT_TRUE(kv->Write("ck/" + entry.path().filename().string(), ReadFile(entry.path())).ok());
+    ASSERT_TRUE(
+        kv->Write("ck/" + entry.path().filename().string(), ReadFileToString(entry.path()))
+            .ok());
   }
 }
 

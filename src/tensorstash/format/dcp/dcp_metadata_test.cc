@@ -10,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tensorstash/testing/status_test_macros.h"
+#include "tensorstash/testing/test_files.h"
 #include "tensorstash/util/endian.h"
 
 namespace tensorstash {
@@ -19,15 +20,8 @@ using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 std::string RealMetadata(const std::string& name) {
-  return ReadFile(std::string(TS_TEST_DATA_DIR) + "/dcp/" + name + "/.metadata");
+  return ReadFileToString(std::string(TS_TEST_DATA_DIR) + "/dcp/" + name + "/.metadata");
 }
 
 // Pieces of a protocol-2 pickle, to write the metadata DCP would write, and variants of it.

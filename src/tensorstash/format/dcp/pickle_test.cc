@@ -8,6 +8,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tensorstash/testing/status_test_macros.h"
+#include "tensorstash/testing/test_files.h"
 
 namespace tensorstash {
 namespace {
@@ -15,13 +16,6 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using std::string_literals::operator""s;
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // The data.pkl torch 2.13's torch.save wrote for torch.arange(20)[5:9] inside a DCP checkpoint
 // (tests/tools/make_dcp_checkpoints.py, "model.view").
@@ -64,7 +58,8 @@ TEST(Pickle, DecodesTorchSaveTensorDescription) {
 }
 
 TEST(Pickle, DecodesRealDcpMetadata) {
-  std::string bytes = ReadFile(std::string(TS_TEST_DATA_DIR) + "/dcp/two_ranks/.metadata");
+  std::string bytes =
+      ReadFileToString(std::string(TS_TEST_DATA_DIR) + "/dcp/two_ranks/.metadata");
   ASSERT_FALSE(bytes.empty());
   Result<PickleTree> tree = Decode(bytes);
   TS_ASSERT_OK(tree.status());
@@ -90,7 +85,8 @@ TEST(Pickle, DecodesRealDcpMetadata) {
 }
 
 TEST(Pickle, EveryTruncationIsAnErrorNotACrash) {
-  std::string bytes = ReadFile(std::string(TS_TEST_DATA_DIR) + "/dcp/single/.metadata");
+  std::string bytes =
+      ReadFileToString(std::string(TS_TEST_DATA_DIR) + "/dcp/single/.metadata");
   ASSERT_GT(bytes.size(), 100u);
   for (size_t n = 0; n < bytes.size(); ++n) {
     Result<PickleTree> tree = Decode(std::string_view(bytes).substr(0, n));

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "tensorstash/format/dcp/dcp_metadata.h"
 #include "tensorstash/testing/status_test_macros.h"
+#include "tensorstash/testing/test_files.h"
 #include "tensorstash/util/endian.h"
 
 namespace tensorstash {
@@ -22,13 +23,6 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 std::string Dir(const std::string& name) { return std::string(TS_TEST_DATA_DIR) + "/dcp/" + name; }
 
@@ -42,13 +36,14 @@ std::vector<T> Values(std::string_view archive, const TorchSavedTensor& t) {
 // Every tensor of the single-process checkpoint, located through its metadata and archive,
 // holds what tests/tools/make_dcp_checkpoints.py saved.
 TEST(TorchSave, ReadsEveryTensorOfARealCheckpoint) {
-  Result<DcpMetadata> md = ParseDcpMetadata(ReadFile(Dir("single") + "/.metadata"), "single");
+  Result<DcpMetadata> md =
+      ParseDcpMetadata(ReadFileToString(Dir("single") + "/.metadata"), "single");
   TS_ASSERT_OK(md.status());
   std::map<std::string, std::pair<std::string, TorchSavedTensor>> found;
   for (const DcpTensor& t : md->tensors) {
     ASSERT_EQ(t.chunks.size(), 1u);
     const DcpItemLocation& loc = t.chunks[0].location;
-    std::string file = ReadFile(Dir("single") + "/" + loc.relative_path);
+    std::string file = ReadFileToString(Dir("single") + "/" + loc.relative_path);
     ASSERT_LE(loc.offset + loc.length, file.size());
     std::string archive = file.substr(loc.offset, loc.length);
     Result<TorchSavedTensor> saved = ReadTorchSavedTensor(archive, t.fqn);
@@ -87,10 +82,11 @@ TEST(TorchSave, ReadsEveryTensorOfARealCheckpoint) {
 }
 
 TEST(TorchSave, ReadsAShardOfATwoRankCheckpoint) {
-  Result<DcpMetadata> md = ParseDcpMetadata(ReadFile(Dir("two_ranks") + "/.metadata"), "two");
+  Result<DcpMetadata> md =
+      ParseDcpMetadata(ReadFileToString(Dir("two_ranks") + "/.metadata"), "two");
   TS_ASSERT_OK(md.status());
   const DcpChunk& second = md->tensors[0].chunks[1];  // rows 5-9 of arange(40).reshape(10, 4)
-  std::string file = ReadFile(Dir("two_ranks") + "/" + second.location.relative_path);
+  std::string file = ReadFileToString(Dir("two_ranks") + "/" + second.location.relative_path);
   std::string archive = file.substr(second.location.offset, second.location.length);
   Result<TorchSavedTensor> t = ReadTorchSavedTensor(archive, "x");
   TS_ASSERT_OK(t.status());

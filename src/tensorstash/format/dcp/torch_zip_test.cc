@@ -12,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tensorstash/testing/status_test_macros.h"
+#include "tensorstash/testing/test_files.h"
 #include "tensorstash/util/endian.h"
 
 namespace tensorstash {
@@ -19,13 +20,6 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 uint32_t Crc(std::string_view s) {
   return static_cast<uint32_t>(
@@ -116,7 +110,8 @@ const std::vector<std::pair<std::string, std::string>> kFiles = {
 TEST(TorchZip, ReadsARealDcpItem) {
   // The first item of rank 0's file: rank 0's shard of "sharded" (rows 0-4 of
   // arange(40).reshape(10, 4), float32), offset 0, length 1641 in the .metadata.
-  std::string file = ReadFile(std::string(TS_TEST_DATA_DIR) + "/dcp/two_ranks/__0_0.distcp");
+  std::string file =
+      ReadFileToString(std::string(TS_TEST_DATA_DIR) + "/dcp/two_ranks/__0_0.distcp");
   ASSERT_EQ(file.size(), 1641u);
   Result<std::vector<ZipEntry>> entries = ReadStoredZip(file, "__0_0.distcp");
   TS_ASSERT_OK(entries.status());
