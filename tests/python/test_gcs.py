@@ -158,6 +158,24 @@ def test_save_restore_and_metadata_on_gcs_are_bit_exact(gcs):
     assert_same_tree(tensorstash.restore(path), tree)
 
 
+def test_data_files_go_up_in_one_request_each_not_composed(gcs):
+    # 72 MiB in chunks of 8 MiB: the data files stay below the 32 MiB part size, so each goes up
+    # as one upload; none is composed from parts, and none is left half-written.
+    tree = {f"a{i}": pattern((6 << 20,), np.float32, seed=i) for i in range(3)}
+    path = gcs.step()
+    tensorstash.save(path, tree)
+    record = json.loads(gcs.read(f"{gcs.prefix}/0000000001/COMMIT"))
+    data = [name for name in record["objects"] if "/data/" in name]
+    assert len(data) >= 3, record["objects"]
+    for name in data:
+        live = json.loads(gcs_servers.http(
+            "GET", gcs.object_url(f"{gcs.prefix}/0000000001/{record['attempt']}/{name}"))[2])
+        assert int(live["size"]) < 32 << 20, (name, live["size"])
+        assert "componentCount" not in live, (name, live)
+    assert [k for k in gcs.keys() if ".tensorstash-uploads" in k] == []
+    assert_same_tree(tensorstash.restore(path), tree)
+
+
 # --- the manager ---------------------------------------------------------------------------------
 
 def test_manager_on_gcs_keeps_the_newest_and_deletes_the_rest(gcs):
@@ -504,14 +522,15 @@ def test_a_data_object_rewritten_through_the_raw_emulator_is_data_loss_naming_it
 def test_gc_after_saves_killed_mid_upload_removes_uploads_and_keeps_the_step(gcs):
     tree = small_tree(4)
     tensorstash.save(gcs.step("0000000001"), tree)
-    # 40 MiB in one data file: more than one 32 MiB part, so composed from hidden parts.
+    # 40 MiB in one chunk, so in one data file: more than one 32 MiB part, so composed from
+    # hidden parts (smaller chunks would go into files of one part each, one upload each).
     script = textwrap.dedent(f"""
         import numpy as np, tensorstash
         big = {{"x": np.ones((10 << 20,), np.float32)}}
         print("ready", flush=True)
         while True:
             tensorstash.save({gcs.step("0000000001")!r}, big, overwrite=True,
-                             data_file_bytes=1 << 30)
+                             chunk_bytes=1 << 30, data_file_bytes=1 << 30)
     """)
     saw_parts = False
     for delay in (1.0, 2.5):

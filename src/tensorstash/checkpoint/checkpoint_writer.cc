@@ -703,6 +703,27 @@ Status CheckpointWriter::Impl::AgreeOnGrids() {
   return OkStatus();
 }
 
+// On a store that sends a file below some size in one request (GCS: one upload instead of parts
+// uploaded, composed and deleted, N + 2 + N requests for N parts), a save keeps its data files
+// below that size when the job's files then stay few: the commit record on an object store lists
+// every object (1 MiB at most), so each process may write kOneRequestFilesPerJob / processes
+// such files. Larger saves roll their files at target_data_file_bytes, as on other stores.
+// Returns the size to stay below, or 0.
+constexpr uint64_t kOneRequestFilesPerJob = 4096;
+
+static uint64_t OneRequestFileBytes(const KvStore& kv, const std::vector<ChunkTask>& tasks,
+                             int process_count) {
+  const uint64_t one_request = kv.Capabilities().one_request_below;
+  if (one_request < 4) return 0;
+  uint64_t bytes = 0;
+  for (const ChunkTask& task : tasks) bytes += task.plan.raw_bytes;
+  // Chunks do not tile a file exactly: count on files three quarters full.
+  const uint64_t files = bytes / (one_request / 4 * 3) + 1;
+  const uint64_t allowed =
+      std::max<uint64_t>(1, kOneRequestFilesPerJob / static_cast<uint64_t>(std::max(1, process_count)));
+  return files <= allowed ? one_request : 0;
+}
+
 Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) {
   Coordinator& c = *coordinator;
   // Plan (engine/write_plan.h): which chunks this process writes, from which shard, in which
@@ -756,7 +777,8 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   constexpr uint64_t kWritebackBytes = uint64_t{8} << 20;
   DataFileSet files(kv, ItemDir(work_dir, kStateItem), c.process_index(),
                     static_cast<uint64_t>(options.target_data_file_bytes), lanes,
-                    options.sync ? kWritebackBytes : 0, /*direct_writes=*/options.sync);
+                    options.sync ? kWritebackBytes : 0, /*direct_writes=*/options.sync,
+                    OneRequestFileBytes(*kv, tasks, c.process_count()));
   // Uncompressed chunks get their places up front, in array and chunk order, each lane taking
   // a contiguous share of the bytes, so that the chunks of an array lie side by side and
   // readers can fetch neighbours in one request.

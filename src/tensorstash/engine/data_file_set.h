@@ -16,6 +16,12 @@
 // A save that syncs also passes `direct_writes`: its files are then opened with
 // WritableFile::PreferDirectWrites(), so that large chunks bypass the page cache.
 //
+// A save to an object store that sends small files in one request (GCS: no parts, no compose;
+// KvStoreCapabilities::one_request_below) passes `one_request_below`: a lane's file is then rolled
+// before a chunk would make it reach that size (unless the chunk is the file's first), and a
+// rolled file is closed as soon as its last allocated byte is written, so that it goes up at once
+// in one request and its bytes are not held until Finish.
+//
 // Thread-safety: all methods are thread-safe.
 #ifndef TENSORSTASH_ENGINE_DATA_FILE_SET_H_
 #define TENSORSTASH_ENGINE_DATA_FILE_SET_H_
@@ -48,8 +54,10 @@ class DataFileSet {
  public:
   // `item_dir` is the key of the item folder ("<step>.tmp-x/state").
   // `writeback_bytes` 0: writeback is left to the kernel.
+  // `one_request_below` 0: files are rolled at `target_file_bytes` only and closed by Finish.
   DataFileSet(KvStore* kv, std::string item_dir, int process_index, uint64_t target_file_bytes,
-              int lanes = 1, uint64_t writeback_bytes = 0, bool direct_writes = false);
+              int lanes = 1, uint64_t writeback_bytes = 0, bool direct_writes = false,
+              uint64_t one_request_below = 0);
   ~DataFileSet();
 
   struct Location {
@@ -63,6 +71,8 @@ class DataFileSet {
   // one is full. `continues`: the chunk is the next one of the array whose chunk this lane
   // placed last (see kChunkAlignment). ResourceExhausted past the format's limit on data files.
   Result<Location> Allocate(uint64_t length, int lane = 0, bool continues = false);
+  // Writes at `where` (its padding too). With `one_request_below`, the write that completes a
+  // rolled file closes it and returns the close's error, if any (Finish returns it again).
   Status Write(const Location& where, const void* data, size_t size);
   // Syncs (when `sync`; the files side by side on `pool` when given) and closes every file;
   // fills `files` (names relative to the item folder, sizes as allocated). Further calls fail.
@@ -71,13 +81,17 @@ class DataFileSet {
 
  private:
   struct File;
+  // Closes `file` (already taken out of files_ under the mutex) and records the outcome.
+  Status CloseEarly(File* file, std::unique_ptr<WritableFile> handle);
   KvStore* kv_;
   std::string item_dir_;
   int process_index_;
   uint64_t target_file_bytes_;
   uint64_t writeback_bytes_;
   bool direct_writes_;
+  uint64_t one_request_below_;
   std::mutex mutex_;
+  bool finished_ = false;
   std::vector<std::unique_ptr<File>> files_;
   std::vector<int> lane_file_;  // per lane: index into files_ of its current file, or -1
 };

@@ -93,34 +93,41 @@ void WriteSyncAndReadBack(int chunks, size_t chunk_bytes, uint64_t file_bytes, b
 // An object store (as far as DataFileSet can tell) that counts the bytes written into files.
 class CountingObjectStore final : public ForwardingKvStore {
  public:
-  explicit CountingObjectStore(KvStore* base) : ForwardingKvStore(base) {}
+  explicit CountingObjectStore(KvStore* base, uint64_t one_request_below = 0)
+      : ForwardingKvStore(base), one_request_below_(one_request_below) {}
   KvStoreCapabilities Capabilities() const override {
     KvStoreCapabilities caps = ForwardingKvStore::Capabilities();
     caps.object_store = true;
+    caps.one_request_below = one_request_below_;
     return caps;
   }
   Result<std::unique_ptr<WritableFile>> OpenForWrite(std::string_view key) override {
     TS_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, ForwardingKvStore::OpenForWrite(key));
-    return std::unique_ptr<WritableFile>(new Counting(std::move(file), &written));
+    return std::unique_ptr<WritableFile>(new Counting(std::move(file), this));
   }
   std::atomic<uint64_t> written{0};
+  std::atomic<int> closed{0};
 
  private:
   class Counting final : public WritableFile {
    public:
-    Counting(std::unique_ptr<WritableFile> base, std::atomic<uint64_t>* written)
-        : base_(std::move(base)), written_(written) {}
+    Counting(std::unique_ptr<WritableFile> base, CountingObjectStore* store)
+        : base_(std::move(base)), store_(store) {}
     Status WriteAt(uint64_t offset, const void* data, size_t size) override {
-      *written_ += size;
+      store_->written += size;
       return base_->WriteAt(offset, data, size);
     }
     Status Sync() override { return base_->Sync(); }
-    Status Close() override { return base_->Close(); }
+    Status Close() override {
+      ++store_->closed;
+      return base_->Close();
+    }
 
    private:
     std::unique_ptr<WritableFile> base_;
-    std::atomic<uint64_t>* written_;
+    CountingObjectStore* store_;
   };
+  const uint64_t one_request_below_;
 };
 
 // On an object store a file goes up in parts, each once all its bytes are written: the
@@ -142,6 +149,45 @@ TEST(DataFileSetTest, OnObjectStoresEveryByteOfAFileIsWrittenPaddingIncluded) {
   TS_ASSERT_OK(bytes.status());
   const uint64_t second = written.where[1][0].offset;
   EXPECT_EQ(bytes->substr(70001, second - 70001), std::string(second - 70001, '\0'));
+}
+
+// On a store that sends small files in one request, every file stays below that size (but for a
+// chunk that is larger on its own), and a file is closed (sent) as soon as it is rolled and
+// wholly written, not at Finish: its bytes are not held until the end of the save.
+TEST(DataFileSetTest, FilesStayBelowOneRequestAndCloseOnceWritten) {
+  MemoryKvStore memory;
+  constexpr uint64_t kOneRequest = 200000;
+  CountingObjectStore kv(&memory, kOneRequest);
+  DataFileSet files(&kv, "item", /*process_index=*/0, /*target_file_bytes=*/uint64_t{1} << 30,
+                    /*lanes=*/2, /*writeback_bytes=*/0, /*direct_writes=*/false, kOneRequest);
+  // Two chunks of 70001 bytes fit (the second on a page: 73728 + 70001); a third would not.
+  Written written;
+  TS_ASSERT_OK(WriteAll(&files, /*chunks=*/11, /*chunk_bytes=*/70001, /*lanes=*/2, &written));
+  // Lane 0 took 6 chunks (3 files), lane 1 took 5 (3 files): the 4 rolled files are closed.
+  EXPECT_EQ(kv.closed.load(), 4);
+  Result<DataFileSet::Location> allocated = files.Allocate(kOneRequest * 2, 0);
+  TS_ASSERT_OK(allocated.status());
+  const DataFileSet::Location big = *allocated;
+  const std::string big_bytes = Bytes(kOneRequest * 2, 'b');
+  TS_ASSERT_OK(files.Write(big, big_bytes.data(), big_bytes.size()));
+  EXPECT_EQ(big.offset, 0u);  // a chunk larger than one request starts a file of its own
+  EXPECT_EQ(kv.closed.load(), 5);  // lane 0's last file was rolled (and written) by it
+  std::vector<DataFileInfo> infos;
+  TS_ASSERT_OK(files.Finish(/*sync=*/true, &infos));
+  ASSERT_EQ(infos.size(), 7u);
+  EXPECT_EQ(kv.closed.load(), 7);
+  for (const DataFileInfo& info : infos) {
+    if (info.size != kOneRequest * 2) EXPECT_LT(info.size, kOneRequest) << info.name;
+  }
+  for (size_t i = 0; i < written.data.size(); ++i) {
+    const DataFileSet::Location& loc = written.where[i][0];
+    Result<std::string> bytes = memory.Read(StrCat("item/", infos[loc.file_id].name));
+    TS_ASSERT_OK(bytes.status());
+    EXPECT_EQ(bytes->substr(loc.offset, written.data[i].size()), written.data[i]) << "chunk " << i;
+  }
+  Result<std::string> bytes = memory.Read(StrCat("item/", infos[big.file_id].name));
+  TS_ASSERT_OK(bytes.status());
+  EXPECT_EQ(*bytes, big_bytes);
 }
 
 // Where chunks go: large ones on a page, small ones on 64 bytes, and a chunk that continues the

@@ -100,6 +100,10 @@ struct KvStoreCapabilities {
   // others at once; an open ReadableFile of an object replaced since fails (FailedPrecondition)
   // instead of reading the old bytes.
   bool object_store = false;
+  // A file of fewer bytes than this that OpenForWrite writes goes up in one request at Close
+  // (GCS: one upload, no parts to compose and delete); 0 where no such size applies. A writer
+  // that keeps its files below it saves each in one request (engine/data_file_set.h).
+  uint64_t one_request_below = 0;
 };
 
 // An object's size and generation: an opaque string that changes whenever the object is

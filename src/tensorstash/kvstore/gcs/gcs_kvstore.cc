@@ -835,6 +835,8 @@ KvStoreCapabilities GcsKvStore::Capabilities() const {
   caps.generations = true;
   caps.locks = true;
   caps.object_store = true;
+  // The part uploader sends a file smaller than one part as one upload at Close.
+  caps.one_request_below = impl_->options.part_size;
   return caps;
 }
 
