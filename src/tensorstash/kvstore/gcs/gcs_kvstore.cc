@@ -138,6 +138,8 @@ struct PartToken {
 struct GcsKvStore::Impl {
   GcsKvStoreOptions options;
   std::unique_ptr<HttpClient> client;
+  // Part buffers reused across the files of a save (OpenForWrite); 4 kept at most.
+  std::shared_ptr<PartBufferPool> part_buffers;
   // For compose: the server answers only once it has written the whole composite, which can
   // take longer than a stall timeout meant for moving bytes (gcp-storage-emulator takes seconds
   // per 256 MiB); abandoning it there makes each retry redo all of that work.
@@ -822,6 +824,7 @@ Result<std::unique_ptr<GcsKvStore>> GcsKvStore::Open(GcsKvStoreOptions options) 
                             .initial_backoff = options.initial_backoff,
                             .max_backoff = options.max_backoff};
   impl->options = std::move(options);
+  impl->part_buffers = std::make_shared<PartBufferPool>(impl->options.part_size, /*max_kept=*/4);
   return std::unique_ptr<GcsKvStore>(new GcsKvStore(std::move(impl)));
 }
 
@@ -902,7 +905,8 @@ Result<std::unique_ptr<WritableFile>> GcsKvStore::OpenForWrite(std::string_view 
   TS_RETURN_IF_ERROR(impl_->CheckWritable(key));
   return NewPartUploader(std::make_unique<GcsPartSink>(impl_, std::string(key)),
                          {.part_size = impl_->options.part_size,
-                          .max_parts = impl_->options.max_parts});
+                          .max_parts = impl_->options.max_parts,
+                          .buffers = impl_->part_buffers});
 }
 
 Result<std::vector<std::string>> GcsKvStore::List(std::string_view prefix) {

@@ -225,7 +225,7 @@ class FakeSink final : public PartSink {
 std::unique_ptr<WritableFile> Uploader(const std::shared_ptr<SinkLog>& log, size_t part_size,
                                        int max_parts = 100) {
   return NewPartUploader(std::make_unique<FakeSink>(log),
-                         {.part_size = part_size, .max_parts = max_parts});
+                         {.part_size = part_size, .max_parts = max_parts, .buffers = nullptr});
 }
 
 TEST(PartUploaderTest, AFileOfAtMostOnePartIsOneWholePut) {
@@ -295,6 +295,35 @@ TEST(PartUploaderTest, ParallelWritersFillPartsAndGapsReadAsZeros) {
   EXPECT_EQ(log->completed_size, 81u);
   EXPECT_TRUE(absl::IsFailedPrecondition(file->WriteAt(90, "x", 1)))
       << "no write after the object appeared";
+}
+
+// Files of one store share part buffers: a buffer that carried one file's bytes comes back as
+// zeros for the next (gaps still read as zeros), and the pool lets go of its buffers once the
+// last file is closed.
+TEST(PartUploaderTest, PooledBuffersAreReusedAsZerosAndFreedWithTheLastFile) {
+  auto pool = std::make_shared<PartBufferPool>(8, /*max_kept=*/2);
+  auto log1 = std::make_shared<SinkLog>();
+  auto log2 = std::make_shared<SinkLog>();
+  auto open = [&](const std::shared_ptr<SinkLog>& log) {
+    return NewPartUploader(std::make_unique<FakeSink>(log),
+                           {.part_size = 8, .max_parts = 100, .buffers = pool});
+  };
+  auto keeper = open(std::make_shared<SinkLog>());  // keeps the pool in use throughout
+  auto first = open(log1);
+  TS_ASSERT_OK(first->WriteAt(0, "xxxxxxxxyyyyyyyyzz", 18));  // two full parts and a tail
+  TS_ASSERT_OK(first->Close());
+  EXPECT_EQ(pool->kept(), 1);  // one buffer served the three parts in turn
+  auto second = open(log2);
+  TS_ASSERT_OK(second->WriteAt(0, "ab", 2));
+  TS_ASSERT_OK(second->WriteAt(6, "cd", 2));  // 2..6 never written
+  TS_ASSERT_OK(second->Close());
+  ASSERT_TRUE(log2->whole.has_value());
+  EXPECT_EQ(*log2->whole, std::string("ab\0\0\0\0cd", 8));
+  first.reset();
+  second.reset();
+  EXPECT_GT(pool->kept(), 0);
+  keeper.reset();  // the last file of the pool: what it kept is freed
+  EXPECT_EQ(pool->kept(), 0);
 }
 
 TEST(PartUploaderTest, AFailedPartFailsTheFileAndAbortsTheUpload) {

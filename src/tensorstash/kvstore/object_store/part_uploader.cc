@@ -9,6 +9,54 @@
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
+
+PartBufferPool::PartBufferPool(size_t buffer_bytes, int max_kept)
+    : buffer_bytes_(buffer_bytes), max_kept_(max_kept) {}
+
+PartBufferPool::~PartBufferPool() = default;
+
+std::unique_ptr<char[]> PartBufferPool::Take() {
+  std::unique_ptr<char[]> buffer;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!kept_.empty()) {
+      buffer = std::move(kept_.back());
+      kept_.pop_back();
+    }
+  }
+  if (buffer == nullptr) return std::make_unique<char[]>(buffer_bytes_);
+  // Zeros, as a new buffer: bytes of a part never written go up as zeros. Clearing memory
+  // already mapped costs a fraction of faulting in new memory.
+  std::memset(buffer.get(), 0, buffer_bytes_);
+  return buffer;
+}
+
+void PartBufferPool::Give(std::unique_ptr<char[]> buffer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (buffer != nullptr && open_ > 0 && static_cast<int>(kept_.size()) < max_kept_) {
+    kept_.push_back(std::move(buffer));
+  }
+  // else: freed here (under the lock: a free of memory the pool no longer counts is harmless)
+}
+
+int PartBufferPool::kept() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(kept_.size());
+}
+
+void PartBufferPool::Opened() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++open_;
+}
+
+void PartBufferPool::Closed() {
+  std::vector<std::unique_ptr<char[]>> freed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--open_ == 0) freed.swap(kept_);
+  }
+}
+
 namespace {
 
 class PartUploader final : public WritableFile {
@@ -16,8 +64,24 @@ class PartUploader final : public WritableFile {
   PartUploader(std::unique_ptr<PartSink> sink, PartUploaderOptions options)
       : sink_(std::move(sink)),
         part_size_(std::max<size_t>(1, options.part_size)),
-        max_parts_(options.max_parts) {}
-  ~PartUploader() override { (void)Close(); }
+        max_parts_(options.max_parts),
+        buffers_(options.buffers != nullptr && options.buffers->buffer_bytes() == part_size_
+                     ? std::move(options.buffers)
+                     : nullptr) {
+    if (buffers_ != nullptr) buffers_->Opened();
+  }
+  ~PartUploader() override {
+    (void)Close();
+    if (buffers_ != nullptr) {
+      std::map<uint64_t, Part> left;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        left.swap(pending_);
+      }
+      for (auto& [index, part] : left) GiveBack(std::move(part.bytes));
+      buffers_->Closed();
+    }
+  }
 
   Status WriteAt(uint64_t offset, const void* data, size_t size) override {
     const char* bytes = static_cast<const char*>(data);
@@ -44,7 +108,7 @@ class PartUploader final : public WritableFile {
                      " was already uploaded (an object store cannot rewrite it)"));
         }
         Part& part = pending_[index];
-        if (part.bytes == nullptr) part.bytes = std::make_unique<char[]>(part_size_);
+        if (part.bytes == nullptr) part.bytes = NewBuffer();
         buffer = part.bytes.get();
         ++part.writers;
         end_ = std::max<uint64_t>(end_, offset + length);
@@ -64,6 +128,7 @@ class PartUploader final : public WritableFile {
       }
       if (full != nullptr) {
         Status status = UploadPart(index, std::string_view(full.get(), part_size_));
+        GiveBack(std::move(full));
         if (!status.ok()) {
           std::lock_guard<std::mutex> lock(mu_);
           if (failed_.ok()) failed_ = status;
@@ -100,6 +165,14 @@ class PartUploader final : public WritableFile {
     size_t filled = 0;
     int writers = 0;  // copies into it in progress
   };
+
+  std::unique_ptr<char[]> NewBuffer() {  // zeros
+    return buffers_ != nullptr ? buffers_->Take() : std::make_unique<char[]>(part_size_);
+  }
+
+  void GiveBack(std::unique_ptr<char[]> buffer) {
+    if (buffers_ != nullptr && buffer != nullptr) buffers_->Give(std::move(buffer));
+  }
 
   Result<std::string> UploadId() {
     std::lock_guard<std::mutex> lock(upload_mu_);
@@ -161,7 +234,9 @@ class PartUploader final : public WritableFile {
       auto it = rest.find(0);
       const std::string_view bytes =
           it == rest.end() ? std::string_view() : std::string_view(it->second.bytes.get(), end);
-      return sink_->PutWhole(bytes);
+      Status status = sink_->PutWhole(bytes);
+      for (auto& [index, part] : rest) GiveBack(std::move(part.bytes));
+      return status;
     }
     const uint64_t parts = (end + part_size_ - 1) / part_size_;
     std::unique_ptr<char[]> zeros;
@@ -177,7 +252,7 @@ class PartUploader final : public WritableFile {
         bytes = zeros.get();
       }
       TS_RETURN_IF_ERROR(UploadPart(index, std::string_view(bytes, length)));
-      if (it != rest.end()) it->second.bytes.reset();
+      if (it != rest.end()) GiveBack(std::move(it->second.bytes));
     }
     std::vector<UploadedPart> completed;
     {
@@ -197,6 +272,7 @@ class PartUploader final : public WritableFile {
   const std::unique_ptr<PartSink> sink_;
   const size_t part_size_;
   const int max_parts_;
+  const std::shared_ptr<PartBufferPool> buffers_;  // null: fresh memory for each part
   std::mutex mu_;
   std::map<uint64_t, Part> pending_;          // parts being written; guarded by mu_
   std::map<uint64_t, std::string> uploaded_;  // part index -> token ("" while uploading); mu_

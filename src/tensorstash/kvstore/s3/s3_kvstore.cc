@@ -91,6 +91,8 @@ Status RefuseBackslash(std::string_view what, std::string_view name, std::string
 struct S3KvStore::Impl {
   S3KvStoreOptions options;
   std::unique_ptr<HttpClient> client;
+  // Part buffers reused across the files of a save (OpenForWrite); 4 kept at most.
+  std::shared_ptr<PartBufferPool> part_buffers;
   std::string scheme;  // "http" or "https"
   std::string host;    // "host:port" of the endpoint
   std::string root;    // options.prefix + "/", or ""
@@ -578,6 +580,7 @@ Result<std::unique_ptr<S3KvStore>> S3KvStore::Open(S3KvStoreOptions options) {
                             .initial_backoff = options.initial_backoff,
                             .max_backoff = options.max_backoff};
   impl->options = std::move(options);
+  impl->part_buffers = std::make_shared<PartBufferPool>(impl->options.part_size, /*max_kept=*/4);
   return std::unique_ptr<S3KvStore>(new S3KvStore(std::move(impl)));
 }
 
@@ -670,7 +673,9 @@ Status S3KvStore::WriteIfAbsent(std::string_view key, std::string_view value) {
 Result<std::unique_ptr<WritableFile>> S3KvStore::OpenForWrite(std::string_view key) {
   TS_RETURN_IF_ERROR(impl_->CheckKey(key));
   return NewPartUploader(std::make_unique<S3PartSink>(impl_, std::string(key)),
-                         {.part_size = impl_->options.part_size, .max_parts = kMaxParts});
+                         {.part_size = impl_->options.part_size,
+                          .max_parts = kMaxParts,
+                          .buffers = impl_->part_buffers});
 }
 
 Result<std::vector<std::string>> S3KvStore::List(std::string_view prefix) {
