@@ -29,14 +29,12 @@ import numpy as np
 import pytest
 
 import tensorstash
-from tshelpers import assert_same_tree, pattern
+from tshelpers import assert_same_tree, cli_path, pattern
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 
 from gcs_fixtures import NO_METADATA_SERVER, gcs_servers, server  # noqa: E402,F401
 
-CLI = os.environ.get("TENSORSTASH_CLI", os.path.join(REPO, "build", "tensorstash"))
 
 
 class Gcs:
@@ -109,7 +107,7 @@ def gcs(server, monkeypatch, request):
 
 
 def run_cli(gcs: Gcs, *args, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([cli_path(), *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=gcs.env())
 
 

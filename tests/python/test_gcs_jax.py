@@ -39,14 +39,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import mp_launch
 import tensorstash
 import test_s3_jax as job  # its worker and data (ARRAYS, layouts) are store-agnostic
-from tshelpers import assert_restored_numpy, assert_same_array, global_array, pattern
+from tshelpers import assert_restored_numpy, cli_path, assert_same_array, global_array, pattern
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 
 from gcs_fixtures import NO_METADATA_SERVER, gcs_servers, server  # noqa: E402,F401
 
-CLI = os.environ.get("TENSORSTASH_CLI", os.path.join(REPO, "build", "tensorstash"))
 JOB_TIMEOUT_S = 150  # for a whole multi-process job; a hang fails the test instead of blocking
 # The folder of the tensorstash this test imported, for the workers (mp_launch drops PYTHONPATH).
 WORKER_PYTHONPATH = os.pathsep.join([os.path.dirname(os.path.dirname(tensorstash.__file__)),
@@ -102,9 +100,7 @@ def read_object(server, name: str) -> bytes:
 
 
 def run_cli(*args, env, timeout: float = 120) -> subprocess.CompletedProcess:
-    if not os.access(CLI, os.X_OK):
-        pytest.fail(f"{CLI} is missing (build the CLI or set TENSORSTASH_CLI)")
-    return subprocess.run([CLI, *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([cli_path(), *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 

@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 
 import tensorstash
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CLI = os.environ.get("TENSORSTASH_CLI", os.path.join(REPO, "build", "tensorstash"))
+from tshelpers import cli_path
 
 
 def flip_a_byte(path: str, offset: int | None = None) -> None:
@@ -205,7 +203,7 @@ def test_gc_leaves_a_save_in_flight_alone_and_removes_old_leftovers(tmp_path):
     orbax_tmp = tmp_path / "0000000003.orbax-checkpoint-tmp-1700000000"
     (orbax_tmp / "d").mkdir(parents=True)
     (orbax_tmp / "d" / "0").write_bytes(b"y")
-    done = subprocess.run([CLI, "gc", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([cli_path(), "gc", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert tmp.exists() and orbax_tmp.exists(), done.stdout
     assert "left 2 folders written less than 6 h ago" in done.stdout, done.stdout
@@ -213,7 +211,7 @@ def test_gc_leaves_a_save_in_flight_alone_and_removes_old_leftovers(tmp_path):
     old = time.time() - 7 * 3600
     for path in (tmp / "state" / "data" / "0-0.dat", orbax_tmp / "d" / "0"):
         os.utime(path, (old, old))
-    done = subprocess.run([CLI, "gc", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([cli_path(), "gc", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert not tmp.exists() and not orbax_tmp.exists(), done.stdout
     np.testing.assert_array_equal(tensorstash.restore(str(tmp_path / "0000000001"))["w"],
@@ -237,7 +235,7 @@ print("saved", flush=True)
                              stderr=subprocess.PIPE, text=True)
     runs = 0
     while saver.poll() is None:
-        done = subprocess.run([CLI, "gc", str(root)], capture_output=True, text=True,
+        done = subprocess.run([cli_path(), "gc", str(root)], capture_output=True, text=True,
                               timeout=60)
         assert done.returncode == 0, done.stderr
         runs += 1
@@ -257,7 +255,7 @@ def test_an_interrupted_convert_leaves_no_temporary_folder(tmp_path):
     arrays = {f"a{i}": np.full((1 << 20,), i, np.float32) for i in range(64)}  # 256 MiB
     tensorstash.save(str(src), arrays, chunk_bytes=1 << 20)
     dst = tmp_path / "out" / "orbax"
-    proc = subprocess.Popen([CLI, "convert", str(src), str(dst), "--to", "orbax"],
+    proc = subprocess.Popen([cli_path(), "convert", str(src), str(dst), "--to", "orbax"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not glob.glob(str(dst) + ".orbax-checkpoint-tmp-*") and proc.poll() is None:

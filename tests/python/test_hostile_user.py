@@ -20,7 +20,7 @@ import pytest
 import tensorstash
 from tensorstash import _ext
 from tensorstash import numpy as tnp
-from tshelpers import assert_same_array, assert_same_tree, mesh, named, pattern
+from tshelpers import assert_same_array, assert_same_tree, cli_path, mesh, named, pattern
 
 
 # --- item 2: an async save of a jax.Array that shares memory with a NumPy array ------------------
@@ -470,9 +470,7 @@ def test_a_data_file_that_is_not_a_regular_file_is_an_oserror_saying_so(tmp_path
 
 def _run_cli(*args):
     import subprocess
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cli = os.environ.get("TENSORSTASH_CLI", os.path.join(repo, "build", "tensorstash"))
-    return subprocess.run([cli, *map(str, args)], capture_output=True, text=True, timeout=300)
+    return subprocess.run([cli_path(), *map(str, args)], capture_output=True, text=True, timeout=300)
 
 
 # --- issue 14: a URL whose scheme no store serves -------------------------------------------------

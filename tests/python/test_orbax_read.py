@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import tensorstash
-from tshelpers import (assert_jax_array, assert_restored_numpy, assert_same_array, global_array,
+from tshelpers import (cli_path, assert_jax_array, assert_restored_numpy, assert_same_array, global_array,
                        mesh, named, pattern)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -60,11 +60,7 @@ def np_dtype(name: str) -> np.dtype:
 
 
 def cli() -> str:
-    path = os.environ.get("TENSORSTASH_CLI", os.path.join(REPO, "build", "tensorstash"))
-    if not os.access(path, os.X_OK):
-        pytest.fail(f"{path} is missing: cmake --build build --target tensorstash_cli, or set "
-                    "TENSORSTASH_CLI")
-    return path
+    return cli_path()
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
