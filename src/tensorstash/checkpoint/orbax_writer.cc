@@ -38,7 +38,6 @@
 #include "tensorstash/checkpoint/orbax_writer.h"
 
 #include <atomic>
-#include <charconv>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -125,6 +124,24 @@ class OcdbtSink final : public KvStore {
   OcdbtWriter* writer_;
   std::set<std::string, std::less<>> dropped_;  // filled before the first Write
 };
+
+// The chunks of one array a process writes in a multi-process save: how many, and the sum of
+// their linear indices (modulo 2^64). Process 0 checks that the processes' add up to the grid.
+struct ChunksWritten {
+  uint64_t count = 0;
+  uint64_t index_sum = 0;
+};
+
+// A JSON array of unsigned integers into `out`; false for anything else.
+bool UnsignedList(const nlohmann::json& j, std::vector<uint64_t>* out) {
+  if (!j.is_array()) return false;
+  out->clear();
+  for (const nlohmann::json& e : j) {
+    if (!e.is_number_unsigned()) return false;
+    out->push_back(e.get<uint64_t>());
+  }
+  return true;
+}
 
 // One leaf of the tree as Orbax records it.
 struct Leaf {
@@ -272,9 +289,9 @@ struct OrbaxWriter::Impl {
   Status AgreeOnGrids(const std::string& key_prefix);
   // Step 3 alone: the arrays (and, with `scalars`, the scalar leaves) into the database at
   // `db_dir`. `zarr_metadata`: also each array's zarr.json. `written`, when given, gets per
-  // array "<chunks>:<sum of their linear indices>" of the chunks this process writes.
+  // array the chunks this process writes: how many, and the sum of their linear indices.
   Status WriteDatabase(const std::string& db_dir, const std::vector<Leaf>& leaves, bool scalars,
-                       bool zarr_metadata, std::vector<std::string>* written,
+                       bool zarr_metadata, std::vector<ChunksWritten>* written,
                        OrbaxWriteStats* stats,
                        const std::function<void(uint64_t, uint64_t)>& progress);
   // Step 4: _METADATA and the other files of folder `tmp`.
@@ -601,7 +618,7 @@ Status OrbaxWriter::Impl::WriteInto(const std::string& tmp, const std::vector<Le
 
 Status OrbaxWriter::Impl::WriteDatabase(const std::string& db_dir, const std::vector<Leaf>& leaves,
                                         bool scalars, bool zarr_metadata,
-                                        std::vector<std::string>* written, OrbaxWriteStats* stats,
+                                        std::vector<ChunksWritten>* written, OrbaxWriteStats* stats,
                                         const std::function<void(uint64_t, uint64_t)>& progress) {
   // 3. The arrays, into one OCDBT database.
   OcdbtWriter::Options ocdbt_options;
@@ -612,7 +629,7 @@ Status OrbaxWriter::Impl::WriteDatabase(const std::string& db_dir, const std::ve
   if (!zarr_metadata) {
     for (const Leaf& leaf : leaves) sink.Drop(StrCat(leaf.name, "/zarr.json"));
   }
-  if (written != nullptr) written->assign(arrays.size(), "0:0");
+  if (written != nullptr) written->assign(arrays.size(), ChunksWritten{});
   ZarrArraySpec zarr;
   zarr.level = options.zstd_level;
 
@@ -677,7 +694,7 @@ Status OrbaxWriter::Impl::WriteDatabase(const std::string& db_dir, const std::ve
         if (written != nullptr) {
           uint64_t sum = 0;  // modulo 2^64, as the check computes it
           for (const ChunkWrite& chunk : *planned) sum += static_cast<uint64_t>(chunk.chunk);
-          (*written)[leaf.node->array_id] = StrCat(planned->size(), ":", sum);
+          (*written)[leaf.node->array_id] = {planned->size(), sum};
         }
         for (const ChunkWrite& chunk : *planned) {
           run.RunHolding(chunk.raw_bytes,
@@ -835,43 +852,49 @@ Result<std::string> OrbaxWriter::Impl::PrepareFolder() {
 }
 
 Status OrbaxWriter::Impl::AgreeOnGrids(const std::string& key_prefix) {
-  // Each process's view of every array: what must match, and the largest shard it holds (a
-  // process may hold only shards cut by the array's end, or none).
-  std::string mine;
+  // Each process's view of every array, as JSON: what must match ("spec"), and the largest
+  // shard it holds ("chunk": a process may hold only shards cut by the array's end, or none).
+  nlohmann::json mine = nlohmann::json::array();
   for (const ArrayEntry& a : arrays) {
-    mine += StrCat(DTypeName(a.spec.dtype), ":", StrJoin(a.spec.shape, ","), ":",
-                   static_cast<int>(a.spec.value_type), ":", a.spec.random_key_impl, "|",
-                   StrJoin(a.chunk_shape, ","), ";");
+    mine.push_back({{"spec",
+                     {{"dtype", DTypeName(a.spec.dtype)},
+                      {"shape", a.spec.shape},
+                      {"value_type", static_cast<int>(a.spec.value_type)},
+                      {"random_key_impl", a.spec.random_key_impl}}},
+                    {"chunk", a.chunk_shape}});
   }
   TS_ASSIGN_OR_RETURN(std::vector<std::string> all,
-                      AllGather(*coordinator, key_prefix + "grids/", mine,
+                      AllGather(*coordinator, key_prefix + "grids/", mine.dump(),
                                 kDefaultCoordinationTimeout));
   std::vector<std::vector<int64_t>> agreed(arrays.size());
   for (size_t i = 0; i < arrays.size(); ++i) agreed[i] = arrays[i].chunk_shape;
   for (size_t p = 0; p < all.size(); ++p) {
-    const std::vector<std::string_view> theirs = StrSplit(all[p], ';');
-    if (theirs.size() != arrays.size() + 1) {
-      return InvalidArgumentError(StrCat("process ", p, " saves ", theirs.size() - 1,
+    const nlohmann::json theirs = nlohmann::json::parse(all[p], nullptr, /*allow_exceptions=*/false);
+    if (!theirs.is_array()) {
+      return InternalError(StrCat("process ", p, " sent a malformed list of arrays: ", all[p]));
+    }
+    if (theirs.size() != arrays.size()) {
+      return InvalidArgumentError(StrCat("process ", p, " saves ", theirs.size(),
                                          " arrays, process ", coordinator->process_index(),
                                          " ", arrays.size(), ": every process must save the "
                                          "same tree"));
     }
     for (size_t i = 0; i < arrays.size(); ++i) {
-      const size_t bar = theirs[i].rfind('|');
-      const std::string_view spec = theirs[i].substr(0, bar);
-      const std::string_view own = StrSplit(StrSplit(mine, ';')[i], '|')[0];
-      if (bar == std::string::npos || spec != own) {
-        return InvalidArgumentError(StrCat("array '", arrays[i].spec.path, "' differs between "
-                                           "process ", p, " (", spec, ") and process ",
-                                           coordinator->process_index(), " (", own, ")"));
+      const nlohmann::json& entry = theirs[i];
+      std::vector<uint64_t> extents;
+      if (!entry.is_object() || !entry.contains("spec") || !entry.contains("chunk") ||
+          !UnsignedList(entry["chunk"], &extents)) {
+        return InternalError(StrCat("process ", p, " sent a malformed entry for array '",
+                                    arrays[i].spec.path, "': ", entry.dump()));
       }
-      const std::vector<std::string_view> extents = StrSplit(theirs[i].substr(bar + 1), ',');
+      if (entry["spec"] != mine[i]["spec"]) {
+        return InvalidArgumentError(StrCat("array '", arrays[i].spec.path, "' differs between "
+                                           "process ", p, " (", entry["spec"].dump(),
+                                           ") and process ", coordinator->process_index(), " (",
+                                           mine[i]["spec"].dump(), ")"));
+      }
       for (size_t d = 0; d < agreed[i].size() && d < extents.size(); ++d) {
-        int64_t e = 0;
-        if (!ParseInt(extents[d], &e)) {
-          return InternalError(StrCat("process ", p, " sent a malformed grid: ", theirs[i]));
-        }
-        agreed[i][d] = std::max(agreed[i][d], e);
+        agreed[i][d] = std::max<int64_t>(agreed[i][d], static_cast<int64_t>(extents[d]));
       }
     }
   }
@@ -951,14 +974,17 @@ Status OrbaxWriter::Impl::CommitMultiProcess(
   // 3. The grids, then each process's own database "ocdbt.process_<p>" (process 0's also holds
   // the scalars and every zarr.json), and what each wrote.
   Status written = AgreeOnGrids(key_prefix);
-  std::vector<std::string> chunks_written;
+  std::vector<ChunksWritten> chunks_written;
   if (written.ok()) {
     written = WriteDatabase(StrCat(item_dir, "/", kOrbaxProcessDatabasePrefix, me), leaves,
                             /*scalars=*/me == 0, /*zarr_metadata=*/me == 0, &chunks_written,
                             stats, progress);
   }
-  Result<std::vector<std::string>> reports = AllGather(
-      c, key_prefix + "written/", written.ok() ? StrJoin(chunks_written, ";") : "", timeout);
+  // Per array [count, sum of linear indices], as JSON; "" after a failure.
+  nlohmann::json report = nlohmann::json::array();
+  for (const ChunksWritten& w : chunks_written) report.push_back({w.count, w.index_sum});
+  Result<std::vector<std::string>> reports =
+      AllGather(c, key_prefix + "written/", written.ok() ? report.dump() : "", timeout);
   if (written.ok() && !reports.ok()) written = reports.status();
 
   // 4-5. Process 0 checks that every chunk was written once, merges the databases, writes the
@@ -968,21 +994,18 @@ Status OrbaxWriter::Impl::CommitMultiProcess(
     for (size_t i = 0; status.ok() && i < arrays.size(); ++i) {
       uint64_t count = 0;
       uint64_t sum = 0;
-      for (const std::string& report : *reports) {
-        const std::vector<std::string_view> per_array = StrSplit(report, ';');
-        const std::vector<std::string_view> fields = i < per_array.size()
-                                                         ? StrSplit(per_array[i], ':')
-                                                         : std::vector<std::string_view>();
-        int64_t k = 0;
-        uint64_t s = 0;  // the sum is modulo 2^64
-        if (fields.size() != 2 || !ParseInt(fields[0], &k) ||
-            std::from_chars(fields[1].data(), fields[1].data() + fields[1].size(), s).ec !=
-                std::errc()) {
-          status = InternalError(StrCat("a process sent a malformed report: ", report));
+      for (size_t p = 0; p < reports->size(); ++p) {
+        const nlohmann::json theirs =
+            nlohmann::json::parse((*reports)[p], nullptr, /*allow_exceptions=*/false);
+        std::vector<uint64_t> fields;
+        if (!theirs.is_array() || theirs.size() != arrays.size() ||
+            !UnsignedList(theirs[i], &fields) || fields.size() != 2) {
+          status = InternalError(StrCat("process ", p, " sent a malformed report of the chunks "
+                                        "it wrote: ", (*reports)[p]));
           break;
         }
-        count += static_cast<uint64_t>(k);
-        sum += s;
+        count += fields[0];
+        sum += fields[1];  // modulo 2^64
       }
       if (!status.ok()) break;
       const ArrayEntry& a = arrays[i];

@@ -177,7 +177,9 @@ TEST(DataFileSetTest, FilesStayBelowOneRequestAndCloseOnceWritten) {
   ASSERT_EQ(infos.size(), 7u);
   EXPECT_EQ(kv.closed.load(), 7);
   for (const DataFileInfo& info : infos) {
-    if (info.size != kOneRequest * 2) EXPECT_LT(info.size, kOneRequest) << info.name;
+    if (info.size != kOneRequest * 2) {
+      EXPECT_LT(info.size, kOneRequest) << info.name;
+    }
   }
   for (size_t i = 0; i < written.data.size(); ++i) {
     const DataFileSet::Location& loc = written.where[i][0];
