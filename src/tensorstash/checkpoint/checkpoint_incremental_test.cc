@@ -5,6 +5,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -13,6 +14,7 @@
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/format/index_format.h"
 #include "tensorstash/testing/checkpoint_test_util.h"
+#include "tensorstash/testing/in_process_coordinator.h"
 #include "tensorstash/testing/status_test_macros.h"
 
 namespace tensorstash {
@@ -199,6 +201,67 @@ TEST_P(IncrementalTest, DependsOnMustMatchTheIndex) {
   Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(kv_.get(), "0000000002");
   EXPECT_EQ(reader.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(std::string(reader.status().message()), HasSubstr("depends on"));
+}
+
+// A job restarted with another process count saves against the step of the old one: the grid
+// is the same (the shards are), each process matches its own chunks, and the base file both
+// processes refer to is listed once.
+TEST_P(IncrementalTest, TwoProcessesSaveAgainstAStepOfOneProcess) {
+  const ArraySpec frozen{"frozen/w", DType::kFloat32, {64, 64}, Codec::kNone, 3, 4096};
+  const ArraySpec lora{"lora/a", DType::kFloat32, {8, 64}, Codec::kNone, 3, 4096};
+  const std::vector<char> frozen_data = MakeArrayData(frozen.dtype, frozen.shape, 1);
+  const Box top({0, 0}, {32, 64}), bottom({32, 0}, {32, 64});
+  const std::vector<char> top_data = test::MakeBoxData(frozen.dtype, frozen.shape, 1, top);
+  const std::vector<char> bottom_data = test::MakeBoxData(frozen.dtype, frozen.shape, 1, bottom);
+  {
+    // Step 1: one process holding both row shards.
+    const std::vector<char> lora_data = MakeArrayData(lora.dtype, lora.shape, 10);
+    auto writer = CheckpointWriter::Create(kv_.get(), "0000000001",
+                                           {.sync = false, .record_digests = true})
+                      .value();
+    TS_ASSERT_OK(writer->AddArray(frozen, {{top, top_data.data(), 0, 1},
+                                           {bottom, bottom_data.data(), 0, 1}}));
+    TS_ASSERT_OK(writer->AddArray(lora, {{Box::FromShape(lora.shape), lora_data.data(), 0, 1}}));
+    TS_ASSERT_OK(writer->Commit());
+  }
+  const std::vector<char> lora2 = MakeArrayData(lora.dtype, lora.shape, 11);
+  auto group = std::make_shared<InProcessCoordinatorGroup>(2);
+  std::vector<Status> statuses(2);
+  std::vector<WriteStats> stats(2);
+  std::vector<std::thread> threads;
+  for (int p = 0; p < 2; ++p) {
+    threads.emplace_back([&, p] {
+      InProcessCoordinator coordinator(group, p);
+      Result<std::unique_ptr<CheckpointWriter>> writer = CheckpointWriter::Create(
+          kv_.get(), "0000000002", {.sync = false, .base = "0000000001"}, &coordinator);
+      statuses[p] = writer.status();
+      if (!writer.ok()) return;
+      statuses[p] = (*writer)->AddArray(
+          frozen, {{p == 0 ? top : bottom, p == 0 ? top_data.data() : bottom_data.data(), 0, 1}});
+      if (statuses[p].ok()) {
+        std::vector<ShardData> shards;
+        if (p == 0) shards.push_back({Box::FromShape(lora.shape), lora2.data(), 0, 1});
+        statuses[p] = (*writer)->AddArray(lora, shards);
+      }
+      if (statuses[p].ok()) statuses[p] = (*writer)->Commit(&stats[p]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  TS_ASSERT_OK(statuses[0]);
+  TS_ASSERT_OK(statuses[1]);
+  EXPECT_EQ(stats[0].referenced_chunks, 2u);
+  EXPECT_EQ(stats[1].referenced_chunks, 2u);
+  EXPECT_EQ(stats[0].chunks + stats[1].chunks, 1u);  // lora/a
+  auto reader = CheckpointReader::Open(kv_.get(), "0000000002").value();
+  size_t base_files = 0;
+  for (const DataFileInfo& f : reader->index().files) base_files += f.step.empty() ? 0 : 1;
+  EXPECT_EQ(base_files, 1u);
+  std::vector<char> got(frozen_data.size());
+  TS_ASSERT_OK(reader->Read({"frozen/w", Box::FromShape(frozen.shape), frozen.dtype, got.data()}));
+  EXPECT_TRUE(BytesEqual(frozen_data, got));
+  std::vector<char> got_lora(lora2.size());
+  TS_ASSERT_OK(reader->Read({"lora/a", Box::FromShape(lora.shape), lora.dtype, got_lora.data()}));
+  EXPECT_TRUE(BytesEqual(lora2, got_lora));
 }
 
 INSTANTIATE_TEST_SUITE_P(Stores, IncrementalTest,
