@@ -1,4 +1,4 @@
-// Micro-benchmarks of the engine's inner loops: CRC-32C, strided box copies, dtype casts, and
+// Micro-benchmarks of the engine's inner loops: CRC-32C and the chunk digest, strided box copies, dtype casts, and
 // decoding the tree.json of a step of many small arrays (the fixed cost of opening a step).
 // Run: build/tensorstash_micro_bench [--benchmark_filter=...]. For whole save/restore speeds
 // use examples/sharded_save_restore.
@@ -10,6 +10,7 @@
 #include "tensorstash/array/box.h"
 #include "tensorstash/array/convert.h"
 #include "tensorstash/format/tree.h"
+#include "tensorstash/util/chunk_digest.h"
 #include "tensorstash/util/crc32c.h"
 
 namespace tensorstash {
@@ -20,7 +21,23 @@ void BM_Crc32c(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(Crc32c(data.data(), data.size()));
   state.SetBytesProcessed(state.iterations() * data.size());
 }
-BENCHMARK(BM_Crc32c)->Arg(64 << 10)->Arg(8 << 20);
+BENCHMARK(BM_Crc32c)->Arg(64 << 10)->Arg(8 << 20)->Arg(64 << 20);
+
+// The chunk digest of incremental saves (util/chunk_digest.h): XXH3-128 alone, and fused with
+// the CRC-32C in one pass (what a save computes for each chunk it may reference).
+void BM_Xxh3Digest(benchmark::State& state) {
+  std::vector<char> data(state.range(0), 'x');
+  for (auto _ : state) benchmark::DoNotOptimize(Xxh3Digest(data.data(), data.size()));
+  state.SetBytesProcessed(state.iterations() * data.size());
+}
+BENCHMARK(BM_Xxh3Digest)->Arg(64 << 10)->Arg(8 << 20)->Arg(64 << 20);
+
+void BM_Crc32cAndDigest(benchmark::State& state) {
+  std::vector<char> data(state.range(0), 'x');
+  for (auto _ : state) benchmark::DoNotOptimize(Crc32cAndDigest(data.data(), data.size()));
+  state.SetBytesProcessed(state.iterations() * data.size());
+}
+BENCHMARK(BM_Crc32cAndDigest)->Arg(64 << 10)->Arg(8 << 20)->Arg(64 << 20);
 
 // Copies the middle half of the columns of a 2048 x 2048 float32 array: rows of 4 KiB.
 void BM_CopyBoxRows(benchmark::State& state) {

@@ -2,11 +2,14 @@
 // steps, Orbax checkpoints and zarr groups (the format is detected and printed).
 #include <iostream>
 #include <map>
+#include <string>
+#include <vector>
 
 #include "commands.h"
 #include "common.h"
 #include "absl/strings/escaping.h"
 #include "nlohmann/json.hpp"
+#include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/open_step.h"
 #include "tensorstash/format/tree.h"
 
@@ -158,7 +161,18 @@ int RunInspect(const std::string& path, bool as_json) {
   for (size_t i = 0; i < r.arrays().size(); ++i) total += r.StoredBytes(i);
   // Native steps count their data files; foreign ones are described by their format.
   const CheckpointReader* native = r.native();
-  const size_t data_files = native != nullptr ? native->index().files.size() : 0;
+  size_t data_files = 0;
+  // Incremental steps (docs/format.md, 6.1): the bytes that lie in other steps' files.
+  uint64_t borrowed = 0;
+  std::vector<std::string> depends_on;
+  if (native != nullptr) {
+    const ChunkIndex& index = native->index();
+    for (const DataFileInfo& f : index.files) data_files += f.step.empty() ? 1 : 0;
+    for (const IndexEntry& e : index.entries) {
+      if (!index.files[e.file_id].step.empty()) borrowed += e.length;
+    }
+    depends_on = native->commit_record().depends_on;
+  }
   const std::map<int64_t, std::string> keys = PrngKeyImpls(r.tree());
   const std::map<int64_t, nlohmann::json> shardings = RecordedShardings(r);
 
@@ -169,7 +183,11 @@ int RunInspect(const std::string& path, bool as_json) {
     doc["created_unix_ms"] = r.created_unix_ms();
     doc["process_count"] = r.process_count();
     doc["stored_bytes"] = total;
-    if (native != nullptr) doc["data_files"] = data_files;
+    if (native != nullptr) {
+      doc["data_files"] = data_files;
+      doc["depends_on"] = depends_on;
+      doc["borrowed_bytes"] = borrowed;
+    }
     nlohmann::json arrays = nlohmann::json::array();
     for (size_t i = 0; i < r.arrays().size(); ++i) {
       const ArrayMetadata& a = r.arrays()[i];
@@ -198,6 +216,12 @@ int RunInspect(const std::string& path, bool as_json) {
     std::printf("  created %s by %d process(es); %zu arrays, %s in %zu data file(s)\n\n",
                 HumanTime(r.created_unix_ms()).c_str(), r.process_count(), r.arrays().size(),
                 HumanBytes(total).c_str(), data_files);
+    if (!depends_on.empty()) {
+      std::string steps;
+      for (const std::string& d : depends_on) steps += (steps.empty() ? "" : ", ") + d;
+      std::printf("  incremental: %s of it in the files of step(s) %s\n\n",
+                  HumanBytes(borrowed).c_str(), steps.c_str());
+    }
   } else {
     std::printf("  format %s (%s)\n", format.c_str(), r.dir().c_str());
     std::printf("  created %s; %zu arrays, %s stored\n\n",

@@ -38,6 +38,11 @@ if(TENSORSTASH_WITH_S3)
   # The XML answers of S3 (listings, multipart uploads, errors): src/tensorstash/kvstore/s3/.
   pkg_check_modules(EXPAT REQUIRED IMPORTED_TARGET expat)
 endif()
+# xxHash (XXH3-128, the chunk content identity of incremental steps: util/chunk_digest.cc) is used
+# header-only (XXH_INLINE_ALL), so nothing is linked and an installed package needs only the header.
+if(NOT TENSORSTASH_XXHASH_INCLUDE_DIR)
+  find_path(TENSORSTASH_XXHASH_INCLUDE_DIR xxhash.h REQUIRED)
+endif()
 # ISA-L (CRC-32C) has no CMake or pkg-config files in Debian: an imported target of our own.
 if(NOT TARGET tensorstash_deps::isal)
   find_path(TENSORSTASH_ISAL_INCLUDE_DIR isa-l/crc.h REQUIRED)

@@ -137,6 +137,8 @@ class Writer {
     result["stored_bytes"] = stats.stored_bytes;
     result["chunks"] = stats.chunks;
     result["data_files"] = stats.data_files;
+    result["referenced_chunks"] = stats.referenced_chunks;
+    result["referenced_bytes"] = stats.referenced_bytes;
     result["seconds"] = stats.seconds;
     return result;
   }
@@ -161,11 +163,13 @@ void InitWriter(Writer* self, const std::string& root, const std::string& step,
                 int64_t target_chunk_bytes, int64_t target_data_file_bytes,
                 int64_t max_inflight_bytes, int io_threads, bool sync, bool overwrite,
                 bool split_replicated_writes, nb::object coordinator,
-                double coordination_timeout_s) {
+                double coordination_timeout_s, const std::string& base, bool record_digests) {
   WriterOptions options =
       WriterOptionsFromPython(target_chunk_bytes, target_data_file_bytes, max_inflight_bytes,
                               io_threads, sync, overwrite, coordination_timeout_s);
   options.split_replicated_writes = split_replicated_writes;
+  options.base = base;
+  options.record_digests = record_digests;
   SaveTarget target = OpenSaveTarget(root, std::move(coordinator));
   std::unique_ptr<CheckpointWriter> writer = ValueOrThrow(
       CheckpointWriter::Create(target.kv.get(), step, options, target.coordinator.get()));
@@ -184,7 +188,8 @@ void DefineWriter(nb::module_& m) {
            nb::arg("max_inflight_bytes") = int64_t(WriterOptions{}.max_inflight_bytes),
            nb::arg("io_threads") = 0, nb::arg("sync") = true, nb::arg("overwrite") = false,
            nb::arg("split_replicated_writes") = true, nb::arg("coordinator").none() = nb::none(),
-           nb::arg("coordination_timeout_s") = kDefaultCoordinationTimeoutSeconds)
+           nb::arg("coordination_timeout_s") = kDefaultCoordinationTimeoutSeconds,
+           nb::arg("base") = "", nb::arg("record_digests") = false)
       .def("add_array", &Writer::AddArray, nb::arg("path"), nb::arg("dtype"), nb::arg("shape"),
            nb::arg("shards"), nb::kw_only(), nb::arg("codec") = "none",
            nb::arg("zstd_level") = ArraySpec{}.zstd_level, nb::arg("target_chunk_bytes") = 0,

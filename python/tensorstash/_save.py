@@ -86,7 +86,8 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
          data_file_bytes: int = _options.DATA_FILE_BYTES,
          max_inflight_bytes: int = _options.MAX_INFLIGHT_BYTES, io_threads: int = 0,
          sync: bool = True, coordinator: Any = None, format: str = "native",
-         orbax_item: str | None = None) -> dict:
+         orbax_item: str | None = None, base: str | os.PathLike | None = None,
+         record_digests: bool = False) -> dict:
     """Saves `tree` as the checkpoint step folder `path` (e.g. ".../ckpts/0000001000").
 
     `format="orbax"` writes an Orbax checkpoint instead (OCDBT + zarr3, what orbax-checkpoint
@@ -124,8 +125,17 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     Environment variable TENSORSTASH_SAVE_VIA_PINNED_HOST=0 (read at import) copies into
     pageable memory instead.
 
+    Incremental saves (docs/format.md, 6.1): with `base`, a committed step in the same folder as
+    `path` (e.g. ".../ckpts/0000000900"), every chunk whose bytes (XXH3-128 digest), dtype,
+    chunk box and codec equal that step's is not written again: the new step refers to where
+    its bytes lie (in `base`'s files, or in those `base` itself refers to), and depends on those
+    steps from then on: deleting one by hand makes the new step unreadable (OSError naming the
+    missing file and its step). Only a base saved with digests (`record_digests=True`, or
+    itself saved with a base) has chunks to match; `base` implies `record_digests`. Such steps
+    are format version 2 (index 2.0), which tensorstash before incremental steps refuses.
+
     Returns the engine's statistics for this process (raw_bytes, stored_bytes, chunks,
-    data_files, seconds). Raises FileExistsError when the step is already complete and not
+    data_files, referenced_chunks, referenced_bytes, seconds). Raises FileExistsError when the step is already complete and not
     `overwrite`, TypeError for unsupported leaves, ValueError for a tree nested more deeply
     and for text (keys, strings, the path) that is not valid Unicode, OSError for storage
     errors. On error nothing new is visible at `path`.
@@ -140,6 +150,12 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     if orbax_item is not None:
         raise ValueError("orbax_item applies to format='orbax' only")
     _options.check_codec(codec)
+    base_step = ""
+    if base is not None:
+        base_root, base_step = _paths.split(base)
+        if not _same_root(base_root, root):
+            raise ValueError(f"base {os.fspath(base)!r} must be a step in the same folder as "
+                             f"{os.fspath(path)!r}")
     made = coordinator is None
     if made:
         coordinator = default_coordinator()
@@ -147,7 +163,8 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     writer = _ext.Writer(root, step, target_chunk_bytes=chunk_bytes,
                          target_data_file_bytes=data_file_bytes,
                          max_inflight_bytes=max_inflight_bytes, io_threads=io_threads, sync=sync,
-                         overwrite=overwrite, coordinator=coordinator)
+                         overwrite=overwrite, coordinator=coordinator, base=base_step,
+                         record_digests=record_digests)
     for array_path, dtype, shape, shards, _stable in arrays:
         writer.add_array(array_path, dtype, shape, shards, codec=codec or "none",
                          zstd_level=zstd_level)
@@ -156,6 +173,19 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     if made:
         _close_coordinator(coordinator)
     return stats
+
+
+def _same_root(a: str, b: str) -> bool:
+    """Whether two roots (as _paths.split gives them) are one folder: equal URLs, or local
+    paths of the same directory."""
+    if a == b:
+        return True
+    if "://" in a or "://" in b:
+        return False
+    try:
+        return os.path.samefile(a or ".", b or ".")
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _close_coordinator(coordinator: Any) -> None:

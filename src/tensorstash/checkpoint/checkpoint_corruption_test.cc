@@ -451,14 +451,15 @@ TEST_F(CheckpointCorruptionTest, NewerFormatVersions) {
   TS_ASSERT_OK(Open().status());
 
   // index: major version at bytes 8-9 (the footer CRC fixed too, so only the version differs).
+  // This reader reads 1.x and 2.x (incremental steps, docs/format.md 6.1); 3 is newer.
   std::string index = ReadRaw(kIndexKey);
-  index[8] = 2;
+  index[8] = 3;
   index[9] = 0;
   FixIndexFooter(&index);
   WriteRaw(kIndexKey, index);
   FixCommit();
   ExpectError(Open().status(), absl::StatusCode::kUnimplemented,
-              {kIndexKey, "version 2", "upgrade"});
+              {kIndexKey, "version 3", "upgrade"});
 }
 
 TEST_F(CheckpointCorruptionTest, StepWithoutCommitIsIncomplete) {

@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 #include <tuple>
 #include <utility>
@@ -50,6 +51,30 @@ void PrefaultRegion(const Box& region, const ReadRequest& req) {
   PrefaultForWrite(static_cast<char*>(req.dest) + first, static_cast<size_t>(end - first));
 }
 
+// A file of another step on an object store, read at the generation the referencing index
+// recorded (docs/format.md, 6.1): an object replaced since fails instead of reading other bytes.
+class PinnedObjectFile final : public ReadableFile {
+ public:
+  PinnedObjectFile(KvStore* kv, std::string key, std::string generation, uint64_t size)
+      : kv_(kv), key_(std::move(key)), generation_(std::move(generation)), size_(size) {}
+  uint64_t size() const override { return size_; }
+  Status ReadAt(uint64_t offset, size_t size, void* dest) const override {
+    return kv_->ReadRangeAtGeneration(key_, generation_, offset, size, dest);
+  }
+
+ private:
+  KvStore* kv_;
+  std::string key_;
+  std::string generation_;
+  uint64_t size_;
+};
+
+// The folder that holds step folder `dir` ("" for a step at the top of the store).
+std::string_view ParentFolder(std::string_view dir) {
+  const size_t slash = dir.rfind('/');
+  return slash == std::string_view::npos ? std::string_view() : dir.substr(0, slash);
+}
+
 }  // namespace
 
 struct CheckpointReader::Impl {
@@ -57,6 +82,7 @@ struct CheckpointReader::Impl {
   // read from that one version, even if an overwrite puts another in its place meanwhile.
   std::unique_ptr<KvStore> folder_view;
   KvStore* kv;
+  KvStore* root_kv;  // the store the step was opened in: other steps' files are read from it
   std::string dir;
   std::string item_dir;
   ReaderOptions options;
@@ -72,8 +98,26 @@ struct CheckpointReader::Impl {
   std::unique_ptr<ThreadPool> pool;
 
   Status Load();
+  // A file of another step: from the store the step was opened in, at the recorded generation
+  // when there is one (checked now: NotFound when gone, FailedPrecondition when replaced).
+  Result<std::unique_ptr<ReadableFile>> OpenOtherStepFile(const std::string& key,
+                                                          const DataFileInfo& info) const {
+    if (info.generation.empty()) return root_kv->OpenForRead(key);
+    TS_ASSIGN_OR_RETURN(ObjectInfo now, root_kv->Stat(key));
+    if (now.generation != info.generation) {
+      return FailedPreconditionError(StrCat("it was replaced (generation ", now.generation,
+                                            ", the index recorded ", info.generation, ")"));
+    }
+    return std::unique_ptr<ReadableFile>(
+        std::make_unique<PinnedObjectFile>(root_kv, key, info.generation, now.size));
+  }
+  // The key of a data file: under this step's item folder, or (a reference, section 6.1) under
+  // the folder of the step that wrote it, a sibling of this one.
   std::string FileKey(uint32_t file_id) const {
-    return StrCat(item_dir, "/", index.files[file_id].name);
+    const DataFileInfo& f = index.files[file_id];
+    if (f.step.empty()) return StrCat(item_dir, "/", f.name);
+    const std::string_view parent = ParentFolder(dir);
+    return parent.empty() ? StrCat(f.step, "/", f.name) : StrCat(parent, "/", f.step, "/", f.name);
   }
   std::string ChunkWhat(const IndexEntry& e) const {
     const ArrayMetadata& a = tree.arrays[e.array_id];
@@ -178,6 +222,7 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, st
   for (int attempt = 0;; ++attempt) {
     impl = std::make_unique<Impl>();
     impl->dir = dir;
+    impl->root_kv = kv;
     impl->item_dir = ItemDir(impl->dir, kStateItem);
     impl->options = options;
     if (impl->options.io_threads <= 0) impl->options.io_threads = DefaultIoThreads();
@@ -317,13 +362,41 @@ Status CheckpointReader::Impl::Load() {
     array_by_path[tree.arrays[i].path] = i;
   }
 
+  // An incremental step names the steps it reads from in COMMIT: the index may name no other.
+  std::set<std::string, std::less<>> referenced;
+  for (const DataFileInfo& f : index.files) {
+    if (!f.step.empty()) referenced.insert(f.step);
+  }
+  const std::set<std::string, std::less<>> depends_on(commit.depends_on.begin(),
+                                                      commit.depends_on.end());
+  if (referenced != depends_on) {
+    return DataLossError(StrCat("chunk index '", index_key, "' reads data files of steps [",
+                                StrJoin(referenced, ", "), "] but its commit record '", commit_key,
+                                "' depends on [", StrJoin(commit.depends_on, ", "), "]"));
+  }
+  const std::string_view parent = ParentFolder(dir);
+  for (const std::string& step : referenced) {
+    if ((parent.empty() ? step : StrCat(parent, "/", step)) == dir) {
+      return DataLossError(StrCat("chunk index '", index_key, "' names step '", dir,
+                                  "' itself as another step"));
+    }
+  }
+
   // Open every data file now: a missing or truncated file is found before any read.
   files.resize(index.files.size());
   file_errors.resize(index.files.size());
   for (uint32_t f = 0; f < index.files.size(); ++f) {
     const std::string key = FileKey(f);
-    Result<std::unique_ptr<ReadableFile>> file = kv->OpenForRead(key);
-    if (!file.ok()) {
+    const DataFileInfo& info = index.files[f];
+    Result<std::unique_ptr<ReadableFile>> file =
+        info.step.empty() ? kv->OpenForRead(key) : OpenOtherStepFile(key, info);
+    if (!file.ok() && !info.step.empty()) {
+      // A file of the step this one was saved against: that step (or the file) was deleted or
+      // damaged by hand, since retention and gc keep every step a kept step depends on.
+      file_errors[f] = DataLossError(StrCat(
+          "data file '", info.name, "' of step '", info.step, "' ('", key,
+          "'), which step '", dir, "' references, cannot be opened: ", file.status().message()));
+    } else if (!file.ok()) {
       file_errors[f] = CommittedFileError(file.status(), "data file", key);
     } else if ((*file)->size() < index.files[f].size) {
       file_errors[f] = DataLossError(StrCat("data file '", key, "' is truncated: ", (*file)->size(),

@@ -38,13 +38,16 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include "tensorstash/array/chunk_grid.h"
 #include "tensorstash/coordination/collectives.h"
+#include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/engine/layout.h"
 #include "tensorstash/engine/object_store_commit.h"
 #include "tensorstash/engine/step_folder.h"
@@ -57,6 +60,7 @@
 #include "tensorstash/format/chunk_codec.h"
 #include "tensorstash/format/commit_record.h"
 #include "tensorstash/format/index_format.h"
+#include "tensorstash/util/chunk_digest.h"
 #include "tensorstash/util/copy_bytes.h"
 #include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/endian.h"
@@ -79,7 +83,20 @@ struct ChunkTask {
   const ShardData* shard;
   bool preallocated = false;
   DataFileSet::Location location{};
+  // Incremental saves: the raw bytes' CRC-32C and digest, when compared with the base already.
+  bool hashed = false;
+  CrcAndDigest hash{};
 };
+
+// File ids of references while a process writes: above any id of its own files, renumbered
+// after them once those are known.
+constexpr uint32_t kFirstReferenceId = uint32_t{1} << 31;
+
+// The folder that holds step folder `dir` ("" for a step at the top of the store).
+std::string_view ParentFolder(std::string_view dir) {
+  const size_t slash = dir.rfind('/');
+  return slash == std::string_view::npos ? std::string_view() : dir.substr(0, slash);
+}
 
 // The most data files one process writes at once.
 constexpr int kMaxLanes = 4;
@@ -298,6 +315,10 @@ struct CheckpointWriter::Impl {
   std::string nonce;                    // the save's id, process 0's (WrittenPart::attempt)
   std::vector<std::string> part_digests;  // per array: spec and grid (WrittenPart)
   bool part_written = false;              // WritePart succeeded
+  // Incremental saves (options.base): the base step, and per array of this save the id of the
+  // base's array it may reference (-1: none: absent, or stored differently).
+  std::unique_ptr<CheckpointReader> base_reader;
+  std::vector<int64_t> base_array;
   bool parts_committed = false;           // CommitParts was called
 
   // The start both Commit and WritePart make: the only one a writer gets (FailedPrecondition
@@ -307,6 +328,14 @@ struct CheckpointWriter::Impl {
   Status AgreeOnGrids();
   Status WriteOwnPart(WrittenPart* part);
   Status WriteLocal(ChunkIndex* local, WriteStats* stats);
+  Status OpenBase();
+  // Compares the chunks of `writes` that the base may hold with the base's (hashing them on
+  // `pool`): each equal one becomes an entry of `references` (file ids from kFirstReferenceId,
+  // files in `reference_files`) and leaves `writes`. Fills `hashes` for the chunks that stay
+  // and were hashed, keyed by their position in the new `writes`.
+  Status MatchBase(std::vector<ChunkWrite>* writes, ThreadPool* pool,
+                   std::vector<IndexEntry>* references, std::vector<DataFileInfo>* reference_files,
+                   std::vector<std::optional<CrcAndDigest>>* hashes, WriteStats* stats);
   Status GatherChunk(const ChunkTask& task, char* out) const;
   Status WriteChunk(const ChunkTask& task, std::string_view raw, DataFileSet* files,
                     std::mutex* mutex, std::vector<IndexEntry>* entries, WriteStats* stats);
@@ -359,6 +388,22 @@ Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Create(KvStore* kv, 
   }
   if (options.holding && coordinator != nullptr && coordinator->process_count() > 1) {
     return InvalidArgumentError("a holding (node-local step) is written by one process alone");
+  }
+  if (!options.base.empty()) {
+    // References name the base relative to the folder both steps are in (docs/format.md, 6.1),
+    // so that a root can be moved or copied whole.
+    TS_RETURN_IF_ERROR(Annotate(ValidateKey(options.base), "base step"));
+    if (options.base == dir || ParentFolder(options.base) != ParentFolder(dir) ||
+        IsTemporaryStepName(options.base)) {
+      return InvalidArgumentError(
+          StrCat("base step '", options.base, "' of step '", dir,
+                 "': an incremental save's base must be another committed step in the same "
+                 "folder"));
+    }
+    if (options.holding) {
+      return InvalidArgumentError("a holding (node-local step) cannot be saved against a base");
+    }
+    options.record_digests = true;
   }
   auto impl = std::make_unique<Impl>();
   impl->kv = kv;
@@ -597,6 +642,7 @@ Status CheckpointWriter::Impl::CheckAndCommitParts(std::vector<WrittenPart> part
   }
   ChunkIndex merged;
   std::map<std::string, CommitFile> committed_files;
+  std::map<std::pair<std::string, std::string>, uint32_t> reference_ids;
   for (WrittenPart& part : parts) {
     const int p = part.process_index;
     if (part.array_digests.size() != arrays.size()) {
@@ -615,13 +661,24 @@ Status CheckpointWriter::Impl::CheckAndCommitParts(std::vector<WrittenPart> part
     }
     const std::string own_files = StrCat("data/", p, "-");
     for (const DataFileInfo& f : part.index.files) {
-      if (f.name.rfind(own_files, 0) != 0) {
+      if (f.step.empty() && f.name.rfind(own_files, 0) != 0) {
         return InvalidArgumentError(StrCat("the part of process ", p, " names data file '",
                                            f.name, "', which is not one of its own"));
       }
     }
-    const uint32_t base = static_cast<uint32_t>(merged.files.size());
-    for (DataFileInfo& f : part.index.files) merged.files.push_back(std::move(f));
+    // A file of another step that several processes refer to is listed once.
+    std::vector<uint32_t> file_ids;
+    for (DataFileInfo& f : part.index.files) {
+      if (!f.step.empty()) {
+        auto [it, added] = reference_ids.try_emplace({f.step, f.name},
+                                                     static_cast<uint32_t>(merged.files.size()));
+        file_ids.push_back(it->second);
+        if (!added) continue;
+      } else {
+        file_ids.push_back(static_cast<uint32_t>(merged.files.size()));
+      }
+      merged.files.push_back(std::move(f));
+    }
     for (IndexEntry e : part.index.entries) {
       if (e.array_id >= arrays.size() ||
           e.chunk >= static_cast<uint64_t>(arrays[e.array_id].grid.NumChunks())) {
@@ -629,7 +686,11 @@ Status CheckpointWriter::Impl::CheckAndCommitParts(std::vector<WrittenPart> part
                                            " of array number ", e.array_id,
                                            ", which the step does not have"));
       }
-      e.file_id += base;
+      if (e.file_id >= file_ids.size()) {
+        return InvalidArgumentError(StrCat("the part of process ", p, " names data file ",
+                                           e.file_id, " of ", file_ids.size()));
+      }
+      e.file_id = file_ids[e.file_id];
       merged.entries.push_back(e);
     }
     for (auto& [name, f] : part.files) {
@@ -724,6 +785,130 @@ static uint64_t OneRequestFileBytes(const KvStore& kv, const std::vector<ChunkTa
   return files <= allowed ? one_request : 0;
 }
 
+Status CheckpointWriter::Impl::OpenBase() {
+  ReaderOptions reader_options;
+  reader_options.io_threads = 1;  // only the metadata is read
+  Result<std::unique_ptr<CheckpointReader>> opened =
+      CheckpointReader::Open(kv, options.base, reader_options);
+  TS_RETURN_IF_ERROR(Annotate(opened.status(), StrCat("opening base step '", options.base,
+                                                      "' of step '", dir, "'")));
+  base_reader = *std::move(opened);
+  const std::vector<ArrayMetadata>& base_arrays = base_reader->arrays();
+  base_array.assign(arrays.size(), -1);
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    const ArrayEntry& a = arrays[i];
+    Result<const ArrayMetadata*> found = base_reader->FindArray(a.spec.path);
+    if (!found.ok()) continue;
+    const ArrayMetadata& b = **found;
+    // The same grid means the same chunk numbers for the same boxes.
+    if (b.dtype == a.spec.dtype && b.codec == a.spec.codec && b.grid.shape == a.grid.shape &&
+        b.grid.cell_shape == a.grid.cell_shape && b.grid.chunk_shape == a.grid.chunk_shape) {
+      base_array[i] = &b - base_arrays.data();
+    }
+  }
+  return OkStatus();
+}
+
+Status CheckpointWriter::Impl::MatchBase(std::vector<ChunkWrite>* writes, ThreadPool* pool,
+                                         std::vector<IndexEntry>* references,
+                                         std::vector<DataFileInfo>* reference_files,
+                                         std::vector<std::optional<CrcAndDigest>>* hashes,
+                                         WriteStats* stats) {
+  const ChunkIndex& base_index = base_reader->index();
+  const CommitRecord& base_commit = base_reader->commit_record();
+  // The base's chunk of each write, when it has a digest to compare with.
+  std::vector<const IndexEntry*> candidate(writes->size(), nullptr);
+  for (size_t w = 0; w < writes->size(); ++w) {
+    const ChunkWrite& write = (*writes)[w];
+    const int64_t b = base_array[write.array_id];
+    if (b < 0 || arrays[write.array_id].source) continue;
+    const IndexEntry key{static_cast<uint32_t>(b), 0, static_cast<uint64_t>(write.chunk),
+                         0, 0, 0, {}};
+    auto it = std::lower_bound(base_index.entries.begin(), base_index.entries.end(), key,
+                               [](const IndexEntry& x, const IndexEntry& y) {
+                                 return std::tie(x.array_id, x.chunk) < std::tie(y.array_id, y.chunk);
+                               });
+    if (it != base_index.entries.end() && it->array_id == key.array_id && it->chunk == key.chunk &&
+        !it->digest.empty()) {
+      candidate[w] = &*it;
+    }
+  }
+  // Hash the candidates side by side, from where their bytes are (a chunk that is not one run
+  // of its shard is gathered first, into a buffer of the task's own).
+  std::vector<std::optional<CrcAndDigest>> hashed(writes->size());
+  {
+    TaskGroup group(pool);
+    for (size_t w = 0; w < writes->size(); ++w) {
+      if (candidate[w] == nullptr) continue;
+      group.Run([&, w]() -> Status {
+        const ChunkWrite& write = (*writes)[w];
+        const ArrayEntry& a = arrays[write.array_id];
+        const ShardData& shard = a.shards[write.shard];
+        const size_t item = ItemSize(a.spec.dtype);
+        const size_t size = static_cast<size_t>(write.chunk_box.num_elements()) * item;
+        if (IsContiguousIn(write.chunk_box, shard.box)) {
+          hashed[w] = Crc32cAndDigest(
+              static_cast<const char*>(shard.data) + ByteOffsetIn(write.chunk_box, shard.box, item),
+              size);
+          return OkStatus();
+        }
+        std::string gathered(size, '\0');
+        TS_RETURN_IF_ERROR(CopyBox(write.chunk_box, a.spec.dtype, shard.data, shard.box,
+                                   a.spec.dtype, gathered.data(), write.chunk_box, a.spec.path));
+        hashed[w] = Crc32cAndDigest(gathered.data(), gathered.size());
+        return OkStatus();
+      });
+    }
+    TS_RETURN_IF_ERROR(group.Wait());
+  }
+  // The base's file of an entry, as this step names it: a file of the base's own (on an object
+  // store inside its attempt, at its committed generation), or the file the base refers to.
+  std::map<std::pair<std::string, std::string>, uint32_t> reference_ids;
+  const std::string base_name = options.base.substr(
+      ParentFolder(options.base).empty() ? 0 : ParentFolder(options.base).size() + 1);
+  auto reference_id = [&](uint32_t base_file) -> Result<uint32_t> {
+    DataFileInfo f = base_index.files[base_file];
+    if (f.step.empty()) {
+      const std::string in_step = StrCat(kStateItem, "/", f.name);
+      f.step = base_name;
+      if (!base_commit.attempt.empty()) {
+        auto object = base_commit.objects.find(in_step);
+        if (object == base_commit.objects.end()) {
+          return DataLossError(StrCat("base step '", options.base, "': its commit record lists no "
+                                      "object '", in_step, "'"));
+        }
+        f.generation = object->second.generation;
+        f.name = StrCat(base_commit.attempt, "/", in_step);
+      } else {
+        f.name = in_step;
+      }
+    }
+    auto [it, added] = reference_ids.try_emplace(
+        {f.step, f.name}, kFirstReferenceId + static_cast<uint32_t>(reference_files->size()));
+    if (added) reference_files->push_back(std::move(f));
+    return it->second;
+  };
+  std::vector<ChunkWrite> kept;
+  kept.reserve(writes->size());
+  hashes->clear();
+  for (size_t w = 0; w < writes->size(); ++w) {
+    ChunkWrite& write = (*writes)[w];
+    const IndexEntry* base = candidate[w];
+    if (base != nullptr && hashed[w]->digest == base->digest) {
+      TS_ASSIGN_OR_RETURN(uint32_t file_id, reference_id(base->file_id));
+      references->push_back({write.array_id, file_id, static_cast<uint64_t>(write.chunk),
+                             base->offset, base->length, base->crc32c, base->digest});
+      ++stats->referenced_chunks;
+      stats->referenced_bytes += base->length;
+      continue;
+    }
+    kept.push_back(std::move(write));
+    hashes->push_back(hashed[w]);
+  }
+  *writes = std::move(kept);
+  return OkStatus();
+}
+
 Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) {
   Coordinator& c = *coordinator;
   // Plan (engine/write_plan.h): which chunks this process writes, from which shard, in which
@@ -733,6 +918,8 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   std::vector<ChunkTask> tasks;
   std::vector<size_t> lane_order;  // the lanes side by side: a task of each in turn
   int lanes = 1;
+  std::vector<IndexEntry> references;        // incremental: chunks the base holds
+  std::vector<DataFileInfo> reference_files;  // and the files they lie in
   {
     std::vector<ArrayToWrite> to_write(arrays.size());
     for (size_t id = 0; id < arrays.size(); ++id) {
@@ -760,13 +947,26 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
     }
     TS_ASSIGN_OR_RETURN(std::vector<ChunkWrite> writes,
                         PlanChunkWrites(to_write, options.split_replicated_writes));
+    // An incremental save leaves out the chunks the base holds already, before any place in a
+    // file is given out: its files hold only what changed.
+    std::vector<std::optional<CrcAndDigest>> hashes;
+    if (!options.base.empty()) {
+      TS_RETURN_IF_ERROR(OpenBase());
+      ThreadPool hash_pool(options.io_threads);
+      TS_RETURN_IF_ERROR(
+          MatchBase(&writes, &hash_pool, &references, &reference_files, &hashes, stats));
+    }
     lanes = CountLanes(writes, options.io_threads, kMaxLanes, kMinLaneBytes);
     AssignLanes(&writes, lanes);
     lane_order = InterleaveLanes(writes, lanes);
     tasks.reserve(writes.size());
-    for (ChunkWrite& w : writes) {
-      const ShardData* shard = &arrays[w.array_id].shards[w.shard];
-      tasks.push_back({std::move(w), shard});
+    for (size_t w = 0; w < writes.size(); ++w) {
+      const ShardData* shard = &arrays[writes[w].array_id].shards[writes[w].shard];
+      tasks.push_back({std::move(writes[w]), shard});
+      if (w < hashes.size() && hashes[w].has_value()) {
+        tasks.back().hashed = true;
+        tasks.back().hash = *hashes[w];
+      }
     }
   }
   // A synced save starts each file's writeback every few MiB: the storage then writes while
@@ -867,6 +1067,13 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
   }
   TS_RETURN_IF_ERROR(files.Finish(options.sync, &local->files, &pool));
   stats->data_files = local->files.size();
+  // The referenced files follow this process's own in its part's file table.
+  const uint32_t own_files = static_cast<uint32_t>(local->files.size());
+  for (IndexEntry& e : references) {
+    e.file_id = own_files + (e.file_id - kFirstReferenceId);
+    entries.push_back(e);
+  }
+  for (DataFileInfo& f : reference_files) local->files.push_back(std::move(f));
   local->entries = std::move(entries);
   return OkStatus();
 }
@@ -890,13 +1097,28 @@ Status CheckpointWriter::Impl::WriteChunk(const ChunkTask& task, std::string_vie
                                           DataFileSet* files, std::mutex* mutex,
                                           std::vector<IndexEntry>* entries, WriteStats* stats) {
   const ArrayEntry& a = arrays[task.plan.array_id];
+  // With digests, one pass over the raw bytes gives both (uncompressed: the CRC is of them);
+  // a chunk compared with the base already was hashed then.
+  ChunkDigest digest;
+  std::optional<uint32_t> raw_crc;
+  if (task.hashed) {
+    digest = task.hash.digest;
+    raw_crc = task.hash.crc32c;
+  } else if (options.record_digests && a.spec.codec == Codec::kNone) {
+    const CrcAndDigest both = Crc32cAndDigest(raw.data(), raw.size());
+    digest = both.digest;
+    raw_crc = both.crc32c;
+  } else if (options.record_digests) {
+    digest = Xxh3Digest(raw);
+  }
   std::string encoded;
   std::string_view stored = raw;
   if (a.spec.codec != Codec::kNone) {
     TS_RETURN_IF_ERROR(EncodeChunk(a.spec.codec, a.spec.zstd_level, stored, &encoded));
     stored = encoded;
   }
-  const uint32_t crc = Crc32c(stored);
+  const uint32_t crc =
+      a.spec.codec == Codec::kNone && raw_crc.has_value() ? *raw_crc : Crc32c(stored);
   DataFileSet::Location location = task.location;
   if (!task.preallocated) {
     TS_ASSIGN_OR_RETURN(location, files->Allocate(stored.size(), task.plan.lane));
@@ -906,7 +1128,7 @@ Status CheckpointWriter::Impl::WriteChunk(const ChunkTask& task, std::string_vie
                                      " of array '", a.spec.path, "'")));
   std::lock_guard<std::mutex> lock(*mutex);
   entries->push_back({task.plan.array_id, location.file_id, static_cast<uint64_t>(task.plan.chunk),
-                      location.offset, stored.size(), crc});
+                      location.offset, stored.size(), crc, digest});
   stats->raw_bytes += raw.size();
   stats->stored_bytes += stored.size();
   ++stats->chunks;
@@ -997,12 +1219,23 @@ Status CheckpointWriter::Impl::MergeAndCommit(ChunkIndex merged,
   // every index; COMMIT records the CRC of the body (the file less its footer) instead.
   item.index_crc32c = IndexBodyCrc32c(index_bytes);
   item.index_size = index_bytes.size();
-  for (const DataFileInfo& f : merged.files) item.data_bytes += f.size;
+  // The step's own files only: what it borrows from other steps is theirs.
+  std::set<std::string> depends_on;
+  for (const DataFileInfo& f : merged.files) {
+    if (f.step.empty()) {
+      item.data_bytes += f.size;
+    } else {
+      depends_on.insert(f.step);
+    }
+  }
+  record.depends_on.assign(depends_on.begin(), depends_on.end());
   item.num_arrays = arrays.size();
   // Every file this save wrote, with its size: the commit names only what it found there.
   std::map<std::string, uint64_t> written;
   const std::string item_folder = item_dir.substr(work_dir.size() + 1);
-  for (const DataFileInfo& f : merged.files) written[StrCat(item_folder, "/", f.name)] = f.size;
+  for (const DataFileInfo& f : merged.files) {
+    if (f.step.empty()) written[StrCat(item_folder, "/", f.name)] = f.size;
+  }
   written[StrCat(item_folder, "/", kIndexFileName)] = index_bytes.size();
   written[StrCat(item_folder, "/", kTreeFileName)] = tree_json.size();
   for (const auto& [name, f] : committed_files) written[name] = f.size;

@@ -84,6 +84,17 @@ struct WriterOptions {
   // async save the same pool, so that the buffers of one save are reused by the next instead of
   // mapped afresh: their page faults and zeroing were most of an async save's stall.
   StagingPool* staging_pool = nullptr;
+  // Record each chunk's XXH3-128 digest in the index (util/chunk_digest.h), so that later saves
+  // can save against this step (`base`). The index is then version 2 (docs/format.md, 6.1),
+  // which tensorstash before incremental steps does not read.
+  bool record_digests = false;
+  // Incremental save: the folder (a key of the same store, in the same folder as this step) of
+  // a committed earlier step. A chunk whose digest, dtype, chunk box (the same grid) and codec
+  // equal those of that step's chunk is not written: the index refers to where its bytes
+  // already lie (in the base's files, or wherever the base itself refers: references are never
+  // chained), and COMMIT lists the steps referred to (`depends_on`). Implies record_digests.
+  // Chunks of a base written without digests are written again. Not with `holding`.
+  std::string base;
 };
 
 struct ArraySpec {
@@ -111,6 +122,10 @@ struct WriteStats {
   uint64_t stored_bytes = 0;  // bytes this process wrote to data files
   uint64_t chunks = 0;        // chunks this process wrote
   uint64_t data_files = 0;    // data files this process wrote
+  // Incremental saves: chunks (and their stored bytes) recorded as references to another step
+  // instead of written; not counted in `chunks`, `raw_bytes` or `stored_bytes`.
+  uint64_t referenced_chunks = 0;
+  uint64_t referenced_bytes = 0;
   // The most bytes this process held at once in staging buffers (gathers, copies, chunks
   // pulled from a ChunkSource, codec output): at most max(max_inflight_bytes, largest chunk).
   uint64_t peak_staged_bytes = 0;

@@ -113,6 +113,19 @@ Result<CommitRecord> DecodeImpl(std::string_view text, std::string_view where) {
       record.objects[name] = {size.get<uint64_t>(), generation.get<std::string>()};
     }
   }
+  if (doc.contains("depends_on")) {
+    const json& steps = doc["depends_on"];
+    if (!steps.is_array()) return bad("\"depends_on\" is not a list");
+    for (const json& step : steps) {
+      if (!step.is_string() || !ValidateKey(step.get<std::string>()).ok()) {
+        return bad("\"depends_on\" holds something that is not a step folder");
+      }
+      if (!record.depends_on.empty() && record.depends_on.back() >= step.get<std::string>()) {
+        return bad("\"depends_on\" is not sorted or names a step twice");
+      }
+      record.depends_on.push_back(step.get<std::string>());
+    }
+  }
   return record;
 }
 
@@ -122,7 +135,9 @@ std::string EncodeCommitRecord(const CommitRecord& record) {
   json doc;
   doc["format"] = kCommitFormatName;
   doc["version"] = {kCommitMajorVersion,
-                    !record.attempt.empty() ? 2 : (record.files.empty() ? 0 : 1)};
+                    !record.depends_on.empty() ? 3
+                    : !record.attempt.empty()  ? 2
+                                               : (record.files.empty() ? 0 : 1)};
   doc["created_unix_ms"] = record.created_unix_ms;
   doc["process_count"] = record.process_count;
   json items = json::object();
@@ -147,6 +162,7 @@ std::string EncodeCommitRecord(const CommitRecord& record) {
     }
     doc["objects"] = std::move(objects);
   }
+  if (!record.depends_on.empty()) doc["depends_on"] = record.depends_on;
   return doc.dump(1) + "\n";
 }
 

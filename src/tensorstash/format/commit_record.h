@@ -14,15 +14,17 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "tensorstash/util/status.h"
 
 namespace tensorstash {
 
 inline constexpr int kCommitMajorVersion = 1;
-// 1.1 adds "files"; 1.2 adds "attempt" and "objects" (steps on object stores). A record is
-// written with the lowest minor version that holds what it says.
-inline constexpr int kCommitMinorVersion = 2;
+// 1.1 adds "files"; 1.2 adds "attempt" and "objects" (steps on object stores); 1.3 adds
+// "depends_on" (incremental steps). A record is written with the lowest minor version that
+// holds what it says.
+inline constexpr int kCommitMinorVersion = 3;
 inline constexpr char kCommitFileName[] = "COMMIT";
 inline constexpr uint64_t kMaxCommitRecordBytes = 1 << 20;
 
@@ -61,6 +63,10 @@ struct CommitRecord {
   // relative to it. Empty for steps written in place or renamed into place.
   std::string attempt;
   std::map<std::string, CommitObject> objects;
+  // Incremental steps (1.3): the steps whose data files this step's index names, as the index
+  // names them (folders relative to the folder holding this step), sorted, no duplicates.
+  // Empty for a self-contained step.
+  std::vector<std::string> depends_on;
   bool operator==(const CommitRecord&) const = default;
 };
 

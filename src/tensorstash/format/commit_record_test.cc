@@ -36,6 +36,26 @@ TEST(CommitRecordTest, TornOrForeignOrNewerRecordsAreRefused) {
   EXPECT_FALSE(DecodeCommitRecord(bad_item, "c").ok());
 }
 
+TEST(CommitRecordTest, DependsOnIsVersion1_3AndChecked) {
+  CommitRecord record;
+  record.items["state"] = {};
+  EXPECT_EQ(EncodeCommitRecord(record).find("depends_on"), std::string::npos);
+  record.depends_on = {"0000000900", "0000000950"};
+  const std::string text = EncodeCommitRecord(record);
+  EXPECT_NE(text.find("\"version\": [\n  1,\n  3\n ]"), std::string::npos) << text;
+  EXPECT_EQ(DecodeCommitRecord(text, "c").value(), record);
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {"\"0000000900\"", "\"../up\""},
+           {"\"0000000900\"", "7"},
+           {"\"0000000900\"", "\"0000000950\""},  // twice
+           {"\"0000000900\"", "\"0000000999\""}}) {  // unsorted
+    std::string edited = text;
+    edited.replace(edited.find(from), from.size(), to);
+    Result<CommitRecord> r = DecodeCommitRecord(edited, "s/COMMIT");
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << to;
+  }
+}
+
 // Found by fuzz/commit_record_fuzzer: a float where an integer belongs was converted with
 // undefined behaviour. Every such value is now refused.
 TEST(CommitRecordTest, IntegersMustBeIntegersInRange) {

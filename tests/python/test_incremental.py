@@ -1,0 +1,120 @@
+"""Incremental saves (docs/format.md, 6.1): tensorstash.save(path, tree, base=older_step)
+references the chunks that did not change instead of writing them again."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import tensorstash
+
+CHUNK = 64 << 10
+
+
+def lora_like(rng: np.random.Generator, adapter_seed: int) -> dict:
+    """A frozen base model (most bytes) and small adapters that change every step."""
+    frozen = np.random.default_rng(0)
+    adapters = np.random.default_rng(adapter_seed)
+    return {
+        "base": {f"layer{i}": {"w": frozen.standard_normal((256, 256), dtype=np.float32),
+                               "b": frozen.standard_normal((256,), dtype=np.float32)}
+                 for i in range(4)},
+        "lora": {f"layer{i}": {"a": adapters.standard_normal((256, 8), dtype=np.float32),
+                               "b": adapters.standard_normal((8, 256), dtype=np.float32)}
+                 for i in range(4)},
+        "step": np.int64(adapter_seed),
+    }
+
+
+def own_data_bytes(step_dir: str) -> int:
+    data = os.path.join(step_dir, "state", "data")
+    return sum(os.path.getsize(os.path.join(data, f)) for f in os.listdir(data))
+
+
+def assert_trees_equal(got, want):
+    if isinstance(want, dict):
+        assert set(got) == set(want)
+        for k in want:
+            assert_trees_equal(got[k], want[k])
+    else:
+        assert np.asarray(got).dtype == np.asarray(want).dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+def test_lora_like_state_saved_against_a_base_writes_only_changed_chunks(tmp_path):
+    rng = np.random.default_rng(1)
+    first, second = lora_like(rng, 1), lora_like(rng, 2)
+    s1, s2 = str(tmp_path / "0000000001"), str(tmp_path / "0000000002")
+    full = tensorstash.save(s1, first, chunk_bytes=CHUNK, record_digests=True, sync=False)
+    assert full["referenced_chunks"] == 0
+    stats = tensorstash.save(s2, second, chunk_bytes=CHUNK, base=s1, sync=False)
+    frozen_bytes = 4 * (256 * 256 + 256) * 4
+    assert stats["referenced_bytes"] == frozen_bytes
+    assert stats["raw_bytes"] == 4 * 2 * 256 * 8 * 4 + 8  # the adapters and the step counter
+    assert own_data_bytes(s2) < own_data_bytes(s1) * 0.2
+    assert_trees_equal(tensorstash.restore(s2), second)
+    assert_trees_equal(tensorstash.restore(s1), first)
+
+
+def test_missing_base_file_is_a_clear_error_naming_it(tmp_path):
+    rng = np.random.default_rng(1)
+    s1, s2 = str(tmp_path / "0000000001"), str(tmp_path / "0000000002")
+    tensorstash.save(s1, lora_like(rng, 1), chunk_bytes=CHUNK, record_digests=True, sync=False)
+    tensorstash.save(s2, lora_like(rng, 2), chunk_bytes=CHUNK, base=s1, sync=False)
+    os.remove(os.path.join(s1, "state", "data", "0-0.dat"))
+    with pytest.raises(OSError) as e:
+        tensorstash.restore(s2)
+    assert "state/data/0-0.dat" in str(e.value)
+    assert "0000000001" in str(e.value)
+
+
+def test_base_must_be_a_step_of_the_same_folder(tmp_path):
+    rng = np.random.default_rng(1)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    s1 = str(tmp_path / "a" / "0000000001")
+    tensorstash.save(s1, lora_like(rng, 1), record_digests=True, sync=False)
+    with pytest.raises(ValueError, match="same folder"):
+        tensorstash.save(str(tmp_path / "b" / "0000000002"), lora_like(rng, 2), base=s1)
+    with pytest.raises(FileNotFoundError):
+        tensorstash.save(str(tmp_path / "a" / "0000000002"), lora_like(rng, 2),
+                         base=str(tmp_path / "a" / "0000000000"))
+
+
+def test_steps_without_digests_stay_format_1(tmp_path):
+    s1 = str(tmp_path / "0000000001")
+    tensorstash.save(s1, {"x": np.arange(10)}, sync=False)
+    with open(os.path.join(s1, "state", "index"), "rb") as f:
+        assert f.read(12)[8:12] == b"\x01\x00\x00\x00"
+
+
+def test_inspect_shows_what_a_step_depends_on_and_verify_follows_references(tmp_path):
+    import json
+    import subprocess
+
+    from tshelpers import cli_path
+
+    rng = np.random.default_rng(1)
+    s1, s2 = str(tmp_path / "0000000001"), str(tmp_path / "0000000002")
+    tensorstash.save(s1, lora_like(rng, 1), chunk_bytes=CHUNK, record_digests=True, sync=False)
+    tensorstash.save(s2, lora_like(rng, 2), chunk_bytes=CHUNK, base=s1, sync=False)
+    shown = subprocess.run([cli_path(), "inspect", "--json", s2], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    doc = json.loads(shown.stdout)
+    assert doc["depends_on"] == ["0000000001"]
+    assert doc["borrowed_bytes"] == 4 * (256 * 256 + 256) * 4
+    text = subprocess.run([cli_path(), "inspect", s2], capture_output=True, text=True).stdout
+    assert "of step(s) 0000000001" in text
+    assert subprocess.run([cli_path(), "verify", s2], capture_output=True).returncode == 0
+    # A bit flipped in the base's file: verify of the new step names that file.
+    data = os.path.join(s1, "state", "data", "0-0.dat")
+    with open(data, "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 1]))
+    bad = subprocess.run([cli_path(), "verify", s2], capture_output=True, text=True)
+    assert bad.returncode != 0
+    assert "0000000001/state/data/0-0.dat" in bad.stdout + bad.stderr
