@@ -477,7 +477,8 @@ def run_job(args, tool: str, nproc: int, ops: list[str], run: int) -> dict:
         texts.append(f.read())
         f.close()
     if any(p.returncode != 0 for p in procs):
-        raise HarnessError(f"{tool} {ops} by {nproc} (run {run}) failed:\n"
+        raise HarnessError(f"{tool} {ops} by {nproc} (run {run}) failed (exit statuses "
+                           f"{[p.returncode for p in procs]}; -9: killed, e.g. out of memory):\n"
                            + "\n".join(t[-4000:] for t in texts))
     lines = [line for line in texts[0].splitlines() if line.startswith("BENCH_RESULT ")]
     return json.loads(lines[-1][len("BENCH_RESULT "):])
