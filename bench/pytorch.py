@@ -198,13 +198,14 @@ class Worker:
         S.prime_free_memory(os.path.join(self.dir, f"prime{self.rank}"), n // self.world)
         self.barrier()
 
-    def before_restore(self, n: int) -> bool:
-        """Drops the page cache (rank 0); True when it was dropped."""
+    def before_restore(self, n: int) -> str:
+        """Drops the page cache, or evicts the benchmark folder's files from it (rank 0);
+        returns how cold the cache is (scenarios.make_cold)."""
         os.sync()
-        dropped = S.drop_page_cache() if self.rank == 0 else True
+        cache = S.make_cold(self.dir) if self.rank == 0 else "cold"
         S.prime_free_memory(os.path.join(self.dir, f"prime{self.rank}"), 2 * n // self.world)
         self.barrier()
-        return dropped
+        return cache
 
     def timed(self, fn):
         self.barrier()
@@ -273,10 +274,10 @@ class Worker:
 
     def _restore_op(self, shapes: dict, what: str, sharded: bool, label: str) -> dict:
         target = self.state(shapes, sharded, zero=True)
-        cold = self.before_restore(nbytes(shapes))
+        cache = self.before_restore(nbytes(shapes))
         seconds, got = self.timed(lambda: self.restore(target, self.path(what)))
         self.check(shapes, got, label)
-        return {"seconds": seconds, "cache": "cold" if cold else "warm"}
+        return {"seconds": seconds, "cache": cache}
 
     def op_save_1(self):
         return self._save_op(self.shapes, "s1", False)
@@ -295,6 +296,18 @@ class Worker:
 
     def op_restore_1_to_2(self):
         return self._restore_op(self.shapes, "s1", True, "restore 1 -> 2")
+
+    def op_restore_dcp(self):
+        """tensorstash.torch.load of DCP's own 1-process checkpoint (FileSystemWriter's files,
+        read by tensorstash's DCP reader), in place; the DCP job runs it after its restore_1,
+        which is dcp.load of the same files."""
+        import tensorstash.torch
+        assert self.tool == "dcp"
+        target = self.state(self.shapes, False, zero=True)
+        cache = self.before_restore(nbytes(self.shapes))
+        seconds, got = self.timed(lambda: tensorstash.torch.load(self.path("s1"), target))
+        self.check(self.shapes, got, "restore of DCP's checkpoint")
+        return {"seconds": seconds, "cache": cache}
 
     def op_small_save(self):
         return self._save_op(small_shapes(self.job["small_count"], self.job["small_kib"]),
@@ -371,7 +384,7 @@ class Worker:
         self.before_save(dst, nbytes(self.shapes))
         os.makedirs(dst, exist_ok=True)
         mapping = {name: 1 for name in self.shapes}
-        cold = self.before_restore(nbytes(self.shapes))
+        cache = self.before_restore(nbytes(self.shapes))
 
         def consolidate():
             consolidate_safetensors_files(src, dst, mapping)
@@ -379,7 +392,7 @@ class Worker:
                 _fsync(os.path.join(dst, name))
 
         seconds, _ = self.timed(consolidate)
-        return {"seconds": seconds, "cache": "cold" if cold else "warm"}
+        return {"seconds": seconds, "cache": cache}
 
     def op_to_torch_save(self) -> dict:
         """DCP's format_utils.dcp_to_torch_save of the 2-process DCP checkpoint (whole tensors
@@ -387,7 +400,7 @@ class Worker:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
         src, dst = self.path("s2"), self.path("whole.pt")
         self.before_save(dst, nbytes(self.shapes))
-        cold = self.before_restore(nbytes(self.shapes))
+        cache = self.before_restore(nbytes(self.shapes))
 
         def convert():
             dcp_to_torch_save(src, dst)
@@ -395,7 +408,7 @@ class Worker:
 
         seconds, _ = self.timed(convert)
         os.remove(dst)
-        return {"seconds": seconds, "cache": "cold" if cold else "warm"}
+        return {"seconds": seconds, "cache": cache}
 
 
 def _ts_writer(path: str):
@@ -464,7 +477,8 @@ def run_job(args, tool: str, nproc: int, ops: list[str], run: int) -> dict:
         texts.append(f.read())
         f.close()
     if any(p.returncode != 0 for p in procs):
-        raise HarnessError(f"{tool} {ops} by {nproc} (run {run}) failed:\n"
+        raise HarnessError(f"{tool} {ops} by {nproc} (run {run}) failed (exit statuses "
+                           f"{[p.returncode for p in procs]}; -9: killed, e.g. out of memory):\n"
                            + "\n".join(t[-4000:] for t in texts))
     lines = [line for line in texts[0].splitlines() if line.startswith("BENCH_RESULT ")]
     return json.loads(lines[-1][len("BENCH_RESULT "):])
@@ -478,14 +492,14 @@ def export_ts(args, run: int) -> dict:
     n = nbytes(model_shapes(args.gib))
     os.sync()
     S.prime_free_memory(os.path.join(args.dir, "prime"), n)
-    cold = S.drop_page_cache()
+    cache = S.make_cold(args.dir)
     t0 = time.perf_counter()
     p = subprocess.run([args.cli, "convert", "--to", "safetensors", src, dst],
                        capture_output=True, text=True)
     seconds = time.perf_counter() - t0
     if p.returncode != 0:
         raise HarnessError(f"tensorstash convert failed (run {run}):\n{p.stdout}\n{p.stderr}")
-    return {"seconds": seconds, "cache": "cold" if cold else "warm"}
+    return {"seconds": seconds, "cache": cache}
 
 
 def check_exports(args) -> None:
@@ -509,9 +523,38 @@ def check_exports(args) -> None:
             raise HarnessError(f"the exports differ at {name}")
 
 
+# What an operation needs done before it in the same run (the checkpoint it reads).
+NEEDS = {"restore_1": ["save_1"], "restore_2": ["save_2"], "restore_2_to_1": ["save_2"],
+         "restore_1_to_2": ["save_1"], "restore_dcp": ["save_1", "restore_1"],
+         "small_restore": ["small_save"], "consolidate": ["hf_save"],
+         "to_torch_save": ["save_2"], "export": ["save_2", "hf_save", "consolidate"]}
+
+
+def wanted_ops(only: list[str] | None) -> set[str] | None:
+    """The operations to run for `--ops` (with what they need); None: all."""
+    if only is None:
+        return None
+    out, todo = set(), list(only)
+    while todo:
+        op = todo.pop()
+        if op not in out:
+            out.add(op)
+            todo += NEEDS.get(op, [])
+    return out
+
+
 def one_run(args, run: int, results: dict) -> None:
     def record(op: str, tool: str, value: dict) -> None:
         results["runs"].setdefault(op, {}).setdefault(tool, []).append(dict(value, run=run))
+
+    wanted = wanted_ops(args.ops)
+
+    def job(tool: str, nproc: int, ops: list[str]) -> dict:
+        ops = [op for op in ops if wanted is None or op in wanted]
+        if not ops:
+            return {}
+        log(f"run {run}: {tool} by {nproc} process{'es' if nproc > 1 else ''}: {ops}")
+        return run_job(args, tool, nproc, ops, run)
 
     shift = run % len(args.tools)
     tools = args.tools[shift:] + args.tools[:shift]  # an order rotating run by run
@@ -519,33 +562,39 @@ def one_run(args, run: int, results: dict) -> None:
     # 2 processes: save and restore (DTensors sharded by rows); DCP's HF shards for its export.
     for tool in dist_tools:
         ops = ["save_2", "restore_2"] + (["hf_save"] if tool == "dcp" and args.export else [])
-        log(f"run {run}: {tool} by 2 processes: {ops}")
-        for op, value in run_job(args, tool, 2, ops, run).items():
+        for op, value in job(tool, 2, ops).items():
             record(op, tool, value)
     # 1 process.
     for tool in tools:
         ops = ["save_1", "restore_1"]
         if tool in DISTRIBUTED:
             ops.append("restore_2_to_1")
+        if tool == "dcp" and "tensorstash" in tools:
+            ops.append("restore_dcp")  # tensorstash reading DCP's own files
         if args.small_count:
             ops += ["small_save", "small_restore"]
         if tool in ("tensorstash", "dcp"):
             ops.append("async")
         if tool == "dcp" and args.export:
             ops += ["consolidate", "to_torch_save"]
-        log(f"run {run}: {tool} by 1 process: {ops}")
-        for op, value in run_job(args, tool, 1, ops, run).items():
-            record(op, tool, value)
+        for op, value in job(tool, 1, ops).items():
+            if op == "restore_dcp":
+                record(op, "tensorstash", value)
+                record(op, "dcp", results["runs"]["restore_1"]["dcp"][-1])
+            else:
+                record(op, tool, value)
     # 2 processes restore the 1-process checkpoints.
     for tool in dist_tools:
-        log(f"run {run}: {tool} by 2 processes: restore_1_to_2")
-        for op, value in run_job(args, tool, 2, ["restore_1_to_2"], run).items():
+        for op, value in job(tool, 2, ["restore_1_to_2"]).items():
             record(op, tool, value)
-    if args.export and "tensorstash" in tools and "dcp" in tools:
+    if (args.export and "tensorstash" in tools and "dcp" in tools
+            and (wanted is None or "export" in wanted)):
         log(f"run {run}: export to safetensors (tensorstash convert)")
         record("export", "tensorstash", export_ts(args, run))
         if run < args.warmup + 1:
             check_exports(args)
+    if wanted is not None and not wanted & {"export", "save_1", "restore_1"}:
+        return
     # The storage's raw speed for the same bytes (bench/run.py's raw file test): a write with
     # fsync, and a cold read into fresh memory (its page faults count, as a restore's do).
     from run import RawFile
@@ -555,9 +604,12 @@ def one_run(args, run: int, results: dict) -> None:
     written = raw_file.write(raw, n, True)
     record("export", "raw write", {"seconds": written})
     record("save_1", "raw write", {"seconds": written})
-    read = raw_file.read(raw, n, cold=True, fresh=True)
+    read, cache = raw_file.read(raw, n, cold=True, fresh=True), "cold"
+    if read is None:  # the page cache cannot be dropped here: the file is evicted from it
+        cache = S.make_cold(raw)
+        read = raw_file.read(raw, n, cold=False, fresh=True) if cache != "warm" else None
     if read is not None:
-        record("restore_1", "raw read", {"seconds": read, "cache": "cold"})
+        record("restore_1", "raw read", {"seconds": read, "cache": cache})
     os.remove(raw)
     for tool in tools:
         shutil.rmtree(os.path.join(args.dir, tool.replace("+", "_").replace(".", "_")),
@@ -571,6 +623,8 @@ OPS = [  # (op, what, bytes key)
     ("save_2", "save, 2 processes", "model"), ("restore_2", "restore, 2 processes", "model"),
     ("restore_2_to_1", "restore 2 -> 1 (saved by 2, restored by 1)", "model"),
     ("restore_1_to_2", "restore 1 -> 2 (onto DTensors)", "model"),
+    ("restore_dcp", "restore DCP's own 1-process checkpoint (tensorstash: its DCP reader)",
+     "model"),
     ("small_save", "many small: save", "small"), ("small_restore", "many small: restore", "small"),
     ("async", "async save (1 process)", "model"),
     ("hf_save", "DCP's HF writer, 2 processes (the consolidation's input)", "model"),
@@ -579,7 +633,7 @@ OPS = [  # (op, what, bytes key)
     ("to_torch_save", "DCP's dcp_to_torch_save (whole tensors, one torch.save file)", "model"),
 ]
 GOALS = [("save_1", 2.0), ("restore_1", 2.0), ("save_2", 2.0), ("restore_2", 2.0),
-         ("restore_2_to_1", 3.0), ("restore_1_to_2", 3.0)]
+         ("restore_2_to_1", 3.0), ("restore_1_to_2", 3.0), ("restore_dcp", 1.0)]
 
 
 def summarize(results: dict, warmup: int) -> dict:
@@ -663,6 +717,10 @@ def parse_args(argv=None):
                     help=f"any of {', '.join(TOOLS)} (dcp+ts: DCP's save and load through "
                          "tensorstash.torch.StorageWriter/StorageReader)")
     ap.add_argument("--no-export", dest="export", action="store_false")
+    ap.add_argument("--ops", default=None,
+                    help="only these operations (comma-separated: save_1, restore_1, save_2, "
+                         "restore_2, restore_2_to_1, restore_1_to_2, restore_dcp, small_save, "
+                         "small_restore, async, export, ...) and what they need")
     ap.add_argument("--dir", default="/tmp/tensorstash-bench-torch")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--name", default="pytorch", help="the results' file names")
@@ -677,6 +735,7 @@ def parse_args(argv=None):
                     help="a smoke run: 32 MiB, 200 small tensors, 1 run, no warm-up")
     args = ap.parse_args(argv)
     args.tools = [t for t in args.tools.split(",") if t]
+    args.ops = [op for op in args.ops.split(",") if op] if args.ops else None
     for t in args.tools:
         if t not in TOOLS:
             ap.error(f"unknown tool {t!r}; choose from {', '.join(TOOLS)}")
@@ -711,7 +770,8 @@ def main(argv=None) -> int:
         "tools": args.tools, "machine": bench_run.machine_facts(args.dir),
         "versions": versions, "load_start": os.getloadavg()[0],
         "cache": "cold (page cache dropped)" if S.drop_page_cache() else
-                 "warm (the page cache could not be dropped)"},
+                 "cold (the benchmark's files evicted with posix_fadvise: the page cache "
+                 "cannot be dropped here)"},
         "runs": {}}
     json_path = os.path.join(args.out, args.name + ".json")
 

@@ -108,6 +108,33 @@ def drop_page_cache() -> bool:
         return False
 
 
+def evict_from_page_cache(path: str) -> bool:
+    """Writes back, then evicts from the page cache, the file `path` or every file under folder
+    `path` (posix_fadvise DONTNEED: permitted where drop_page_cache is not, e.g. in a container
+    without root; pages another process has mapped stay). False where that failed."""
+    paths = [path] if os.path.isfile(path) else [
+        os.path.join(root, name) for root, _, names in os.walk(path) for name in names]
+    try:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return True
+    except OSError:
+        return False
+
+
+def make_cold(path: str) -> str:
+    """Drops the page cache, or where that is not permitted evicts `path`'s files from it:
+    "cold", "cold (fadvise)" or "warm" (neither worked)."""
+    if drop_page_cache():
+        return "cold"
+    return "cold (fadvise)" if evict_from_page_cache(path) else "warm"
+
+
 def warm_page_cache(folder: str) -> int:
     """Reads every file under `folder` once, so that a restore measured next finds the page
     cache warm whichever way the checkpoint was written: a buffered save leaves its bytes

@@ -142,3 +142,23 @@ def test_a_damaged_distcp_is_found(made, tmp_path):
     out = subprocess.run([cli_path(), "verify", str(ck)], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "sharded" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("max_inflight_bytes", [1, 300_000, 256 << 20])
+def test_many_chunks_read_side_by_side_under_any_cap(tmp_path, max_inflight_bytes):
+    # 48 tensors of 16-64 KiB in one .distcp file: their chunks are read by several threads at
+    # once, at most max_inflight_bytes of archives held (1: one at a time), bit-exact.
+    g = torch.Generator().manual_seed(1)
+    sd = {f"layer{i}.w": torch.randn(64 * (1 + i % 4), 64, generator=g) for i in range(48)}
+    sd["emb"] = torch.randn(300, 7, generator=g).to(torch.bfloat16)
+    ck = str(tmp_path / "many")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(sd, checkpoint_id=ck, no_dist=True)
+    want = dcp_loaded(ck)
+    got = tensorstash.restore(ck, target=tensors_of(ck), max_inflight_bytes=max_inflight_bytes,
+                              io_threads=4)
+    assert set(got) == set(want) == set(sd)
+    for fqn, w in want.items():
+        assert torch_worker.same_bits(got[fqn], w), fqn
+        assert torch_worker.same_bits(got[fqn], sd[fqn]), fqn

@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "tensorstash/array/box.h"
+#include "tensorstash/engine/executor.h"
 #include "tensorstash/format/dcp/pickle.h"
 #include "tensorstash/format/dcp/torch_save.h"
 #include "tensorstash/format/dcp/torch_zip.h"
@@ -78,7 +80,7 @@ Result<TreeNode> ValueNode(const PickleValue& v, int depth, const std::string& w
 DcpReader::DcpReader(KvStore* kv, std::string path, ReaderOptions options)
     : kv_(kv), path_(std::move(path)), options_(options) {}
 
-Result<std::string> DcpReader::ReadItem(const DcpItemLocation& loc) {
+Status DcpReader::ReadItem(const DcpItemLocation& loc, char* dest) {
   const std::string key = StrCat(path_, "/", loc.relative_path);
   auto it = file_sizes_.find(loc.relative_path);
   if (it == file_sizes_.end()) return InternalError(StrCat("unknown file ", key));
@@ -87,13 +89,13 @@ Result<std::string> DcpReader::ReadItem(const DcpItemLocation& loc) {
                                 loc.length, " is past the end of ", key, " (", it->second,
                                 " bytes)"));
   }
-  std::string bytes(loc.length, '\0');
-  if (loc.length > 0) TS_RETURN_IF_ERROR(kv_.ReadRange(key, loc.offset, loc.length, bytes.data()));
-  return bytes;
+  if (loc.length > 0) TS_RETURN_IF_ERROR(kv_.ReadRange(key, loc.offset, loc.length, dest));
+  return OkStatus();
 }
 
 Result<std::unique_ptr<DcpReader>> DcpReader::Open(KvStore* kv, std::string path,
                                                    ReaderOptions options) {
+  if (options.io_threads <= 0) options.io_threads = DefaultIoThreads();
   std::unique_ptr<DcpReader> r(new DcpReader(kv, std::move(path), options));
   TS_ASSIGN_OR_RETURN(std::string pickle,
                       r->kv_.Read(StrCat(r->path_, "/", kDcpMetadataFileName)));
@@ -121,7 +123,8 @@ Result<std::unique_ptr<DcpReader>> DcpReader::Open(KvStore* kv, std::string path
   for (const DcpBytesItem& item : r->meta_.bytes_items) {
     TS_RETURN_IF_ERROR(note_file(item.location));
     const std::string where = StrCat("DCP checkpoint '", r->path_, "': bytes item '", item.fqn, "'");
-    TS_ASSIGN_OR_RETURN(std::string archive, r->ReadItem(item.location));
+    std::string archive(item.location.length, '\0');
+    TS_RETURN_IF_ERROR(r->ReadItem(item.location, archive.data()));
     TS_ASSIGN_OR_RETURN(std::vector<ZipEntry> entries,
                         ReadStoredZip(archive, where, options.verify_checksums));
     const ZipEntry* pkl = FindTorchZipEntry(entries, "data.pkl");
@@ -132,6 +135,7 @@ Result<std::unique_ptr<DcpReader>> DcpReader::Open(KvStore* kv, std::string path
     TS_ASSIGN_OR_RETURN(TreeNode node, ValueNode(value.root(), 0, where));
     r->tree_.entries.emplace_back(item.fqn, std::move(node));
   }
+  r->pool_ = std::make_unique<ThreadPool>(r->options_.io_threads);
   return r;
 }
 
@@ -157,91 +161,155 @@ Result<std::string> DcpReader::ReadFile(std::string_view name) const {
   return NotFoundError(StrCat("'", path_, "' is a DCP checkpoint, which has no file '", name, "'"));
 }
 
-Result<std::pair<std::string, uint64_t>> DcpReader::ReadChunk(size_t id, size_t c, bool check_crc) {
+Result<uint64_t> DcpReader::ReadChunk(size_t id, size_t c, bool check_crc, char* archive) {
   const DcpTensor& t = meta_.tensors[id];
   const DcpChunk& chunk = t.chunks[c];
-  TS_ASSIGN_OR_RETURN(std::string archive, ReadItem(chunk.location));
+  TS_RETURN_IF_ERROR(ReadItem(chunk.location, archive));
   const std::string what = StrCat("'", path_, "/", chunk.location.relative_path, "' at ",
                                   chunk.location.offset, " (tensor '", t.fqn, "')");
-  TS_ASSIGN_OR_RETURN(TorchSavedTensor saved, ReadTorchSavedTensor(archive, what, check_crc));
+  TS_ASSIGN_OR_RETURN(
+      TorchSavedTensor saved,
+      ReadTorchSavedTensor(std::string_view(archive, chunk.location.length), what, check_crc));
   if (saved.dtype != t.dtype || saved.shape != chunk.sizes) {
     return DataLossError(StrCat("DCP item ", what, " holds a ", DTypeName(saved.dtype),
                                 " tensor of another shape or dtype than the metadata's ",
                                 DTypeName(t.dtype), " chunk"));
   }
-  return std::make_pair(std::move(archive), saved.data_offset);
+  return saved.data_offset;
 }
 
 Status DcpReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats,
                            const std::function<void(uint64_t, uint64_t)>& progress) {
-  std::vector<size_t> ids;
+  // 1. The chunks the requests touch, each once, with the parts of it each request needs, in
+  // the order the requests first need them.
+  struct Piece {
+    size_t request;
+    Box part;
+  };
+  struct Needed {
+    size_t id;
+    size_t chunk;
+    std::vector<Piece> pieces;
+  };
+  std::vector<Needed> needed;
+  std::map<std::pair<size_t, size_t>, size_t> index;  // (tensor, chunk) -> needed
   uint64_t total = 0;
-  for (const ReadRequest& req : requests) {
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const ReadRequest& req = requests[i];
     auto it = by_path_.find(req.path);
     if (it == by_path_.end()) {
       return NotFoundError(StrCat("'", path_, "' has no tensor '", req.path, "'"));
     }
-    TS_RETURN_IF_ERROR(ValidateReadRequest(req, metadata_[it->second], req.dtype));
-    ids.push_back(it->second);
-    total += static_cast<uint64_t>(req.box.num_elements()) * ItemSize(req.dtype);
-  }
-  const uint64_t bytes0 = kv_.bytes(), requests0 = kv_.requests();
-  uint64_t done = 0;
-  uint64_t chunks_read = 0;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const ReadRequest& req = requests[i];
-    const ArrayMetadata& a = metadata_[ids[i]];
-    const DcpTensor& t = meta_.tensors[ids[i]];
+    const size_t id = it->second;
+    const ArrayMetadata& a = metadata_[id];
+    TS_RETURN_IF_ERROR(ValidateReadRequest(req, a, req.dtype));
     const Box region = Intersect(req.box, Box::FromShape(a.shape()));
     if (region != req.box) {
       std::memset(req.dest, 0, static_cast<size_t>(req.box.num_elements()) * ItemSize(req.dtype));
     }
-    if (!region.empty()) {
-      for (size_t c = 0; c < t.chunks.size(); ++c) {
-        Box chunk_box;
-        chunk_box.origin = t.chunks[c].offsets;
-        chunk_box.shape = t.chunks[c].sizes;
-        const Box part = Intersect(region, chunk_box);
-        if (part.empty()) continue;
-        TS_ASSIGN_OR_RETURN(auto chunk, ReadChunk(ids[i], c, options_.verify_checksums));
-        ++chunks_read;
-        TS_RETURN_IF_ERROR(CopyBox(part, a.dtype, chunk.first.data() + chunk.second, chunk_box,
-                                   req.dtype, req.dest, req.box, a.path));
-      }
+    if (region.empty()) continue;
+    const DcpTensor& t = meta_.tensors[id];
+    for (size_t c = 0; c < t.chunks.size(); ++c) {
+      Box chunk_box;
+      chunk_box.origin = t.chunks[c].offsets;
+      chunk_box.shape = t.chunks[c].sizes;
+      Box part = Intersect(region, chunk_box);
+      if (part.empty()) continue;
+      total += static_cast<uint64_t>(part.num_elements()) * ItemSize(req.dtype);
+      auto [at, added] = index.try_emplace({id, c}, needed.size());
+      if (added) needed.push_back(Needed{id, c, {}});
+      needed[at->second].pieces.push_back(Piece{i, std::move(part)});
     }
-    done += static_cast<uint64_t>(req.box.num_elements()) * ItemSize(req.dtype);
-    if (progress) progress(done, total);
   }
+
+  // 2. One task per chunk: its archive read whole into staging (a DCP chunk is one rank's
+  // shard, often far larger than what one box needs of it), checked, and copied out into every
+  // box that needs it. The archives held at once stay under the cap (engine/executor.h).
+  const uint64_t bytes0 = kv_.bytes(), requests0 = kv_.requests();
+  std::mutex mutex;
+  uint64_t done = 0;
+  Status status;
+  uint64_t peak_staging = 0;
+  {
+    Executor run(pool_.get(), options_.max_inflight_bytes);
+    for (const Needed& each : needed) {
+      if (run.failed()) break;
+      const Needed* n = &each;
+      run.Run(meta_.tensors[n->id].chunks[n->chunk].location.length,
+              [&, n](char* archive) -> Status {
+                TS_ASSIGN_OR_RETURN(uint64_t data_offset,
+                                    ReadChunk(n->id, n->chunk, options_.verify_checksums, archive));
+                const ArrayMetadata& a = metadata_[n->id];
+                const DcpChunk& chunk = meta_.tensors[n->id].chunks[n->chunk];
+                Box chunk_box;
+                chunk_box.origin = chunk.offsets;
+                chunk_box.shape = chunk.sizes;
+                uint64_t copied = 0;
+                for (const Piece& p : n->pieces) {
+                  const ReadRequest& req = requests[p.request];
+                  TS_RETURN_IF_ERROR(CopyBox(p.part, a.dtype, archive + data_offset, chunk_box,
+                                             req.dtype, req.dest, req.box, a.path));
+                  copied += static_cast<uint64_t>(p.part.num_elements()) * ItemSize(req.dtype);
+                }
+                if (progress) {
+                  std::lock_guard<std::mutex> lock(mutex);
+                  done += copied;
+                  progress(done, total);
+                }
+                return OkStatus();
+              });
+    }
+    status = run.Wait();
+    peak_staging = run.peak_staging_bytes();
+  }
+  TS_RETURN_IF_ERROR(status);
   if (stats != nullptr) {
     stats->bytes_read += kv_.bytes() - bytes0;
     stats->requests += kv_.requests() - requests0;
-    stats->staged_chunks += chunks_read;
+    stats->staged_chunks += needed.size();
+    stats->peak_staging_bytes = std::max(stats->peak_staging_bytes, peak_staging);
   }
   return OkStatus();
 }
 
 Result<std::vector<BadChunk>> DcpReader::Verify(
     const std::function<void(uint64_t, uint64_t)>& progress) {
-  std::vector<BadChunk> bad;
+  std::vector<std::pair<std::pair<size_t, size_t>, BadChunk>> found;  // (tensor, chunk), what
+  std::mutex mutex;
   const uint64_t total = VerifyTotalBytes();
   uint64_t done = 0;
-  for (size_t id = 0; id < meta_.tensors.size(); ++id) {
-    const DcpTensor& t = meta_.tensors[id];
-    for (size_t c = 0; c < t.chunks.size(); ++c) {
-      Result<std::pair<std::string, uint64_t>> chunk = ReadChunk(id, c, /*check_crc=*/true);
-      if (!chunk.ok()) {
-        std::string coords = "[";
-        for (size_t d = 0; d < t.chunks[c].offsets.size(); ++d) {
-          coords += StrCat(d ? ", " : "", t.chunks[c].offsets[d]);
-        }
-        bad.push_back(BadChunk{metadata_[id].path, coords + "]",
-                               StrCat(path_, "/", t.chunks[c].location.relative_path),
-                               std::string(chunk.status().message())});
+  {
+    Executor run(pool_.get(), options_.max_inflight_bytes, /*max_pending=*/256);
+    for (size_t id = 0; id < meta_.tensors.size(); ++id) {
+      const DcpTensor& t = meta_.tensors[id];
+      for (size_t c = 0; c < t.chunks.size(); ++c) {
+        run.Run(t.chunks[c].location.length, [&, id, c](char* archive) -> Status {
+          const DcpChunk& chunk = meta_.tensors[id].chunks[c];
+          Result<uint64_t> read = ReadChunk(id, c, /*check_crc=*/true, archive);
+          std::lock_guard<std::mutex> lock(mutex);
+          if (!read.ok()) {
+            std::string coords = "[";
+            for (size_t d = 0; d < chunk.offsets.size(); ++d) {
+              coords += StrCat(d ? ", " : "", chunk.offsets[d]);
+            }
+            found.push_back({{id, c},
+                             BadChunk{metadata_[id].path, coords + "]",
+                                      StrCat(path_, "/", chunk.location.relative_path),
+                                      std::string(read.status().message())}});
+          }
+          done += chunk.location.length;
+          if (progress) progress(done, total);
+          return OkStatus();
+        });
       }
-      done += t.chunks[c].location.length;
-      if (progress) progress(done, total);
     }
+    TS_RETURN_IF_ERROR(run.Wait());
   }
+  // In the metadata's order, whatever order the tasks ended in.
+  std::sort(found.begin(), found.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<BadChunk> bad;
+  for (auto& [where, chunk] : found) bad.push_back(std::move(chunk));
   return bad;
 }
 

@@ -7,7 +7,9 @@
 // safetensors. Tensors are arrays of their global shape; each DCP chunk (one rank's shard) is one
 // stored chunk, read whole (its torch.save archive, every entry's CRC-32 checked when
 // ReaderOptions::verify_checksums), so a restore onto any target reads only the chunks its boxes
-// touch. Bytes items (non-tensor values, torch.save'd) become tree leaves when they are plain
+// touch, each once per ReadMany however many boxes need it. Chunks are read side by side on
+// ReaderOptions::io_threads threads, their archives held at once within
+// ReaderOptions::max_inflight_bytes (a chunk larger than that is read alone). Bytes items (non-tensor values, torch.save'd) become tree leaves when they are plain
 // values (None, bool, int, float, str, bytes, and lists, tuples and str-keyed dicts of them);
 // others are Unimplemented at Open, naming the entry.
 //
@@ -23,6 +25,7 @@
 #include "tensorstash/checkpoint/orbax_reader.h"
 #include "tensorstash/engine/step_source.h"
 #include "tensorstash/format/dcp/dcp_metadata.h"
+#include "tensorstash/util/thread_pool.h"
 
 namespace tensorstash {
 
@@ -58,9 +61,11 @@ class DcpReader final : public StepSource {
 
  private:
   DcpReader(KvStore* kv, std::string path, ReaderOptions options);
-  // Reads chunk `c` of tensor `id`; returns its archive and where the tensor's bytes are in it.
-  Result<std::pair<std::string, uint64_t>> ReadChunk(size_t id, size_t c, bool check_crc);
-  Result<std::string> ReadItem(const DcpItemLocation& loc);
+  // Reads chunk `c` of tensor `id` (its whole archive) into `archive`, of the chunk's
+  // location.length bytes; returns where the tensor's bytes are in it.
+  Result<uint64_t> ReadChunk(size_t id, size_t c, bool check_crc, char* archive);
+  // Reads the item at `loc` into `dest` (loc.length bytes).
+  Status ReadItem(const DcpItemLocation& loc, char* dest);
 
   CountingKvStore kv_;
   const std::string path_;
@@ -70,6 +75,7 @@ class DcpReader final : public StepSource {
   TreeNode tree_ = TreeNode::Dict();
   std::vector<ArrayMetadata> metadata_;  // one per meta_.tensors entry, same order
   std::map<std::string, size_t, std::less<>> by_path_;
+  std::unique_ptr<ThreadPool> pool_;  // one task per chunk read or verified
 };
 
 }  // namespace tensorstash

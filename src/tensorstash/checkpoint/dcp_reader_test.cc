@@ -84,6 +84,57 @@ TEST(DcpReader, RestoresATwoRankCheckpointOntoAnyBox) {
   EXPECT_EQ(s.VerifyTotalItems(), 3u);
 }
 
+TEST(DcpReader, AChunkSeveralBoxesNeedIsReadOnce) {
+  MemoryKvStore kv;
+  Load(&kv, "two_ranks");
+  Result<std::unique_ptr<StepSource>> source = OpenStepSource(&kv, "ck");
+  TS_ASSERT_OK(source.status());
+  StepSource& s = **source;
+  // Rows 0-2 need rank 0's chunk, rows 3-7 both chunks, rows 8-9 rank 1's chunk, and a second
+  // request for all rows needs both again: each chunk is read once.
+  std::vector<float> a(3 * 4), b(5 * 4), c(2 * 4), all(10 * 4);
+  ReadStats stats;
+  TS_ASSERT_OK(s.ReadMany({{"sharded", Box({0, 0}, {3, 4}), DType::kFloat32, a.data()},
+                           {"sharded", Box({3, 0}, {5, 4}), DType::kFloat32, b.data()},
+                           {"sharded", Box({8, 0}, {2, 4}), DType::kFloat32, c.data()},
+                           {"sharded", Box({0, 0}, {10, 4}), DType::kFloat32, all.data()}},
+                          &stats, nullptr));
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(a[i], i);
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(b[i], 12 + i);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(c[i], 32 + i);
+  for (int i = 0; i < 40; ++i) EXPECT_EQ(all[i], i);
+  EXPECT_EQ(stats.staged_chunks, 2u);
+  EXPECT_EQ(stats.requests, 2u);
+  EXPECT_EQ(stats.bytes_read, s.StoredBytes(0));
+}
+
+TEST(DcpReader, ArchivesHeldAtOnceStayUnderTheCap) {
+  MemoryKvStore kv;
+  Load(&kv, "two_ranks");
+  ReaderOptions options;
+  options.io_threads = 4;
+  // Under one archive: each is read alone.
+  options.max_inflight_bytes = 1;
+  Result<std::unique_ptr<StepSource>> source = OpenStepSource(&kv, "ck", options);
+  TS_ASSERT_OK(source.status());
+  std::vector<float> all(10 * 4);
+  std::vector<int32_t> rep(6);
+  ReadStats stats;
+  TS_ASSERT_OK((*source)->ReadMany(
+      {{"sharded", Box({0, 0}, {10, 4}), DType::kFloat32, all.data()},
+       {"replicated", Box({0}, {6}), DType::kInt32, rep.data()}},
+      &stats, nullptr));
+  for (int i = 0; i < 40; ++i) EXPECT_EQ(all[i], i);
+  EXPECT_THAT(rep, ElementsAre(0, 1, 2, 3, 4, 5));
+  EXPECT_EQ(stats.staged_chunks, 3u);
+  // One archive at a time: the two of "sharded" are 1641 bytes each, "replicated"'s 1577, so
+  // two held at once would be over 3000.
+  const uint64_t largest = (*source)->StoredBytes(0) / 2;
+  EXPECT_EQ(largest, 1641u);
+  EXPECT_GT(stats.peak_staging_bytes, 0u);
+  EXPECT_LE(stats.peak_staging_bytes, largest);
+}
+
 TEST(DcpReader, ReadsEveryDtypeAndPlainValues) {
   MemoryKvStore kv;
   Load(&kv, "single");

@@ -1,6 +1,7 @@
 #include "tensorstash/checkpoint/safetensors_export.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -138,6 +139,7 @@ Result<SafetensorsExportResult> ExportSafetensors(
   };
 
   const int threads = options.io_threads > 0 ? options.io_threads : DefaultIoThreads();
+  constexpr uint64_t kPage = 4096;
   ThreadPool pool(threads);
   ByteLimiter limiter(options.max_inflight_bytes);
   std::mutex mutex;
@@ -200,15 +202,22 @@ Result<SafetensorsExportResult> ExportSafetensors(
         group.Run([&, box = std::move(box), bytes, offset, held, path = a.path,
                    dtype = a.dtype]() -> Status {
           limiter.Acquire(held);
-          std::unique_ptr<char[]> buffer(new (std::nothrow) char[bytes]);
+          // The piece lies in memory at the same offset within a 4 KiB page as in the file, so
+          // that the file store's direct (O_DIRECT) writes take its whole blocks from where
+          // they are: a safetensors header of any length leaves the tensors unaligned in the
+          // file, and an aligned buffer then went through a bounce copy (memmove was a fifth
+          // of an export's CPU time).
+          std::unique_ptr<char[]> buffer(new (std::nothrow) char[bytes + kPage]);
           if (buffer == nullptr) {
             limiter.Release(held);
             return ResourceExhaustedError(StrCat("safetensors export: no memory for a piece of ",
                                                  bytes, " bytes of '", path, "'"));
           }
-          ReadRequest req{path, box, dtype, buffer.get()};
+          const uint64_t at = reinterpret_cast<uintptr_t>(buffer.get()) % kPage;
+          char* data = buffer.get() + (offset % kPage + kPage - at) % kPage;
+          ReadRequest req{path, box, dtype, data};
           Status s = source->ReadMany({req}, nullptr, nullptr);
-          if (s.ok()) s = file->WriteAt(offset, buffer.get(), bytes);
+          if (s.ok()) s = file->WriteAt(offset, data, bytes);
           buffer.reset();
           limiter.Release(held);
           if (s.ok() && progress) {

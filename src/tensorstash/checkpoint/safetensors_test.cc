@@ -3,7 +3,9 @@
 // sharding, the index last). The safetensors library and transformers are checked against in
 // tests/python/test_safetensors_interop.py.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -14,6 +16,7 @@
 #include "tensorstash/checkpoint/safetensors_export.h"
 #include "tensorstash/checkpoint/safetensors_reader.h"
 #include "tensorstash/format/safetensors/safetensors_header.h"
+#include "tensorstash/kvstore/file/file_kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/testing/status_test_macros.h"
 #include "tensorstash/util/str_util.h"
@@ -279,6 +282,50 @@ TEST(SafetensorsExportTest, PiecesSmallerThanARowGiveTheSameFile) {
   TS_ASSERT_OK((*back)->ReadMany({{"m", Box::FromShape({5, 6, 7}), DType::kInt32, m.data()}},
                                  nullptr, nullptr));
   for (int i = 0; i < 210; ++i) ASSERT_EQ(m[i], i);
+}
+
+// Into files on disk, where pieces of 1 MiB and more go through O_DIRECT for their whole 4 KiB
+// blocks: tensors at offsets that are not multiples of 4 KiB (any header length), pieces of
+// several sizes, come out byte for byte.
+TEST(SafetensorsExportTest, DirectWritesOfUnalignedPiecesGiveTheSameFile) {
+  MemoryKvStore kv;
+  std::vector<SafetensorsTensor> tensors(2);
+  tensors[0].name = "a";
+  tensors[0].dtype = DType::kInt32;
+  tensors[0].shape = {3};
+  tensors[1].name = "big";
+  tensors[1].dtype = DType::kInt32;
+  tensors[1].shape = {777, 1031};  // 3.06 MiB, rows of 4124 bytes
+  std::string file = *EncodeSafetensorsHeader(tensors, {});
+  std::vector<int32_t> values(3 + 777 * 1031);
+  std::iota(values.begin(), values.end(), 11);
+  file.append(reinterpret_cast<const char*>(values.data()), values.size() * 4);
+  TS_ASSERT_OK(kv.Write("src/model.safetensors", file));
+  auto source = OpenStepSource(&kv, "src");
+  TS_ASSERT_OK(source.status());
+  char dir[] = "/tmp/tensorstash_export_XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  auto disk = FileKvStore::Open(dir);
+  TS_ASSERT_OK(disk.status());
+  for (uint64_t piece : {uint64_t{64} << 20, uint64_t{3} << 20, uint64_t{1100000}}) {
+    SafetensorsExportOptions options;
+    options.piece_bytes = piece;
+    options.io_threads = 3;
+    const std::string out = StrCat("out", piece);
+    auto result = ExportSafetensors(source->get(), disk->get(), out, options);
+    TS_ASSERT_OK(result.status());
+    ASSERT_EQ(result->files.size(), 1u);
+    auto written = (*disk)->Read(StrCat(out, "/", result->files[0]));
+    TS_ASSERT_OK(written.status());
+    // The header may differ (its padding, metadata); the tensors' bytes are the last ones.
+    const size_t data = values.size() * 4;
+    ASSERT_GT(written->size(), data) << piece;
+    EXPECT_NE((written->size() - data) % 4096, 0u);
+    EXPECT_TRUE(written->compare(written->size() - data, data, file, file.size() - data) == 0)
+        << "piece_bytes " << piece;
+  }
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
 }
 
 TEST(SafetensorsExportTest, AFailedReadEndsTheExportWithoutAnIndexOrLeftovers) {

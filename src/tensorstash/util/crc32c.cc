@@ -19,6 +19,11 @@ uint32_t Crc32c(const void* data, size_t size, uint32_t crc) {
   return ~state;
 }
 
+uint32_t Crc32(const void* data, size_t size, uint32_t crc) {
+  // crc32_gzip_refl inverts on entry and exit itself, and takes a 64-bit length.
+  return crc32_gzip_refl(crc, static_cast<const unsigned char*>(data), size);
+}
+
 namespace {
 
 // Appending a zero bit to the message is linear over GF(2) on the 32-bit CRC register; a

@@ -16,6 +16,18 @@
 namespace tensorstash {
 namespace {
 
+TEST(Crc32Test, StandardCheckValueAndChainingAsZlibs) {
+  EXPECT_EQ(Crc32("123456789", 9), 0xCBF43926u);
+  EXPECT_EQ(Crc32("", 0), 0u);
+  // Continued over a split at every length, equal to the whole (zlib's crc32 convention).
+  std::string data(1000, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 131 + (i >> 3));
+  const uint32_t whole = Crc32(data.data(), data.size());
+  for (size_t cut : {size_t{0}, size_t{1}, size_t{15}, size_t{64}, size_t{500}, size_t{999}}) {
+    EXPECT_EQ(Crc32(data.data() + cut, data.size() - cut, Crc32(data.data(), cut)), whole) << cut;
+  }
+}
+
 TEST(Crc32cTest, StandardCheckValueAndChaining) {
   EXPECT_EQ(Crc32c("123456789"), 0xE3069283u);
   EXPECT_EQ(Crc32c(""), 0u);

@@ -1,13 +1,12 @@
 #include "tensorstash/format/dcp/torch_zip.h"
 
-#include <zlib.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/endian.h"
 #include "tensorstash/util/str_util.h"
 
@@ -24,17 +23,6 @@ constexpr size_t kZip64EndSize = 56;
 constexpr size_t kZip64LocatorSize = 20;
 constexpr size_t kCentralSize = 46;
 constexpr size_t kLocalSize = 30;
-
-uint32_t Crc32(std::string_view bytes) {
-  // zlib's crc32 takes a uInt length: feed it in pieces below 4 GiB.
-  uLong crc = crc32(0L, Z_NULL, 0);
-  while (!bytes.empty()) {
-    size_t n = std::min<size_t>(bytes.size(), 1u << 30);
-    crc = crc32(crc, reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(n));
-    bytes.remove_prefix(n);
-  }
-  return static_cast<uint32_t>(crc);
-}
 
 }  // namespace
 
@@ -153,7 +141,7 @@ Result<std::vector<ZipEntry>> ReadStoredZip(std::string_view archive, std::strin
     e.size = usize;
     e.crc32 = crc;
     if (check_crc) {
-      uint32_t actual = Crc32(archive.substr(data, usize));
+      uint32_t actual = Crc32(archive.data() + data, usize);
       if (actual != crc) {
         return fail("entry '", e.name, "' has CRC-32 ", actual, ", its header says ", crc);
       }
