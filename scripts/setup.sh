@@ -11,7 +11,7 @@ TARGETS=("$@")
 
 DEB_PACKAGES=(
   build-essential cmake ninja-build pkg-config python3-venv
-  libabsl-dev libzstd-dev libblosc-dev zlib1g-dev nlohmann-json3-dev libsimdjson-dev libisal-dev
+  libabsl-dev libzstd-dev libblosc-dev zlib1g-dev nlohmann-json3-dev libsimdjson-dev libisal-dev libxxhash-dev
   libcli11-dev
   libcurl4-openssl-dev libmicrohttpd-dev libssl-dev libexpat1-dev
   libgtest-dev libgmock-dev libbenchmark-dev
