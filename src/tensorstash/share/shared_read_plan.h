@@ -95,7 +95,7 @@ class SharedReadPlan {
   uint64_t total_storage_bytes() const;
   // Bytes the job would read with every process reading what it needs itself.
   uint64_t unshared_storage_bytes() const { return unshared_bytes_; }
-  // Process p's part, from `needs` (the input of PlanSharedReads).
+  // Process p's part (0 <= p < process_count()), from `needs` (the input of PlanSharedReads).
   ProcessShare ForProcess(const JobNeeds& needs, const std::vector<SharedArray>& arrays,
                           int p) const;
 
