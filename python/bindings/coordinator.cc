@@ -89,4 +89,24 @@ Result<std::string> PyCoordinator::KeyValueGet(std::string_view key,
   return value;
 }
 
+Result<std::optional<std::string>> PyCoordinator::KeyValueTryGet(std::string_view key) {
+  std::optional<std::string> value;
+  bool has_try_get = false;
+  Status status = CallPython("key_value_try_get", [&] {
+    has_try_get = nb::hasattr(object_, "key_value_try_get");
+    if (has_try_get) {
+      nb::object got = object_.attr("key_value_try_get")(ToPyStr(key));
+      if (!got.is_none()) value = FromPyStr(got);
+    } else {
+      value = FromPyStr(object_.attr("key_value_get")(ToPyStr(key), int64_t{0}));
+    }
+  });
+  // A coordinator without key_value_try_get: its timeout of a zero wait means "not set yet".
+  if (!has_try_get && status.code() == absl::StatusCode::kDeadlineExceeded) {
+    return std::optional<std::string>();
+  }
+  if (!status.ok()) return status;
+  return value;
+}
+
 }  // namespace tensorstash::python

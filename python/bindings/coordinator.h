@@ -38,6 +38,9 @@ class PyCoordinator final : public Coordinator {
   Status Barrier(std::string_view name, std::chrono::milliseconds timeout) override;
   Status KeyValueSet(std::string_view key, std::string_view value) override;
   Result<std::string> KeyValueGet(std::string_view key, std::chrono::milliseconds timeout) override;
+  // key_value_try_get(key) -> str | None where the object has it; otherwise key_value_get(key, 0),
+  // its TimeoutError read as "not set".
+  Result<std::optional<std::string>> KeyValueTryGet(std::string_view key) override;
 
  private:
   PyCoordinator(nanobind::object object, int process_index, int process_count);

@@ -392,6 +392,15 @@ class JaxCoordinator:
     def key_value_get(self, key: str, timeout_ms: int) -> str:
         return self._client.blocking_key_value_get(self._prefix + key, int(timeout_ms))
 
+    def key_value_try_get(self, key: str) -> str | None:
+        """The value of `key`, or None when no process has set it yet, without waiting."""
+        try:
+            return self._client.key_value_try_get(self._prefix + key)
+        except RuntimeError as e:  # jax.errors.JaxRuntimeError, "NOT_FOUND: ..."
+            if str(e).startswith("NOT_FOUND"):
+                return None
+            raise
+
 
 def default_coordinator() -> JaxCoordinator | None:
     """A JaxCoordinator when the job has several processes, else None (single process)."""

@@ -468,6 +468,14 @@ class TorchCoordinator:
         self._wait(full, timeout_ms, "waiting for key")
         return self._store.get(full).decode("utf-8", "surrogateescape")
 
+    def key_value_try_get(self, key: str) -> str | None:
+        """The value of `key`, or None when no process has set it yet, without waiting (one
+        check(), and a get() only when the key is there)."""
+        full = self._prefix + "kv/" + key
+        if not self._store.check([full]):
+            return None
+        return self._store.get(full).decode("utf-8", "surrogateescape")
+
     def close(self, timeout_ms: int = 60_000) -> None:
         """Deletes this coordinator's keys from the store; collective: every process calls it
         once, after its last use of the coordinator. A key may be read by any process until

@@ -244,6 +244,17 @@ def test_the_coordinators_waits_leave_the_store_to_other_threads(process_group_o
         ttorch.TorchCoordinator().key_value_get("k", 100)
 
 
+def test_the_coordinators_try_get_answers_without_waiting(process_group_of_one):
+    import time
+    coord = ttorch.TorchCoordinator()
+    start = time.monotonic()
+    assert coord.key_value_try_get("address/1") is None
+    assert time.monotonic() - start < 5  # (no wait for a key that may never come)
+    coord.key_value_set("address/1", "127.0.0.1:4000 \u00e9")
+    assert coord.key_value_try_get("address/1") == "127.0.0.1:4000 \u00e9"
+    assert ttorch.TorchCoordinator().key_value_try_get("address/1") is None  # other keys
+
+
 def test_cpu_tensors_need_no_host_copy():
     adapter = ttorch.TorchAdapter()
     xs = [torch.arange(3), torch.zeros(2, 2)]

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -37,6 +38,10 @@ class Coordinator {
   // `timeout`, naming the key.
   virtual Result<std::string> KeyValueGet(std::string_view key,
                                           std::chrono::milliseconds timeout) = 0;
+  // The value of `key` if some process has set it, std::nullopt if none has yet, without
+  // waiting: for polls that must not block on a process that may never come (shared reads ask
+  // for a peer's address this way). An error only when the runtime cannot be asked.
+  virtual Result<std::optional<std::string>> KeyValueTryGet(std::string_view key) = 0;
 
   // A number that is the same in every process for the n-th collective operation each of them
   // starts (each process counts its own calls), so operations can name their keys uniquely.

@@ -18,6 +18,8 @@ TEST(SingleProcessCoordinatorTest, KeyValueAndBarrier) {
   EXPECT_TRUE(absl::IsAlreadyExists(c.KeyValueSet("k", "w")));
   EXPECT_EQ(c.KeyValueGet("k", milliseconds(1)).value(), "v");
   EXPECT_TRUE(absl::IsNotFound(c.KeyValueGet("missing", milliseconds(1)).status()));
+  EXPECT_EQ(c.KeyValueTryGet("k").value(), std::optional<std::string>("v"));
+  EXPECT_EQ(c.KeyValueTryGet("missing").value(), std::nullopt);
   EXPECT_EQ(c.NextOperationId(), 0u);
   EXPECT_EQ(c.NextOperationId(), 1u);
 }
@@ -48,6 +50,20 @@ TEST(InProcessCoordinatorTest, ProcessesExchangeValuesAndMeetAtBarriers) {
     EXPECT_TRUE(results[p].ok()) << results[p];
     EXPECT_EQ(seen[p], "v0v1v2v3");
   }
+}
+
+// A try-get answers at once, before and after another process sets the key.
+TEST(InProcessCoordinatorTest, TryGetDoesNotWait) {
+  auto group = std::make_shared<InProcessCoordinatorGroup>(2);
+  InProcessCoordinator reader(group, 0);
+  InProcessCoordinator writer(group, 1);
+  auto before = reader.KeyValueTryGet("address/1");
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_EQ(*before, std::nullopt);
+  ASSERT_TRUE(writer.KeyValueSet("address/1", "127.0.0.1:4000").ok());
+  auto after = reader.KeyValueTryGet("address/1");
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(*after, std::optional<std::string>("127.0.0.1:4000"));
 }
 
 TEST(InProcessCoordinatorTest, TimeoutsNameWhatWasAwaited) {

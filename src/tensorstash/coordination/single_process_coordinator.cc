@@ -18,4 +18,10 @@ Result<std::string> SingleProcessCoordinator::KeyValueGet(std::string_view key,
   return it->second;
 }
 
+Result<std::optional<std::string>> SingleProcessCoordinator::KeyValueTryGet(std::string_view key) {
+  auto it = values_.find(key);
+  if (it == values_.end()) return std::optional<std::string>();
+  return std::optional<std::string>(it->second);
+}
+
 }  // namespace tensorstash

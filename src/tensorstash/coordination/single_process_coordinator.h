@@ -17,6 +17,7 @@ class SingleProcessCoordinator final : public Coordinator {
   Status KeyValueSet(std::string_view key, std::string_view value) override;
   // NotFound at once when the key is absent: no other process could ever set it.
   Result<std::string> KeyValueGet(std::string_view key, std::chrono::milliseconds) override;
+  Result<std::optional<std::string>> KeyValueTryGet(std::string_view key) override;
 
  private:
   std::map<std::string, std::string, std::less<>> values_;

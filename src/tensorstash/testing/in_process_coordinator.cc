@@ -34,4 +34,11 @@ Result<std::string> InProcessCoordinator::KeyValueGet(std::string_view key,
   return group_->values_.find(key)->second;
 }
 
+Result<std::optional<std::string>> InProcessCoordinator::KeyValueTryGet(std::string_view key) {
+  std::lock_guard<std::mutex> lock(group_->mutex_);
+  auto it = group_->values_.find(key);
+  if (it == group_->values_.end()) return std::optional<std::string>();
+  return std::optional<std::string>(it->second);
+}
+
 }  // namespace tensorstash

@@ -42,6 +42,7 @@ class InProcessCoordinator final : public Coordinator {
   Status Barrier(std::string_view name, std::chrono::milliseconds timeout) override;
   Status KeyValueSet(std::string_view key, std::string_view value) override;
   Result<std::string> KeyValueGet(std::string_view key, std::chrono::milliseconds timeout) override;
+  Result<std::optional<std::string>> KeyValueTryGet(std::string_view key) override;
 
  private:
   std::shared_ptr<InProcessCoordinatorGroup> group_;
