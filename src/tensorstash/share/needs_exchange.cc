@@ -5,22 +5,11 @@
 #include "absl/strings/str_cat.h"
 #include "tensorstash/coordination/collectives.h"
 #include "tensorstash/util/base64.h"
-
-// Header-only: the wheel and consumers of the static library need no libxxhash.
-#define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "tensorstash/util/chunk_digest.h"
 
 namespace tensorstash {
 
-std::string NeedsDigest(std::string_view encoded) {
-  const XXH128_hash_t hash = XXH3_128bits(encoded.data(), encoded.size());
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out;
-  for (uint64_t half : {hash.high64, hash.low64}) {
-    for (int shift = 60; shift >= 0; shift -= 4) out.push_back(kHex[(half >> shift) & 0xf]);
-  }
-  return out;
-}
+std::string NeedsDigest(std::string_view encoded) { return DigestHex(Xxh3Digest(encoded)); }
 
 Result<JobNeeds> ExchangeNeeds(Coordinator& coordinator, std::string_view key_prefix,
                                const ProcessNeeds& mine, const std::vector<SharedArray>& arrays,
