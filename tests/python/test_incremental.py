@@ -118,3 +118,27 @@ def test_inspect_shows_what_a_step_depends_on_and_verify_follows_references(tmp_
     bad = subprocess.run([cli_path(), "verify", s2], capture_output=True, text=True)
     assert bad.returncode != 0
     assert "0000000001/state/data/0-0.dat" in bad.stdout + bad.stderr
+
+
+def test_manager_retention_never_deletes_a_step_a_kept_step_depends_on(tmp_path):
+    # One-off incremental saves into a managed root: retention drops the base from the listing
+    # but leaves its folder, because the kept incremental step reads its chunks there.
+    rng = np.random.default_rng(3)
+    trees = [lora_like(rng, seed) for seed in (1, 2, 3, 4)]
+    root = str(tmp_path)
+    tensorstash.save(os.path.join(root, "0000000001"), trees[0], chunk_bytes=CHUNK,
+                     record_digests=True, sync=False)
+    tensorstash.save(os.path.join(root, "0000000002"), trees[1], chunk_bytes=CHUNK,
+                     base=os.path.join(root, "0000000001"), sync=False)
+    mgr = tensorstash.CheckpointManager(root, max_to_keep=2)
+    mgr.save(3, trees[2])
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [2, 3]
+    assert os.path.isdir(os.path.join(root, "0000000001")), "the base of kept step 2 was deleted"
+    assert_trees_equal(tensorstash.restore(os.path.join(root, "0000000002")), trees[1])
+    mgr.save(4, trees[3])  # step 2 is dropped now: nothing kept depends on it, so it goes
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [3, 4]
+    assert not os.path.exists(os.path.join(root, "0000000002"))
+    assert_trees_equal(tensorstash.restore(os.path.join(root, "0000000003")), trees[2])
+    mgr.close()

@@ -207,6 +207,14 @@ Result<std::string> ReadCommitText(KvStore* kv, const std::string& commit_key) {
 
 }  // namespace
 
+Result<CommitRecord> ReadStepCommitRecord(KvStore* kv, const std::string& dir) {
+  TS_RETURN_IF_ERROR(ValidateKey(dir));
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<KvStore> committed, StepCommitter(kv).OpenCommitted(dir));
+  const std::string key = StrCat(dir, "/", kCommitFileName);
+  TS_ASSIGN_OR_RETURN(std::string text, ReadCommitText(committed.get(), key));
+  return DecodeCommitRecord(text, key);
+}
+
 Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, std::string dir,
                                                                  ReaderOptions options) {
   TS_RETURN_IF_ERROR(ValidateKey(dir));

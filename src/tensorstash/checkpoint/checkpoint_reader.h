@@ -32,6 +32,11 @@
 
 namespace tensorstash {
 
+// The commit record of committed step `dir` alone (its index and data files are neither read nor
+// opened): what a manager needs to know which steps a step depends on. NotFound when `dir` is
+// not a committed step; DataLoss for a record that is corrupt or too large.
+Result<CommitRecord> ReadStepCommitRecord(KvStore* kv, const std::string& dir);
+
 class CheckpointReader {
  public:
   // Opens the step folder `dir` of `kv`. NotFound if it does not exist; FailedPrecondition if it

@@ -385,8 +385,28 @@ std::vector<int64_t> CheckpointManager::Impl::ChooseDoomed() {
 }
 
 Status CheckpointManager::Impl::DeleteSteps(const std::vector<int64_t>& doomed) {
+  // A step that a kept step depends on (an incremental step saved into this root against it,
+  // docs/format.md 6.1) holds data of that step: retention unlists it but leaves it on disk.
+  // The kept steps' records are read first; when one cannot be read, nothing is deleted.
+  std::vector<int64_t> kept;
+  {
+    std::lock_guard<std::mutex> guard(mutex);
+    kept.assign(steps.begin(), steps.end());
+  }
+  std::set<std::string, std::less<>> depended_on;
+  for (int64_t step : kept) {
+    TS_ASSIGN_OR_RETURN(std::string dir, StepDir(step));
+    Result<CommitRecord> record = ReadStepCommitRecord(step_store->kv(), dir);
+    if (absl::IsNotFound(record.status())) continue;  // deleted by hand meanwhile
+    TS_RETURN_IF_ERROR(Annotate(record.status(),
+                                StrCat("reading the commit record of kept step ", step,
+                                       " before retention deletes steps (none was deleted)")));
+    depended_on.insert(record->depends_on.begin(), record->depends_on.end());
+  }
   Status result;
   for (int64_t step : doomed) {
+    TS_ASSIGN_OR_RETURN(std::string dir, StepDir(step));
+    if (depended_on.count(dir) > 0) continue;
     Status deleted = Annotate(DeleteStep(step), StrCat("deleting step ", step, " (retention)"));
     if (result.ok()) result = deleted;
   }
