@@ -388,6 +388,8 @@ Status CheckpointManager::Impl::DeleteSteps(const std::vector<int64_t>& doomed) 
   // A step that a kept step depends on (an incremental step saved into this root against it,
   // docs/format.md 6.1) holds data of that step: retention unlists it but leaves it on disk.
   // The kept steps' records are read first; when one cannot be read, nothing is deleted.
+  // Every async save and every non-leader process comes here with nothing to delete: no reads.
+  if (doomed.empty()) return OkStatus();
   std::vector<int64_t> kept;
   {
     std::lock_guard<std::mutex> guard(mutex);
