@@ -25,6 +25,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import inspect
+import itertools
 import json
 import logging
 import operator
@@ -277,9 +278,12 @@ class CheckpointManager:
     steps. No lock is taken on storage (Orbax takes none, and leaves nothing a LOCK file would
     guard): a second manager of the same root in this process is refused, one in another
     process is not detected. metadata() is the step's Orbax custom_metadata; save's `metadata`
-    and `per_process`, local_dir and several processes are not available there. An Orbax root
-    on a store URL (gs://, s3://) is detected, listed and restored from, but save() there is a
-    NotImplementedError.
+    and `per_process` and local_dir are not available there. In a job of several processes
+    every process calls save() (each writes the chunks it owns, as save(format="orbax") does),
+    process 0 applies retention and the others wait for it within `coordination_timeout`, and
+    with handle_sigterm reached_preemption() is True in every process once any got a SIGTERM.
+    An Orbax root on a store URL (gs://, s3://) is detected, listed and restored from, but
+    save() there is a NotImplementedError.
 
     Raises ValueError when another manager holds the root's lock (until it is closed or its
     process ends) or for bad options. A context manager: close() on exit.
@@ -811,6 +815,15 @@ _OPEN_ORBAX_ROOTS: set[str] = set()
 _OPEN_ORBAX_ROOTS_LOCK = threading.Lock()
 
 
+# Sequence numbers of the coordinated operations of _OrbaxRunManager (saves, preemption
+# checks): the same in every process, which calls them in the same order.
+_ORBAX_MANAGER_OPS = itertools.count()
+
+
+def _next_orbax_manager_op() -> str:
+    return f"tensorstash-orbax-manager/{next(_ORBAX_MANAGER_OPS)}"
+
+
 def _release_orbax_root(root: str) -> None:
     with _OPEN_ORBAX_ROOTS_LOCK:
         _OPEN_ORBAX_ROOTS.discard(root)
@@ -852,7 +865,9 @@ class _OrbaxRunManager(CheckpointManager):
                  step_format_fixed_length: int | None = None):
         del max_staging_bytes, copy_host_jax_arrays, chunk_bytes, data_file_bytes
         del local_save_interval_steps, local_max_to_keep, local_server_address
-        del local_server_port, coordination_timeout, format
+        del local_server_port, format
+        if not coordination_timeout > 0:
+            raise ValueError(f"coordination_timeout must be > 0, not {coordination_timeout!r}")
         _check_counts(max_to_keep=max_to_keep, keep_period=keep_period,
                       save_interval_steps=save_interval_steps,
                       step_format_fixed_length=step_format_fixed_length)
@@ -865,8 +880,14 @@ class _OrbaxRunManager(CheckpointManager):
             raise NotImplementedError("local_dir is not available for a root of Orbax steps")
         if coordinator is None:
             coordinator = _default_coordinator()
-        if coordinator is not None and coordinator.process_count() > 1:
-            raise NotImplementedError("a manager of Orbax steps runs in a single process")
+        # Several processes: each writes what it owns (save(format="orbax")'s multi-process
+        # writer), process 0 applies retention and tells the others, and reached_preemption()
+        # is agreed on. One process: no coordination at all.
+        self._coordinator = (coordinator if coordinator is not None
+                             and coordinator.process_count() > 1 else None)
+        self._process_index = (self._coordinator.process_index()
+                               if self._coordinator is not None else 0)
+        self._timeout_ms = int(coordination_timeout * 1000)
         if step_prefix is not None and (not step_prefix or "/" in step_prefix):
             raise ValueError(f"step_prefix must be a non-empty folder name, not {step_prefix!r}")
         self.root = _paths.abspath(root)
@@ -906,6 +927,7 @@ class _OrbaxRunManager(CheckpointManager):
         self._inflight: concurrent.futures.Future | None = None
         self._preempted = threading.Event()
         self._old_sigterm = None
+        self._handle_sigterm = bool(handle_sigterm)
         if handle_sigterm:
             self._old_sigterm = signal.signal(signal.SIGTERM,
                                               lambda *_: self._preempted.set())
@@ -939,29 +961,32 @@ class _OrbaxRunManager(CheckpointManager):
         if metrics_dict:
             json_items = ((_orbax_steps.METRICS_ITEM, _orbax_steps.METRICS_ITEM,
                            json.dumps(metrics_dict)),)
+        # Keys of this save's coordination, taken here (the caller's thread): every process
+        # calls save() in the same order, a background thread would not take them in order.
+        op = _next_orbax_manager_op()
         if self.async_save:
             state = _tree.map_target(state, lambda _path, x: _detached_copy(x))
             blocking = time.perf_counter() - started
             self._inflight = self._pool.submit(self._write, step, state, json_items, started,
-                                               blocking)
+                                               blocking, op)
         else:
-            self._write(step, state, json_items, started, None)
+            self._write(step, state, json_items, started, None, op)
         return True
 
     def _write(self, step: int, state: Any, json_items: tuple, started: float,
-               blocking: float | None) -> None:
+               blocking: float | None, op: str) -> None:
         """Writes and commits `step` (the background thread's job for an async save), then
         applies retention and reports the stats."""
         name = self._names.name(step)
         engine = _save_orbax(self.root, name, state, overwrite=False, codec=None,
                              zstd_level=self.zstd_level, io_threads=self._io_threads,
-                             sync=self._sync, coordinator=None, item=_orbax_steps.DEFAULT_ITEM,
-                             json_items=json_items)
+                             sync=self._sync, coordinator=self._coordinator,
+                             item=_orbax_steps.DEFAULT_ITEM, json_items=json_items)
         total = time.perf_counter() - started
         stored = 0
         for folder, _dirs, files in os.walk(os.path.join(self.root, name)):
             stored += sum(os.path.getsize(os.path.join(folder, f)) for f in files)
-        self._apply_retention()
+        self._retain(op)
         stats = SaveStats(step=step, async_save=blocking is not None,
                           raw_bytes=int(engine["raw_bytes"]), stored_bytes=stored,
                           blocking_s=total if blocking is None else blocking, total_s=total)
@@ -975,6 +1000,26 @@ class _OrbaxRunManager(CheckpointManager):
             except Exception:  # noqa: BLE001 - a callback must not break the save
                 self.logger.exception("tensorstash: the on_save callback of step %d failed",
                                       step)
+
+    def _retain(self, op: str) -> None:
+        """Retention after a committed save: by this process alone, or with several processes
+        by process 0, which tells the others its outcome so that each save() returns (or raises)
+        with the same steps listed in every process."""
+        if self._coordinator is None:
+            self._apply_retention()
+            return
+        key = f"{op}/retained"
+        if self._process_index == 0:
+            try:
+                self._apply_retention()
+            except BaseException as e:
+                self._coordinator.key_value_set(key, f"{type(e).__name__}: {e}")
+                raise
+            self._coordinator.key_value_set(key, "ok")
+            return
+        outcome = self._coordinator.key_value_get(key, self._timeout_ms)
+        if outcome != "ok":
+            raise RuntimeError(f"process 0 could not apply retention to {self.root}: {outcome}")
 
     def _apply_retention(self) -> None:
         """Deletes the steps that the engine's retention policy drops: each renamed to a
@@ -1004,7 +1049,14 @@ class _OrbaxRunManager(CheckpointManager):
 
     def reached_preemption(self, step: int) -> bool:
         _check_step(step)
-        return self._preempted.is_set()
+        mine = self._preempted.is_set()
+        if self._coordinator is None or not self._handle_sigterm:
+            return mine
+        # Every process answers the same: True when a SIGTERM reached any of them.
+        key = f"{_next_orbax_manager_op()}/preempted/"
+        self._coordinator.key_value_set(f"{key}{self._process_index}", "1" if mine else "0")
+        return any(self._coordinator.key_value_get(f"{key}{p}", self._timeout_ms) == "1"
+                   for p in range(self._coordinator.process_count()))
 
     def wait_until_finished(self) -> None:
         self._check_open()

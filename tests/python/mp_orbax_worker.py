@@ -2,6 +2,9 @@
 through mp_launch.run_job, hence mp_worker.py's command line; only --phase save).
 
     python mp_orbax_worker.py --phase save --step PATH --nproc N --pid I --port P --layout A
+    python mp_orbax_worker.py --phase save --step ROOT ... --layout manager
+
+--layout manager runs a CheckpointManager(ROOT, format="orbax") instead (run_manager below).
 
 Every process builds the same deterministic tree (tree_values(): arrays sharded over all 8
 devices of the job, a replicated one, a NumPy array, a key holding '/', a string, an int, and
@@ -40,9 +43,52 @@ def tree_values():
     return arrays, pattern((8, 4), np.float32, seed=50), pattern((7, 3), np.int16, seed=99)
 
 
+MANAGER_STEPS = (1, 2, 3, 4)
+MANAGER_KEEP = 2          # max_to_keep of the manager run
+PREEMPTED_AT = 3          # process 1 gets a SIGTERM before this step
+
+
+def manager_tree_values(step: int):
+    """The NumPy values of the state the manager run saves at `step`."""
+    arrays, _, _ = tree_values()
+    return {k: (v + step if v.dtype.kind in "fiu" else v) for k, v in arrays.items()
+            if k in ("w", "r", "odd")}
+
+
 def main() -> int:
     args = parse_args(layout_default="A")
-    return run_in_job(args, run, distributed=args.nproc > 1)
+    return run_in_job(args, run_manager if args.layout == "manager" else run,
+                      distributed=args.nproc > 1)
+
+
+def run_manager(args) -> None:
+    """Every process runs one CheckpointManager(ROOT, format="orbax") (async saves, retention
+    of MANAGER_KEEP steps, metrics, handle_sigterm) over MANAGER_STEPS; process 1 alone gets a
+    SIGTERM before step PREEMPTED_AT, and every process must see reached_preemption() then."""
+    import os
+    import signal
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import tensorstash
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    mgr = tensorstash.CheckpointManager(args.step, format="orbax", max_to_keep=MANAGER_KEEP,
+                                        async_save=True, handle_sigterm=True)
+    for step in MANAGER_STEPS:
+        if step == PREEMPTED_AT and args.pid == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        preempted = mgr.reached_preemption(step)
+        assert preempted == (step >= PREEMPTED_AT), (step, preempted)
+        state = {"params": {k: jax.make_array_from_callback(
+            v.shape, NamedSharding(mesh, P(*ARRAYS[k][2])), lambda idx, v=v: v[idx])
+            for k, v in manager_tree_values(step).items()}}
+        assert mgr.save(step, state, metrics={"loss": 10.0 - step})
+    mgr.wait_until_finished()
+    print(f"process {args.pid}: steps {json.dumps(mgr.all_steps())}", flush=True)
+    mgr.close()
 
 
 def run(args) -> None:

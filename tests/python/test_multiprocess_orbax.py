@@ -19,7 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import mp_launch
 import tensorstash
-from mp_orbax_worker import ARRAYS, KEY_COUNT, tree_values
+from mp_orbax_worker import (ARRAYS, KEY_COUNT, MANAGER_KEEP, MANAGER_STEPS,
+                             manager_tree_values, tree_values)
 from tshelpers import assert_jax_array, cli_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -147,3 +148,38 @@ def test_verify_passes(saved):
     result = subprocess.run([cli_path(), "verify", saved], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_manager_of_orbax_steps_runs_in_every_process(tmp_path):
+    """CheckpointManager(root, format="orbax") in a 2-process job: async saves from both
+    processes, retention by process 0 seen by both, a SIGTERM to one process seen by both in
+    reached_preemption(); Orbax's own manager lists and restores what it wrote, and a later
+    tensorstash manager continues the run."""
+    root = str(tmp_path / "run")
+    output = mp_launch.run_job(WORKER, "save", root, 2, "manager", str(tmp_path),
+                               timeout_s=150, pythonpath=WORKER_PYTHONPATH)
+    kept = list(MANAGER_STEPS[-MANAGER_KEEP:])
+    for p in (0, 1):
+        assert f"process {p}: steps {json.dumps(kept)}" in output, output
+    assert sorted(os.listdir(root)) == [str(s) for s in kept]
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("p", "q"))
+    want = manager_tree_values(kept[-1])
+    # Another layout than the save's: w (16, 24) and odd (12, 6) over 4 x 2, r (6, 5) replicated.
+    specs = {"w": P("p", "q"), "odd": P("p"), "r": P()}
+    shardings = {k: NamedSharding(mesh, specs[k]) for k in want}
+    target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
+                         for k, v in want.items()}}
+    with ocp.CheckpointManager(root) as theirs:
+        assert list(theirs.all_steps()) == kept
+        got = theirs.restore(kept[-1], args=ocp.args.StandardRestore(target))
+    for k, v in want.items():
+        assert_jax_array(got["params"][k], v, shardings[k], f"Orbax's restore of {k}")
+    with tensorstash.CheckpointManager(root, max_to_keep=MANAGER_KEEP) as ours:
+        assert ours.format == "orbax" and ours.all_steps() == kept
+        assert ours.metrics(kept[-1]) == {"loss": 10.0 - kept[-1]}
+        got = ours.restore(kept[-1], target=target)
+        for k, v in want.items():
+            assert_jax_array(got["params"][k], v, shardings[k], f"tensorstash's restore of {k}")
+        ours.save(kept[-1] + 1, {"params": {k: np.asarray(v) for k, v in want.items()}})
+        ours.wait_until_finished()
+        assert ours.all_steps() == [kept[-1], kept[-1] + 1]
