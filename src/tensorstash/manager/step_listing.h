@@ -17,7 +17,8 @@ namespace tensorstash {
 
 struct StepListing {
   std::string name;  // the folder's name under the root
-  // "complete" (the step opens), "damaged" (it has a COMMIT but does not open: `problem` says
+  // "complete" (the step opens), "retired" (a committed step a manager's retention dropped,
+  // kept on storage for the data of incremental steps that refer to it), "damaged" (it has a COMMIT but does not open: `problem` says
   // why), "incomplete" (no COMMIT, or a zarr group without write_completed), "temporary" (a
   // save's work folder or a step moved aside), or a foreign format's name (StepFormatName:
   // "orbax-ocdbt", "orbax-zarr-folders", "zarr-group").
