@@ -251,3 +251,45 @@ def test_gc_removes_a_retired_step_only_once_nothing_refers_to_it(tmp_path):
     assert gc.returncode == 0, gc.stderr
     assert not os.path.exists(step_dir(tmp_path, 1))
     assert "0000000001" in gc.stdout
+
+
+def test_ls_shows_owned_and_borrowed_bytes_and_materialize_makes_a_self_contained_copy(tmp_path):
+    import json
+    import shutil
+    import subprocess
+
+    from tshelpers import cli_path
+
+    rng = np.random.default_rng(8)
+    trees = {step: lora_like(rng, step) for step in (1, 2)}
+    root = tmp_path / "run"
+    with tensorstash.CheckpointManager(root, incremental=True, chunk_bytes=CHUNK,
+                                       sync=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, trees[step], metadata={"step": step}, metrics={"loss": 1.0 / step})
+    listing = subprocess.run([cli_path(), "ls", str(root)], capture_output=True, text=True)
+    assert listing.returncode == 0, listing.stderr
+    rows = {line.split()[0]: line for line in listing.stdout.splitlines()[1:]}
+    assert "OWNED" in listing.stdout.splitlines()[0] and "BORROWED" in listing.stdout.splitlines()[0]
+    # Step 2 borrows the frozen model (4 x (256 x 256 + 256) float32 = 1.0 MiB) from step 1.
+    assert rows["0000000002"].split()[-1] == "0000000001", rows["0000000002"]
+    assert "1.00 MiB" in rows["0000000002"], rows["0000000002"]
+    assert rows["0000000001"].split()[-1] == "-", rows["0000000001"]
+
+    copy = str(tmp_path / "elsewhere" / "0000000002")
+    done = subprocess.run([cli_path(), "convert", "--materialize", step_dir(root, 2), copy],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(subprocess.run([cli_path(), "inspect", "--json", copy],
+                                      capture_output=True, text=True).stdout)
+    assert shown["depends_on"] == [] and shown["borrowed_bytes"] == 0
+    shutil.rmtree(root)  # the bases are gone: the copy restores alone
+    assert_trees_equal(tensorstash.restore(copy), trees[2])
+    assert subprocess.run([cli_path(), "verify", copy], capture_output=True).returncode == 0
+    with tensorstash.CheckpointManager(tmp_path / "elsewhere") as mgr:
+        assert mgr.all_steps() == [2]
+        assert mgr.metadata(2) == {"step": 2}
+    # Only a tensorstash step can be materialized, and only as one.
+    bad = subprocess.run([cli_path(), "convert", "--materialize", "--to", "orbax", copy,
+                          str(tmp_path / "x")], capture_output=True, text=True)
+    assert bad.returncode != 0 and "--materialize" in bad.stderr

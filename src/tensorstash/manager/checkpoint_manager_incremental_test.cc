@@ -318,6 +318,11 @@ TEST_P(ManagerIncrementalTest, GcKeepsWhatStepsReferToAndRemovesUnneededRetiredS
   ASSERT_EQ(listed->size(), 3u);
   EXPECT_EQ((*listed)[0].status, "retired");
   EXPECT_EQ((*listed)[1].status, "complete");
+  // Step 2 borrows the frozen matrix from step 1, and owns the rest.
+  EXPECT_EQ((*listed)[1].borrowed_bytes, 64u * 64 * 4);
+  EXPECT_THAT((*listed)[1].depends_on, ElementsAre("0000000001"));
+  EXPECT_GT((*listed)[1].bytes, 8u * 16 * 4);
+  EXPECT_LT((*listed)[1].bytes, 64u * 64 * 4);
   // Steps 2 and 3 refer to step 1: gc removes nothing of it.
   Result<GarbageReport> report = CollectGarbage(kv_.get(), {.min_age = std::chrono::seconds(0)});
   ASSERT_TRUE(report.ok()) << report.status();

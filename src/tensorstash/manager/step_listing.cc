@@ -77,6 +77,11 @@ Result<std::vector<StepListing>> ListCheckpointRoot(KvStore* kv) {
       if (reader.ok()) {
         row.status = "complete";
         row.created_unix_ms = (*reader)->commit_record().created_unix_ms;
+        row.depends_on = (*reader)->commit_record().depends_on;
+        const ChunkIndex& index = (*reader)->index();
+        for (const IndexEntry& e : index.entries) {
+          if (!index.files[e.file_id].step.empty()) row.borrowed_bytes += e.length;
+        }
       } else {
         row.status = "damaged";
         row.problem = std::string(reader.status().message());
