@@ -1,4 +1,6 @@
-// `tensorstash convert SRC DST`: rewrite a checkpoint in the other format.
+// `tensorstash convert SRC DST`: rewrite a checkpoint in the other format. With --materialize,
+// a tensorstash step into a self-contained tensorstash step (an incremental step's borrowed
+// chunks copied in: docs/format.md 6.1).
 //
 // Both directions stream: each chunk is read from the source (StepSource: native, Orbax, a zarr
 // group) when the writer writes it (a ChunkSource, array/chunk_source.h), so memory stays at a
@@ -79,6 +81,9 @@ struct SourceArray {
   DType dtype = DType::kFloat32;
   std::vector<int64_t> shape;
   std::vector<int64_t> chunk_shape;  // how the source stores it: the unit the writer asks for
+  Codec codec = Codec::kNone;        // the source's, where it has one (native steps)
+  int zstd_level = 3;
+  int64_t chunk_bytes = 0;           // the source's chunk size in bytes (0: the writer's default)
 };
 
 // A checkpoint to convert from: its tree (array leaves index arrays()) and reads of any box.
@@ -102,13 +107,18 @@ class StepConvertSource final : public ConvertSource {
     TS_ASSIGN_OR_RETURN(source->step_,
                         OpenStepSource(source->location_.kv.get(), source->location_.key));
     for (const ArrayMetadata& a : source->step_->arrays()) {
-      source->arrays_.push_back({a.path, a.dtype, a.shape(), a.grid.chunk_shape});
+      int64_t chunk_elements = 1;
+      for (int64_t c : a.grid.chunk_shape) chunk_elements *= std::max<int64_t>(c, 1);
+      source->arrays_.push_back({a.path, a.dtype, a.shape(), a.grid.chunk_shape, a.codec,
+                                 a.zstd_level > 0 ? a.zstd_level : 3,
+                                 chunk_elements * static_cast<int64_t>(ItemSize(a.dtype))});
     }
     return source;
   }
   const TreeNode& tree() const override { return step_->tree(); }
   const std::vector<SourceArray>& arrays() const override { return arrays_; }
   StepFormat format() const { return step_->format(); }
+  StepSource* step() const { return step_.get(); }
   Status Read(size_t id, const Box& box, void* dest) override {
     if (g_interrupted != 0) return Interrupted();
     return step_->ReadMany({{arrays_[id].path, box, arrays_[id].dtype, dest}}, nullptr, nullptr);
@@ -195,12 +205,21 @@ std::optional<uint64_t> FreeBytesAt(std::string_view dst) {
   return static_cast<uint64_t>(fs.f_bavail) * static_cast<uint64_t>(fs.f_frsize);
 }
 
+// `materialize_from`: a native step copied whole (--materialize): each array keeps its codec and
+// chunk size, and the step's committed files (metadata, metrics, per-process state) are copied.
 Status WriteNative(ConvertSource* source, StepLocation* dst, bool overwrite,
-                   std::optional<uint64_t> free_at_dst) {
+                   std::optional<uint64_t> free_at_dst,
+                   const CheckpointReader* materialize_from = nullptr) {
   WriterOptions options;
   options.overwrite = overwrite;
   TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
                       CheckpointWriter::Create(dst->kv.get(), dst->key, options));
+  if (materialize_from != nullptr) {
+    for (const auto& [name, file] : materialize_from->commit_record().files) {
+      TS_ASSIGN_OR_RETURN(std::string contents, materialize_from->ReadFile(name));
+      TS_RETURN_IF_ERROR(writer->AddFile(name, std::move(contents)));
+    }
+  }
   // Each chunk is read from the source when the writer writes it (a chunk source): at most
   // max_inflight_bytes of the checkpoint is in memory at once, however large it is. What the
   // metadata claims is checked first against the space free at a local DST, so that a hostile
@@ -221,6 +240,11 @@ Status WriteNative(ConvertSource* source, StepLocation* dst, bool overwrite,
     spec.path = a.path;
     spec.dtype = a.dtype;
     spec.shape = a.shape;
+    if (materialize_from != nullptr) {
+      spec.codec = a.codec;
+      spec.zstd_level = a.zstd_level;
+      spec.target_chunk_bytes = a.chunk_bytes;
+    }
     ChunkSource read = [&, id](const Box& box, void* dest) {
       TS_RETURN_IF_ERROR(source->Read(id, box, dest));
       std::lock_guard<std::mutex> lock(progress_mutex);
@@ -302,13 +326,18 @@ int RunExportSafetensors(const std::string& src, const std::string& dst, const s
 }
 
 int RunConvert(const std::string& src, const std::string& dst, const std::string& to,
-               const std::string& item, bool overwrite) {
+               const std::string& item, bool overwrite, bool materialize) {
   Result<std::pair<StepLocation, Format>> opened_source = OpenSource(src, item);
   if (!opened_source.ok()) return Fail(opened_source.status());
   const Format from = opened_source->second;
+  if (materialize && (from != Format::kNative || (!to.empty() && to != "native"))) {
+    return Fail(InvalidArgumentError(StrCat(
+        "--materialize copies a tensorstash step into a self-contained tensorstash step; '", src,
+        "' is not one, or --to names another format")));
+  }
   Format target = from == Format::kNative ? Format::kOrbax : Format::kNative;
   if (to == "orbax") target = Format::kOrbax;
-  if (to == "native") target = Format::kNative;
+  if (to == "native" || materialize) target = Format::kNative;
   // An existing DST is refused by the writers unless --overwrite (and never deleted when it is
   // not a checkpoint: step_folder.h).
   Result<std::unique_ptr<StepConvertSource>> opened =
@@ -330,9 +359,18 @@ int RunConvert(const std::string& src, const std::string& dst, const std::string
   Status status;
   {
     InterruptGuard guard;
-    status = target == Format::kOrbax ? WriteOrbax(source.get(), &*destination, overwrite, item)
-                                      : WriteNative(source.get(), &*destination, overwrite,
-                                                    FreeBytesAt(dst));
+    // A native step's reader, for --materialize (its committed files).
+    const CheckpointReader* native = nullptr;
+    if (materialize) {
+      native = static_cast<StepConvertSource*>(source.get())->step()->native();
+      if (native == nullptr) status = InternalError("--materialize: the source is not native");
+    }
+    if (status.ok()) {
+      status = target == Format::kOrbax
+                   ? WriteOrbax(source.get(), &*destination, overwrite, item)
+                   : WriteNative(source.get(), &*destination, overwrite, FreeBytesAt(dst),
+                                 native);
+    }
     if (status.ok() && g_interrupted != 0) status = OkStatus();  // it finished all the same
   }
   if (absl::IsCancelled(status) && g_interrupted != 0) {
@@ -360,6 +398,7 @@ void AddConvertCommand(CLI::App& app, int* exit_code) {
   struct Args {
     std::string src, dst, to, item;
     bool overwrite = false;
+    bool materialize = false;
     uint64_t max_shard_bytes = 0;
   };
   auto args = std::make_shared<Args>();
@@ -374,11 +413,16 @@ void AddConvertCommand(CLI::App& app, int* exit_code) {
                   "Orbax CheckpointManager item: write DST as a step holding this item (e.g. "
                   "default), or read SRC's item");
   cmd->add_flag("--overwrite", args->overwrite, "Replace DST if it exists");
+  cmd->add_flag("--materialize", args->materialize,
+                "SRC is a tensorstash step (an incremental one, say): write DST as a "
+                "self-contained tensorstash step holding every byte, with the same arrays, "
+                "codecs, chunk sizes and committed files, that restores without SRC's bases");
   cmd->callback([args, exit_code] {
     *exit_code = args->to == "safetensors"
                      ? RunExportSafetensors(args->src, args->dst, args->item, args->overwrite,
                                             args->max_shard_bytes)
-                     : RunConvert(args->src, args->dst, args->to, args->item, args->overwrite);
+                     : RunConvert(args->src, args->dst, args->to, args->item, args->overwrite,
+                                  args->materialize);
   });
 }
 

@@ -58,8 +58,10 @@ int RunGc(const GcArgs& args) {
 void AddGcCommand(CLI::App& app, int* exit_code) {
   auto* cmd = app.add_subcommand(
       "gc",
-      "Remove what killed or failed saves left under a checkpoint root (never a committed "
-      "step); takes the root's lock, so it refuses while a manager runs there");
+      "Remove what killed or failed saves left under a checkpoint root, and retired steps "
+      "(incremental bases a manager's retention dropped) that no step refers to any more; "
+      "never a step that is listed or whose data a step refers to. Takes the root's lock, so "
+      "it refuses while a manager runs there");
   auto args = std::make_shared<GcArgs>();
   cmd->add_option("ROOT", args->root, "Folder or store URL holding step folders")->required();
   cmd->add_flag("--dry-run,-n", args->dry_run, "Only say what would be removed");

@@ -178,6 +178,10 @@ class Manager {
     return WithoutGil([](CheckpointManager& manager) { return manager.DamagedSteps(); });
   }
 
+  std::vector<int64_t> RetiredSteps() {
+    return WithoutGil([](CheckpointManager& manager) { return manager.RetiredSteps(); });
+  }
+
   // The persistent tier's newest complete step (not collective).
   std::optional<int64_t> LatestStep() {
     return WithoutGil([](CheckpointManager& manager) { return manager.LatestStep(); });
@@ -368,7 +372,7 @@ void InitManager(Manager* self, const std::string& root, int64_t max_to_keep, in
                  bool sync, bool overwrite, double coordination_timeout_s,
                  const std::optional<std::string>& local_dir, int64_t local_save_interval_steps,
                  int local_max_to_keep, const std::string& local_server_address,
-                 int local_server_port, nb::object warn) {
+                 int local_server_port, nb::object warn, bool incremental) {
   ThrowIfError(CheckNotNegative("max_to_keep", max_to_keep));
   ThrowIfError(CheckNotNegative("keep_period", keep_period));
   ThrowIfError(CheckNotNegative("save_interval_steps", save_interval_steps));
@@ -393,6 +397,7 @@ void InitManager(Manager* self, const std::string& root, int64_t max_to_keep, in
   options.best_mode = ValueOrThrow(ParseBestMode(best_mode));
   options.max_staging_bytes = static_cast<uint64_t>(max_staging_bytes);
   options.handle_sigterm = handle_sigterm;
+  options.incremental = incremental;
   options.writer = writer_options;
 
   std::optional<LocalTierOptions> local;
@@ -493,6 +498,7 @@ void DefineManager(nb::module_& m) {
            nb::arg("local_dir").none() = nb::none(), nb::arg("local_save_interval_steps") = 1,
            nb::arg("local_max_to_keep") = 1, nb::arg("local_server_address") = "127.0.0.1",
            nb::arg("local_server_port") = 0, nb::arg("warn").none() = nb::none(),
+           nb::arg("incremental") = false,
            "Creates `root` if needed, takes its lock and removes the leftovers of crashed saves; "
            "with `local_dir`, opens the node-local tier there too (collective; "
            "tiers/multi_tier_manager.h). ValueError when another manager holds the lock or for "
@@ -533,6 +539,9 @@ void DefineManager(nb::module_& m) {
            "process 0 only.")
       .def("damaged_steps", &Manager::DamagedSteps,
            "Steps with a COMMIT that do not open (found by process 0 at open), and why.")
+      .def("retired_steps", &Manager::RetiredSteps,
+           "Steps retention dropped that stay on storage, unlisted, because a listed step "
+           "refers to their data (incremental steps); process 0 only.")
       .def("should_save", &Manager::ShouldSave, nb::arg("step"),
            "Whether `step` is due under save_interval_steps (or local_save_interval_steps).")
       .def("persistent_due", &Manager::PersistentDue, nb::arg("step"),

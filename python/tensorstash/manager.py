@@ -262,6 +262,14 @@ class CheckpointManager:
     is bounded by `coordination_timeout` seconds (default 30 min, the engine's); a process that
     does not arrive is named in a TimeoutError.
 
+    `incremental=True` (native steps; docs/format.md 6.1): each save is made against the newest
+    listed step below it, so that a chunk that did not change since is recorded as a reference
+    to where its bytes already lie rather than written again (the frozen part of a LoRA-like
+    state costs a hash per chunk and no write). Retention still decides what all_steps() lists;
+    a dropped step that a listed step refers to stays on storage, unlisted (retired_steps()),
+    and is deleted once none does, in this session or a later one. With local_dir the
+    persistent tier saves incrementally; the local tier does not.
+
     `format`: the format of the root's steps. "auto" (the default) takes what the root holds:
     Orbax steps (written by orbax.checkpoint.CheckpointManager, or by this manager with
     format="orbax") make it a manager of Orbax steps, anything else (an empty root included) of
@@ -318,7 +326,7 @@ class CheckpointManager:
                  local_server_address: str | None = None, local_server_port: int = 0,
                  coordination_timeout: float = _options.COORDINATION_TIMEOUT_S,
                  format: str = "auto", step_prefix: str | None = None,
-                 step_format_fixed_length: int | None = None):
+                 step_format_fixed_length: int | None = None, incremental: bool = False):
         _options.check_codec(codec)
         found = getattr(self, "_found_format", None) or _root_format(root, format)
         if found != "native":  # a subclass's (__new__ picks the class)
@@ -388,7 +396,7 @@ class CheckpointManager:
             handle_sigterm=handle_sigterm, coordinator=self._coordinator, on_commit=on_commit,
             target_chunk_bytes=chunk_bytes, target_data_file_bytes=data_file_bytes,
             max_inflight_bytes=max_inflight_bytes, io_threads=io_threads, sync=sync,
-            coordination_timeout_s=coordination_timeout, **local)
+            coordination_timeout_s=coordination_timeout, incremental=bool(incremental), **local)
         self._multi = local_dir is not None
         # What the last multi-tier restore of a step read besides the arrays, by step.
         self._restored_from_tiers: dict[int, _ext.TieredRestore] = {}
@@ -541,6 +549,12 @@ class CheckpointManager:
         listed, never deleted by retention, and left on storage for inspection. Process 0 only
         (empty elsewhere)."""
         return dict(self._ext.damaged_steps())
+
+    def retired_steps(self) -> list[int]:
+        """With incremental=True: steps retention dropped that stay on storage, unlisted,
+        because a listed step refers to their data; each is deleted once no listed step does.
+        Ascending; process 0 only (empty elsewhere)."""
+        return list(self._ext.retired_steps())
 
     def step_path(self, step: int) -> str:
         """The folder of `step` (whether or not it exists)."""
@@ -862,7 +876,10 @@ class _OrbaxRunManager(CheckpointManager):
                  local_server_address: str | None = None, local_server_port: int = 0,
                  coordination_timeout: float = _options.COORDINATION_TIMEOUT_S,
                  format: str = "auto", step_prefix: str | None = None,
-                 step_format_fixed_length: int | None = None):
+                 step_format_fixed_length: int | None = None, incremental: bool = False):
+        if incremental:
+            raise NotImplementedError("incremental steps are native steps: not available for a "
+                                      "root of Orbax steps")
         del max_staging_bytes, copy_host_jax_arrays, chunk_bytes, data_file_bytes
         del local_save_interval_steps, local_max_to_keep, local_server_address
         del local_server_port, format
@@ -1098,6 +1115,9 @@ class _OrbaxRunManager(CheckpointManager):
 
     def damaged_steps(self) -> dict[int, str]:
         return {}
+
+    def retired_steps(self) -> list[int]:
+        return []
 
     def step_path(self, step: int) -> str:
         step = _check_step(step)

@@ -7,6 +7,8 @@ save: every process opens a manager on ROOT (max_to_keep=2; the coordinator is J
 default), saves steps 1..4 of a state sharded over all 8 devices of the job in the background,
 each with its own per_process value (JSON in even processes, bytes in odd ones), asks
 reached_preemption at every step (collective), and checks retention and its own items.
+With --layout incremental the manager saves incrementally and "w" stays the same at every step:
+steps 2-4 refer to step 1 for it, and retention retires step 1 instead of deleting it.
 restore: a new job (a restart) opens managers on ROOT again, restores the latest step onto
 another mesh, and reads back every process's per_process value. Exits 0 when all is well, 1
 with a traceback otherwise.
@@ -43,15 +45,18 @@ def run(args) -> None:
     devices = jax.devices()
     shapes = {"w": ((16, 24), np.float32), "b": ((24,), np.float32), "e": ((40, 8), np.int32)}
 
+    incremental = args.layout == "incremental"
+
     def values(step: int) -> dict:
-        return {k: pattern(shape, dt, seed=step * 10 + i)
+        # Incremental: "w" is frozen (the same at every step).
+        return {k: pattern(shape, dt, seed=(1 if incremental and k == "w" else step) * 10 + i)
                 for i, (k, (shape, dt)) in enumerate(shapes.items())}
 
     root = args.step
     if args.phase == "save":
         mesh = Mesh(np.array(devices).reshape(2, 4), ("x", "y"))
         specs = {"w": P("x", "y"), "b": P("y"), "e": P(("x", "y"))}
-        with tensorstash.CheckpointManager(root, max_to_keep=2) as mgr:
+        with tensorstash.CheckpointManager(root, max_to_keep=2, incremental=incremental) as mgr:
             assert mgr.all_steps() == [], mgr.all_steps()
             for step in STEPS:
                 state = {"params": {k: jax.make_array_from_callback(
@@ -64,6 +69,8 @@ def run(args) -> None:
                 assert not mgr.reached_preemption(step)
             mgr.wait_until_finished()
             assert mgr.all_steps() == [3, 4], mgr.all_steps()
+            if incremental:  # process 0 runs retention
+                assert mgr.retired_steps() == ([1] if args.pid == 0 else []), mgr.retired_steps()
             assert mgr.per_process(4) == per_process_value(args.pid, 4)
             last = mgr.last_save_stats
             assert last is not None and last.step == 4 and last.async_save, last

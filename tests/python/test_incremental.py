@@ -142,3 +142,154 @@ def test_manager_retention_never_deletes_a_step_a_kept_step_depends_on(tmp_path)
     assert not os.path.exists(os.path.join(root, "0000000002"))
     assert_trees_equal(tensorstash.restore(os.path.join(root, "0000000003")), trees[2])
     mgr.close()
+
+
+# --- CheckpointManager(incremental=True) ------------------------------------------------------
+
+def step_dir(root, step: int) -> str:
+    return os.path.join(str(root), f"{step:010d}")
+
+
+def depends_on(root, step: int) -> list[str]:
+    import json
+
+    with open(os.path.join(step_dir(root, step), "COMMIT")) as f:
+        return json.load(f).get("depends_on", [])
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_incremental_manager_writes_only_what_changed_and_retires_bases_kept_steps_need(
+        tmp_path, async_save):
+    rng = np.random.default_rng(5)
+    trees = {step: lora_like(rng, step) for step in range(1, 6)}
+    saved: list[tensorstash.SaveStats] = []
+    with tensorstash.CheckpointManager(tmp_path, max_to_keep=2, incremental=True,
+                                       chunk_bytes=CHUNK, sync=False, async_save=async_save,
+                                       on_save=saved.append) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, trees[step])
+        mgr.wait_until_finished()
+        # Step 1 was written whole; steps 2 and 3 wrote the adapters (and the step counter).
+        adapters = 4 * 2 * 256 * 8 * 4 + 8
+        assert [s.raw_bytes for s in saved][1:] == [adapters, adapters]
+        assert saved[0].raw_bytes > 10 * adapters
+        assert own_data_bytes(step_dir(tmp_path, 3)) < own_data_bytes(step_dir(tmp_path, 1)) * 0.2
+        # Step 3 was saved against step 2, and refers straight to step 1 for the frozen model.
+        assert depends_on(tmp_path, 2) == ["0000000001"]
+        assert depends_on(tmp_path, 3) == ["0000000001"]
+        assert mgr.all_steps() == [2, 3]
+        assert mgr.retired_steps() == [1]
+        for step in (2, 3):
+            assert_trees_equal(mgr.restore(step), trees[step])
+    # A later session: step 1 stays unlisted (and is never a base) while a kept step needs it.
+    with tensorstash.CheckpointManager(tmp_path, max_to_keep=2, incremental=True,
+                                       chunk_bytes=CHUNK, sync=False) as mgr:
+        assert mgr.all_steps() == [2, 3]
+        assert mgr.retired_steps() == [1]
+        mgr.save(4, trees[4])
+        mgr.wait_until_finished()
+        assert not os.path.exists(step_dir(tmp_path, 2))  # dropped, needed by nobody
+        assert mgr.retired_steps() == [1]
+        for step in (3, 4):
+            assert_trees_equal(mgr.restore(step), trees[step])
+    # A session that saves full steps: once no kept step refers to step 1, it is deleted.
+    with tensorstash.CheckpointManager(tmp_path, max_to_keep=1, sync=False) as mgr:
+        mgr.save(5, trees[5])
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [5]
+        assert mgr.retired_steps() == []
+    assert sorted(os.listdir(tmp_path)) == ["0000000005", "LOCK"]
+    assert_trees_equal(tensorstash.restore(step_dir(tmp_path, 5)), trees[5])
+
+
+def test_overwriting_a_step_other_steps_refer_to_is_refused_naming_them(tmp_path):
+    rng = np.random.default_rng(6)
+    first, second = lora_like(rng, 1), lora_like(rng, 2)
+    with tensorstash.CheckpointManager(tmp_path, incremental=True, chunk_bytes=CHUNK,
+                                       sync=False) as mgr:
+        mgr.save(1, first)
+        mgr.save(2, second)
+    with pytest.raises(ValueError, match="0000000002") as e:
+        tensorstash.save(step_dir(tmp_path, 1), second, overwrite=True, chunk_bytes=CHUNK)
+    assert "cannot be overwritten" in str(e.value)
+    assert_trees_equal(tensorstash.restore(step_dir(tmp_path, 2)), second)
+    assert_trees_equal(tensorstash.restore(step_dir(tmp_path, 1)), first)
+    # The newest step, which nothing refers to, may be replaced.
+    tensorstash.save(step_dir(tmp_path, 2), first, overwrite=True, chunk_bytes=CHUNK)
+    assert_trees_equal(tensorstash.restore(step_dir(tmp_path, 2)), first)
+
+
+def test_gc_removes_a_retired_step_only_once_nothing_refers_to_it(tmp_path):
+    import subprocess
+
+    from tshelpers import cli_path
+
+    rng = np.random.default_rng(7)
+    trees = {step: lora_like(rng, step) for step in (1, 2, 3)}
+    with tensorstash.CheckpointManager(tmp_path, max_to_keep=2, incremental=True,
+                                       chunk_bytes=CHUNK, sync=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, trees[step])
+    listing = subprocess.run([cli_path(), "ls", str(tmp_path)], capture_output=True, text=True)
+    assert listing.returncode == 0, listing.stderr
+    assert any(line.startswith("0000000001") and "retired" in line
+               for line in listing.stdout.splitlines()), listing.stdout
+    gc = subprocess.run([cli_path(), "gc", "--min-age", "0", str(tmp_path)], capture_output=True,
+                        text=True)
+    assert gc.returncode == 0, gc.stderr
+    assert os.path.isdir(step_dir(tmp_path, 1)), "gc removed the base of kept steps"
+    for step in (2, 3):
+        assert_trees_equal(tensorstash.restore(step_dir(tmp_path, step)), trees[step])
+    # The steps that referred to it are deleted (by hand here): gc removes step 1 too.
+    import shutil
+
+    for step in (3, 2):
+        os.remove(os.path.join(step_dir(tmp_path, step), "COMMIT"))
+        shutil.rmtree(step_dir(tmp_path, step))
+    gc = subprocess.run([cli_path(), "gc", "--min-age", "0", str(tmp_path)], capture_output=True,
+                        text=True)
+    assert gc.returncode == 0, gc.stderr
+    assert not os.path.exists(step_dir(tmp_path, 1))
+    assert "0000000001" in gc.stdout
+
+
+def test_ls_shows_owned_and_borrowed_bytes_and_materialize_makes_a_self_contained_copy(tmp_path):
+    import json
+    import shutil
+    import subprocess
+
+    from tshelpers import cli_path
+
+    rng = np.random.default_rng(8)
+    trees = {step: lora_like(rng, step) for step in (1, 2)}
+    root = tmp_path / "run"
+    with tensorstash.CheckpointManager(root, incremental=True, chunk_bytes=CHUNK,
+                                       sync=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, trees[step], metadata={"step": step}, metrics={"loss": 1.0 / step})
+    listing = subprocess.run([cli_path(), "ls", str(root)], capture_output=True, text=True)
+    assert listing.returncode == 0, listing.stderr
+    rows = {line.split()[0]: line for line in listing.stdout.splitlines()[1:]}
+    assert "OWNED" in listing.stdout.splitlines()[0] and "BORROWED" in listing.stdout.splitlines()[0]
+    # Step 2 borrows the frozen model (4 x (256 x 256 + 256) float32 = 1.0 MiB) from step 1.
+    assert rows["0000000002"].split()[-1] == "0000000001", rows["0000000002"]
+    assert "1.00 MiB" in rows["0000000002"], rows["0000000002"]
+    assert rows["0000000001"].split()[-1] == "-", rows["0000000001"]
+
+    copy = str(tmp_path / "elsewhere" / "0000000002")
+    done = subprocess.run([cli_path(), "convert", "--materialize", step_dir(root, 2), copy],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(subprocess.run([cli_path(), "inspect", "--json", copy],
+                                      capture_output=True, text=True).stdout)
+    assert shown["depends_on"] == [] and shown["borrowed_bytes"] == 0
+    shutil.rmtree(root)  # the bases are gone: the copy restores alone
+    assert_trees_equal(tensorstash.restore(copy), trees[2])
+    assert subprocess.run([cli_path(), "verify", copy], capture_output=True).returncode == 0
+    with tensorstash.CheckpointManager(tmp_path / "elsewhere") as mgr:
+        assert mgr.all_steps() == [2]
+        assert mgr.metadata(2) == {"step": 2}
+    # Only a tensorstash step can be materialized, and only as one.
+    bad = subprocess.run([cli_path(), "convert", "--materialize", "--to", "orbax", copy,
+                          str(tmp_path / "x")], capture_output=True, text=True)
+    assert bad.returncode != 0 and "--materialize" in bad.stderr

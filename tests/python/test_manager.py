@@ -750,6 +750,21 @@ def test_preemption_does_not_outlive_its_manager(tmp_path, python_sigterm_handle
 
 # --- several processes --------------------------------------------------------------------------
 
+def test_two_processes_incremental(tmp_path, monkeypatch):
+    # Both processes save against the same base (the newest listed step): each writes only its
+    # own changed chunks; the frozen array's chunks refer to step 1, which retention retires.
+    import test_multiprocess as mp
+    monkeypatch.setattr(mp, "WORKER", os.path.join(mp.HERE, "mp_manager_worker.py"))
+    root = str(tmp_path / "ckpt")
+    mp.run_job("save", root, 2, "incremental", str(tmp_path))
+    assert sorted(os.listdir(root)) == ["0000000001", "0000000003", "0000000004", "LOCK"]
+    assert os.path.exists(os.path.join(root, "0000000001", "RETIRED"))
+    for step in ("0000000003", "0000000004"):
+        with open(os.path.join(root, step, "COMMIT")) as f:
+            assert json.load(f)["depends_on"] == ["0000000001"], step
+    mp.run_job("restore", root, 2, "incremental", str(tmp_path))
+
+
 def test_two_processes(tmp_path, monkeypatch):
     import test_multiprocess as mp
     monkeypatch.setattr(mp, "WORKER", os.path.join(mp.HERE, "mp_manager_worker.py"))

@@ -113,6 +113,42 @@ def test_manager_on_s3_keeps_the_newest_and_deletes_the_rest(s3):
         tensorstash.restore(s3.step("0000000001"))
 
 
+def test_incremental_manager_on_s3_writes_only_what_changed_and_keeps_the_bases_it_needs(s3):
+    frozen = {f"w{i}": pattern((128, 128), np.float32, seed=i) for i in range(4)}
+
+    def state(step):
+        return {"frozen": frozen, "adapter": pattern((64, 8), np.float32, seed=100 + step)}
+
+    stored = {}
+    with tensorstash.CheckpointManager(s3.url, max_to_keep=2, incremental=True,
+                                       chunk_bytes=16 << 10,
+                                       on_save=lambda st: stored.__setitem__(st.step,
+                                                                             st.stored_bytes)) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, state(step))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [3, 4]
+        assert mgr.retired_steps() == [1]
+        assert stored[4] == 64 * 8 * 4  # the adapter only
+        assert stored[1] > 4 * 128 * 128 * 4
+    assert s3.keys(f"{s3.prefix}/0000000002/") == [], "step 2 (needed by nobody) is still there"
+    assert f"{s3.prefix}/0000000001/RETIRED" in s3.keys(f"{s3.prefix}/0000000001/")
+    with tensorstash.CheckpointManager(s3.url, max_to_keep=2, incremental=True) as mgr:
+        assert mgr.all_steps() == [3, 4]
+        for step in (3, 4):
+            assert_same_tree(mgr.restore(step), state(step))
+        # The frozen arrays change: once steps 3 and 4 are dropped, step 1 goes too.
+        frozen = {k: v + 1 for k, v in frozen.items()}
+        for step in (5, 6):
+            mgr.save(step, state(step))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [5, 6]
+        assert mgr.retired_steps() == []
+        assert_same_tree(mgr.restore(6), state(6))
+    for step in (1, 3, 4):
+        assert s3.keys(f"{s3.prefix}/{step:010d}/") == [], f"step {step} is still in the bucket"
+
+
 # --- 3. the command-line tool ---------------------------------------------------------------------
 
 def test_cli_ls_inspect_verify_and_convert_from_s3(s3, tmp_path):

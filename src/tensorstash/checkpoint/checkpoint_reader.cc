@@ -215,6 +215,34 @@ Result<CommitRecord> ReadStepCommitRecord(KvStore* kv, const std::string& dir) {
   return DecodeCommitRecord(text, key);
 }
 
+Result<std::vector<std::string>> FindDependentSteps(KvStore* kv, const std::string& dir) {
+  TS_RETURN_IF_ERROR(ValidateKey(dir));
+  const size_t slash = dir.rfind('/');
+  const std::string parent = slash == std::string::npos ? std::string() : dir.substr(0, slash + 1);
+  const std::string name = dir.substr(parent.size());
+  TS_ASSIGN_OR_RETURN(ListedChildren children, kv->ListChildren(parent));
+  std::vector<std::string> dependents;
+  for (const std::string& prefix : children.prefixes) {
+    const std::string sibling = prefix.substr(0, prefix.size() - 1);
+    if (sibling == dir || IsTemporaryStepName(sibling.substr(parent.size()))) continue;
+    Result<CommitRecord> record = ReadStepCommitRecord(kv, sibling);
+    if (absl::IsNotFound(record.status()) || absl::IsDataLoss(record.status()) ||
+        IsNotAnObject(record.status()) || absl::IsFailedPrecondition(record.status())) {
+      continue;
+    }
+    TS_RETURN_IF_ERROR(record.status());
+    if (std::find(record->depends_on.begin(), record->depends_on.end(), name) ==
+        record->depends_on.end()) {
+      continue;
+    }
+    Result<uint64_t> retired = kv->Size(StrCat(sibling, "/", kRetiredFileName));
+    if (retired.ok()) continue;
+    if (!absl::IsNotFound(retired.status())) return retired.status();
+    dependents.push_back(sibling);
+  }
+  return dependents;
+}
+
 Result<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(KvStore* kv, std::string dir,
                                                                  ReaderOptions options) {
   TS_RETURN_IF_ERROR(ValidateKey(dir));

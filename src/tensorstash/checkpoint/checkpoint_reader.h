@@ -37,6 +37,12 @@ namespace tensorstash {
 // not a committed step; DataLoss for a record that is corrupt or too large.
 Result<CommitRecord> ReadStepCommitRecord(KvStore* kv, const std::string& dir);
 
+// The committed steps next to `dir` (in the folder that holds it) whose commit record lists it
+// in depends_on: incremental steps that refer to its data (docs/format.md 6.1), as keys of `kv`,
+// sorted. Skipped: folders without COMMIT, temporaries, retired steps (a manager's, layout.h)
+// and steps whose record is damaged (DataLoss). The store's other errors.
+Result<std::vector<std::string>> FindDependentSteps(KvStore* kv, const std::string& dir);
+
 class CheckpointReader {
  public:
   // Opens the step folder `dir` of `kv`. NotFound if it does not exist; FailedPrecondition if it

@@ -329,6 +329,9 @@ struct CheckpointWriter::Impl {
   Status WriteOwnPart(WrittenPart* part);
   Status WriteLocal(ChunkIndex* local, WriteStats* stats);
   Status OpenBase();
+  // An overwrite must not replace a committed step whose data other steps refer to
+  // (incremental steps): FailedPrecondition naming them. OK when nothing is overwritten.
+  Status CheckNoDependents() const;
   // Compares the chunks of `writes` that the base may hold with the base's (hashing them on
   // `pool`): each equal one becomes an entry of `references` (file ids from kFirstReferenceId,
   // files in `reference_files`) and leaves `writes`. Fills `hashes` for the chunks that stay
@@ -487,8 +490,12 @@ Status CheckpointWriter::Impl::Begin() {
   Result<std::string> prepared = std::string();
   if (c.process_index() == 0) {
     nonce = RandomHexId();
-    prepared = StepCommitter(kv).Prepare(
-        dir, nonce, {.overwrite = options.overwrite, .writers = c.process_count()});
+    if (Status replaceable = CheckNoDependents(); !replaceable.ok()) {
+      prepared = replaceable;
+    } else {
+      prepared = StepCommitter(kv).Prepare(
+          dir, nonce, {.overwrite = options.overwrite, .writers = c.process_count()});
+    }
     if (prepared.ok()) prepared = StrCat(nonce, "\n", *prepared);
   }
   TS_ASSIGN_OR_RETURN(std::string named, Broadcast(c, key_prefix + "workdir", std::move(prepared),
@@ -783,6 +790,18 @@ static uint64_t OneRequestFileBytes(const KvStore& kv, const std::vector<ChunkTa
   const uint64_t allowed =
       std::max<uint64_t>(1, kOneRequestFilesPerJob / static_cast<uint64_t>(std::max(1, process_count)));
   return files <= allowed ? one_request : 0;
+}
+
+Status CheckpointWriter::Impl::CheckNoDependents() const {
+  if (!options.overwrite || options.holding) return OkStatus();
+  Result<uint64_t> commit = kv->Size(StrCat(dir, "/", kCommitFileName));
+  if (absl::IsNotFound(commit.status())) return OkStatus();  // nothing committed to replace
+  TS_ASSIGN_OR_RETURN(std::vector<std::string> dependents, FindDependentSteps(kv, dir));
+  if (dependents.empty()) return OkStatus();
+  return FailedPreconditionError(StrCat(
+      "step '", dir, "' cannot be overwritten: step(s) '", StrJoin(dependents, "', '"),
+      "' refer to its data (incremental steps, docs/format.md 6.1); replacing it would make "
+      "them unreadable. Delete them first, or save under another step"));
 }
 
 Status CheckpointWriter::Impl::OpenBase() {

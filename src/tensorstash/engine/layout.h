@@ -21,6 +21,10 @@ inline constexpr char kOldMarker[] = ".old-";
 inline constexpr char kMetadataFileName[] = "metadata.json";
 inline constexpr char kMetricsFileName[] = "metrics.json";
 inline constexpr char kProcessStateFolder[] = "process";
+// A manager's mark on a committed step that retention dropped while a kept step still refers
+// to its data (incremental steps, docs/format.md 6.1): the step is no longer listed, and is
+// deleted once no kept step depends on it.
+inline constexpr char kRetiredFileName[] = "RETIRED";
 // "process/<index>": one process's own state (e.g. its data-iterator position).
 inline std::string ProcessStateFileName(int process_index) {
   return StrCat(kProcessStateFolder, "/", process_index);

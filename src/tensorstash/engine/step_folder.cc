@@ -44,7 +44,10 @@ bool IsTensorstashStepKey(std::string_view key) {
       tmp != std::string_view::npos && IsHexId(key.substr(tmp + 5))) {
     key = key.substr(0, tmp);
   }
-  if (key == kCommitFileName || key == kMetadataFileName || key == kMetricsFileName) return true;
+  if (key == kCommitFileName || key == kMetadataFileName || key == kMetricsFileName ||
+      key == kRetiredFileName) {
+    return true;
+  }
   // Steps on object stores: numbered commit records, and attempts holding a step's files.
   if (ParseCommitRecordName(key)) return true;
   if (const size_t slash = key.find('/');

@@ -21,6 +21,7 @@
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/engine/layout.h"
 #include "tensorstash/manager/retention.h"
+#include "tensorstash/manager/step_dependencies.h"
 #include "tensorstash/manager/step_store.h"
 #include "tensorstash/coordination/collectives.h"
 #include "tensorstash/coordination/single_process_coordinator.h"
@@ -110,6 +111,17 @@ struct CheckpointManager::Impl {
   std::map<int64_t, double> metrics;  // best_metric per step (process 0). Guarded by mutex.
   // Steps with a COMMIT that do not open, and why (process 0, at open). Guarded by mutex.
   std::map<int64_t, std::string> damaged;
+  // Process 0: committed steps retention took off the list that are still on storage, each
+  // with whether it is marked RETIRED there (a kept step refers to its data) rather than due
+  // for deletion. Guarded by mutex.
+  std::map<int64_t, bool> unlisted;
+  // Whether retention must look at `unlisted` although no step was just dropped: retired steps
+  // found at open, an overwrite (the step's references changed), a retention that failed.
+  // Guarded by mutex.
+  bool recheck_unlisted = false;
+  // What the steps refer to (process 0). Used by Prepare and by retention, which never run at
+  // once (every call joins the worker first).
+  std::unique_ptr<StepDependencies> dependencies;
 
   // The staging buffers of async saves, kept from one save to the next (under
   // max_staging_bytes): mapping them afresh for every save cost a page fault and a page
@@ -135,7 +147,14 @@ struct CheckpointManager::Impl {
   // which process 0 returns for deletion) and calls on_commit.
   Result<std::vector<int64_t>> Committed(const SaveJob& job, const SaveStats& stats);
   std::vector<int64_t> ChooseDoomed();  // with mutex held
+  // Whether a retention pass is due after a commit that dropped `doomed`.
+  bool RetentionDue(const std::vector<int64_t>& doomed);
+  // Process 0, after a commit: retires the unlisted steps a kept step depends on and deletes
+  // the others, each before the steps it depends on. Does nothing when !RetentionDue(doomed).
   Status DeleteSteps(const std::vector<int64_t>& doomed);
+  // Process 0, before `step` is saved: a retired step of that number is deleted first when no
+  // kept step refers to it any more; FailedPrecondition naming them when one does.
+  Status ReclaimUnlisted(int64_t step);
   Status DeleteStep(int64_t step);
   // Joins the worker and returns (and clears) its error.
   Status JoinWorker();
@@ -166,9 +185,13 @@ Result<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(KvStore* kv,
   auto impl = std::make_unique<Impl>();
   impl->kv = kv;
   impl->step_store = std::make_unique<StepStore>(kv);
+  impl->dependencies = std::make_unique<StepDependencies>(kv);
   impl->options = std::move(options);
   impl->coordinator =
       impl->options.coordinator != nullptr ? impl->options.coordinator : &impl->own_coordinator;
+  if (impl->options.incremental && impl->options.writer.holding) {
+    return InvalidArgumentError("an incremental manager cannot save holdings (writer.holding)");
+  }
   if (impl->options.max_staging_bytes == 0) impl->options.max_staging_bytes = DefaultStagingBytes();
   impl->staging_pool = std::make_unique<StagingPool>(impl->options.max_staging_bytes);
   TS_RETURN_IF_ERROR(impl->OpenSteps());
@@ -233,6 +256,9 @@ Status CheckpointManager::Impl::CleanUpAndListSteps() {
   steps = std::move(listing.complete);
   damaged = std::move(listing.damaged);
   metrics = std::move(loaded);
+  unlisted.clear();
+  for (int64_t step : listing.retired) unlisted[step] = true;
+  recheck_unlisted = !unlisted.empty();
   return OkStatus();
 }
 
@@ -264,6 +290,15 @@ std::vector<int64_t> CheckpointManager::AllSteps() const {
 std::map<int64_t, std::string> CheckpointManager::DamagedSteps() const {
   std::lock_guard<std::mutex> guard(impl_->mutex);
   return impl_->damaged;
+}
+
+std::vector<int64_t> CheckpointManager::RetiredSteps() const {
+  std::lock_guard<std::mutex> guard(impl_->mutex);
+  std::vector<int64_t> retired;
+  for (const auto& [step, marked] : impl_->unlisted) {
+    if (marked) retired.push_back(step);
+  }
+  return retired;
 }
 
 std::optional<int64_t> CheckpointManager::LatestStep() const {
@@ -307,6 +342,16 @@ Result<SaveJob> CheckpointManager::Impl::Prepare(int64_t step, SaveRequest reque
     job.metric = it->second;
   }
   WriterOptions writer_options = options.writer;
+  if (options.incremental) {
+    // Against the newest listed step below this one: committed, and never one being deleted
+    // (retention unlists a step before it deletes it, and every save joins the deletions).
+    writer_options.record_digests = true;
+    std::lock_guard<std::mutex> guard(mutex);
+    if (auto below = steps.lower_bound(step); below != steps.begin()) {
+      TS_ASSIGN_OR_RETURN(writer_options.base, StepDir(*std::prev(below)));
+    }
+  }
+  if (is_leader()) TS_RETURN_IF_ERROR(ReclaimUnlisted(step));
   if (async) {
     // The writer copies every chunk before writing it, under the staging cap.
     writer_options.copy_sources = true;
@@ -347,10 +392,12 @@ Result<std::vector<int64_t>> CheckpointManager::Impl::Committed(const SaveJob& j
     }
     if (is_leader()) {
       doomed = ChooseDoomed();
-      // Unlisted at once, so that no caller picks a step that is being deleted.
+      // Unlisted at once, so that no caller (nor an incremental save, as its base) picks a step
+      // that is being deleted.
       for (int64_t step : doomed) {
         steps.erase(step);
         metrics.erase(step);
+        unlisted[step] = false;
       }
     }
   }
@@ -384,35 +431,86 @@ std::vector<int64_t> CheckpointManager::Impl::ChooseDoomed() {
   return StepsToDelete(steps, metrics, policy);
 }
 
+bool CheckpointManager::Impl::RetentionDue(const std::vector<int64_t>& doomed) {
+  std::lock_guard<std::mutex> guard(mutex);
+  return is_leader() && !unlisted.empty() && (!doomed.empty() || recheck_unlisted);
+}
+
 Status CheckpointManager::Impl::DeleteSteps(const std::vector<int64_t>& doomed) {
-  // A step that a kept step depends on (an incremental step saved into this root against it,
-  // docs/format.md 6.1) holds data of that step: retention unlists it but leaves it on disk.
-  // The kept steps' records are read first; when one cannot be read, nothing is deleted.
-  // Every async save and every non-leader process comes here with nothing to delete: no reads.
-  if (doomed.empty()) return OkStatus();
-  std::vector<int64_t> kept;
+  // A dropped step that a kept step depends on (an incremental step refers to its data,
+  // docs/format.md 6.1) is retired: marked, unlisted for good, left on storage. Reachability
+  // comes from the kept steps' COMMITs (and the damaged steps', which are never deleted); when
+  // a kept step's record cannot be read, nothing is deleted. Every async save without a drop
+  // and every process but 0 come here with nothing to do: no reads.
+  if (!RetentionDue(doomed)) return OkStatus();
+  std::set<int64_t> kept, damaged_steps, dropped;
   {
     std::lock_guard<std::mutex> guard(mutex);
-    kept.assign(steps.begin(), steps.end());
+    recheck_unlisted = false;
+    kept = steps;
+    for (const auto& entry : damaged) damaged_steps.insert(entry.first);
+    for (const auto& entry : unlisted) dropped.insert(entry.first);
   }
-  std::set<std::string, std::less<>> depended_on;
-  for (int64_t step : kept) {
-    TS_ASSIGN_OR_RETURN(std::string dir, StepDir(step));
-    Result<CommitRecord> record = ReadStepCommitRecord(step_store->kv(), dir);
-    if (absl::IsNotFound(record.status())) continue;  // deleted by hand meanwhile
-    TS_RETURN_IF_ERROR(Annotate(record.status(),
-                                StrCat("reading the commit record of kept step ", step,
-                                       " before retention deletes steps (none was deleted)")));
-    depended_on.insert(record->depends_on.begin(), record->depends_on.end());
+  Result<StepDependencies::Sorted> sorted = dependencies->Sort(kept, damaged_steps, dropped);
+  Status result = Annotate(sorted.status(), "retention");
+  if (sorted.ok()) {
+    for (int64_t step : sorted->retire) {
+      {
+        std::lock_guard<std::mutex> guard(mutex);
+        if (unlisted[step]) continue;
+      }
+      result = Annotate(step_store->Retire(step),
+                        StrCat("marking step ", step, " retired (retention)"));
+      if (!result.ok()) break;
+      std::lock_guard<std::mutex> guard(mutex);
+      unlisted[step] = true;
+    }
+    // In the order given: a step goes (COMMIT first) before any step it depends on, so that a
+    // crash halfway leaves no COMMIT whose references point at a deleted step.
+    for (int64_t step : result.ok() ? sorted->remove : std::vector<int64_t>()) {
+      result = Annotate(DeleteStep(step), StrCat("deleting step ", step, " (retention)"));
+      if (!result.ok()) break;
+      dependencies->Forget(step);
+      std::lock_guard<std::mutex> guard(mutex);
+      unlisted.erase(step);
+    }
   }
-  Status result;
-  for (int64_t step : doomed) {
-    TS_ASSIGN_OR_RETURN(std::string dir, StepDir(step));
-    if (depended_on.count(dir) > 0) continue;
-    Status deleted = Annotate(DeleteStep(step), StrCat("deleting step ", step, " (retention)"));
-    if (result.ok()) result = deleted;
+  if (!result.ok()) {
+    std::lock_guard<std::mutex> guard(mutex);
+    recheck_unlisted = true;  // the next retention tries again
   }
   return result;
+}
+
+Status CheckpointManager::Impl::ReclaimUnlisted(int64_t step) {
+  dependencies->Forget(step);  // an overwrite may change what it refers to
+  std::set<int64_t> kept;
+  {
+    std::lock_guard<std::mutex> guard(mutex);
+    if (options.writer.overwrite && steps.count(step) > 0) recheck_unlisted = true;
+    if (unlisted.count(step) == 0) return OkStatus();
+    kept = steps;
+  }
+  std::vector<int64_t> dependents;
+  for (int64_t other : kept) {
+    Result<std::set<int64_t>> bases = dependencies->DependsOn(other);
+    if (absl::IsNotFound(bases.status())) continue;
+    TS_RETURN_IF_ERROR(bases.status());
+    if (bases->count(step) > 0) dependents.push_back(other);
+  }
+  if (!dependents.empty()) {
+    // With several processes the writer refuses it for all of them alike.
+    if (coordinator->process_count() > 1) return OkStatus();
+    return FailedPreconditionError(StrCat(
+        "step ", step, " was dropped by retention but stays on storage (retired) for the data of "
+        "step(s) ", StrJoin(dependents, ", "), ", which refer to it: it cannot be saved again "
+        "until they are gone"));
+  }
+  TS_RETURN_IF_ERROR(Annotate(DeleteStep(step),
+                              StrCat("deleting retired step ", step, " before saving it again")));
+  std::lock_guard<std::mutex> guard(mutex);
+  unlisted.erase(step);
+  return OkStatus();
 }
 
 Status CheckpointManager::Impl::DeleteStep(int64_t step) { return step_store->DeleteStep(step); }
@@ -431,7 +529,7 @@ Status CheckpointManager::Save(int64_t step, SaveRequest request, SaveStats* sta
   local.total_seconds = local.blocking_seconds = SecondsSince(job.start);
   if (stats != nullptr) *stats = local;
   TS_ASSIGN_OR_RETURN(std::vector<int64_t> doomed, s.Committed(job, local));
-  if (!doomed.empty()) {
+  if (s.RetentionDue(doomed)) {
     Impl* impl = impl_.get();
     s.worker.Start([impl, doomed = std::move(doomed)] { return impl->DeleteSteps(doomed); });
   }

@@ -84,7 +84,15 @@ struct ManagerOptions {
   // root with the same options and calls Save/SaveAsync/ReachedPreemption in the same order;
   // process 0 takes the lock, cleans up and deletes; the others follow its step list.
   Coordinator* coordinator = nullptr;
-  // Options of the writer of every save (`overwrite` among them).
+  // Incremental steps (docs/format.md 6.1): every step records its chunks' digests, and each
+  // save is made against the newest listed step below it (writer.base): a chunk that did not
+  // change is recorded as a reference to where its bytes already lie instead of being written
+  // again. Retention then keeps on storage, unlisted ("retired", RetiredSteps), each dropped
+  // step that a kept step still refers to, and deletes it once none does (in this session or
+  // a later one). Not with writer.holding.
+  bool incremental = false;
+  // Options of the writer of every save (`overwrite` among them). An overwrite of a step whose
+  // data other steps refer to is refused (FailedPrecondition naming them).
   WriterOptions writer;
   // Called after each successful commit, on the thread that ran it: the caller's for Save, the
   // background thread for SaveAsync. Must not call Save/SaveAsync/WaitUntilFinished/Close.
@@ -146,6 +154,10 @@ class CheckpointManager {
   // listed (LatestStep is the newest step that opens), never deleted by retention, and left on
   // storage for inspection. Empty on processes other than 0.
   std::map<int64_t, std::string> DamagedSteps() const;
+  // Committed steps that retention dropped but that stay on storage, unlisted, because a
+  // listed step refers to their data (incremental steps); each is deleted by the first
+  // retention after no listed step does. Ascending; empty on processes other than 0.
+  std::vector<int64_t> RetiredSteps() const;
   // The newest complete step, or nullopt when there is none.
   std::optional<int64_t> LatestStep() const;
   // Whether `step` is due for a save under save_interval_steps.

@@ -1,11 +1,15 @@
 #include "tensorstash/manager/garbage.h"
 
 #include <cstring>
+#include <optional>
+#include <set>
 
 #include "tensorstash/engine/object_store_commit.h"
 #include "tensorstash/engine/step_committer.h"
 #include "tensorstash/engine/step_folder.h"
+#include "tensorstash/manager/step_dependencies.h"
 #include "tensorstash/manager/step_store.h"
+#include "tensorstash/format/commit_record.h"
 #include "tensorstash/format/orbax_names.h"
 #include "tensorstash/util/str_util.h"
 
@@ -109,6 +113,35 @@ class Collector {
     return OkStatus();
   }
 
+  // Retired steps (dropped by a manager's retention, kept for the data of incremental steps)
+  // that no other committed step refers to any more: deleted whole, COMMIT first, each before
+  // the steps it depends on. Reachability comes from every committed step that is not retired
+  // (a damaged one's record when it can be read), so gc never removes data a step refers to.
+  Status CollectRetired(const ListedChildren& top, StepStore* steps) {
+    std::set<int64_t> retired, others;
+    for (const std::string& prefix : top.prefixes) {
+      const std::string name = prefix.substr(0, prefix.size() - 1);
+      const std::optional<int64_t> step = StepStore::ParseStepName(name);
+      if (!step) continue;
+      Result<uint64_t> commit = kv_->Size(StrCat(name, "/", kCommitFileName));
+      if (absl::IsNotFound(commit.status())) continue;
+      TS_ASSIGN_OR_RETURN(bool is_retired, steps->IsRetired(*step));
+      (is_retired ? retired : others).insert(*step);
+    }
+    if (retired.empty()) return OkStatus();
+    StepDependencies dependencies(kv_);
+    TS_ASSIGN_OR_RETURN(StepDependencies::Sorted sorted,
+                        dependencies.Sort(/*kept=*/{}, /*also_protecting=*/others, retired));
+    for (int64_t step : sorted.remove) {
+      TS_ASSIGN_OR_RETURN(std::string dir, StepStore::StepDir(step));
+      TS_ASSIGN_OR_RETURN(std::vector<ListedObject> objects, kv_->ListWithInfo(dir + "/"));
+      for (const ListedObject& object : objects) report_.bytes += object.info.size;
+      report_.removed.push_back(dir + "/");
+      if (!options_.dry_run) TS_RETURN_IF_ERROR(StepCommitter(kv_).Delete(dir));
+    }
+    return OkStatus();
+  }
+
   Status AbortStaleUploads() {
     for (const PendingWrite& upload : uploads_) {
       if (!upload.started || Recent(*upload.started)) continue;  // may be running
@@ -152,6 +185,7 @@ Result<GarbageReport> CollectGarbage(KvStore* kv, const GarbageOptions& options)
             .status());
   }
   TS_RETURN_IF_ERROR(collector.CollectOrbaxTemporaries(top));
+  TS_RETURN_IF_ERROR(collector.CollectRetired(top, &steps));
   TS_RETURN_IF_ERROR(collector.AbortStaleUploads());
   return std::move(collector.report());
 }

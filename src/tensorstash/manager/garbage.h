@@ -8,7 +8,9 @@
 // temporary folders ("<name>.orbax-checkpoint-tmp-<id>", left by an interrupted Orbax save or
 // `tensorstash convert`); in steps on object stores, the commit records below the highest (but
 // the step's mark, COMMIT) and every attempt the highest record does not name; on S3, multipart
-// uploads under the root. It takes the root's lock first, like a CheckpointManager, so that no
+// uploads under the root; retired steps (a manager's incremental bases that retention dropped)
+// that no other committed step refers to any more. Nothing a committed step refers to is ever
+// removed. It takes the root's lock first, like a CheckpointManager, so that no
 // managed save is in flight: FailedPrecondition ("... locked by another manager ...") while one
 // runs.
 //

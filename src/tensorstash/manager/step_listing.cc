@@ -53,16 +53,23 @@ Result<std::vector<StepListing>> ListCheckpointRoot(KvStore* kv) {
     row.name = prefix.substr(0, prefix.size() - 1);
     row.status = "incomplete";
     bool has_commit = false;
+    bool retired = false;
     if (Result<std::vector<std::string>> keys = kv->List(prefix); keys.ok()) {
       for (const std::string& key : *keys) {
         if (Result<uint64_t> size = kv->Size(key); size.ok()) row.bytes += *size;
-        if (std::string_view(key).substr(prefix.size()) == kCommitFileName) has_commit = true;
+        const std::string_view relative = std::string_view(key).substr(prefix.size());
+        if (relative == kCommitFileName) has_commit = true;
+        if (relative == kRetiredFileName) retired = true;
       }
     }
     if (IsTemporaryStepName(row.name) || row.name.find(kOrbaxTmpMarker) != std::string::npos) {
       row.status = "temporary";
     } else if (!has_commit) {
       DescribeForeign(kv, &row);
+    } else if (retired) {
+      // Dropped by a manager's retention, kept for the data other steps refer to: not opened
+      // (its own references may name steps deleted since).
+      row.status = "retired";
     } else {
       // Complete only when it opens: COMMIT (sized before it is read), tree.json and the index
       // all check, as a restore and the manager require.
@@ -70,6 +77,11 @@ Result<std::vector<StepListing>> ListCheckpointRoot(KvStore* kv) {
       if (reader.ok()) {
         row.status = "complete";
         row.created_unix_ms = (*reader)->commit_record().created_unix_ms;
+        row.depends_on = (*reader)->commit_record().depends_on;
+        const ChunkIndex& index = (*reader)->index();
+        for (const IndexEntry& e : index.entries) {
+          if (!index.files[e.file_id].step.empty()) row.borrowed_bytes += e.length;
+        }
       } else {
         row.status = "damaged";
         row.problem = std::string(reader.status().message());

@@ -17,12 +17,17 @@ namespace tensorstash {
 
 struct StepListing {
   std::string name;  // the folder's name under the root
-  // "complete" (the step opens), "damaged" (it has a COMMIT but does not open: `problem` says
+  // "complete" (the step opens), "retired" (a committed step a manager's retention dropped,
+  // kept on storage for the data of incremental steps that refer to it), "damaged" (it has a COMMIT but does not open: `problem` says
   // why), "incomplete" (no COMMIT, or a zarr group without write_completed), "temporary" (a
   // save's work folder or a step moved aside), or a foreign format's name (StepFormatName:
   // "orbax-ocdbt", "orbax-zarr-folders", "zarr-group").
   std::string status;
-  uint64_t bytes = 0;           // of every file under the folder
+  uint64_t bytes = 0;           // of every file under the folder: what the step owns
+  // Complete incremental steps (docs/format.md 6.1): the stored bytes of its chunks that lie in
+  // other steps' files, and those steps.
+  uint64_t borrowed_bytes = 0;
+  std::vector<std::string> depends_on;
   int64_t created_unix_ms = 0;  // 0 when not recorded
   std::string problem;
 };

@@ -105,6 +105,11 @@ Result<StepStore::StepListing> StepStore::CleanUpAndList(const OpenedStep& on_op
   for (const std::string& name : restored) {
     std::optional<int64_t> step = ParseStepName(name);
     if (!step) continue;
+    TS_ASSIGN_OR_RETURN(bool retired, IsRetired(*step));
+    if (retired) {
+      listing.retired.insert(*step);
+      continue;
+    }
     complete_steps.insert(*step);
     if (on_open) {
       Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(kv_, name);
@@ -122,6 +127,13 @@ Result<StepStore::StepListing> StepStore::CleanUpAndList(const OpenedStep& on_op
     std::optional<int64_t> step = ParseStepName(name);
     if (!step) continue;  // not ours: left alone
     if (complete) {
+      // A retired step is a committed step retention dropped: not listed, and not opened (it
+      // may refer to the data of steps deleted since; only kept steps' references must hold).
+      TS_ASSIGN_OR_RETURN(bool retired, IsRetired(*step));
+      if (retired) {
+        listing.retired.insert(*step);
+        continue;
+      }
       // Listed only when it opens: a damaged COMMIT (or tree.json, index) would otherwise be the
       // latest step and fail at restore. It is reported, never deleted.
       Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(kv_, name);
@@ -142,6 +154,22 @@ Result<StepStore::StepListing> StepStore::CleanUpAndList(const OpenedStep& on_op
     if (may_remove) TS_RETURN_IF_ERROR(kv_->DeletePrefix(name + "/"));
   }
   return listing;
+}
+
+Status StepStore::Retire(int64_t step) {
+  TS_ASSIGN_OR_RETURN(std::string dir, StepDir(step));
+  const std::string key = StrCat(dir, "/", kRetiredFileName);
+  TS_RETURN_IF_ERROR(kv_->Write(
+      key, "dropped by retention; kept for the data of steps that depend on it (incremental)\n"));
+  return kv_->Sync(key);
+}
+
+Result<bool> StepStore::IsRetired(int64_t step) {
+  TS_ASSIGN_OR_RETURN(std::string dir, StepDir(step));
+  Result<uint64_t> size = kv_->Size(StrCat(dir, "/", kRetiredFileName));
+  if (size.ok()) return true;
+  if (absl::IsNotFound(size.status())) return false;
+  return size.status();
 }
 
 Status StepStore::DeleteStep(int64_t step) {

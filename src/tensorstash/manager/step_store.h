@@ -49,6 +49,9 @@ class StepStore {
   struct StepListing {
     std::set<int64_t> complete;              // steps that open (COMMIT, tree.json, index check)
     std::map<int64_t, std::string> damaged;  // steps with a COMMIT that do not open, and why
+    // Committed steps marked RETIRED (Retire): not listed, not opened; kept for the data that
+    // other steps refer to.
+    std::set<int64_t> retired;
   };
   // Cleans up after crashes and lists the steps. Removes only what tensorstash wrote and nothing
   // reads ("<step>.tmp-<16 hex>" and "<step>.old-<16 hex>" folders of 10-digit steps, and step
@@ -66,6 +69,13 @@ class StepStore {
   using MayClean = std::function<Result<bool>(const std::string& folder)>;
   Result<StepListing> CleanUpAndList(const OpenedStep& on_open = nullptr,
                                      const MayClean& may_clean = nullptr);
+
+  // Marks committed `step` RETIRED (layout.h, kRetiredFileName), durably: CleanUpAndList no
+  // longer lists it, and nothing but the marker changes (its data stays for the steps that
+  // refer to it). The store's errors.
+  Status Retire(int64_t step);
+  // Whether `step`'s folder holds the RETIRED mark. The store's errors.
+  Result<bool> IsRetired(int64_t step);
 
   // Deletes `step`: COMMIT first, so that a crash halfway leaves an incomplete folder (removed by
   // the next CleanUpAndList), never a step that claims to be complete with files missing.
