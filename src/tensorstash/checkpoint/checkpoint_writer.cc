@@ -340,8 +340,11 @@ struct CheckpointWriter::Impl {
                    std::vector<IndexEntry>* references, std::vector<DataFileInfo>* reference_files,
                    std::vector<std::optional<CrcAndDigest>>* hashes, WriteStats* stats);
   Status GatherChunk(const ChunkTask& task, char* out) const;
-  Status WriteChunk(const ChunkTask& task, std::string_view raw, DataFileSet* files,
-                    std::mutex* mutex, std::vector<IndexEntry>* entries, WriteStats* stats);
+  // `raw_outlives_files`: `raw` stays valid and unchanged until `files` is finished or
+  // destroyed (the caller's shard buffer), so the file may send it from there uncopied.
+  Status WriteChunk(const ChunkTask& task, std::string_view raw, bool raw_outlives_files,
+                    DataFileSet* files, std::mutex* mutex, std::vector<IndexEntry>* entries,
+                    WriteStats* stats);
   Status WriteFiles(std::map<std::string, CommitFile>* written);
   Status PutPart(const WrittenPart& part);
   Status TakeParts(std::vector<WrittenPart>* parts);
@@ -1041,8 +1044,9 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
       const uint64_t encoded =
           a.spec.codec == Codec::kNone ? 0 : MaxEncodedSize(a.spec.codec, raw_size);
       const bool contiguous = IsContiguousIn(task->plan.chunk_box, task->shard->box);
-      auto write = [&, task, raw_size](const char* raw) {
-        return WriteChunk(*task, std::string_view(raw, raw_size), &files, &mutex, &entries, stats);
+      auto write = [&, task, raw_size](const char* raw, bool raw_outlives_files = false) {
+        return WriteChunk(*task, std::string_view(raw, raw_size), raw_outlives_files, &files,
+                          &mutex, &entries, stats);
       };
       if (a.source) {
         // Pulled from the array's source into staging (under the cap), then written.
@@ -1066,11 +1070,13 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
           run.Flush();
         }
       } else if (contiguous) {
-        // Straight from the caller's buffer to the file.
+        // Straight from the caller's buffer to the file. The buffer outlives `files`: it is
+        // not released before this function returns (not copied: no copy_sources, or a
+        // stable shard, kept until Commit returns).
         const char* raw =
             static_cast<const char*>(task->shard->data) +
             ByteOffsetIn(task->plan.chunk_box, task->shard->box, ItemSize(a.spec.dtype));
-        run.RunHolding(encoded, [write, raw] { return write(raw); });
+        run.RunHolding(encoded, [write, raw] { return write(raw, /*raw_outlives_files=*/true); });
       } else {
         run.Run(raw_size + encoded, [&, task, write](char* gathered) {
           TS_RETURN_IF_ERROR(GatherChunk(*task, gathered));
@@ -1113,8 +1119,9 @@ Status CheckpointWriter::Impl::GatherChunk(const ChunkTask& task, char* out) con
 }
 
 Status CheckpointWriter::Impl::WriteChunk(const ChunkTask& task, std::string_view raw,
-                                          DataFileSet* files, std::mutex* mutex,
-                                          std::vector<IndexEntry>* entries, WriteStats* stats) {
+                                          bool raw_outlives_files, DataFileSet* files,
+                                          std::mutex* mutex, std::vector<IndexEntry>* entries,
+                                          WriteStats* stats) {
   const ArrayEntry& a = arrays[task.plan.array_id];
   // With digests, one pass over the raw bytes gives both (uncompressed: the CRC is of them);
   // a chunk compared with the base already was hashed then.
@@ -1142,7 +1149,10 @@ Status CheckpointWriter::Impl::WriteChunk(const ChunkTask& task, std::string_vie
   if (!task.preallocated) {
     TS_ASSIGN_OR_RETURN(location, files->Allocate(stored.size(), task.plan.lane));
   }
-  TS_RETURN_IF_ERROR(Annotate(files->Write(location, stored.data(), stored.size()),
+  // The CRC goes with the bytes: an object store combines it into the object's checksum
+  // instead of reading the bytes again.
+  const bool borrowed = raw_outlives_files && stored.data() == raw.data();
+  TS_RETURN_IF_ERROR(Annotate(files->Write(location, stored.data(), stored.size(), crc, borrowed),
                               StrCat("writing chunk ", a.grid.ChunkName(task.plan.chunk),
                                      " of array '", a.spec.path, "'")));
   std::lock_guard<std::mutex> lock(*mutex);

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "tensorstash/util/crc32c.h"
+
 namespace tensorstash {
 
 struct DataFileSet::File {
@@ -91,7 +93,8 @@ Status DataFileSet::CloseEarly(File* file, std::unique_ptr<WritableFile> handle)
   return status;
 }
 
-Status DataFileSet::Write(const Location& where, const void* data, size_t size) {
+Status DataFileSet::Write(const Location& where, const void* data, size_t size,
+                          std::optional<uint32_t> crc32c, bool borrowed) {
   WritableFile* handle;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -100,9 +103,19 @@ Status DataFileSet::Write(const Location& where, const void* data, size_t size) 
   if (handle == nullptr) return FailedPreconditionError("data file already closed");
   if (where.padding > 0) {
     static const char kZeros[kChunkAlignment] = {};
-    TS_RETURN_IF_ERROR(handle->WriteAt(where.offset - where.padding, kZeros, where.padding));
+    if (crc32c.has_value()) {  // static zeros outlive every file: borrowed
+      TS_RETURN_IF_ERROR(handle->WriteChunkAt(where.offset - where.padding, kZeros, where.padding,
+                                              Crc32c(kZeros, size_t{where.padding}),
+                                              /*borrowed=*/true));
+    } else {
+      TS_RETURN_IF_ERROR(handle->WriteAt(where.offset - where.padding, kZeros, where.padding));
+    }
   }
-  TS_RETURN_IF_ERROR(handle->WriteAt(where.offset, data, size));
+  if (crc32c.has_value()) {
+    TS_RETURN_IF_ERROR(handle->WriteChunkAt(where.offset, data, size, *crc32c, borrowed));
+  } else {
+    TS_RETURN_IF_ERROR(handle->WriteAt(where.offset, data, size));
+  }
   if (one_request_below_ > 0) {
     File* to_close = nullptr;
     std::unique_ptr<WritableFile> owned;

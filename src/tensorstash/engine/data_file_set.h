@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -73,7 +74,11 @@ class DataFileSet {
   Result<Location> Allocate(uint64_t length, int lane = 0, bool continues = false);
   // Writes at `where` (its padding too). With `one_request_below`, the write that completes a
   // rolled file closes it and returns the close's error, if any (Finish returns it again).
-  Status Write(const Location& where, const void* data, size_t size);
+  // `crc32c`: the bytes' CRC-32C when the caller has it; with it, `borrowed` promises that
+  // `data` stays valid and unchanged until Finish returns or the set is destroyed
+  // (WritableFile::WriteChunkAt: an object store then neither re-reads nor copies them).
+  Status Write(const Location& where, const void* data, size_t size,
+               std::optional<uint32_t> crc32c = std::nullopt, bool borrowed = false);
   // Syncs (when `sync`; the files side by side on `pool` when given) and closes every file;
   // fills `files` (names relative to the item folder, sizes as allocated). Further calls fail.
   // Must not run on a thread of `pool`.

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
 #include "tensorstash/testing/status_test_macros.h"
+#include "tensorstash/util/crc32c.h"
 
 namespace tensorstash {
 namespace {
@@ -107,6 +109,15 @@ class CountingObjectStore final : public ForwardingKvStore {
   }
   std::atomic<uint64_t> written{0};
   std::atomic<int> closed{0};
+  struct ChunkWrite {
+    uint64_t offset;
+    size_t size;
+    uint32_t crc;
+    bool borrowed;
+    bool crc_matches;  // the CRC given is the bytes' own
+  };
+  std::mutex mu;
+  std::vector<ChunkWrite> chunk_writes;  // guarded by mu
 
  private:
   class Counting final : public WritableFile {
@@ -116,6 +127,14 @@ class CountingObjectStore final : public ForwardingKvStore {
     Status WriteAt(uint64_t offset, const void* data, size_t size) override {
       store_->written += size;
       return base_->WriteAt(offset, data, size);
+    }
+    Status WriteChunkAt(uint64_t offset, const void* data, size_t size, uint32_t crc32c,
+                        bool borrowed) override {
+      store_->written += size;
+      std::lock_guard<std::mutex> lock(store_->mu);
+      store_->chunk_writes.push_back({offset, size, crc32c, borrowed,
+                                      crc32c == Crc32c(data, size)});
+      return base_->WriteChunkAt(offset, data, size, crc32c, borrowed);
     }
     Status Sync() override { return base_->Sync(); }
     Status Close() override {
@@ -149,6 +168,43 @@ TEST(DataFileSetTest, OnObjectStoresEveryByteOfAFileIsWrittenPaddingIncluded) {
   TS_ASSERT_OK(bytes.status());
   const uint64_t second = written.where[1][0].offset;
   EXPECT_EQ(bytes->substr(70001, second - 70001), std::string(second - 70001, '\0'));
+}
+
+// A chunk written with its CRC reaches the file through WriteChunkAt with that CRC and the
+// caller's promise (borrowed or not); its padding too, as borrowed zeros with their own CRC.
+// Without a CRC, plain writes.
+TEST(DataFileSetTest, AChunksCrcAndBorrowingReachTheFile) {
+  MemoryKvStore memory;
+  CountingObjectStore kv(&memory);
+  DataFileSet files(&kv, "item", /*process_index=*/0, /*target_file_bytes=*/uint64_t{1} << 30);
+  const std::string first(70001, 'a');
+  const std::string second(70001, 'b');
+  Result<DataFileSet::Location> at1 = files.Allocate(first.size());
+  Result<DataFileSet::Location> at2 = files.Allocate(second.size());
+  Result<DataFileSet::Location> at3 = files.Allocate(3);
+  TS_ASSERT_OK(at1.status());
+  TS_ASSERT_OK(at2.status());
+  TS_ASSERT_OK(at3.status());
+  ASSERT_GT(at2->padding, 0u);
+  TS_ASSERT_OK(files.Write(*at1, first.data(), first.size(), Crc32c(first), /*borrowed=*/false));
+  TS_ASSERT_OK(files.Write(*at2, second.data(), second.size(), Crc32c(second), /*borrowed=*/true));
+  TS_ASSERT_OK(files.Write(*at3, "xyz", 3));
+  {
+    std::lock_guard<std::mutex> lock(kv.mu);
+    ASSERT_EQ(kv.chunk_writes.size(), 3u);
+    EXPECT_EQ(kv.chunk_writes[0].offset, 0u);
+    EXPECT_FALSE(kv.chunk_writes[0].borrowed);
+    EXPECT_EQ(kv.chunk_writes[1].offset, at2->offset - at2->padding);  // the padding
+    EXPECT_EQ(kv.chunk_writes[1].size, at2->padding);
+    EXPECT_TRUE(kv.chunk_writes[1].borrowed);
+    EXPECT_EQ(kv.chunk_writes[2].offset, at2->offset);
+    EXPECT_TRUE(kv.chunk_writes[2].borrowed);
+    for (const auto& w : kv.chunk_writes) EXPECT_TRUE(w.crc_matches) << w.offset;
+  }
+  std::vector<DataFileInfo> infos;
+  TS_ASSERT_OK(files.Finish(/*sync=*/false, &infos));
+  ASSERT_EQ(infos.size(), 1u);
+  EXPECT_EQ(kv.written.load(), infos[0].size);
 }
 
 // On a store that sends small files in one request, every file stays below that size (but for a

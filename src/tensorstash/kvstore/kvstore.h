@@ -42,6 +42,18 @@ class WritableFile {
   // Writes all of `data` at `offset`, growing the object as needed. On failure (including a
   // short write that cannot be completed) returns non-OK naming the key and offset.
   virtual Status WriteAt(uint64_t offset, const void* data, size_t size) = 0;
+  // As WriteAt, for bytes whose CRC-32C the caller has computed already (`crc32c`). With
+  // `borrowed`, the caller also promises that `data` stays valid and unchanged until Sync or
+  // Close returns (or the file is destroyed). An object store may then checksum the object by
+  // combining CRCs instead of reading the bytes again, and send borrowed bytes from where they
+  // are instead of copying them. A wrong `crc32c` makes the upload fail (the server checks
+  // it); it never changes the bytes written. Default: WriteAt.
+  virtual Status WriteChunkAt(uint64_t offset, const void* data, size_t size, uint32_t crc32c,
+                              bool borrowed) {
+    (void)crc32c;
+    (void)borrowed;
+    return WriteAt(offset, data, size);
+  }
   // Makes every byte written so far durable (fsync). Memory backend: marks it synced.
   virtual Status Sync() = 0;
   // A hint: start sending the bytes written so far to storage now, without waiting for them.

@@ -102,6 +102,7 @@ struct GcsCall {
   std::vector<std::pair<std::string, std::string>> query;  // not encoded
   std::vector<std::pair<std::string, std::string>> headers;
   std::string_view body;
+  std::vector<std::string_view> body_pieces;  // HttpRequest::body_pieces
   char* dest = nullptr;
   size_t dest_size = 0;
   bool slow = false;  // answered only after server-side work (compose): Impl::slow_client
@@ -203,6 +204,7 @@ struct GcsKvStore::Impl {
       request.method = call.method;
       request.url = url;
       request.body = call.body;
+      request.body_pieces = call.body_pieces;
       request.dest = call.dest;
       request.dest_size = call.dest_size;
       request.headers = call.headers;
@@ -340,26 +342,34 @@ struct GcsKvStore::Impl {
   // (unless a retried request finds our own nonce there).
   Result<GcsObject> Upload(const std::string& object, std::string_view key,
                            std::string_view value, bool if_absent) {
+    return Upload(object, key, PartBytes{{value}, value.size(), Crc32c(value)}, if_absent);
+  }
+  // As above, for bytes in pieces whose CRC-32C is known (the part uploader's): the pieces go
+  // out from where they are.
+  Result<GcsObject> Upload(const std::string& object, std::string_view key,
+                           const PartBytes& value, bool if_absent) {
     const std::string what = StrCat("writing ", Where(key));
-    const uint32_t crc = Crc32c(value);
+    const uint32_t crc = value.crc32c;
     const std::string nonce = RandomHexId(32);
     nlohmann::json metadata = {{"name", object},
                                {"crc32c", Crc32cBase64(crc)},
                                {"contentType", "application/octet-stream"},
                                {"metadata", {{std::string(kNonceKey), nonce}}}};
-    if (value.size() >= options.resumable_min_bytes) {
+    if (value.size >= options.resumable_min_bytes) {
       return UploadResumable(object, key, value, if_absent, crc, nonce, metadata.dump());
     }
     // A boundary that the bytes do not hold (a random one almost never collides; check anyway).
     std::string boundary;
+    std::string body;
     do {
       boundary = StrCat("tensorstash-", RandomHexId(32));
-    } while (value.find(boundary) != std::string_view::npos);
-    std::string body = StrCat("--", boundary, "\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n",
-                              metadata.dump(), "\r\n--", boundary,
-                              "\r\nContent-Type: application/octet-stream\r\n\r\n");
-    body.reserve(body.size() + value.size() + boundary.size() + 8);
-    body.append(value);
+      body = StrCat("--", boundary, "\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n",
+                    metadata.dump(), "\r\n--", boundary,
+                    "\r\nContent-Type: application/octet-stream\r\n\r\n");
+      body.reserve(body.size() + value.size + boundary.size() + 8);
+      for (std::string_view piece : value.pieces) body.append(piece);
+    } while (std::string_view(body).substr(body.size() - value.size).find(boundary) !=
+             std::string_view::npos);
     body += StrCat("\r\n--", boundary, "--\r\n");
     GcsCall call;
     call.method = "POST";
@@ -371,11 +381,11 @@ struct GcsKvStore::Impl {
     TS_ASSIGN_OR_RETURN(HttpResponse response, Send(std::move(call), what));
     if (response.status == 412 && if_absent) {
       // An earlier sending may have created it before its answer was lost.
-      return SettleLostAnswer(response, object, key, what, nonce, value.size(), crc);
+      return SettleLostAnswer(response, object, key, what, nonce, value.size, crc);
     }
     if (response.status != 200) return ErrorFor(response, what, key);
     TS_ASSIGN_OR_RETURN(GcsObject created, ParseGcsObject(response.body, what));
-    TS_RETURN_IF_ERROR(CheckStored(created, what, value.size(), crc));
+    TS_RETURN_IF_ERROR(CheckStored(created, what, value.size, crc));
     return created;
   }
 
@@ -403,7 +413,7 @@ struct GcsKvStore::Impl {
   // is sent again whole to the same session (GCS answers a completed session with the object;
   // gcp-storage-emulator forgets it, 404); a 404 or 412 is settled by the nonce.
   Result<GcsObject> UploadResumable(const std::string& object, std::string_view key,
-                                    std::string_view value, bool if_absent, uint32_t crc,
+                                    const PartBytes& value, bool if_absent, uint32_t crc,
                                     const std::string& nonce, const std::string& metadata_json) {
     const std::string what = StrCat("writing ", Where(key));
     GcsCall start;
@@ -413,7 +423,7 @@ struct GcsKvStore::Impl {
     if (if_absent) start.query.emplace_back("ifGenerationMatch", "0");
     start.headers = {{"content-type", "application/json; charset=UTF-8"},
                      {"x-upload-content-type", "application/octet-stream"},
-                     {"x-upload-content-length", StrCat(value.size())}};
+                     {"x-upload-content-length", StrCat(value.size)}};
     start.body = metadata_json;
     TS_ASSIGN_OR_RETURN(HttpResponse started, Send(std::move(start), what));
     if (started.status == 412 && if_absent) {
@@ -431,21 +441,21 @@ struct GcsKvStore::Impl {
     put.method = "PUT";
     put.path = location.substr(options.endpoint.size());
     put.headers = {{"content-type", "application/octet-stream"}};
-    put.body = value;
+    put.body_pieces = value.pieces;
     TS_ASSIGN_OR_RETURN(HttpResponse response, Send(std::move(put), what));
     if (response.status == 412 || response.status == 404) {
       if (response.status == 412 && !if_absent) return ErrorFor(response, what, key);
-      return SettleLostAnswer(response, object, key, what, nonce, value.size(), crc);
+      return SettleLostAnswer(response, object, key, what, nonce, value.size, crc);
     }
     if (response.status == 308) {
       return UnavailableError(StrCat(what, ": the server kept ",
                                      response.Header("range").empty() ? std::string("none")
                                                                       : response.Header("range"),
-                                     " of the ", value.size(), " bytes sent"));
+                                     " of the ", value.size, " bytes sent"));
     }
     if (response.status != 200 && response.status != 201) return ErrorFor(response, what, key);
     TS_ASSIGN_OR_RETURN(GcsObject created, ParseGcsObject(response.body, what));
-    TS_RETURN_IF_ERROR(CheckStored(created, what, value.size(), crc));
+    TS_RETURN_IF_ERROR(CheckStored(created, what, value.size, crc));
     return created;
   }
 
@@ -468,6 +478,11 @@ struct GcsKvStore::Impl {
   }
 
   Status Put(std::string_view key, std::string_view value, bool if_absent) {
+    TS_RETURN_IF_ERROR(CheckKey(key));
+    TS_RETURN_IF_ERROR(CheckWritable(key));
+    return Upload(Object(key), key, value, if_absent).status();
+  }
+  Status Put(std::string_view key, const PartBytes& value, bool if_absent) {
     TS_RETURN_IF_ERROR(CheckKey(key));
     TS_RETURN_IF_ERROR(CheckWritable(key));
     return Upload(Object(key), key, value, if_absent).status();
@@ -675,12 +690,25 @@ class GcsPartSink final : public PartSink {
 
   Result<std::string> PutPart(const std::string& upload_id, int number,
                               std::string_view bytes) override {
+    return PutPartPieces(upload_id, number, PartBytes{{bytes}, bytes.size(), Crc32c(bytes)});
+  }
+
+  // Parts and whole objects are sent from the writers' pieces, with the CRC-32C the uploader
+  // combined from theirs (the server checks it).
+  bool TakesPieces() const override { return true; }
+
+  Result<std::string> PutPartPieces(const std::string& upload_id, int number,
+                                    const PartBytes& bytes) override {
     char name[32];
     std::snprintf(name, sizeof(name), "%05d", number);
     const std::string object =
         StrCat(impl_->UploadFolder(key_, upload_id), name, kPartSuffix);
     TS_ASSIGN_OR_RETURN(GcsObject part, impl_->Upload(object, key_, bytes, /*if_absent=*/true));
-    return PartToken{part.generation, Crc32c(bytes), bytes.size()}.Encode();
+    return PartToken{part.generation, bytes.crc32c, bytes.size}.Encode();
+  }
+
+  Status PutWholePieces(const PartBytes& bytes) override {
+    return impl_->Put(key_, bytes, /*if_absent=*/false);
   }
 
   Status Complete(const std::string& upload_id, const std::vector<UploadedPart>& parts,

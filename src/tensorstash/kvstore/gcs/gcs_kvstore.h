@@ -38,7 +38,10 @@
 // result's size and CRC-32C against the parts' (Crc32cCombine) and deletes the parts. A crashed
 // upload leaves its parts, which ListPendingWrites finds and AbortPendingWrite deletes (and which
 // a bucket lifecycle rule on the suffix ".tensorstash-part" can expire). A composite holds at
-// most 1024 components: max_parts x part_size bounds an object (32 GiB by default).
+// most 1024 components: max_parts x part_size bounds an object (32 GiB by default). Bytes
+// written with WritableFile::WriteChunkAt go up with the CRC-32C combined from the ones given
+// (the server checks it: a wrong one fails the upload) and, when borrowed, straight from the
+// writer's memory, uncopied.
 //
 // Errors name the key and the store: 404 NotFound, 401/403 PermissionDenied (naming the
 // credential), a range past the end DataLoss, a server that cannot be reached after the

@@ -30,6 +30,7 @@
 #include "tensorstash/kvstore/registry.h"
 #include "tensorstash/testing/kvstore_conformance.h"
 #include "tensorstash/testing/status_test_macros.h"
+#include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/random_id.h"
 #include "tensorstash/util/str_util.h"
 
@@ -343,6 +344,54 @@ TEST_F(GcsStoreTest, LargeUploadsAreOneResumablePutWithTheSameChecks) {
   ConfigureProxy("fail_next=pass,reset_after");
   TS_ASSERT_OK(store->WriteIfAbsent("three.bin", big));
   EXPECT_EQ(store->Read("three.bin").value(), big);
+}
+
+// Bytes written with their CRC-32C (WriteChunkAt, as a save writes its chunks) go up from the
+// writer's memory with the object's CRC-32C combined from theirs, in resumable, multipart and
+// composed uploads alike; the server checks it, so a wrong CRC given fails the upload, naming
+// the key, and nothing appears.
+TEST_F(GcsStoreTest, ChunksWrittenWithTheirCrcsAreSentFromThereAndChecked) {
+  GcsKvStoreOptions options = TestOptions();
+  options.part_size = 4096;
+  options.resumable_min_bytes = 2048;
+  std::unique_ptr<GcsKvStore> store = OpenOrNull(options);
+  ASSERT_NE(store, nullptr);
+  std::string big;
+  for (int i = 0; i < 10000; ++i) big += static_cast<char>('a' + (i * 11) % 26);
+  const auto chunk = [&](WritableFile* file, size_t offset, size_t size) {
+    return file->WriteChunkAt(offset, big.data() + offset, size, Crc32c(big.data() + offset, size),
+                              /*borrowed=*/true);
+  };
+  // Composed: 3 parts, the chunk at 3000 spans all of them.
+  Result<std::unique_ptr<WritableFile>> parts = store->OpenForWrite("chunks/parts.bin");
+  ASSERT_TRUE(parts.ok()) << parts.status();
+  TS_ASSERT_OK(chunk(parts->get(), 3000, 7000));
+  TS_ASSERT_OK(chunk(parts->get(), 0, 3000));
+  TS_ASSERT_OK((*parts)->Close());
+  EXPECT_EQ(store->Read("chunks/parts.bin").value(), big);
+  // One resumable PUT (3000 bytes), one multipart upload (1100 bytes, the first 100 zeros).
+  Result<std::unique_ptr<WritableFile>> one = store->OpenForWrite("chunks/one.bin");
+  ASSERT_TRUE(one.ok()) << one.status();
+  TS_ASSERT_OK(chunk(one->get(), 0, 3000));
+  TS_ASSERT_OK((*one)->Close());
+  EXPECT_EQ(store->Read("chunks/one.bin").value(), big.substr(0, 3000));
+  Result<std::unique_ptr<WritableFile>> small = store->OpenForWrite("chunks/small.bin");
+  ASSERT_TRUE(small.ok()) << small.status();
+  TS_ASSERT_OK(chunk(small->get(), 100, 1000));
+  TS_ASSERT_OK((*small)->Close());
+  EXPECT_EQ(store->Read("chunks/small.bin").value(), std::string(100, '\0') + big.substr(100, 1000));
+
+  for (const size_t size : {size_t{3000}, size_t{1000}}) {  // resumable, multipart
+    const std::string key = StrCat("chunks/bad-", size, ".bin");
+    Result<std::unique_ptr<WritableFile>> bad = store->OpenForWrite(key);
+    ASSERT_TRUE(bad.ok()) << bad.status();
+    TS_ASSERT_OK((*bad)->WriteChunkAt(0, big.data(), size, Crc32c(big.data(), size) ^ 0x10,
+                                      /*borrowed=*/true));
+    Status closed = (*bad)->Close();
+    EXPECT_FALSE(closed.ok()) << key;
+    EXPECT_THAT(std::string(closed.message()), HasSubstr(key));
+    EXPECT_TRUE(absl::IsNotFound(store->Size(key).status())) << key;
+  }
 }
 
 // A compose answered after the stall timeout (the server writing a large composite) is waited

@@ -26,6 +26,9 @@ struct Transfer {
   HttpResponse* response = nullptr;
   CURL* curl = nullptr;
   size_t sent = 0;  // body bytes handed to curl
+  // With HttpRequest::body_pieces: the piece `sent` lies in, and where in it.
+  size_t piece = 0;
+  size_t piece_offset = 0;
   bool status_known = false;
   bool success = false;  // a 2xx answer: its body goes to the request's destination
 };
@@ -75,11 +78,38 @@ size_t OnBody(char* data, size_t, size_t n, void* user) {
   return n;
 }
 
+size_t BodySize(const HttpRequest& request) {
+  if (request.body_pieces.empty()) return request.body.size();
+  size_t size = 0;
+  for (std::string_view piece : request.body_pieces) size += piece.size();
+  return size;
+}
+
+// Hands curl the next bytes of the body: curl copies them into its send buffer here, straight
+// from the caller's memory (the pieces too: no buffer of the whole body in between).
 size_t OnSend(char* buffer, size_t size, size_t n, void* user) {
   Transfer& t = *static_cast<Transfer*>(user);
-  const std::string_view body = t.request->body;
-  const size_t count = std::min(size * n, body.size() - t.sent);
-  std::memcpy(buffer, body.data() + t.sent, count);
+  const size_t room = size * n;
+  if (t.request->body_pieces.empty()) {
+    const std::string_view body = t.request->body;
+    const size_t count = std::min(room, body.size() - t.sent);
+    std::memcpy(buffer, body.data() + t.sent, count);
+    t.sent += count;
+    return count;
+  }
+  const std::vector<std::string_view>& pieces = t.request->body_pieces;
+  size_t count = 0;
+  while (count < room && t.piece < pieces.size()) {
+    const std::string_view piece = pieces[t.piece];
+    const size_t take = std::min(room - count, piece.size() - t.piece_offset);
+    std::memcpy(buffer + count, piece.data() + t.piece_offset, take);
+    count += take;
+    t.piece_offset += take;
+    if (t.piece_offset == piece.size()) {
+      ++t.piece;
+      t.piece_offset = 0;
+    }
+  }
   t.sent += count;
   return count;
 }
@@ -87,10 +117,20 @@ size_t OnSend(char* buffer, size_t size, size_t n, void* user) {
 // Rewinds the body when curl must send it again (a redirect, a reused connection that closed).
 int OnSeek(void* user, curl_off_t offset, int origin) {
   Transfer& t = *static_cast<Transfer*>(user);
-  if (origin != SEEK_SET || offset < 0 || static_cast<size_t>(offset) > t.request->body.size()) {
+  if (origin != SEEK_SET || offset < 0 || static_cast<size_t>(offset) > BodySize(*t.request)) {
     return CURL_SEEKFUNC_FAIL;
   }
   t.sent = static_cast<size_t>(offset);
+  // The piece that holds byte `offset` (pieces of 0 bytes are stepped over).
+  size_t left = t.sent;
+  t.piece = 0;
+  t.piece_offset = 0;
+  const std::vector<std::string_view>& pieces = t.request->body_pieces;
+  while (t.piece < pieces.size() && left >= pieces[t.piece].size()) {
+    left -= pieces[t.piece].size();
+    ++t.piece;
+  }
+  t.piece_offset = left;
   return CURL_SEEKFUNC_OK;
 }
 
@@ -272,7 +312,8 @@ Result<HttpResponse> HttpClient::Perform(const HttpRequest& request, std::string
     curl_easy_setopt(curl, CURLOPT_READDATA, &transfer);
     curl_easy_setopt(curl, CURLOPT_SEEKFUNCTION, &OnSeek);
     curl_easy_setopt(curl, CURLOPT_SEEKDATA, &transfer);
-    curl_easy_setopt(curl, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(request.body.size()));
+    curl_easy_setopt(curl, CURLOPT_INFILESIZE_LARGE,
+                     static_cast<curl_off_t>(BodySize(request)));
     curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, request.method.c_str());
   } else if (request.method != "GET") {
     curl_easy_setopt(curl, CURLOPT_CUSTOMREQUEST, request.method.c_str());

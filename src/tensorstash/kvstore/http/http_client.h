@@ -45,6 +45,10 @@ struct HttpRequest {
   // Sent as given ("Name: value"); curl's own "Expect: 100-continue" is never sent.
   std::vector<std::pair<std::string, std::string>> headers;
   std::string_view body;  // sent for PUT and POST (an empty one too); must outlive Perform
+  // When not empty, the body is these pieces one after the other instead (`body` is ignored):
+  // bytes gathered from where they lie, sent without being copied into one buffer first. They
+  // too must outlive Perform.
+  std::vector<std::string_view> body_pieces;
   // Where a 2xx answer's body goes: `dest` (exactly `dest_size` bytes expected; more is an
   // overflow, reported in the response) or, when `dest` is null, HttpResponse::body. The body of
   // any other answer always goes to HttpResponse::body (an error's explanation).

@@ -28,6 +28,7 @@
 #include "tensorstash/kvstore/object_store/ranged_read.h"
 #include "tensorstash/kvstore/object_store/request_slots.h"
 #include "tensorstash/kvstore/object_store/retry.h"
+#include "tensorstash/util/crc32c.h"
 #include "tensorstash/kvstore/object_store/scoped_defaults.h"
 #include "tensorstash/testing/status_test_macros.h"
 #include "tensorstash/util/random_id.h"
@@ -363,6 +364,133 @@ int64_t NowMs() {
   return std::chrono::duration_cast<milliseconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
+}
+
+// A sink that takes pieces (as GCS's): records each part's bytes, its CRC-32C as the uploader
+// gave it, and whether a piece was sent from `watched` (the writer's own memory).
+struct PiecesLog {
+  std::mutex mu;
+  std::map<int, std::string> parts;  // 0: the whole object (one request)
+  std::map<int, uint32_t> crcs;
+  std::map<int, bool> from_watched;
+  const char* watched = nullptr;
+  size_t watched_size = 0;
+};
+
+class PiecesSink final : public PartSink {
+ public:
+  explicit PiecesSink(std::shared_ptr<PiecesLog> log) : log_(std::move(log)) {}
+  std::string Where() const override { return "'obj' in fake://"; }
+  Result<std::string> BeginUpload() override { return std::string("upload-1"); }
+  Result<std::string> PutPart(const std::string&, int, std::string_view) override {
+    return InternalError("PutPart called on a sink that takes pieces");
+  }
+  Status Complete(const std::string&, const std::vector<UploadedPart>&, uint64_t) override {
+    return OkStatus();
+  }
+  Status Abort(const std::string&) override { return OkStatus(); }
+  Status PutWhole(std::string_view) override {
+    return InternalError("PutWhole called on a sink that takes pieces");
+  }
+  bool TakesPieces() const override { return true; }
+  Result<std::string> PutPartPieces(const std::string&, int number,
+                                    const PartBytes& bytes) override {
+    Record(number, bytes);
+    return StrCat("etag-", number);
+  }
+  Status PutWholePieces(const PartBytes& bytes) override {
+    Record(0, bytes);
+    return OkStatus();
+  }
+
+ private:
+  void Record(int number, const PartBytes& bytes) {
+    std::lock_guard<std::mutex> lock(log_->mu);
+    std::string joined;
+    bool watched = false;
+    for (std::string_view piece : bytes.pieces) {
+      joined.append(piece);
+      watched |= log_->watched != nullptr && piece.data() >= log_->watched &&
+                 piece.data() < log_->watched + log_->watched_size;
+    }
+    EXPECT_EQ(joined.size(), bytes.size);
+    log_->parts[number] = joined;
+    log_->crcs[number] = bytes.crc32c;
+    log_->from_watched[number] = watched;
+  }
+  std::shared_ptr<PiecesLog> log_;
+};
+
+std::unique_ptr<WritableFile> PiecesUploader(const std::shared_ptr<PiecesLog>& log,
+                                             size_t part_size,
+                                             std::shared_ptr<PartBufferPool> pool = nullptr) {
+  return NewPartUploader(std::make_unique<PiecesSink>(log),
+                         {.part_size = part_size, .max_parts = 100, .buffers = std::move(pool)});
+}
+
+// Borrowed bytes go out from the writer's memory, and the object's CRC-32C is combined from
+// the CRCs the writers gave, gaps counted as zeros: what was given is what the server checks.
+TEST(PartUploaderTest, BorrowedBytesAreSentUncopiedWithTheirCombinedCrc) {
+  auto log = std::make_shared<PiecesLog>();
+  const std::string chunk = "0123456789abcdef";
+  log->watched = chunk.data();
+  log->watched_size = chunk.size();
+  auto file = PiecesUploader(log, 64);
+  TS_ASSERT_OK(file->WriteChunkAt(20, chunk.data(), chunk.size(), Crc32c(chunk), true));
+  TS_ASSERT_OK(file->WriteAt(0, "head", 4));  // copied; its CRC computed by the uploader
+  TS_ASSERT_OK(file->Close());
+  const std::string expected = std::string("head") + std::string(16, '\0') + chunk;
+  ASSERT_EQ(log->parts.count(0), 1u);
+  EXPECT_EQ(log->parts[0], expected);
+  EXPECT_EQ(log->crcs[0], Crc32c(expected));
+  EXPECT_TRUE(log->from_watched[0]) << "the borrowed bytes were copied";
+
+  // A wrong CRC given is passed on, not silently replaced by the bytes' own: the server then
+  // refuses the upload instead of storing bytes the writer did not checksum.
+  auto log2 = std::make_shared<PiecesLog>();
+  auto file2 = PiecesUploader(log2, 64);
+  TS_ASSERT_OK(file2->WriteChunkAt(0, chunk.data(), chunk.size(), Crc32c(chunk) ^ 1, false));
+  TS_ASSERT_OK(file2->Close());
+  EXPECT_EQ(log2->parts[0], chunk);
+  EXPECT_EQ(log2->crcs[0], Crc32c(chunk) ^ 1);
+  EXPECT_FALSE(log2->from_watched[0]);
+}
+
+// Parts of a larger object: a write that spans parts is checksummed per part; a part never
+// written goes as zeros with their CRC; a borrowed write that is not copied still is sent.
+TEST(PartUploaderTest, PiecesAcrossPartsAndGapsHaveTheRightBytesAndCrcs) {
+  auto log = std::make_shared<PiecesLog>();
+  const std::string spanning = "ABCDEFGHIJKL";  // bytes 6..17: parts 1, 2 and 3 of 8 bytes
+  log->watched = spanning.data();
+  log->watched_size = spanning.size();
+  auto file = PiecesUploader(log, 8, std::make_shared<PartBufferPool>(8, 2));
+  TS_ASSERT_OK(file->WriteAt(0, "abcdef", 6));
+  TS_ASSERT_OK(file->WriteChunkAt(6, spanning.data(), spanning.size(), Crc32c(spanning), true));
+  TS_ASSERT_OK(file->WriteAt(40, "z", 1));  // parts 4 and 5 never written; part 6 "z"
+  TS_ASSERT_OK(file->Close());
+  const std::string object = std::string("abcdef") + spanning + std::string(22, '\0') + "z";
+  ASSERT_EQ(log->parts.size(), 6u);
+  for (int n = 1; n <= 6; ++n) {
+    const std::string want = object.substr((n - 1) * 8, 8);
+    EXPECT_EQ(log->parts[n], want) << "part " << n;
+    EXPECT_EQ(log->crcs[n], Crc32c(want)) << "part " << n;
+  }
+  EXPECT_TRUE(log->from_watched[2]);
+}
+
+// A write over bytes already written into a pending part: the later bytes win, as in a file,
+// with the CRC of what is sent (the part falls back to a copy).
+TEST(PartUploaderTest, AnOverlappingRewriteOfBorrowedBytesWinsAndIsChecksummed) {
+  auto log = std::make_shared<PiecesLog>();
+  const std::string first = "aaaaaaaa";
+  auto file = PiecesUploader(log, 64);
+  TS_ASSERT_OK(file->WriteChunkAt(0, first.data(), first.size(), Crc32c(first), true));
+  TS_ASSERT_OK(file->WriteChunkAt(2, "bbb", 3, Crc32c("bbb"), true));
+  TS_ASSERT_OK(file->WriteAt(6, "cccc", 4));
+  TS_ASSERT_OK(file->Close());
+  EXPECT_EQ(log->parts[0], "aabbbacccc");
+  EXPECT_EQ(log->crcs[0], Crc32c("aabbbacccc"));
+  EXPECT_EQ(first, "aaaaaaaa") << "the writer's memory is never written";
 }
 
 TEST(LeaseTest, OneHolderAtATimeAndReleaseFreesIt) {

@@ -4,11 +4,21 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <utility>
 
+#include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
+
+Result<std::string> PartSink::PutPartPieces(const std::string&, int, const PartBytes&) {
+  return UnimplementedError(StrCat("writing ", Where(), ": the store does not take pieces"));
+}
+
+Status PartSink::PutWholePieces(const PartBytes&) {
+  return UnimplementedError(StrCat("writing ", Where(), ": the store does not take pieces"));
+}
 
 PartBufferPool::PartBufferPool(size_t buffer_bytes, int max_kept)
     : buffer_bytes_(buffer_bytes), max_kept_(max_kept) {}
@@ -59,6 +69,13 @@ void PartBufferPool::Closed() {
 
 namespace {
 
+// Zeros for the gaps of a part sent as pieces (bytes never written), sent from here.
+constexpr size_t kZeroBlockBytes = size_t{64} << 10;
+const char* ZeroBlock() {
+  static const char* const zeros = new char[kZeroBlockBytes]();
+  return zeros;
+}
+
 class PartUploader final : public WritableFile {
  public:
   PartUploader(std::unique_ptr<PartSink> sink, PartUploaderOptions options)
@@ -67,7 +84,8 @@ class PartUploader final : public WritableFile {
         max_parts_(options.max_parts),
         buffers_(options.buffers != nullptr && options.buffers->buffer_bytes() == part_size_
                      ? std::move(options.buffers)
-                     : nullptr) {
+                     : nullptr),
+        pieces_(sink_->TakesPieces()) {
     if (buffers_ != nullptr) buffers_->Opened();
   }
   ~PartUploader() override {
@@ -84,62 +102,12 @@ class PartUploader final : public WritableFile {
   }
 
   Status WriteAt(uint64_t offset, const void* data, size_t size) override {
-    const char* bytes = static_cast<const char*>(data);
-    while (size > 0) {
-      const uint64_t index = offset / part_size_;
-      const size_t within = offset % part_size_;
-      const size_t length = std::min(size, part_size_ - within);
-      if (index >= static_cast<uint64_t>(max_parts_)) {
-        return InvalidArgumentError(StrCat("writing ", sink_->Where(), ": offset ", offset,
-                                           " is past the largest object of ", max_parts_,
-                                           " parts of ", part_size_, " bytes"));
-      }
-      char* buffer = nullptr;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (finished_) {
-          return FailedPreconditionError(
-              StrCat("writing ", sink_->Where(), ": the file was already synced or closed"));
-        }
-        if (!failed_.ok()) return failed_;
-        if (uploaded_.count(index) > 0) {
-          return FailedPreconditionError(
-              StrCat("writing ", sink_->Where(), " at offset ", offset, ": part ", index + 1,
-                     " was already uploaded (an object store cannot rewrite it)"));
-        }
-        Part& part = pending_[index];
-        if (part.bytes == nullptr) part.bytes = NewBuffer();
-        buffer = part.bytes.get();
-        ++part.writers;
-        end_ = std::max<uint64_t>(end_, offset + length);
-      }
-      std::memcpy(buffer + within, bytes, length);
-      std::unique_ptr<char[]> full;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        Part& part = pending_[index];
-        part.filled += length;
-        --part.writers;
-        if (part.filled >= part_size_ && part.writers == 0) {
-          full = std::move(part.bytes);
-          pending_.erase(index);
-          uploaded_[index] = "";  // claimed
-        }
-      }
-      if (full != nullptr) {
-        Status status = UploadPart(index, std::string_view(full.get(), part_size_));
-        GiveBack(std::move(full));
-        if (!status.ok()) {
-          std::lock_guard<std::mutex> lock(mu_);
-          if (failed_.ok()) failed_ = status;
-          return status;
-        }
-      }
-      offset += length;
-      bytes += length;
-      size -= length;
-    }
-    return OkStatus();
+    return Write(offset, static_cast<const char*>(data), size, std::nullopt, false);
+  }
+
+  Status WriteChunkAt(uint64_t offset, const void* data, size_t size, uint32_t crc32c,
+                      bool borrowed) override {
+    return Write(offset, static_cast<const char*>(data), size, crc32c, borrowed);
   }
 
   Status Sync() override {
@@ -160,11 +128,156 @@ class PartUploader final : public WritableFile {
   }
 
  private:
+  // Bytes of a part, for a sink that takes pieces: in the writer's memory (borrowed) or in the
+  // part's buffer.
+  struct Piece {
+    const char* data = nullptr;
+    size_t size = 0;
+    uint32_t crc = 0;
+  };
   struct Part {
-    std::unique_ptr<char[]> bytes;
+    std::unique_ptr<char[]> bytes;  // copied bytes (zeros elsewhere); null until needed
+    // Pieces mode: the written pieces by their offset in the part. Empty once `flat`.
+    std::map<size_t, Piece> pieces;
+    // Pieces mode: a write overlapped an earlier one; every byte is in `bytes` now, and the
+    // CRC is computed over it at upload.
+    bool flat = false;
     size_t filled = 0;
     int writers = 0;  // copies into it in progress
   };
+
+  // Writes `size` bytes at `offset`, whose CRC-32C is `crc` when known; `borrowed`: valid
+  // until Close (WriteChunkAt).
+  Status Write(uint64_t offset, const char* bytes, size_t size, std::optional<uint32_t> crc,
+               bool borrowed) {
+    const bool whole_write_crc = crc.has_value();
+    const size_t total = size;
+    while (size > 0) {
+      const uint64_t index = offset / part_size_;
+      const size_t within = offset % part_size_;
+      const size_t length = std::min(size, part_size_ - within);
+      if (index >= static_cast<uint64_t>(max_parts_)) {
+        return InvalidArgumentError(StrCat("writing ", sink_->Where(), ": offset ", offset,
+                                           " is past the largest object of ", max_parts_,
+                                           " parts of ", part_size_, " bytes"));
+      }
+      // The piece's CRC: the caller's when the write is one piece, else computed here (only
+      // for a sink that takes pieces; the others checksum what they send themselves).
+      uint32_t piece_crc = 0;
+      if (pieces_) {
+        piece_crc = whole_write_crc && length == total ? *crc : Crc32c(bytes, length);
+      }
+      char* buffer = nullptr;  // where to copy the bytes, if anywhere
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (finished_) {
+          return FailedPreconditionError(
+              StrCat("writing ", sink_->Where(), ": the file was already synced or closed"));
+        }
+        if (!failed_.ok()) return failed_;
+        if (uploaded_.count(index) > 0) {
+          return FailedPreconditionError(
+              StrCat("writing ", sink_->Where(), " at offset ", offset, ": part ", index + 1,
+                     " was already uploaded (an object store cannot rewrite it)"));
+        }
+        Part& part = pending_[index];
+        if (pieces_ && !part.flat && Overlaps(part, within, length)) Flatten(&part);
+        const bool copy = !pieces_ || !borrowed || part.flat;
+        if (copy) {
+          if (part.bytes == nullptr) part.bytes = NewBuffer();
+          buffer = part.bytes.get() + within;
+        }
+        if (pieces_ && !part.flat) {
+          part.pieces[within] = Piece{copy ? buffer : bytes, length, piece_crc};
+        }
+        ++part.writers;
+        end_ = std::max<uint64_t>(end_, offset + length);
+      }
+      if (buffer != nullptr) std::memcpy(buffer, bytes, length);
+      std::optional<Part> full;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        Part& part = pending_[index];
+        part.filled += length;
+        --part.writers;
+        if (part.filled >= part_size_ && part.writers == 0) {
+          full = std::move(part);
+          pending_.erase(index);
+          uploaded_[index] = "";  // claimed
+        }
+      }
+      if (full.has_value()) {
+        Status status = UploadPart(index, &*full, part_size_);
+        GiveBack(std::move(full->bytes));
+        if (!status.ok()) {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (failed_.ok()) failed_ = status;
+          return status;
+        }
+      }
+      offset += length;
+      bytes += length;
+      size -= length;
+    }
+    return OkStatus();
+  }
+
+  // Whether [within, within + length) meets a piece of `part` already written.
+  static bool Overlaps(const Part& part, size_t within, size_t length) {
+    auto next = part.pieces.lower_bound(within);
+    if (next != part.pieces.end() && next->first < within + length) return true;
+    if (next == part.pieces.begin()) return false;
+    auto before = std::prev(next);
+    return before->first + before->second.size > within;
+  }
+
+  // Copies the borrowed pieces of `part` into its buffer, which then holds every byte (a
+  // rewrite of bytes already written: the later bytes win, as in a file). Called under mu_.
+  void Flatten(Part* part) {
+    if (part->bytes == nullptr) part->bytes = NewBuffer();
+    for (const auto& [within, piece] : part->pieces) {
+      char* to = part->bytes.get() + within;
+      if (piece.data != to) std::memcpy(to, piece.data, piece.size);
+    }
+    part->pieces.clear();
+    part->flat = true;
+  }
+
+  // The first `length` bytes of `part` as pieces, gaps as zeros, with their CRC-32C.
+  static PartBytes Gather(const Part& part, size_t length) {
+    PartBytes out;
+    out.size = length;
+    if (part.flat) {
+      out.pieces.emplace_back(part.bytes.get(), length);
+      out.crc32c = Crc32c(part.bytes.get(), length);
+      return out;
+    }
+    size_t at = 0;
+    const auto zeros_to = [&](size_t end) {
+      uint32_t gap_crc = 0;
+      const size_t gap = end - at;
+      while (at < end) {
+        const size_t n = std::min(end - at, kZeroBlockBytes);
+        out.pieces.emplace_back(ZeroBlock(), n);
+        gap_crc = Crc32c(ZeroBlock(), n, gap_crc);
+        at += n;
+      }
+      out.crc32c = Crc32cCombine(out.crc32c, gap_crc, gap);
+    };
+    for (const auto& [within, piece] : part.pieces) {
+      if (within >= length) break;
+      if (within > at) zeros_to(within);
+      const size_t n = std::min(piece.size, length - within);
+      out.pieces.emplace_back(piece.data, n);
+      // A piece cut by the object's end was written past it: impossible, since the end is
+      // the furthest byte written; checksum what is sent all the same.
+      out.crc32c = Crc32cCombine(out.crc32c, n == piece.size ? piece.crc : Crc32c(piece.data, n),
+                                 n);
+      at = within + n;
+    }
+    if (at < length) zeros_to(length);
+    return out;
+  }
 
   std::unique_ptr<char[]> NewBuffer() {  // zeros
     return buffers_ != nullptr ? buffers_->Take() : std::make_unique<char[]>(part_size_);
@@ -181,10 +294,25 @@ class PartUploader final : public WritableFile {
     return upload_id_;
   }
 
-  Status UploadPart(uint64_t index, std::string_view bytes) {
+  // Sends the first `length` bytes of `part` (null: never written, zeros) as part index + 1.
+  Status UploadPart(uint64_t index, const Part* part, size_t length) {
     TS_ASSIGN_OR_RETURN(std::string upload_id, UploadId());
-    TS_ASSIGN_OR_RETURN(std::string token,
-                        sink_->PutPart(upload_id, static_cast<int>(index + 1), bytes));
+    const int number = static_cast<int>(index + 1);
+    std::string token;
+    if (pieces_) {
+      static const Part kNeverWritten;
+      TS_ASSIGN_OR_RETURN(token, sink_->PutPartPieces(
+                                     upload_id, number,
+                                     Gather(part != nullptr ? *part : kNeverWritten, length)));
+    } else {
+      std::unique_ptr<char[]> zeros;
+      const char* bytes = part != nullptr ? part->bytes.get() : nullptr;
+      if (bytes == nullptr) {  // never written: zeros, as a file's gap reads
+        zeros = std::make_unique<char[]>(length);
+        bytes = zeros.get();
+      }
+      TS_ASSIGN_OR_RETURN(token, sink_->PutPart(upload_id, number, std::string_view(bytes, length)));
+    }
     std::lock_guard<std::mutex> lock(mu_);
     uploaded_[index] = std::move(token);
     return OkStatus();
@@ -232,26 +360,24 @@ class PartUploader final : public WritableFile {
     }
     if (none_uploaded && end <= part_size_) {  // one request
       auto it = rest.find(0);
-      const std::string_view bytes =
-          it == rest.end() ? std::string_view() : std::string_view(it->second.bytes.get(), end);
-      Status status = sink_->PutWhole(bytes);
+      Status status;
+      if (pieces_) {
+        static const Part kNeverWritten;
+        status = sink_->PutWholePieces(Gather(it == rest.end() ? kNeverWritten : it->second, end));
+      } else {
+        status = sink_->PutWhole(it == rest.end() || it->second.bytes == nullptr
+                                     ? std::string_view()
+                                     : std::string_view(it->second.bytes.get(), end));
+      }
       for (auto& [index, part] : rest) GiveBack(std::move(part.bytes));
       return status;
     }
     const uint64_t parts = (end + part_size_ - 1) / part_size_;
-    std::unique_ptr<char[]> zeros;
     for (uint64_t index = 0; index < parts; ++index) {
       if (IsUploaded(index)) continue;
       const size_t length = index + 1 == parts ? end - index * part_size_ : part_size_;
       auto it = rest.find(index);
-      const char* bytes = nullptr;
-      if (it != rest.end()) {
-        bytes = it->second.bytes.get();
-      } else {  // never written: zeros, as a file's gap reads
-        if (zeros == nullptr) zeros = std::make_unique<char[]>(part_size_);
-        bytes = zeros.get();
-      }
-      TS_RETURN_IF_ERROR(UploadPart(index, std::string_view(bytes, length)));
+      TS_RETURN_IF_ERROR(UploadPart(index, it != rest.end() ? &it->second : nullptr, length));
       if (it != rest.end()) GiveBack(std::move(it->second.bytes));
     }
     std::vector<UploadedPart> completed;
@@ -273,6 +399,7 @@ class PartUploader final : public WritableFile {
   const size_t part_size_;
   const int max_parts_;
   const std::shared_ptr<PartBufferPool> buffers_;  // null: fresh memory for each part
+  const bool pieces_;                              // sink_->TakesPieces()
   std::mutex mu_;
   std::map<uint64_t, Part> pending_;          // parts being written; guarded by mu_
   std::map<uint64_t, std::string> uploaded_;  // part index -> token ("" while uploading); mu_

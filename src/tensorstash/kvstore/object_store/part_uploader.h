@@ -8,6 +8,13 @@
 //
 // The driver says how, through a PartSink. Memory stays at the parts being filled.
 //
+// A sink that takes pieces (PartSink::TakesPieces: GCS) gets each part as the writes' pieces in
+// order, with the part's CRC-32C combined from the CRCs the writers gave (WriteChunkAt), so the
+// bytes are not read again to checksum them; bytes written with WriteChunkAt's `borrowed` are
+// not copied either: the sink sends them from the writer's memory. Gaps go as zeros. Writes
+// that overlap bytes already written into the same pending part fall back to a copy of that
+// part.
+//
 // Errors: WriteAt is InvalidArgument past the last part (max_parts x part_size),
 // FailedPrecondition after Sync/Close or into a part already sent (an object store cannot
 // rewrite it), and the sink's error when a part fails, which also fails every later call. A
@@ -37,6 +44,14 @@ struct UploadedPart {
   std::string token;  // what the store answered for it (S3: the part's ETag)
 };
 
+// The bytes of one part (or of the whole object) for a sink that takes pieces: `pieces` one
+// after the other make its `size` bytes, whose CRC-32C is `crc32c`. Valid during the call only.
+struct PartBytes {
+  std::vector<std::string_view> pieces;
+  uint64_t size = 0;
+  uint32_t crc32c = 0;
+};
+
 // What a driver implements for one object being written. Calls may come from several threads
 // (PutPart concurrently; BeginUpload once, before any PutPart; Complete or Abort last).
 class PartSink {
@@ -57,6 +72,13 @@ class PartSink {
   virtual Status Abort(const std::string& upload_id) = 0;
   // Writes the whole object in one request (no upload was begun). Create-only as Complete.
   virtual Status PutWhole(std::string_view bytes) = 0;
+  // Whether the uploader calls PutPartPieces and PutWholePieces instead of PutPart and
+  // PutWhole (see above). Those are then the ones that must be implemented; by default they
+  // are Unimplemented.
+  virtual bool TakesPieces() const { return false; }
+  virtual Result<std::string> PutPartPieces(const std::string& upload_id, int number,
+                                            const PartBytes& bytes);
+  virtual Status PutWholePieces(const PartBytes& bytes);
 };
 
 // Part buffers kept for reuse by the uploaders of one store, so that a save of many files does
