@@ -122,6 +122,7 @@ struct SharedStepSource::Impl final : public ChunkRouter {
       const auto start = Clock::now();
       Status status = base->ReadRange(p.key, r.offset, r.length, bytes->data());
       AccountStorage(status.ok() ? r.length : 0, SecondsSince(start));
+      if (stopping) break;  // (Finish or the destructor: no one reads it any more)
       if (!status.ok()) {
         server->PublishFailure(r.name, StrCat("reading ", r.what, ": ", status.message()));
       } else if (Crc32c(bytes->data(), bytes->size()) != r.crc) {
@@ -367,8 +368,9 @@ Status SharedStepSource::Impl::Share(const std::vector<ReadRequest>& requests) {
   const ProcessShare part = plan.ForProcess(job, shared, me);
 
   HttpClientOptions http;
-  http.stall_timeout = std::min<std::chrono::milliseconds>(share.timeout, std::chrono::seconds(10));
-  http.connect_timeout = std::min<std::chrono::milliseconds>(share.timeout, std::chrono::seconds(5));
+  using std::chrono::milliseconds;
+  http.stall_timeout = std::min<milliseconds>(share.timeout, std::chrono::seconds(10));
+  http.connect_timeout = std::min<milliseconds>(share.timeout, std::chrono::seconds(5));
   http.allow_https = false;
   client = std::make_unique<HttpClient>(http);
 
@@ -427,7 +429,9 @@ Status SharedStepSource::Impl::Share(const std::vector<ReadRequest>& requests) {
   }
   active = true;
   const int threads = std::max(1, std::min<int>(share.pump_threads, pumped.size()));
-  for (int t = 0; t < threads && !pumped.empty(); ++t) pump_threads.emplace_back([this] { Pump(); });
+  for (int t = 0; t < threads && !pumped.empty(); ++t) {
+    pump_threads.emplace_back([this] { Pump(); });
+  }
   return OkStatus();
 }
 

@@ -2,8 +2,11 @@
 // in-memory store and an in-process coordinator, each with its own peer server on loopback.
 #include "tensorstash/share/peer/shared_source.h"
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <thread>
@@ -12,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/http/http_client.h"
 #include "tensorstash/kvstore/http/peer_server.h"
 #include "tensorstash/kvstore/memory/memory_kvstore.h"
@@ -48,7 +52,8 @@ std::unique_ptr<MemoryKvStore> WriteStep() {
   }
   WriterOptions options;
   options.sync = false;
-  std::unique_ptr<CheckpointWriter> writer = CheckpointWriter::Create(kv.get(), kStep, options).value();
+  std::unique_ptr<CheckpointWriter> writer =
+      CheckpointWriter::Create(kv.get(), kStep, options).value();
   TS_EXPECT_OK(writer->AddArray({"w", DType::kFloat32, kShape}, shards));
   ArraySpec b{"b", DType::kFloat32, kShape};
   b.codec = Codec::kZstd;
@@ -73,10 +78,13 @@ struct ProcessResult {
   ShareStats stats;
 };
 
-// Process p reads boxes[p] of both arrays; `tweak` adjusts its options.
+// Process p reads boxes[p] of both arrays; `tweak` adjusts its options, `store_of` (when set)
+// gives its store.
 std::vector<ProcessResult> RunJob(KvStore* kv, const std::vector<std::vector<Box>>& boxes,
                                   const std::function<void(int, ShareOptions&)>& tweak = nullptr,
-                                  int dead = -1) {
+                                  int dead = -1,
+                                  const std::function<KvStore*(int)>& store_of = nullptr,
+                                  const std::function<void(int)>& read_done = nullptr) {
   const int n = static_cast<int>(boxes.size());
   auto group = std::make_shared<InProcessCoordinatorGroup>(n);
   std::vector<ProcessResult> results(n);
@@ -90,7 +98,7 @@ std::vector<ProcessResult> RunJob(KvStore* kv, const std::vector<std::vector<Box
       if (tweak) tweak(p, share);
       ProcessResult& r = results[p];
       Result<std::unique_ptr<SharedStepSource>> source =
-          SharedStepSource::Open(kv, kStep, {}, &coordinator, share);
+          SharedStepSource::Open(store_of ? store_of(p) : kv, kStep, {}, &coordinator, share);
       if (!source.ok()) {
         r.status = source.status();
         return;
@@ -104,8 +112,12 @@ std::vector<ProcessResult> RunJob(KvStore* kv, const std::vector<std::vector<Box
       }
       r.status = (*source)->Share(requests);
       // A process that dies once it has agreed: its server goes, its chunks are never served.
-      if (p == dead || !r.status.ok()) return;
+      if (p == dead || !r.status.ok()) {
+        if (p == dead && read_done) read_done(p);
+        return;
+      }
       r.status = (*source)->ReadMany(requests, nullptr, nullptr);
+      if (read_done) read_done(p);
       r.finish = (*source)->Finish();
       r.stats = (*source)->share_stats();
     });
@@ -175,11 +187,46 @@ TEST(SharedStepSource, ACorruptPeerIsCaughtAndItsChunksReadFromStorage) {
   }
 }
 
+// A store whose ReadRange (the pump's reads) waits until Release().
+class StallingKvStore final : public ForwardingKvStore {
+ public:
+  using ForwardingKvStore::ForwardingKvStore;
+  Status ReadRange(std::string_view key, uint64_t offset, size_t size, void* dest) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return released_; });
+    return ForwardingKvStore::ReadRange(key, offset, size, dest);
+  }
+  void Release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool released_ = false;
+};
+
 TEST(SharedStepSource, AProcessThatDiesAfterTheAgreementCostsItsChunksNotTheRestore) {
   auto kv = WriteStep();
+  // Process 2 agrees, serves nothing (its pump stalls), then goes while the others wait.
+  StallingKvStore stalling(kv.get());
+  std::atomic<bool> dying{false};
+  std::thread releaser([&] {
+    while (!dying.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    stalling.Release();
+  });
   const std::vector<std::vector<Box>> boxes(3, {Rows(0, 8)});
   const auto start = std::chrono::steady_clock::now();
-  const std::vector<ProcessResult> results = RunJob(kv.get(), boxes, nullptr, /*dead=*/2);
+  const std::vector<ProcessResult> results = RunJob(
+      kv.get(), boxes, nullptr, /*dead=*/2,
+      [&](int p) -> KvStore* { return p == 2 ? static_cast<KvStore*>(&stalling) : kv.get(); },
+      [&](int p) {
+        if (p == 2) dying = true;
+      });
+  releaser.join();
   for (int p : {0, 1}) {
     TS_ASSERT_OK(results[p].status);
     ExpectExact(results[p], boxes[p]);
@@ -190,6 +237,41 @@ TEST(SharedStepSource, AProcessThatDiesAfterTheAgreementCostsItsChunksNotTheRest
   }
   // Bounded by the timeouts (3 s each for the wait of Finish), not a hang.
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
+}
+
+TEST(SharedStepSource, AStalledPeerCostsOneTimeoutThenItsChunksComeFromStorage) {
+  auto kv = WriteStep();
+  StallingKvStore stalling(kv.get());
+  const std::vector<std::vector<Box>> boxes(3, {Rows(0, 8)});
+  // Process 2's pump stalls until the others are done.
+  std::atomic<int> finished{0};
+  std::thread releaser([&] {
+    while (finished.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    stalling.Release();
+  });
+  const std::vector<ProcessResult> results = RunJob(
+      kv.get(), boxes,
+      [&](int p, ShareOptions& o) {
+        o.timeout = std::chrono::milliseconds(p == 2 ? 500 : 1500);
+      },
+      -1,
+      [&](int p) -> KvStore* {
+        return p == 2 ? static_cast<KvStore*>(&stalling) : kv.get();
+      },
+      [&](int p) {
+        if (p != 2) ++finished;
+      });
+  releaser.join();
+  for (int p = 0; p < 3; ++p) {
+    TS_ASSERT_OK(results[p].status);
+    ExpectExact(results[p], boxes[p]);
+  }
+  for (int p : {0, 1}) {
+    ASSERT_GT(results[p].stats.fallback_chunks, 0u);
+    EXPECT_THAT(results[p].stats.fallbacks,
+                Each(AllOf(HasSubstr("process 2"), HasSubstr("read from storage"))));
+    EXPECT_THAT(results[p].stats.fallbacks[0], HasSubstr("within 1500 ms"));
+  }
 }
 
 TEST(SharedStepSource, OneProcessReadsAsWithoutSharing) {
