@@ -5,7 +5,8 @@
 MODE: "replicated" (every process restores the whole step as NumPy), "reshard" (each process
 its own rows of "w" over the job's devices, in blocks that cut the stored chunks unevenly, and
 "b" replicated), "corrupt" (replicated; process 0 serves its chunks with a byte flipped),
-"kill" (replicated; process 1 SIGKILLs itself once its first read has landed). Every process
+"kill" (replicated; process 1 SIGKILLs itself once its first read has landed), "default"
+(replicated, share_reads left at its default: on for an s3:// step). Every process
 but a killed one checks its arrays bit for bit, and writes restore()'s stats to
 share-<MODE>-<pid>.json in the working folder before leaving the job.
 """
@@ -31,8 +32,8 @@ def run(args) -> None:
 
     values = {"w": pattern((16, 24), np.float32, seed=1), "b": pattern((10, 6), np.int32, seed=2)}
     # Short, so that a dead process costs seconds (the default is half an hour).
-    _options.COORDINATION_TIMEOUT_S = 8.0
     mode = args.layout
+    _options.COORDINATION_TIMEOUT_S = 4.0 if mode == "kill" else 8.0
     if mode == "corrupt" and args.pid == 0:
         _restore._CORRUPT_SHARED_FOR_TESTING = True
     progress = None
@@ -50,13 +51,18 @@ def run(args) -> None:
             for s in a.addressable_shards:
                 assert_same_array(np.asarray(s.data), values[k][s.index], f"{k} {s.index}")
     else:
-        got = tensorstash.restore(args.step, share_reads=True, stats=stats, progress=progress)
+        share = {} if mode == "default" else {"share_reads": True}
+        got = tensorstash.restore(args.step, stats=stats, progress=progress, **share)
         for k in values:
             assert_same_array(got[k], values[k], k)
     assert stats["shared"], stats
     with open(f"share-{mode}-{args.pid}.json", "w") as f:
         json.dump(stats, f)
     print(f"process {args.pid}: {json.dumps(stats)}", flush=True)
+    if mode == "kill":
+        # Not jax.distributed.shutdown: it would wait for the dead process.
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def main() -> int:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import mp_launch
+from s3_fixtures import s3, server  # noqa: F401 - fixtures
 
 import tensorstash
 
@@ -105,3 +106,16 @@ def test_a_process_killed_mid_restore_does_not_hang_the_others(step, tmp_path):
     assert sorted(stats) == [0, 2], text
     for pid in (0, 2):
         assert all("process 1" in line for line in stats[pid]["fallbacks"]), stats[pid]
+
+
+def test_an_s3_step_shares_by_default(s3, tmp_path):  # noqa: F811 - the fixture
+    import tensorstash
+    from tshelpers import pattern
+
+    step = s3.step("0000000009")
+    tensorstash.save(step, {"w": pattern((16, 24), np.float32, seed=1),
+                            "b": pattern((10, 6), np.int32, seed=2)}, chunk_bytes=3 * 24 * 4)
+    run_job("default", step, 2, str(tmp_path), env=s3.env())
+    stats = job_stats(str(tmp_path), "default", 2)
+    assert sorted(stats) == [0, 1]
+    assert sum(s["storage_bytes"] for s in stats.values()) == stored_bytes(step), stats

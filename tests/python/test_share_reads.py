@@ -94,6 +94,18 @@ def test_one_process_or_sharing_off_reads_as_without_it(step):
     assert all(not r[1]["shared"] for r in results), results
 
 
+def test_an_orbax_step_reads_as_without_sharing(tmp_path):
+    path = str(tmp_path / "orbax" / "3")
+    tensorstash.save(path, TREE, format="orbax")
+    results = restore_in_threads(path, 2, share_reads=True)
+    for r in results:
+        assert not isinstance(r, BaseException), r
+        tree, stats = r
+        for k in TREE:
+            assert_same_array(tree[k], TREE[k], k)
+        assert not stats["shared"] and stats["peer_bytes"] == 0
+
+
 def test_share_reads_takes_true_false_or_none(step):
     with pytest.raises(TypeError, match="share_reads"):
         tensorstash.restore(step, share_reads="yes")

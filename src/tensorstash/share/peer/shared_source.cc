@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -72,6 +73,7 @@ struct SharedStepSource::Impl final : public ChunkRouter {
   std::unique_ptr<HttpClient> client;
   std::map<std::string, std::vector<ChunkRoute>, std::less<>> routes;  // by file key, by offset
   std::map<int, Peer> peers;
+  std::set<std::string, std::less<>> data_keys;  // every data file's key in `base`
   std::vector<std::pair<std::string, int>> wanted;  // served chunks, their receiver counts
 
   // The pump.
@@ -227,8 +229,14 @@ struct SharedStepSource::Impl final : public ChunkRouter {
   // route, the rest (and a chunk whose route failed) from storage.
   Status Route(std::string_view key, uint64_t offset, size_t size, char* dest,
                const BaseRead& read) override {
-    auto found = active ? routes.find(key) : routes.end();
-    if (found == routes.end()) return FromStorage(read, offset, size, dest);
+    if (!active) return read(offset, size, dest);
+    auto found = routes.find(key);
+    if (found == routes.end()) {
+      // Data files count as storage reads; the step's other files (tree.json, the index,
+      // read through the same calls on an object store) do not.
+      if (data_keys.contains(key)) return FromStorage(read, offset, size, dest);
+      return read(offset, size, dest);
+    }
     const std::vector<ChunkRoute>& list = found->second;
     const uint64_t end = offset + size;
     auto r = std::lower_bound(list.begin(), list.end(), offset,
@@ -269,6 +277,8 @@ struct SharedStepSource::Impl final : public ChunkRouter {
   }
 
   Status Share(const std::vector<ReadRequest>& requests);
+  // The key in `base` of data file `file_id`: what the pump reads and the routes match.
+  std::string StoreKey(uint32_t file_id) const;
 };
 
 namespace {
@@ -318,6 +328,20 @@ class RoutingKvStore final : public ForwardingKvStore {
 };
 
 }  // namespace
+
+std::string SharedStepSource::Impl::StoreKey(uint32_t file_id) const {
+  std::string key = reader->DataFileKey(file_id);
+  // A step committed by record on an object store (engine/object_store_commit.h) keeps its own
+  // files under its attempt's folder: the reader names them "<dir>/state/...", the store holds
+  // them at "<dir>/<attempt>/state/...".
+  const std::string& attempt = reader->commit_record().attempt;
+  const std::string& dir = reader->dir();
+  if (!attempt.empty() && reader->index().files[file_id].step.empty() &&
+      key.starts_with(dir + "/")) {
+    key = StrCat(dir, "/", attempt, key.substr(dir.size()));
+  }
+  return key;
+}
 
 Status SharedStepSource::Impl::Share(const std::vector<ReadRequest>& requests) {
   if (coordinator == nullptr || coordinator->process_count() <= 1) return OkStatus();
@@ -374,6 +398,7 @@ Status SharedStepSource::Impl::Share(const std::vector<ReadRequest>& requests) {
   http.allow_https = false;
   client = std::make_unique<HttpClient>(http);
 
+  for (uint32_t f = 0; f < index.files.size(); ++f) data_keys.insert(StoreKey(f));
   auto add = [&](const SharedChunk& c, bool serve) -> Status {
     const auto begin = index.entries.begin();
     auto it = std::lower_bound(begin, index.entries.end(), std::make_pair(c.array, c.chunk),
@@ -394,7 +419,7 @@ Status SharedStepSource::Impl::Share(const std::vector<ReadRequest>& requests) {
     route.name = StrCat(c.array, "/", c.chunk);
     route.what = StrCat("chunk ", arrays[c.array].grid.ChunkName(c.chunk), " of array '",
                         arrays[c.array].path, "'");
-    routes[reader->DataFileKey(it->file_id)].push_back(std::move(route));
+    routes[StoreKey(it->file_id)].push_back(std::move(route));
     if (serve) wanted.emplace_back(StrCat(c.array, "/", c.chunk), static_cast<int>(c.needers) - 1);
     return OkStatus();
   };

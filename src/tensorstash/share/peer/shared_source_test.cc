@@ -40,8 +40,28 @@ Box Rows(int64_t first, int64_t count) { return Box({first, 0}, {count, kShape[1
 
 // A step of array "w" (8 x 6 float32, chunks of 2 rows) and array "b" (zstd, 8 x 6 in chunks of
 // 4 rows) in a memory store.
+void WriteStepInto(KvStore* kv);
+
 std::unique_ptr<MemoryKvStore> WriteStep() {
   auto kv = std::make_unique<MemoryKvStore>();
+  WriteStepInto(kv.get());
+  return kv;
+}
+
+// A memory store without rename that says it is an object store: steps commit by record into
+// an attempt folder (engine/object_store_commit.h).
+class ObjectStoreLike final : public ForwardingKvStore {
+ public:
+  using ForwardingKvStore::ForwardingKvStore;
+  KvStoreCapabilities Capabilities() const override {
+    KvStoreCapabilities caps = ForwardingKvStore::Capabilities();
+    caps.object_store = true;
+    caps.conditional_write = true;
+    return caps;
+  }
+};
+
+void WriteStepInto(KvStore* kv) {
   const std::vector<char> data = test::MakeBoxData(DType::kFloat32, kShape, kSeed, Rows(0, 8));
   std::vector<ShardData> shards;
   for (int64_t first = 0; first < 8; first += 2) {
@@ -52,8 +72,7 @@ std::unique_ptr<MemoryKvStore> WriteStep() {
   }
   WriterOptions options;
   options.sync = false;
-  std::unique_ptr<CheckpointWriter> writer =
-      CheckpointWriter::Create(kv.get(), kStep, options).value();
+  std::unique_ptr<CheckpointWriter> writer = CheckpointWriter::Create(kv, kStep, options).value();
   TS_EXPECT_OK(writer->AddArray({"w", DType::kFloat32, kShape}, shards));
   ArraySpec b{"b", DType::kFloat32, kShape};
   b.codec = Codec::kZstd;
@@ -63,7 +82,6 @@ std::unique_ptr<MemoryKvStore> WriteStep() {
   whole.data = data.data();
   TS_EXPECT_OK(writer->AddArray(b, {whole}));
   TS_EXPECT_OK(writer->Commit());
-  return kv;
 }
 
 uint64_t StoredDataBytes(KvStore* kv) {
@@ -152,6 +170,24 @@ TEST(SharedStepSource, ReplicasReadEveryStoredByteOnceBetweenThem) {
   }
   EXPECT_EQ(storage, StoredDataBytes(kv.get()));
   EXPECT_EQ(peer, 2 * StoredDataBytes(kv.get()));
+}
+
+TEST(SharedStepSource, AStepCommittedByRecordIsSharedToo) {
+  MemoryKvStore memory(/*supports_rename=*/false);
+  ObjectStoreLike kv(&memory);
+  WriteStepInto(&kv);
+  ASSERT_THAT(memory.List("").value(), testing::Contains(HasSubstr("/attempt-")));
+  const std::vector<std::vector<Box>> boxes(2, {Rows(0, 8)});
+  const std::vector<ProcessResult> results = RunJob(&kv, boxes);
+  uint64_t storage = 0;
+  for (int p = 0; p < 2; ++p) {
+    TS_ASSERT_OK(results[p].status);
+    ExpectExact(results[p], boxes[p]);
+    EXPECT_THAT(results[p].stats.fallbacks, IsEmpty());
+    EXPECT_GT(results[p].stats.peer_bytes, 0u);
+    storage += results[p].stats.storage_bytes;
+  }
+  EXPECT_EQ(storage, StoredDataBytes(&kv));
 }
 
 TEST(SharedStepSource, UnevenOverlappingBoxesShareTheChunksTheyHaveInCommon) {
