@@ -265,6 +265,13 @@ class CheckpointManager:
     is bounded by `coordination_timeout` seconds (default 30 min, the engine's); a process that
     does not arrive is named in a TimeoutError.
 
+    `share_reads` (True, False, or None: on for s3:// and gs:// roots when the job has more than
+    one process): restore() reads each stored chunk that several processes need once, by one of
+    them, which sends it to the others over the peer transport (tensorstash.restore's
+    share_reads, docs/shared_reads.md); a restore call's own share_reads wins.
+    last_restore_stats.shared then holds this process's bytes and seconds from storage and from
+    peers. Not with local_dir (the multi-tier restore reads as before) nor for Orbax steps.
+
     `format`: the format of the root's steps. "auto" (the default) takes what the root holds:
     Orbax steps (written by orbax.checkpoint.CheckpointManager, or by this manager with
     format="orbax") make it a manager of Orbax steps, anything else (an empty root included) of

@@ -4,6 +4,7 @@ real jax.distributed jobs)."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -111,3 +112,35 @@ def test_share_reads_takes_true_false_or_none(step):
         tensorstash.restore(step, share_reads="yes")
     with pytest.raises(TypeError, match="stats"):
         tensorstash.restore(step, stats=[])
+
+
+def test_the_manager_shares_and_reports_it(step):
+    root = os.path.dirname(step)
+    shared: dict = {}
+    cond = threading.Condition()
+    results: list = [None] * 2
+
+    def one(p: int) -> None:
+        try:
+            mgr = tensorstash.CheckpointManager(
+                root, coordinator=TryGetCoordinator(shared, cond, p, 2), share_reads=True)
+            try:
+                tree = mgr.restore(2)
+                results[p] = (tree, mgr.last_restore_stats)
+            finally:
+                mgr.close()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            results[p] = e
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    total = stored_bytes(step)
+    for r in results:
+        assert not isinstance(r, BaseException), r
+        tree, stats = r
+        assert_same_array(tree["w"], TREE["w"], "w")
+        assert stats.shared is not None and stats.shared["fallbacks"] == [], stats
+    assert sum(r[1].shared["storage_bytes"] for r in results) == total
