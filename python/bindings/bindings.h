@@ -37,6 +37,14 @@ struct KeptBoxes {
 nanobind::object ReaderFromSource(std::unique_ptr<KvStore> kv, std::shared_ptr<StepSource> source,
                                   std::shared_ptr<KeptBoxes> keep = nullptr);
 
+// A tensorstash._ext.Reader over a SharedStepSource of native step `dir` of `kv` (owned by
+// `owned` when the reader keeps it), sharing through the Python `coordinator` under
+// `key_prefix`. Needs the GIL. (reader.cc)
+nanobind::object SharedReader(std::unique_ptr<KvStore> owned, KvStore* kv, const std::string& dir,
+                              const ReaderOptions& options, nanobind::object coordinator,
+                              const std::string& key_prefix, double timeout_s,
+                              bool corrupt_for_testing);
+
 // ReaderOptions from the arguments every reading call of the module takes; ValueError (raised)
 // for max_inflight_bytes <= 0. (reader.cc)
 ReaderOptions ReadOptionsFromPython(bool verify_checksums, int64_t max_inflight_bytes,

@@ -226,11 +226,18 @@ class Manager {
 
   // A Reader of `step` on the manager's own store (no reopening of the root by path).
   nb::object OpenStepReader(int64_t step, bool verify_checksums, int64_t max_inflight_bytes,
-                            int io_threads, bool map_spans) {
+                            int io_threads, bool map_spans, nb::object share) {
     Get();
     const ReaderOptions options =
         ReadOptionsFromPython(verify_checksums, max_inflight_bytes, io_threads, map_spans);
     const std::string dir = ValueOrThrow(CheckpointManager::StepDir(step));
+    if (!share.is_none()) {
+      // (coordinator, key prefix, timeout in seconds, corrupt_for_testing)
+      auto [coordinator, key_prefix, timeout_s, corrupt] =
+          nb::cast<std::tuple<nb::object, std::string, double, bool>>(share);
+      return SharedReader(nullptr, kv_.get(), dir, options, coordinator, key_prefix, timeout_s,
+                          corrupt);
+    }
     Result<std::unique_ptr<StepSource>> source = [&] {
       nb::gil_scoped_release release;
       return OpenStepSource(kv_.get(), dir, options);
@@ -550,8 +557,10 @@ void DefineManager(nb::module_& m) {
            nb::arg("verify_checksums") = true,
            nb::arg("max_inflight_bytes") = int64_t(ReaderOptions{}.max_inflight_bytes),
            nb::arg("io_threads") = 0, nb::arg("map_spans") = true,
+           nb::arg("share").none() = nb::none(),
            "A Reader of `step` on the store the manager opened. FileNotFoundError when the "
-           "step is absent.")
+           "step is absent. share: None, or (coordinator, key_prefix, timeout_s, "
+           "corrupt_for_testing) for a shared reader (Reader.shared).")
       .def_prop_ro("multi_tier", &Manager::multi_tier, "Whether a local tier is open.")
       .def("local_steps", &Manager::LocalSteps,
            "Steps this node's local tier holds (any process's folder), ascending.")

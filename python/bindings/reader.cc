@@ -31,6 +31,7 @@
 #include "absl/strings/escaping.h"
 #include "bindings.h"
 #include "buffers.h"
+#include "coordinator.h"
 #include "errors.h"
 #include "save_args.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
@@ -40,6 +41,7 @@
 #include "tensorstash/format/tree.h"
 #include "tensorstash/kvstore/http/http_kvstore.h"
 #include "tensorstash/kvstore/registry.h"
+#include "tensorstash/share/peer/shared_source.h"
 
 namespace nb = nanobind;
 
@@ -112,9 +114,19 @@ class ThrottledProgress {
 using MapRequestTuple =
     std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>, std::string>;
 
+// Drops a Python coordinator with the GIL held (a Reader's step may be dropped without it).
+struct DropWithGil {
+  void operator()(PyCoordinator* coordinator) const {
+    nb::gil_scoped_acquire gil;
+    delete coordinator;
+  }
+};
+
 // What an open Reader reads from; closing the Reader drops it.
 struct OpenStep {
   std::unique_ptr<KvStore> kv;  // declared first: `source` uses it, and is destroyed first
+  // A shared reader's coordinator (SharedStepSource::Share uses it), destroyed after `source`.
+  std::unique_ptr<PyCoordinator, DropWithGil> coordinator;
   std::shared_ptr<StepSource> source;
   // Where restore_to_host keeps every box it hands over (a multi-tier restore's write-back
   // saves them: MultiTierManager::FinishRestore); null: nothing is kept.
@@ -264,6 +276,47 @@ class Reader {
     for (const std::string& e : tiered->open_errors()) open_errors.append(e);
     result["holders"] = holders;
     result["open_errors"] = open_errors;
+    return result;
+  }
+
+  // The source behind a reader opened with sharing (Reader.shared, Manager.open_step), else
+  // null.
+  SharedStepSource* Shared() const { return dynamic_cast<SharedStepSource*>(Step()->source.get()); }
+
+  void Share(const std::vector<MapRequestTuple>& requests) {
+    const std::shared_ptr<OpenStep> step = Step();
+    SharedStepSource* shared = Shared();
+    if (shared == nullptr) return;
+    std::vector<ReadRequest> reads;
+    reads.reserve(requests.size());
+    for (const auto& [path, origin, shape, dtype_name] : requests) {
+      reads.push_back({path, Box(origin, shape), ValueOrThrow(ParseDType(dtype_name)), nullptr});
+    }
+    nb::gil_scoped_release release;  // the coordinator takes it back for each call
+    ThrowIfError(shared->Share(reads));
+  }
+
+  nb::object FinishShare() {
+    const std::shared_ptr<OpenStep> step = Step();
+    SharedStepSource* shared = Shared();
+    if (shared == nullptr) return nb::none();
+    Status finished;
+    {
+      nb::gil_scoped_release release;
+      finished = shared->Finish();
+    }
+    const ShareStats stats = shared->share_stats();
+    nb::dict result;
+    result["active"] = stats.active;
+    result["storage_bytes"] = stats.storage_bytes;
+    result["storage_seconds"] = stats.storage_seconds;
+    result["peer_bytes"] = stats.peer_bytes;
+    result["peer_seconds"] = stats.peer_seconds;
+    result["served_chunks"] = stats.served_chunks;
+    result["received_chunks"] = stats.received_chunks;
+    result["fallback_chunks"] = stats.fallback_chunks;
+    result["fallbacks"] = stats.fallbacks;
+    result["finish_error"] = finished.ok() ? std::string() : std::string(finished.message());
     return result;
   }
 
@@ -536,6 +589,32 @@ ReaderOptions ReadOptionsFromPython(bool verify_checksums, int64_t max_inflight_
   return options;
 }
 
+nb::object SharedReader(std::unique_ptr<KvStore> owned, KvStore* kv, const std::string& dir,
+                        const ReaderOptions& options, nb::object coordinator,
+                        const std::string& key_prefix, double timeout_s,
+                        bool corrupt_for_testing) {
+  auto open = std::make_shared<OpenStep>();
+  open->coordinator.reset(ValueOrThrow(PyCoordinator::Create(std::move(coordinator))).release());
+  ShareOptions share;
+  share.key_prefix = key_prefix;
+  share.timeout = std::chrono::milliseconds(static_cast<int64_t>(std::max(0.001, timeout_s) * 1e3));
+  share.corrupt_served_for_testing = corrupt_for_testing;
+  open->kv = std::move(owned);
+  Result<std::unique_ptr<StepSource>> source = [&]() -> Result<std::unique_ptr<StepSource>> {
+    nb::gil_scoped_release release;
+    // Only native steps share (their index has each chunk's bytes and CRC); any other format
+    // is read as without sharing.
+    TS_ASSIGN_OR_RETURN(DetectedStep detected, DetectStepFormat(kv, dir));
+    if (detected.format != StepFormat::kNative) return OpenStepSource(kv, dir, options);
+    TS_ASSIGN_OR_RETURN(std::unique_ptr<SharedStepSource> shared,
+                        SharedStepSource::Open(kv, detected.dir, options,
+                                               open->coordinator.get(), share));
+    return std::unique_ptr<StepSource>(std::move(shared));
+  }();
+  open->source = ValueOrThrow(std::move(source));
+  return nb::cast(Reader(std::move(open)));
+}
+
 nb::object ReaderFromSource(std::unique_ptr<KvStore> kv, std::shared_ptr<StepSource> source,
                             std::shared_ptr<KeptBoxes> keep) {
   auto open = std::make_shared<OpenStep>();
@@ -564,6 +643,41 @@ void DefineReader(nb::module_& m) {
                   "path). Each chunk is read from the first holder with an intact copy "
                   "(tiers/tiered_source.h). Holders that do not open are left out "
                   "(tier_stats()[\"open_errors\"]); FileNotFoundError when none opens.")
+      .def_static(
+          "shared",
+          [](const std::string& root, const std::string& step, nb::object coordinator,
+             const std::string& key_prefix, double timeout_s, bool verify_checksums,
+             int64_t max_inflight_bytes, int io_threads, bool corrupt_for_testing) {
+            const ReaderOptions options =
+                ReadOptionsFromPython(verify_checksums, max_inflight_bytes, io_threads, false);
+            std::unique_ptr<KvStore> kv = ValueOrThrow([&] {
+              nb::gil_scoped_release release;
+              return OpenKvStore(root, {.create = false});
+            }());
+            KvStore* base = kv.get();
+            return SharedReader(std::move(kv), base, step, options, std::move(coordinator),
+                                key_prefix, timeout_s, corrupt_for_testing);
+          },
+          nb::arg("root"), nb::arg("step"), nb::arg("coordinator"), nb::kw_only(),
+          nb::arg("key_prefix"), nb::arg("timeout_s") = 60.0, nb::arg("verify_checksums") = true,
+          nb::arg("max_inflight_bytes") = int64_t(ReaderOptions{}.max_inflight_bytes),
+          nb::arg("io_threads") = 0, nb::arg("corrupt_for_testing") = false,
+          "A reader of a native step whose chunks needed by several processes of the job are "
+          "read from storage by one of them and sent to the others over the peer transport "
+          "(share/peer/shared_source.h): call share(requests) on every process with all the "
+          "boxes it will read, then read, then finish_share(). key_prefix: the coordinator keys "
+          "of this restore, the same on every process and unique per restore.")
+      .def("share", &Reader::Share, nb::arg("requests"),
+           nb::sig("def share(self, requests: list[tuple[str, typing.Sequence[int], "
+                   "typing.Sequence[int], str]]) -> None"),
+           "For a shared reader: agrees with the other processes which of them reads each "
+           "shared chunk and starts serving this process's (every process, once, with every "
+           "(path, origin, shape, dtype) it will read); nothing for other readers.")
+      .def("finish_share", &Reader::FinishShare,
+           "For a shared reader: waits (at most the timeout) until the processes it serves "
+           "have what they need, stops serving, and returns {active, storage_bytes, "
+           "storage_seconds, peer_bytes, peer_seconds, served_chunks, received_chunks, "
+           "fallback_chunks, fallbacks: [text], finish_error: text}; None for other readers.")
       .def("tier_stats", &Reader::TierStats,
            "For a tiered reader: {bytes: {tier: n}, seconds: {tier: s}, failures: [text], "
            "local_failed: bool, holders: [(tier, name)], open_errors: [text]} since it "

@@ -8,8 +8,11 @@ import base64
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -73,6 +76,49 @@ def _leaf_target(target: Any) -> Any:
         import jax
         return jax.ShapeDtypeStruct(target.shape, target.dtype, sharding=target.sharding)
     return target
+
+
+_log = logging.getLogger("tensorstash")
+
+# URL schemes of object stores: where share_reads=None shares (several processes reading the
+# same bytes there pay N times the traffic of a shared link; a local disk does not).
+_OBJECT_STORE_SCHEMES = ("s3://", "gs://")
+# Shared restores started, by process index: part of each one's coordinator keys, so that the
+# processes of a job, which restore the same steps in the same order, agree on them.
+_share_counts: dict[int, int] = {}
+_share_lock = threading.Lock()
+# Testing: a shared restore publishes the chunks it serves with a byte flipped.
+_CORRUPT_SHARED_FOR_TESTING = False
+
+
+def _share_setup(path: Any, share_reads: bool | None, coordinator: Any) -> tuple | None:
+    """(coordinator, key prefix) of a restore of `path` that shares its reads, or None: sharing
+    off, one process, or (share_reads=None) a path that is not an object-store URL."""
+    if share_reads is not None and not isinstance(share_reads, bool):
+        raise TypeError(f"share_reads must be True, False or None, not {share_reads!r}")
+    if share_reads is False:
+        return None
+    if coordinator is None:
+        coordinator = _adapters.default_coordinator()
+    if coordinator is None or coordinator.process_count() <= 1:
+        return None
+    if share_reads is None and not os.fspath(path).startswith(_OBJECT_STORE_SCHEMES):
+        return None
+    with _share_lock:
+        count = _share_counts[coordinator.process_index()] = (
+            _share_counts.get(coordinator.process_index(), 0) + 1)
+    return coordinator, f"tensorstash/share/{_paths.split(os.fspath(path))[1]}/{count}/"
+
+
+def _open_shared(path, share: tuple, verify_checksums: bool, max_inflight_bytes: int,
+                 io_threads: int) -> _ext.Reader:
+    root, step = _paths.split(path)
+    coordinator, prefix = share
+    return _ext.Reader.shared(root, step, coordinator, key_prefix=prefix,
+                              timeout_s=_options.COORDINATION_TIMEOUT_S,
+                              verify_checksums=verify_checksums,
+                              max_inflight_bytes=max_inflight_bytes, io_threads=io_threads,
+                              corrupt_for_testing=_CORRUPT_SHARED_FOR_TESTING)
 
 
 def _open(path, verify_checksums: bool, max_inflight_bytes: int, io_threads: int,
@@ -340,6 +386,8 @@ class _Plan:
                 for leaf, value in zip(leaves, built):
                     self.values[leaf.path] = value
 
+        # A shared reader agrees with the other processes here (nothing for other readers).
+        reader.share(self.requests)
         try:
             stats = reader.restore_to_host(self.requests, on_batch, map=mmap,
                                            batch_bytes=_options.HOST_BATCH_BYTES,
@@ -513,7 +561,8 @@ def _wrapped_key(plan: _Plan, path: str, n: dict) -> Any:
 def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = False,
             verify_checksums: bool = True, max_inflight_bytes: int = _options.MAX_INFLIGHT_BYTES,
             io_threads: int = 0, progress: Any = None, mmap: bool = True,
-            subtree: str | None = None) -> Any:
+            subtree: str | None = None, share_reads: bool | None = None,
+            coordinator: Any = None, stats: dict | None = None) -> Any:
     """Restores the checkpoint step folder `path`: a tensorstash step, or an Orbax checkpoint
     (OCDBT or per-parameter zarr folders, zarr3 or zarr2; an Orbax CheckpointManager step opens
     its item) or a zarr-group checkpoint, detected from the folder's files
@@ -576,6 +625,21 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     allocation for thousands of small arrays; a block goes back to the system once none of the
     arrays in it is alive.
 
+    `share_reads`: when several processes of a job restore a native step, each stored chunk
+    that several of them need is read from storage by one of them and sent to the others over
+    the job's peer transport (authenticated HTTP, each chunk's CRC-32C checked where it lands;
+    docs/shared_reads.md). True: on; False: off; None (default): on for object-store URLs
+    (s3://, gs://) when the job has more than one process. Every process of the job must then
+    restore the same steps in the same order. A chunk that does not arrive (a process that died
+    or stalled, within the coordination timeout) or arrives damaged is read from storage by the
+    process itself, with a warning naming the process. `coordinator`: the job's (default: the
+    framework's, as for save). Other formats than tensorstash's read as without sharing.
+
+    `stats`: a dict that is filled with what the restore took on this process: bytes (stored
+    bytes read or received), seconds, storage_bytes, storage_seconds, peer_bytes, peer_seconds,
+    shared (whether reads were shared), fallbacks (one line per chunk read from storage after
+    its peer failed).
+
     The step's files are closed before restore returns or raises (restored arrays that are
     mapped from them remain valid).
 
@@ -587,7 +651,8 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
     """
     return _restore(path, target, truncate=truncate, verify_checksums=verify_checksums,
                     max_inflight_bytes=max_inflight_bytes, io_threads=io_threads,
-                    progress=progress, mmap=mmap, subtree=subtree)[0]
+                    progress=progress, mmap=mmap, subtree=subtree, share_reads=share_reads,
+                    coordinator=coordinator, stats=stats)[0]
 
 
 def _subtree(node: dict, subtree: str, ckpt: str) -> tuple[dict, str]:
@@ -614,44 +679,86 @@ def _subtree(node: dict, subtree: str, ckpt: str) -> tuple[dict, str]:
 
 def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_checksums: bool,
              max_inflight_bytes: int, io_threads: int, progress: Any,
-             mmap: bool = True, reader: Any = None, subtree: str | None = None
-             ) -> tuple[Any, int]:
+             mmap: bool = True, reader: Any = None, subtree: str | None = None,
+             share_reads: bool | None = None, coordinator: Any = None,
+             stats: dict | None = None) -> tuple[Any, int]:
     """restore(), returning (the restored tree, the stored bytes read or mapped). `reader`: an
-    open reader of the step to use instead of opening `path` (the caller closes it)."""
+    open reader of the step to use instead of opening `path` (the caller closes it; it decides
+    the sharing, and share_reads is then not looked at)."""
     ckpt = os.fspath(path)
     desc = f"restoring {_paths.split(ckpt)[1]}"
     _progress.check(progress)
+    if stats is not None and not isinstance(stats, dict):
+        raise TypeError(f"stats must be a dict to fill or None, not {type(stats).__name__}")
+    started = time.perf_counter()
     # Closed on return, error or not: an open file would keep a deleted step's space.
     owned = reader is None
     if owned:
-        reader = _open(path, verify_checksums, max_inflight_bytes, io_threads, mmap)
+        share = _share_setup(path, share_reads, coordinator)
+        reader = (_open(path, verify_checksums, max_inflight_bytes, io_threads, mmap)
+                  if share is None else
+                  _open_shared(path, share, verify_checksums, max_inflight_bytes, io_threads))
     with contextlib.closing(reader) if owned else contextlib.nullcontext(reader), _gc.paused():
-        infos = {a["path"]: a for a in reader.arrays()}
-        node = _tree_with_keys(reader, infos)
-        prefix = None
-        if subtree is not None:
-            node, prefix = _subtree(node, subtree, ckpt)
+        tree, nbytes = _restore_with(reader, ckpt, desc, target, truncate, progress, mmap,
+                                     subtree)
+        _share_report(reader, nbytes, time.perf_counter() - started, stats)
+    return tree, nbytes
 
-        def full(p: str) -> str:
-            """The array path in the step of path `p` below the restored root."""
-            if not prefix:
-                return p
-            return prefix if p == "" else f"{prefix}/{p}"
 
-        plan = _Plan(ckpt, infos, truncate)
-        if target is None:
-            # The saved tree, each array whole, in its stored dtype.
-            paths: list[str] = []
-            # (A PRNG key node's data_path is already the step's path of its data.)
-            _tree.decode(node, lambda array_path, _id: paths.append(full(array_path)),
-                         lambda _p, n: paths.append(n["data_path"]))
-            plan.add_whole(paths)
-            nbytes = plan.run(reader, progress, desc, mmap)
-            return _tree.decode(node, lambda p, _id: plan.values[full(p)],
-                                lambda p, n: _wrapped_key(plan, p, n)), nbytes
-        leaves = {full(p): n for p, n in _tree.index_leaves(node).items()}
-        _tree.map_target(target, lambda p, t: _plan_target(plan, leaves, full(p), t))
+def _share_report(reader: _ext.Reader, nbytes: int, seconds: float, stats: dict | None) -> None:
+    """Ends a shared reader's serving, warns of chunks that came from storage after their peer
+    failed, and fills `stats` (restore's)."""
+    shared = reader.finish_share() if not reader.closed else None
+    if shared is not None:
+        if shared["fallbacks"]:
+            _log.warning("tensorstash: %d chunk(s) read from storage after their peer failed: %s",
+                         len(shared["fallbacks"]), "; ".join(shared["fallbacks"][:5]))
+        if shared["finish_error"]:
+            _log.warning("tensorstash: %s", shared["finish_error"])
+    if stats is None:
+        return
+    stats.clear()
+    stats.update(bytes=nbytes, seconds=seconds, shared=bool(shared and shared["active"]),
+                 storage_bytes=nbytes, storage_seconds=seconds, peer_bytes=0, peer_seconds=0.0,
+                 fallbacks=[])
+    if shared is not None and shared["active"]:
+        stats.update(bytes=shared["storage_bytes"] + shared["peer_bytes"],
+                     storage_bytes=shared["storage_bytes"],
+                     storage_seconds=shared["storage_seconds"], peer_bytes=shared["peer_bytes"],
+                     peer_seconds=shared["peer_seconds"], fallbacks=list(shared["fallbacks"]))
+
+
+def _restore_with(reader: _ext.Reader, ckpt: str, desc: str, target: Any, truncate: bool,
+                  progress: Any, mmap: bool, subtree: str | None) -> tuple[Any, int]:
+    """_restore's work with the reader open: (the restored tree, the stored bytes read or
+    mapped)."""
+    infos = {a["path"]: a for a in reader.arrays()}
+    node = _tree_with_keys(reader, infos)
+    prefix = None
+    if subtree is not None:
+        node, prefix = _subtree(node, subtree, ckpt)
+
+    def full(p: str) -> str:
+        """The array path in the step of path `p` below the restored root."""
+        if not prefix:
+            return p
+        return prefix if p == "" else f"{prefix}/{p}"
+
+    plan = _Plan(ckpt, infos, truncate)
+    if target is None:
+        # The saved tree, each array whole, in its stored dtype.
+        paths: list[str] = []
+        # (A PRNG key node's data_path is already the step's path of its data.)
+        _tree.decode(node, lambda array_path, _id: paths.append(full(array_path)),
+                     lambda _p, n: paths.append(n["data_path"]))
+        plan.add_whole(paths)
         nbytes = plan.run(reader, progress, desc, mmap)
-        aliases = plan.aliases
-        return _tree.map_target(
-            target, lambda p, _: plan.values[aliases.get(full(p), full(p))]), nbytes
+        return _tree.decode(node, lambda p, _id: plan.values[full(p)],
+                            lambda p, n: _wrapped_key(plan, p, n)), nbytes
+    leaves = {full(p): n for p, n in _tree.index_leaves(node).items()}
+    _tree.map_target(target, lambda p, t: _plan_target(plan, leaves, full(p), t))
+    nbytes = plan.run(reader, progress, desc, mmap)
+    aliases = plan.aliases
+    return _tree.map_target(
+        target, lambda p, _: plan.values[aliases.get(full(p), full(p))]), nbytes
+

@@ -45,7 +45,8 @@ import numpy as np
 from . import _adapters, _ext, _options, _orbax_steps, _paths, _tree
 from . import numpy as _tnp
 from ._progress import format_bytes as _format_bytes
-from ._restore import _restore, restore as _restore_signature
+from . import _restore as _restore_module
+from ._restore import _restore, _share_setup, restore as _restore_signature
 from ._save import _save_orbax
 from ._save import (_close_coordinator, arrays_to_save as _arrays_to_save,
                     default_coordinator as _default_coordinator)
@@ -91,6 +92,9 @@ class RestoreStats:
     bytes_from: dict[str, int] = dataclasses.field(default_factory=dict)
     seconds_from: dict[str, float] = dataclasses.field(default_factory=dict)
     failures: tuple[str, ...] = ()
+    # A restore that shared its reads (share_reads): restore()'s `stats` of this process
+    # (storage_bytes, storage_seconds, peer_bytes, peer_seconds, fallbacks, ...); else None.
+    shared: dict | None = None
 
     @property
     def gbps(self) -> float:
@@ -270,6 +274,13 @@ class CheckpointManager:
     and is deleted once none does, in this session or a later one. With local_dir the
     persistent tier saves incrementally; the local tier does not.
 
+    `share_reads` (True, False, or None: on for s3:// and gs:// roots when the job has more than
+    one process): restore() reads each stored chunk that several processes need once, by one of
+    them, which sends it to the others over the peer transport (tensorstash.restore's
+    share_reads, docs/shared_reads.md); a restore call's own share_reads wins.
+    last_restore_stats.shared then holds this process's bytes and seconds from storage and from
+    peers. Not with local_dir (the multi-tier restore reads as before) nor for Orbax steps.
+
     `format`: the format of the root's steps. "auto" (the default) takes what the root holds:
     Orbax steps (written by orbax.checkpoint.CheckpointManager, or by this manager with
     format="orbax") make it a manager of Orbax steps, anything else (an empty root included) of
@@ -326,8 +337,13 @@ class CheckpointManager:
                  local_server_address: str | None = None, local_server_port: int = 0,
                  coordination_timeout: float = _options.COORDINATION_TIMEOUT_S,
                  format: str = "auto", step_prefix: str | None = None,
-                 step_format_fixed_length: int | None = None, incremental: bool = False):
+                 step_format_fixed_length: int | None = None, incremental: bool = False,
+                 share_reads: bool | None = None):
         _options.check_codec(codec)
+        if share_reads is not None and not isinstance(share_reads, bool):
+            raise TypeError(f"share_reads must be True, False or None, not {share_reads!r}")
+        self.share_reads = share_reads
+        self._coordination_timeout = coordination_timeout
         found = getattr(self, "_found_format", None) or _root_format(root, format)
         if found != "native":  # a subclass's (__new__ picks the class)
             raise ValueError(f"{root} holds Orbax steps: {type(self).__name__} manages native "
@@ -584,6 +600,10 @@ class CheckpointManager:
         # tensorstash.restore's arguments, with its defaults (TypeError for unknown ones).
         args = inspect.signature(_restore_signature).bind(self.step_path(step), target, **kwargs)
         args.apply_defaults()
+        if "share_reads" not in kwargs:  # the manager's setting, unless the call gives one
+            args.arguments["share_reads"] = self.share_reads
+        share_stats = args.arguments["stats"] if args.arguments["stats"] is not None else {}
+        args.arguments["stats"] = share_stats
         if self._multi:
             fallback = asked is None or asked == self._last_latest
             return self._restore_tiered(step, target, args, started, fallback)
@@ -597,11 +617,17 @@ class CheckpointManager:
         def attempt(candidate: int):
             args.arguments["path"] = self.step_path(candidate)
             kwargs = args.arguments
+            share = _share_setup(self.step_path(candidate), kwargs["share_reads"],
+                                 kwargs["coordinator"] or self._coordinator)
+            if share is not None:
+                share = (*share, self._coordination_timeout,
+                         _restore_module._CORRUPT_SHARED_FOR_TESTING)
             # Through the store the manager opened, not by reopening the root's path.
             with contextlib.closing(self._ext.open_step(
                     candidate, verify_checksums=kwargs["verify_checksums"],
                     max_inflight_bytes=kwargs["max_inflight_bytes"],
-                    io_threads=kwargs["io_threads"], map_spans=kwargs["mmap"])) as reader:
+                    io_threads=kwargs["io_threads"], map_spans=kwargs["mmap"],
+                    share=share)) as reader:
                 return _restore(*args.args, reader=reader, **args.kwargs), None
 
         step, (tree, nbytes), _ = self._first_that_restores(
@@ -609,7 +635,8 @@ class CheckpointManager:
         stats = RestoreStats(step=step, bytes=nbytes, seconds=time.perf_counter() - started,
                              bytes_from={"local": 0, "peer": 0, "persistent": nbytes},
                              seconds_from={"local": 0.0, "peer": 0.0,
-                                           "persistent": time.perf_counter() - started})
+                                           "persistent": time.perf_counter() - started},
+                             shared=dict(share_stats) if share_stats.get("shared") else None)
         self._restored(stats)
         return tree
 
@@ -876,13 +903,15 @@ class _OrbaxRunManager(CheckpointManager):
                  local_server_address: str | None = None, local_server_port: int = 0,
                  coordination_timeout: float = _options.COORDINATION_TIMEOUT_S,
                  format: str = "auto", step_prefix: str | None = None,
-                 step_format_fixed_length: int | None = None, incremental: bool = False):
+                 step_format_fixed_length: int | None = None, incremental: bool = False,
+                 share_reads: bool | None = None):
         if incremental:
             raise NotImplementedError("incremental steps are native steps: not available for a "
                                       "root of Orbax steps")
+        # (Orbax steps read as without sharing: share_reads is accepted and has no effect.)
         del max_staging_bytes, copy_host_jax_arrays, chunk_bytes, data_file_bytes
         del local_save_interval_steps, local_max_to_keep, local_server_address
-        del local_server_port, format
+        del local_server_port, format, share_reads
         if not coordination_timeout > 0:
             raise ValueError(f"coordination_timeout must be > 0, not {coordination_timeout!r}")
         _check_counts(max_to_keep=max_to_keep, keep_period=keep_period,

@@ -450,6 +450,9 @@ const CommitRecord& CheckpointReader::commit_record() const { return impl_->comm
 const TreeNode& CheckpointReader::tree() const { return impl_->tree.root; }
 const std::vector<ArrayMetadata>& CheckpointReader::arrays() const { return impl_->tree.arrays; }
 const ChunkIndex& CheckpointReader::index() const { return impl_->index; }
+std::string CheckpointReader::DataFileKey(uint32_t file_id) const {
+  return impl_->FileKey(file_id);
+}
 uint64_t CheckpointReader::StoredBytes(size_t array_id) const {
   return impl_->stored_bytes.at(array_id);
 }

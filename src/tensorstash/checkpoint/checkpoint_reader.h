@@ -62,6 +62,9 @@ class CheckpointReader {
   // Bytes stored for array `array_id` (sum of its chunks' stored lengths).
   uint64_t StoredBytes(size_t array_id) const;
   const ChunkIndex& index() const;
+  // The store key of data file `file_id` of the index (this step's, or another step's that it
+  // references), as the reader opens it.
+  std::string DataFileKey(uint32_t file_id) const;
 
   // Reads one request. InvalidArgument for an unknown path (NotFound), a rank mismatch, a
   // negative origin or an unsupported cast; DataLoss for corrupt chunks. On error the

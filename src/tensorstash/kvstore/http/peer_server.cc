@@ -48,6 +48,7 @@ namespace {
 
 constexpr char kObjectPath[] = "/v1/object/";
 constexpr char kListPath[] = "/v1/list";
+constexpr char kSharedPath[] = "/v1/shared/";
 
 // The derived limits (peer_server.h, PeerServer::max_connections).
 constexpr int kSpareConnections = 8;
@@ -122,11 +123,12 @@ bool SameSecret(std::string_view given, std::string_view secret) {
   return differ == 0;
 }
 
-MHD_Result Answer(MHD_Connection* connection, unsigned int code, std::string_view body) {
+MHD_Result Answer(MHD_Connection* connection, unsigned int code, std::string_view body,
+                  const char* content_type = "text/plain") {
   MHD_Response* response = MHD_create_response_from_buffer(
       body.size(), const_cast<char*>(body.data()), MHD_RESPMEM_MUST_COPY);
   if (response == nullptr) return MHD_NO;
-  MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_TYPE, "text/plain");
+  MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
   // Whoever lacks the secret does not keep the connection.
   if (code == MHD_HTTP_FORBIDDEN) {
     MHD_add_response_header(response, MHD_HTTP_HEADER_CONNECTION, "close");
@@ -197,6 +199,16 @@ struct PeerServer::Impl {
   bool stopping = false;  // guarded by mu
   std::unordered_map<MHD_Connection*, Unauthenticated> unauthenticated;  // guarded by mu
   std::thread reaper;
+
+  // Published bytes (shared reads), under their own mutex: answers never wait on the reaper.
+  struct Published {
+    std::shared_ptr<const std::string> bytes;  // null: failed, see `why`
+    std::string why;
+    int served = 0;
+  };
+  std::mutex published_mu;
+  std::condition_variable served_cv;
+  std::unordered_map<std::string, Published> published;  // guarded by published_mu
 
   ~Impl() {
     if (reaper.joinable()) {
@@ -294,6 +306,30 @@ struct PeerServer::Impl {
     return queued;
   }
 
+  MHD_Result ServeShared(MHD_Connection* connection, std::string_view key) {
+    std::shared_ptr<const std::string> bytes;
+    std::string why;
+    {
+      std::lock_guard<std::mutex> lock(published_mu);
+      auto it = published.find(std::string(key));
+      if (it == published.end()) {
+        // Not read yet by its publisher: the client polls (short polls, so that a slow chunk
+        // never ties up one of the pool's threads).
+        return Answer(connection, MHD_HTTP_SERVICE_UNAVAILABLE, "not yet\n");
+      }
+      bytes = it->second.bytes;
+      why = it->second.why;
+    }
+    if (bytes == nullptr) return Answer(connection, MHD_HTTP_GONE, why);
+    const MHD_Result queued = Answer(connection, MHD_HTTP_OK, *bytes, "application/octet-stream");
+    if (queued == MHD_YES) {
+      std::lock_guard<std::mutex> lock(published_mu);
+      ++published[std::string(key)].served;
+      served_cv.notify_all();
+    }
+    return queued;
+  }
+
   MHD_Result ServeList(MHD_Connection* connection) const {
     const char* given = MHD_lookup_connection_value(connection, MHD_GET_ARGUMENT_KIND, "prefix");
     const std::string_view prefix = given == nullptr ? "" : given;
@@ -338,6 +374,10 @@ struct PeerServer::Impl {
     }
     // `url` arrives percent-decoded, so "%2e%2e" is checked as "..".
     const std::string_view path(url);
+    if (path.starts_with(kSharedPath)) {
+      return self.ServeShared(connection, path.substr(std::strlen(kSharedPath)));
+    }
+    if (self.root_fd < 0) return Answer(connection, MHD_HTTP_NOT_FOUND, "no files served\n");
     if (path.starts_with(kObjectPath)) {
       return self.ServeObject(connection, path.substr(std::strlen(kObjectPath)));
     }
@@ -354,7 +394,7 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(std::string root, PeerServ
     return InvalidArgumentError("the peer server's secret must be at least 16 characters");
   }
   struct stat info;
-  if (::stat(root.c_str(), &info) != 0 || !S_ISDIR(info.st_mode)) {
+  if (!root.empty() && (::stat(root.c_str(), &info) != 0 || !S_ISDIR(info.st_mode))) {
     return NotFoundError(StrCat("the folder to serve to peers, '", root, "', does not exist"));
   }
   sockaddr_in address{};
@@ -367,15 +407,17 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(std::string root, PeerServ
   }
   if (Status s = SizeLimits(options); !s.ok()) return s;
   auto impl = std::make_unique<Impl>();
-  impl->root_fd = ::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
-  if (impl->root_fd < 0) {
-    return ErrnoToStatus(errno, "opening the folder to serve", root);
-  }
-  // openat2 (Linux 5.6) is what keeps a symbolic link from leading a request out of the folder.
-  if (const int probe = OpenBeneath(impl->root_fd, "."); probe >= 0) {
-    ::close(probe);
-  } else if (errno == ENOSYS) {
-    return UnimplementedError("serving peers needs openat2 (Linux 5.6 or later)");
+  if (!root.empty()) {
+    impl->root_fd = ::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (impl->root_fd < 0) {
+      return ErrnoToStatus(errno, "opening the folder to serve", root);
+    }
+    // openat2 (Linux 5.6) keeps a symbolic link from leading a request out of the folder.
+    if (const int probe = OpenBeneath(impl->root_fd, "."); probe >= 0) {
+      ::close(probe);
+    } else if (errno == ENOSYS) {
+      return UnimplementedError("serving peers needs openat2 (Linux 5.6 or later)");
+    }
   }
   impl->root = std::move(root);
   impl->options = std::move(options);
@@ -408,6 +450,39 @@ std::string PeerServer::url() const {
 }
 
 int PeerServer::max_connections() const { return impl_->options.max_connections; }
+
+void PeerServer::Publish(const std::string& key, std::shared_ptr<const std::string> bytes) {
+  std::lock_guard<std::mutex> lock(impl_->published_mu);
+  Impl::Published& entry = impl_->published[key];
+  entry.bytes = std::move(bytes);
+  entry.why.clear();
+}
+
+void PeerServer::PublishFailure(const std::string& key, const std::string& why) {
+  std::lock_guard<std::mutex> lock(impl_->published_mu);
+  Impl::Published& entry = impl_->published[key];
+  entry.bytes = nullptr;
+  entry.why = why;
+}
+
+std::vector<std::string> PeerServer::WaitServed(
+    const std::vector<std::pair<std::string, int>>& wanted,
+    std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(impl_->published_mu);
+  std::vector<std::string> short_of;
+  auto missing = [&] {
+    short_of.clear();
+    for (const auto& [key, count] : wanted) {
+      auto it = impl_->published.find(key);
+      if (it == impl_->published.end() || it->second.served < count) short_of.push_back(key);
+    }
+    return !short_of.empty();
+  };
+  while (missing() && impl_->served_cv.wait_until(lock, deadline) != std::cv_status::timeout) {
+  }
+  missing();
+  return short_of;
+}
 int PeerServer::max_connections_per_address() const {
   return impl_->options.max_connections_per_address;
 }

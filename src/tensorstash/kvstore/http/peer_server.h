@@ -8,6 +8,10 @@
 // Requests (libmicrohttpd, a pool of threads):
 //   GET|HEAD /v1/object/<key>     the file <root>/<key>; a `Range: bytes=a-b` gives 206
 //   GET      /v1/list?prefix=<p>  the keys under the prefix, one per line, sorted
+//   GET      /v1/shared/<key>     bytes held in memory under <key> (Publish, for shared reads:
+//                                 docs/proposals/shared-reads.md): 200 once published, 503
+//                                 "not yet" before (the client polls), 410 with the reason after
+//                                 PublishFailure (the client reads from storage itself)
 // Every request must carry the header `X-Tensorstash-Secret: <secret>`; without it, or with
 // another value, the answer is 403 and nothing is read. Keys are checked before any file is
 // touched: an absolute key, an empty component, "." or ".." (also percent-encoded), a NUL or a
@@ -33,6 +37,8 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "tensorstash/util/status.h"
 
@@ -70,7 +76,8 @@ inline constexpr int kPeerConnectionsPerProcess = 32;
 
 class PeerServer {
  public:
-  // Starts serving `root` (a folder that must exist). InvalidArgument for a bad address, a
+  // Starts serving `root` (a folder that must exist; "" serves no files, only what is
+  // published). InvalidArgument for a bad address, a
   // short secret, a negative limit or a total above a quarter of RLIMIT_NOFILE, a timeout under
   // 1 s; NotFound for a missing root, Unavailable when the address cannot be bound.
   static Result<std::unique_ptr<PeerServer>> Start(std::string root, PeerServerOptions options);
@@ -90,6 +97,15 @@ class PeerServer {
   // node running several processes still gets in).
   int max_connections() const;
   int max_connections_per_address() const;
+
+  // Shared reads. Publish makes `bytes` the answer to GET /v1/shared/<key> (any key; replaces an
+  // earlier one); PublishFailure makes it 410 with `why` (the publisher could not read them).
+  void Publish(const std::string& key, std::shared_ptr<const std::string> bytes);
+  void PublishFailure(const std::string& key, const std::string& why);
+  // Waits until each (key, n) of `wanted` has been answered with its bytes n times (its
+  // receivers have asked for it), or until `deadline`. Returns the keys still short.
+  std::vector<std::string> WaitServed(const std::vector<std::pair<std::string, int>>& wanted,
+                                      std::chrono::steady_clock::time_point deadline);
 
  private:
   struct Impl;
