@@ -111,6 +111,11 @@ NB_MODULE(_ext, m) {
   m.def("host_buffer", &py::HostBuffer, nb::arg("nbytes"),
         "A writable uint8 array of `nbytes` bytes (contents unspecified) in memory of its own, "
         "page-aligned when large, and never advised into transparent huge pages.");
+  m.def("kept_freed_bytes", &tensorstash::StagingBufferKeptBytes,
+        "Bytes of freed host buffers the engine keeps for reuse (TENSORSTASH_KEEP_FREED_BYTES "
+        "caps them; util/staging_buffer.h).");
+  m.def("release_kept_buffers", &tensorstash::ReleaseKeptStagingBuffers,
+        "Gives the freed host buffers the engine keeps for reuse back to the system now.");
   m.def(
       "split_step_url",
       [](const std::string& url) {
