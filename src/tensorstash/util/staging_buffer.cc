@@ -9,7 +9,6 @@
 #include <deque>
 #include <mutex>
 #include <new>
-#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -144,47 +143,6 @@ class FreedMappings {
   uint64_t kept_bytes_ = 0;
 };
 
-// Why huge pages: filling fresh memory is mostly the kernel's per-page work (a fault, zeroing
-// and charging every 4 KiB page). Backed by 2 MiB pages, the same 288 MiB fill took 0.05 s
-// instead of 0.23 s on the VMs we measure on. Most machines run transparent huge pages in
-// "madvise" mode, so a mapping gets them only when asked. Only whole aligned 2 MiB ranges
-// inside the mapping get one, so a buffer's tail past its last such range stays in small pages
-// and the process holds no more memory than before. TENSORSTASH_HUGE_PAGES=0 turns it off.
-constexpr size_t kHugePage = size_t{2} << 20;
-
-bool HugePagesWanted() {
-  static const bool wanted = [] {
-    const char* text = std::getenv("TENSORSTASH_HUGE_PAGES");
-    return text == nullptr || std::string_view(text) != "0";
-  }();
-  return wanted;
-}
-
-// A fresh anonymous mapping of `length` bytes, or nullptr when the system refuses one. From
-// kHugePage on it starts on a 2 MiB boundary (over-mapped, then trimmed) and asks for huge
-// pages; the advice is a hint the kernel may ignore, so its failure is not an error.
-void* MapFresh(size_t length) {
-  const int prot = PROT_READ | PROT_WRITE;
-  const int flags = MAP_PRIVATE | MAP_ANONYMOUS;
-  if (length < kHugePage || !HugePagesWanted()) {
-    void* p = ::mmap(nullptr, length, prot, flags, -1, 0);
-    return p == MAP_FAILED ? nullptr : p;
-  }
-  void* raw = ::mmap(nullptr, length + kHugePage, prot, flags, -1, 0);
-  if (raw == MAP_FAILED) return nullptr;
-  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t aligned = (start + kHugePage - 1) & ~(uintptr_t{kHugePage} - 1);
-  const size_t head = aligned - start;
-  const size_t tail = kHugePage - head;
-  if (head > 0) ::munmap(raw, head);
-  if (tail > 0) ::munmap(reinterpret_cast<void*>(aligned + length), tail);
-  void* p = reinterpret_cast<void*>(aligned);
-#ifdef MADV_HUGEPAGE
-  ::madvise(p, length, MADV_HUGEPAGE);
-#endif
-  return p;
-}
-
 }  // namespace
 
 StagingBuffer::StagingBuffer(size_t size) : size_(size) {
@@ -194,8 +152,8 @@ StagingBuffer::StagingBuffer(size_t size) : size_(size) {
     const size_t length = FreedMappings::Length(size);
     void* p = freed.Take(length);
     if (p == nullptr) {
-      p = MapFresh(length);
-      if (p == nullptr) throw std::bad_alloc();  // as operator new would
+      p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) throw std::bad_alloc();  // as operator new would
     }
     data_ = static_cast<char*>(p);
     mapped_length_ = length;

@@ -13,9 +13,6 @@
 // its size are unmapped before it is mapped, so kept plus live memory does not grow past what
 // it would have been without keeping.
 //
-// Fresh mappings of 2 MiB and more start on a 2 MiB boundary and are advised for transparent
-// huge pages (TENSORSTASH_HUGE_PAGES=0 turns that off).
-//
 // Thread-safety: a buffer is used by one thread at a time.
 #ifndef TENSORSTASH_UTIL_STAGING_BUFFER_H_
 #define TENSORSTASH_UTIL_STAGING_BUFFER_H_

@@ -2,12 +2,7 @@
 
 #include <gtest/gtest.h>
 
-#include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
-#include <string>
 #include <memory>
 #include <utility>
 
@@ -87,37 +82,6 @@ TEST_F(StagingBufferTest, MovedBuffersKeepTheirMapping) {
   c = std::move(b);
   EXPECT_EQ(c.data(), data);
   std::memset(c.data(), 4, c.size());
-}
-
-
-// The VmFlags line of the mapping that holds `p` in /proc/self/smaps ("" if none).
-std::string VmFlagsOf(const void* p) {
-  std::ifstream smaps("/proc/self/smaps");
-  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
-  bool inside = false;
-  for (std::string line; std::getline(smaps, line);) {
-    uintptr_t start = 0, end = 0;
-    char dash = 0;
-    std::istringstream range(line);
-    if (range >> std::hex >> start >> dash >> end && dash == '-' && line.find(':') > line.find(' ')) {
-      inside = start <= address && address < end;
-    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
-      return line;
-    }
-  }
-  return "";
-}
-
-TEST_F(StagingBufferTest, LargeFreshBuffersStartOnAHugePageAndAskForHugePages) {
-  const char* setting = std::getenv("TENSORSTASH_HUGE_PAGES");
-  if (setting != nullptr && std::string(setting) == "0") GTEST_SKIP() << "turned off by the variable";
-  StagingBuffer big(9 * kMiB + 4096);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(big.data()) % (2 * kMiB), 0u);
-  EXPECT_NE(VmFlagsOf(big.data()).find(" hg"), std::string::npos) << VmFlagsOf(big.data());
-  std::memset(big.data(), 5, big.size());
-
-  StagingBuffer small(kMiB);  // below a huge page: an ordinary mapping
-  EXPECT_EQ(VmFlagsOf(small.data()).find(" hg"), std::string::npos) << VmFlagsOf(small.data());
 }
 
 }  // namespace
