@@ -623,5 +623,80 @@ TEST_F(CheckpointCorruptionTest, DuplicateAndUnsortedIndexEntries) {
   }
 }
 
+// Chunks of most of a MiB read into sub-boxes that cut every dimension come back exact, and a
+// flipped byte anywhere in such a chunk (its first, middle or last byte) fails a read that needs
+// only a small part of it: the whole chunk is checked, not only the bytes copied out.
+class LargeChunkScatterTest : public test::TempDirTest {
+ protected:
+  void SetUp() override {
+    test::TempDirTest::SetUp();
+    root_ = temp_dir() + "/root";
+    Result<std::unique_ptr<FileKvStore>> store = FileKvStore::Open(root_);
+    TS_ASSERT_OK(store.status());
+    kv_ = *std::move(store);
+    WriterOptions options;
+    options.sync = false;
+    options.target_chunk_bytes = 64 << 20;  // each shard one chunk: 2 x 0.79 MiB
+    Result<std::unique_ptr<CheckpointWriter>> writer =
+        CheckpointWriter::Create(kv_.get(), kStep, options);
+    TS_ASSERT_OK(writer.status());
+    test::HeldShards held = test::HoldAllShards(spec_, 7, test::Sharding{{2}, {0, -1, -1}});
+    TS_ASSERT_OK((*writer)->AddArray(spec_, held.shards));
+    TS_ASSERT_OK((*writer)->Commit());
+  }
+  Status ReadBox(const Box& box, std::vector<char>* out, bool verify = true) {
+    ReaderOptions options;
+    options.verify_checksums = verify;
+    Result<std::unique_ptr<CheckpointReader>> reader =
+        CheckpointReader::Open(kv_.get(), kStep, options);
+    if (!reader.ok()) return reader.status();
+    out->assign(static_cast<size_t>(box.num_elements()) * 4, 0);
+    return (*reader)->Read({"big", box, DType::kFloat32, out->data()});
+  }
+
+  const ArraySpec spec_{"big", DType::kFloat32, {6, 96, 700}};
+  std::string root_;
+  std::unique_ptr<FileKvStore> kv_;
+};
+
+TEST_F(LargeChunkScatterTest, SubBoxesAcrossSlabsReadExactly) {
+  for (const Box& box : {Box::FromShape({6, 96, 700}), Box({1, 5, 3}, {4, 80, 650}),
+                         Box({2, 0, 699}, {3, 96, 1}), Box({3, 95, 0}, {1, 1, 700})}) {
+    std::vector<char> got;
+    TS_ASSERT_OK(ReadBox(box, &got)) << box.ToString();
+    EXPECT_TRUE(BytesEqual(got, MakeBoxData(DType::kFloat32, spec_.shape, 7, box)))
+        << box.ToString();
+  }
+}
+
+TEST_F(LargeChunkScatterTest, AFlipInAnySlabOfALargeChunkIsCaught) {
+  Result<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(kv_.get(), kStep);
+  TS_ASSERT_OK(reader.status());
+  const ChunkIndex index = (*reader)->index();
+  ASSERT_EQ(index.entries.size(), 2u);
+  const IndexEntry victim = index.entries[1];  // rows 3..5
+  const std::string file = StrCat(kItem, "/", index.files[victim.file_id].name);
+  std::ifstream in(root_ + "/" + file, std::ios::binary);
+  std::stringstream contents;
+  contents << in.rdbuf();
+  const std::string intact = contents.str();
+  for (const uint64_t at : {uint64_t{0}, victim.length / 2, victim.length - 1}) {
+    std::string bytes = intact;
+    bytes[victim.offset + at] = static_cast<char>(bytes[victim.offset + at] ^ 0x20);
+    {
+      std::ofstream out(root_ + "/" + file, std::ios::binary | std::ios::trunc);
+      out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    }
+    std::vector<char> got;
+    // A box that needs only part of the damaged chunk: the whole chunk is still checked.
+    const Status status = ReadBox(Box({4, 10, 10}, {1, 20, 20}), &got);
+    EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << "byte " << at << ": " << status;
+    EXPECT_THAT(status.message(), HasSubstr("CRC-32C mismatch")) << status;
+    EXPECT_THAT(status.message(), HasSubstr(file)) << status;
+    // Unchecked, the same read succeeds: the check, not the copy, failed it.
+    TS_EXPECT_OK(ReadBox(Box({4, 10, 10}, {1, 20, 20}), &got, /*verify=*/false));
+  }
+}
+
 }  // namespace
 }  // namespace tensorstash
