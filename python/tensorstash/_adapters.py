@@ -35,6 +35,12 @@ after them stand in with the default given):
         distinct device block (keyed by the block), or one for the whole array.
     build(target, shape, buffers) -> leaf
         The restored leaf from `buffers` ({key: NumPy array of the box, of restore_dtype}).
+    restore_into(target, shape, boxes) -> dict[key, np.ndarray] | None   (optional; default None)
+        For an in-place load (tensorstash.torch.load): {key: writable C-contiguous uint8 NumPy
+        view of the target's own memory that holds box `key` of `boxes` (restore_boxes'), in
+        restore_dtype}, so that the engine reads each box straight into the target; None where
+        the target's memory cannot take them (another device, not contiguous): the leaf is then
+        built and copied as after any restore.
     build_many(items) -> list   (optional)
         The leaves of [(target, shape, buffers)], finished in the same batch, built together
         (jax.JaxAdapter places each on all its devices in one call, then waits once).
@@ -306,6 +312,13 @@ def restore_dtype(adapter: Any, target: Any) -> np.dtype:
     store."""
     own = getattr(adapter, "restore_dtype", None)
     return own(target) if own is not None else tnp.dtype_from_name(dtype_name(adapter, target))
+
+
+def restore_into(adapter: Any, target: Any, shape: tuple[int, ...],
+                 boxes: dict[Any, tuple]) -> dict[Any, np.ndarray] | None:
+    """The adapter's restore_into, or None for an adapter without one."""
+    fn = getattr(adapter, "restore_into", None)
+    return fn(target, shape, boxes) if callable(fn) else None
 
 
 def sharding_record(adapter: Any, x: Any) -> dict | None:

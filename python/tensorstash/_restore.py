@@ -5,6 +5,7 @@ engine/host_restore.h): this module turns the target into boxes and the boxes in
 from __future__ import annotations
 
 import base64
+import bisect
 import contextlib
 import dataclasses
 import json
@@ -321,11 +322,20 @@ class _Plan:
     """The boxes a restore reads, and what becomes of them: each array leaf asks for one or more
     boxes (one per device, or one for the whole array), and is built once all of them are in."""
 
-    def __init__(self, ckpt: str, infos: dict[str, dict], truncate: bool = False):
+    def __init__(self, ckpt: str, infos: dict[str, dict], truncate: bool = False,
+                 into: bool = False):
         self.ckpt = ckpt
         self.infos = infos
         self.truncate = truncate
+        # An in-place load: boxes the adapter gives the target's own memory for are read
+        # straight into it (add_into).
+        self.into = into
         self.requests: list[tuple] = []  # (path, origin, shape, dtype name), for the engine
+        # (path, origin, shape, dtype name, destination): read straight into the targets.
+        self.into_requests: list[tuple] = []
+        # (start, end) addresses of the destinations of into_requests, sorted: a target whose
+        # memory overlaps another's (tied weights) is restored and copied, last one winning.
+        self._into_spans: list[tuple[int, int]] = []
         self.owners: list[tuple[_Leaf, Any]] = []  # per request: its leaf and box key
         self.values: dict[str, Any] = {}
         # Leaf path -> the path its value is kept under in `values` (PRNG keys: their data's).
@@ -352,6 +362,29 @@ class _Plan:
             self.owners.append((leaf, key))
         if not boxes:  # nothing of it on this process's devices
             self.values[path] = build({})
+
+    def add_into(self, path: str, dtype: np.dtype, boxes: dict[Any, tuple],
+                 dests: dict[Any, np.ndarray], value: Any) -> bool:
+        """Asks for `boxes` of array `path` as `dtype` read straight into `dests` ({key:
+        writable uint8 array of the box's bytes}: the target's memory); the leaf's value is then
+        `value`. False (nothing planned) where a destination overlaps one planned before."""
+        spans = []
+        for key in boxes:
+            dest = dests[key]
+            start = dest.__array_interface__["data"][0]
+            spans.append((start, start + dest.nbytes))
+        for lo, hi in spans:
+            at = bisect.bisect_left(self._into_spans, (lo, hi))
+            if (at < len(self._into_spans) and self._into_spans[at][0] < hi) or (
+                    at > 0 and self._into_spans[at - 1][1] > lo):
+                return False
+        for span in spans:
+            bisect.insort(self._into_spans, span)
+        name = tnp.dtype_name(dtype)
+        for key, (origin, shape) in boxes.items():
+            self.into_requests.append((path, origin, shape, name, dests[key]))
+        self.values[path] = value
+        return True
 
     def add_whole(self, paths: list[str]) -> None:
         """add() of each array in `paths` whole, in its stored dtype, as a NumPy array: the
@@ -387,14 +420,35 @@ class _Plan:
                     self.values[leaf.path] = value
 
         # A shared reader agrees with the other processes here (nothing for other readers).
-        reader.share(self.requests)
+        into = self.into_requests
+        reader.share(self.requests + [r[:4] for r in into] if into else self.requests)
+        callback = reporter.callback()
+        # Progress: the boxes read in place first, then the others (each distinct box once, as
+        # the engine counts them).
+        into_bytes = sum(r[4].nbytes for r in into)
+        rest_bytes = sum(math.prod(shape) * tnp.dtype_from_name(name).itemsize
+                         for _, origin, shape, name in {(p, tuple(o), tuple(s), n)
+                                                        for p, o, s, n in self.requests})
+        nbytes = 0
         try:
-            stats = reader.restore_to_host(self.requests, on_batch, map=mmap,
-                                           batch_bytes=_options.HOST_BATCH_BYTES,
-                                           progress=reporter.callback())
+            if into:
+                def into_progress(done: int, total: int) -> None:
+                    callback(into_bytes * done // total if total else into_bytes,
+                             into_bytes + rest_bytes)
+
+                stats = reader.read_many(into, progress=into_progress if callback else None)
+                nbytes += stats["bytes_read"]
+            if self.requests or not into:
+                def rest_progress(done: int, total: int) -> None:
+                    callback(into_bytes + done, into_bytes + total)
+
+                stats = reader.restore_to_host(
+                    self.requests, on_batch, map=mmap, batch_bytes=_options.HOST_BATCH_BYTES,
+                    progress=(rest_progress if into else callback) if callback else None)
+                nbytes += stats["bytes_read"] + stats["mapped_bytes"]
         finally:
             reporter.close()
-        return stats["bytes_read"] + stats["mapped_bytes"]
+        return nbytes
 
 
 def _whole_array(buffers: dict) -> np.ndarray:
@@ -492,9 +546,13 @@ def _plan_target(plan: _Plan, leaves: dict[str, dict], path: str, target: Any) -
     dtype = _adapters.restore_dtype(adapter, target)
     plan.check_shape(path, shape)
     tnp.dtype_name(dtype)  # TypeError for a dtype the engine does not have
+    boxes = adapter.restore_boxes(target, shape)
+    if plan.into and boxes:
+        dests = _adapters.restore_into(adapter, target, shape, boxes)
+        if dests is not None and plan.add_into(path, dtype, boxes, dests, target):
+            return
     together = (adapter, target, shape) if hasattr(adapter, "build_many") else None
-    plan.add(path, dtype, adapter.restore_boxes(target, shape),
-             lambda buffers: adapter.build(target, shape, buffers), together)
+    plan.add(path, dtype, boxes, lambda buffers: adapter.build(target, shape, buffers), together)
 
 
 def _stored_kind(plan: _Plan, stored: dict, path: str) -> str:
@@ -655,6 +713,24 @@ def restore(path: str | os.PathLike, target: Any = None, *, truncate: bool = Fal
                     coordinator=coordinator, stats=stats)[0]
 
 
+def restore_in_place(path: str | os.PathLike, target: Any, *, truncate: bool = False,
+                     verify_checksums: bool = True,
+                     max_inflight_bytes: int = _options.MAX_INFLIGHT_BYTES, io_threads: int = 0,
+                     progress: Any = None, mmap: bool = True, subtree: str | None = None,
+                     share_reads: bool | None = None, coordinator: Any = None,
+                     stats: dict | None = None) -> Any:
+    """restore(path, target, ...) for an in-place load (tensorstash.torch.load): each target
+    leaf whose adapter gives its memory (restore_into) is read straight into it and is its own
+    leaf in the tree returned; the others as restore() makes them. Every error of planning
+    (KeyError, ValueError, TypeError) is raised before anything is read, so the targets are
+    then unchanged; a read error (OSError: a damaged chunk) may leave some of them partly
+    overwritten."""
+    return _restore(path, target, truncate=truncate, verify_checksums=verify_checksums,
+                    max_inflight_bytes=max_inflight_bytes, io_threads=io_threads,
+                    progress=progress, mmap=mmap, subtree=subtree, share_reads=share_reads,
+                    coordinator=coordinator, stats=stats, into=True)[0]
+
+
 def _subtree(node: dict, subtree: str, ckpt: str) -> tuple[dict, str]:
     """(the node at path `subtree` of the step's tree `node`, its path as array paths spell
     it). `subtree` joins keys and positions with '/' (a key holding '/' escaped as "~1", '~' as
@@ -681,10 +757,12 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
              max_inflight_bytes: int, io_threads: int, progress: Any,
              mmap: bool = True, reader: Any = None, subtree: str | None = None,
              share_reads: bool | None = None, coordinator: Any = None,
-             stats: dict | None = None) -> tuple[Any, int]:
+             stats: dict | None = None, into: bool = False) -> tuple[Any, int]:
     """restore(), returning (the restored tree, the stored bytes read or mapped). `reader`: an
     open reader of the step to use instead of opening `path` (the caller closes it; it decides
-    the sharing, and share_reads is then not looked at)."""
+    the sharing, and share_reads is then not looked at). `into`: an in-place load: the target
+    leaves whose adapter gives their memory (restore_into) are read into it, and are their own
+    value in the tree returned."""
     ckpt = os.fspath(path)
     desc = f"restoring {_paths.split(ckpt)[1]}"
     _progress.check(progress)
@@ -700,7 +778,7 @@ def _restore(path: str | os.PathLike, target: Any, *, truncate: bool, verify_che
                   _open_shared(path, share, verify_checksums, max_inflight_bytes, io_threads))
     with contextlib.closing(reader) if owned else contextlib.nullcontext(reader), _gc.paused():
         tree, nbytes = _restore_with(reader, ckpt, desc, target, truncate, progress, mmap,
-                                     subtree)
+                                     subtree, into)
         _share_report(reader, nbytes, time.perf_counter() - started, stats)
     return tree, nbytes
 
@@ -729,7 +807,8 @@ def _share_report(reader: _ext.Reader, nbytes: int, seconds: float, stats: dict 
 
 
 def _restore_with(reader: _ext.Reader, ckpt: str, desc: str, target: Any, truncate: bool,
-                  progress: Any, mmap: bool, subtree: str | None) -> tuple[Any, int]:
+                  progress: Any, mmap: bool, subtree: str | None,
+                  into: bool = False) -> tuple[Any, int]:
     """_restore's work with the reader open: (the restored tree, the stored bytes read or
     mapped)."""
     infos = {a["path"]: a for a in reader.arrays()}
@@ -744,7 +823,7 @@ def _restore_with(reader: _ext.Reader, ckpt: str, desc: str, target: Any, trunca
             return p
         return prefix if p == "" else f"{prefix}/{p}"
 
-    plan = _Plan(ckpt, infos, truncate)
+    plan = _Plan(ckpt, infos, truncate, into and target is not None)
     if target is None:
         # The saved tree, each array whole, in its stored dtype.
         paths: list[str] = []

@@ -315,6 +315,21 @@ class TorchAdapter:
         return DTensor.from_local(local, target.device_mesh, tuple(target.placements),
                                   run_check=False, shape=target.shape, stride=target.stride())
 
+    def restore_into(self, target: Any, shape: tuple[int, ...],
+                     boxes: dict[Any, tuple]) -> dict[Any, np.ndarray] | None:
+        """The target's own memory for its box, for an in-place load: a CPU tensor's, or a
+        DTensor's local shard when it holds one box (its rows of a Shard placement, say), laid
+        out contiguously; None for the others (CUDA, strided layouts, views with gaps): they
+        are restored and then copied."""
+        local = _local_of(target)
+        if (local.device.type != "cpu" or not local.is_contiguous() or local.is_conj()
+                or local.is_neg() or local.numel() == 0 or len(boxes) != 1):
+            return None
+        (key, (_, extent)), = boxes.items()
+        if tuple(extent) != tuple(local.shape):
+            return None
+        return {key: local.detach().reshape(-1).view(torch.uint8).numpy()}
+
     def orbax_sharding(self, x: Any) -> None:
         return None  # recorded as NumPy arrays in Orbax's format
 
@@ -342,10 +357,17 @@ def load(path: Any, state: Any, **restore_options: Any) -> Any:
     shard) of `state` takes the checkpoint's values (cast to its dtype, on its device, under
     its placements); the other leaves of dicts and lists take the checkpoint's (an optimizer's
     param_groups). Returns `state`. Errors as tensorstash.restore with target=state (KeyError
-    for a leaf the checkpoint lacks, ValueError for another shape); `state` is unchanged when
-    the restore fails."""
-    from ._restore import restore
-    restored = restore(path, target=state, **restore_options)
+    for a leaf the checkpoint lacks, ValueError for another shape), all raised before anything
+    is read: `state` is then unchanged.
+
+    CPU tensors laid out contiguously (a DTensor: its local shard, when it holds one box of the
+    tensor, as under Shard and Replicate placements) are read straight into their own memory,
+    each stored chunk with one read and no copy in between; the others (CUDA tensors, strided
+    layouts) are restored into new memory and copied. So a read error (OSError: a damaged
+    chunk, a file cut short) may leave some tensors partly overwritten: restore into new
+    tensors (tensorstash.restore(path, target=state)) and copy them where that matters."""
+    from ._restore import restore_in_place
+    restored = restore_in_place(path, state, **restore_options)
     with torch.no_grad():
         _copy_into(state, restored)
     return state
@@ -369,6 +391,8 @@ def _copy_into(dst: Any, src: Any) -> None:
             if _is_container(a) or isinstance(a, torch.Tensor):
                 _copy_into(a, b)
     elif isinstance(dst, torch.Tensor):
+        if src is dst:  # read in place
+            return
         if is_dtensor(dst):
             dst.to_local().copy_(src.to_local())
         else:

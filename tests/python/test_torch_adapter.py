@@ -175,6 +175,50 @@ def test_shape_mismatch_and_missing_keys_leave_the_state_unchanged(tmp_path):
         tensorstash.torch.load(step, {"x": torch.zeros(3), "y": torch.zeros(1)})
 
 
+def test_load_reads_cpu_tensors_in_place_and_copies_the_others(tmp_path, monkeypatch):
+    # Contiguous CPU targets take the chunks straight into their memory (no tensor is built
+    # and copied: that was two more passes over the bytes); a transposed view, a target
+    # sharing memory with another (tied weights) and the scalars go the other way. Values
+    # right either way, casts included.
+    built = []
+    build = ttorch.TorchAdapter.build
+    monkeypatch.setattr(ttorch.TorchAdapter, "build",
+                        lambda self, target, shape, buffers: built.append(shape) or
+                        build(self, target, shape, buffers))
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    step = str(tmp_path / "1")
+    tensorstash.save(step, {"w": w, "b": torch.arange(5, dtype=torch.int32), "t": w.T.clone(),
+                            "tied": w, "h": w, "n": 3})
+    tied = torch.zeros(4, 6)
+    state = {"w": torch.zeros(4, 6), "b": torch.zeros(5, dtype=torch.int64),
+             "t": torch.zeros(4, 6).T, "tied": tied, "h": tied, "n": 0}
+    w_ptr = state["w"].data_ptr()
+    progress = []
+    assert ttorch.load(step, state, progress=lambda d, t: progress.append((d, t))) is state
+    assert torch.equal(state["w"], w) and state["w"].data_ptr() == w_ptr
+    assert state["b"].tolist() == list(range(5)) and state["b"].dtype == torch.int64
+    assert torch.equal(state["t"], w.T) and torch.equal(tied, w) and state["n"] == 3
+    # Built (and copied): the transposed view and the second of the tied pair only.
+    assert sorted(built) == [(4, 6), (6, 4)], built
+    assert progress[-1][0] == progress[-1][1] == (24 + 5 * 2 + 24 + 24 + 24) * 4
+    # A CPU tensor restored into new tensors is still built (restore() never writes targets).
+    built.clear()
+    target = {"w": torch.zeros(4, 6)}
+    back = tensorstash.restore(step, target=target)
+    assert built == [(4, 6)] and not target["w"].any() and torch.equal(back["w"], w)
+
+
+def test_load_checks_every_leaf_before_reading_any(tmp_path):
+    # A planning error (another shape) is raised before the first read: the tensors read in
+    # place before it in the tree keep their values.
+    step = str(tmp_path / "1")
+    tensorstash.save(step, {"a": torch.ones(3), "b": torch.ones(3)})
+    state = {"a": torch.zeros(3), "b": torch.zeros(2)}
+    with pytest.raises(ValueError, match="'b'"):
+        ttorch.load(step, state)
+    assert not state["a"].any() and not state["b"].any()
+
+
 def test_mixed_with_numpy_and_no_coordinator_without_torch_distributed(tmp_path):
     step = str(tmp_path / "1")
     tensorstash.save(step, {"t": torch.arange(4), "n": np.arange(3)})

@@ -162,3 +162,51 @@ def test_many_chunks_read_side_by_side_under_any_cap(tmp_path, max_inflight_byte
     for fqn, w in want.items():
         assert torch_worker.same_bits(got[fqn], w), fqn
         assert torch_worker.same_bits(got[fqn], sd[fqn]), fqn
+
+
+def test_large_chunks_read_their_tensor_bytes_straight_into_the_target(tmp_path):
+    # Chunks of 1 MiB and more, wanted whole by a box that holds them as one run, are read
+    # with their tensor's bytes straight into it (only the archive's first and last 64 KiB
+    # apart, for its records): direct_chunks. A box that wants part of a chunk, a cast, or a
+    # small chunk reads the archive whole (staged). A flipped byte in the middle of the
+    # tensor's bytes, which only the direct read's CRC-32 sees, is found and named.
+    g = torch.Generator().manual_seed(3)
+    sd = {"big": torch.randn(1024, 512, generator=g), "wide": torch.randn(3, 200_000, generator=g),
+          "small": torch.randn(16, 16, generator=g)}
+    ck = str(tmp_path / "large")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(sd, checkpoint_id=ck, no_dist=True)
+    reader = tensorstash._ext.Reader(os.path.dirname(ck), os.path.basename(ck))
+    try:
+        outs = {k: torch.zeros_like(v) for k, v in sd.items()}
+        stats = reader.read_many([(k, [0] * v.dim(), list(v.shape), "float32",
+                                   outs[k].view(-1).view(torch.uint8).numpy())
+                                  for k, v in sd.items()])
+        assert stats["direct_chunks"] == 2 and stats["staged_chunks"] == 1, stats
+        for k in sd:
+            assert torch_worker.same_bits(outs[k], sd[k]), k
+        # Rows 1-1023 of "big" (part of its chunk), and "big" as float64: staged.
+        part = torch.zeros(1023, 512)
+        wide64 = torch.zeros(3, 200_000, dtype=torch.float64)
+        stats = reader.read_many([("big", [1, 0], [1023, 512], "float32",
+                                   part.view(-1).view(torch.uint8).numpy()),
+                                  ("wide", [0, 0], [3, 200_000], "float64",
+                                   wide64.view(-1).view(torch.uint8).numpy())])
+        assert stats["direct_chunks"] == 0 and stats["staged_chunks"] == 2, stats
+        assert torch.equal(part, sd["big"][1:]) and torch.equal(wide64, sd["wide"].double())
+    finally:
+        reader.close()
+    # tensorstash.torch.load takes the direct path too: bit-exact.
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    tensorstash.torch.load(ck, target)
+    for k in sd:
+        assert torch_worker.same_bits(target[k], sd[k]), k
+    md = dcp.FileSystemReader(ck).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "big")
+    path = os.path.join(ck, info.relative_path)
+    data = bytearray(open(path, "rb").read())
+    data[info.offset + info.length // 2] ^= 0x20
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(OSError, match=r"(?s)big.*CRC-32"):
+        tensorstash.torch.load(ck, {k: torch.zeros_like(v) for k, v in sd.items()})

@@ -13,10 +13,17 @@
 #include "tensorstash/format/dcp/pickle.h"
 #include "tensorstash/format/dcp/torch_save.h"
 #include "tensorstash/format/dcp/torch_zip.h"
+#include "tensorstash/util/crc32c.h"
 #include "tensorstash/util/str_util.h"
 
 namespace tensorstash {
 namespace {
+
+// Chunks whose archives are at least this large are read with their tensor's bytes straight
+// into the destination when it holds them contiguously (ReadChunkInto): the archive's first
+// and last kDirectEdgeBytes are read apart, for its records.
+constexpr uint64_t kDirectMinBytes = uint64_t{1} << 20;
+constexpr uint64_t kDirectEdgeBytes = uint64_t{64} << 10;
 
 // Nesting a bytes item may have (a pickle can make cycles; real values are shallow).
 constexpr int kMaxValueDepth = 64;
@@ -75,12 +82,30 @@ Result<TreeNode> ValueNode(const PickleValue& v, int depth, const std::string& w
   }
 }
 
+// Where `chunk` (inside req.box) starts in req.dest when its elements lie there as one C-order
+// run: every dimension after the first one the chunk spans more than one index of is whole in
+// req.box. nullptr otherwise.
+char* ContiguousDest(const ReadRequest& req, const Box& chunk, size_t item_size) {
+  bool spanning = false;
+  uint64_t offset = 0;
+  for (size_t d = 0; d < chunk.shape.size(); ++d) {
+    if (spanning && (chunk.origin[d] != req.box.origin[d] || chunk.shape[d] != req.box.shape[d])) {
+      return nullptr;
+    }
+    if (chunk.shape[d] > 1) spanning = true;
+    offset = offset * static_cast<uint64_t>(req.box.shape[d]) +
+             static_cast<uint64_t>(chunk.origin[d] - req.box.origin[d]);
+  }
+  return static_cast<char*>(req.dest) + offset * item_size;
+}
+
 }  // namespace
 
 DcpReader::DcpReader(KvStore* kv, std::string path, ReaderOptions options)
     : kv_(kv), path_(std::move(path)), options_(options) {}
 
-Status DcpReader::ReadItem(const DcpItemLocation& loc, char* dest) {
+Status DcpReader::ReadItemRange(const DcpItemLocation& loc, uint64_t at, uint64_t length,
+                                char* dest) {
   const std::string key = StrCat(path_, "/", loc.relative_path);
   auto it = file_sizes_.find(loc.relative_path);
   if (it == file_sizes_.end()) return InternalError(StrCat("unknown file ", key));
@@ -89,7 +114,11 @@ Status DcpReader::ReadItem(const DcpItemLocation& loc, char* dest) {
                                 loc.length, " is past the end of ", key, " (", it->second,
                                 " bytes)"));
   }
-  if (loc.length > 0) TS_RETURN_IF_ERROR(kv_.ReadRange(key, loc.offset, loc.length, dest));
+  if (at > loc.length || length > loc.length - at) {
+    return InternalError(StrCat("a read of ", length, " bytes at ", at, " of an item of ",
+                                loc.length, " bytes"));
+  }
+  if (length > 0) TS_RETURN_IF_ERROR(kv_.ReadRange(key, loc.offset + at, length, dest));
   return OkStatus();
 }
 
@@ -178,6 +207,45 @@ Result<uint64_t> DcpReader::ReadChunk(size_t id, size_t c, bool check_crc, char*
   return saved.data_offset;
 }
 
+Result<bool> DcpReader::ReadChunkInto(size_t id, size_t c, bool check_crc, char* archive,
+                                      char* dest) {
+  const DcpTensor& t = meta_.tensors[id];
+  const DcpChunk& chunk = t.chunks[c];
+  const DcpItemLocation& loc = chunk.location;
+  const uint64_t length = loc.length;
+  if (length < kDirectMinBytes) return false;
+  // The head and the tail of the archive: the zip records and data.pkl, which torch.save writes
+  // before and after the storage's bytes; the bytes between (the hole) go straight to `dest`.
+  const uint64_t edge = kDirectEdgeBytes;
+  TS_RETURN_IF_ERROR(ReadItemRange(loc, 0, edge, archive));
+  TS_RETURN_IF_ERROR(ReadItemRange(loc, length - edge, edge, archive + length - edge));
+  const std::string what = StrCat("'", path_, "/", loc.relative_path, "' at ", loc.offset,
+                                  " (tensor '", t.fqn, "')");
+  Result<TorchSavedTensor> saved = ReadTorchSavedTensor(
+      std::string_view(archive, length), what, check_crc, ZipHole{edge, length - edge});
+  if (absl::IsOutOfRange(saved.status())) return false;  // laid out otherwise: read it whole
+  TS_RETURN_IF_ERROR(saved.status());
+  if (saved->dtype != t.dtype || saved->shape != chunk.sizes) {
+    return DataLossError(StrCat("DCP item ", what, " holds a ", DTypeName(saved->dtype),
+                                " tensor of another shape or dtype than the metadata's ",
+                                DTypeName(t.dtype), " chunk"));
+  }
+  if (!saved->whole_entry) return false;
+  // The storage entry covers the hole: it starts in the head and ends in the tail.
+  const uint64_t begin = saved->data_offset, end = begin + saved->data_length;
+  std::memcpy(dest, archive + begin, edge - begin);
+  TS_RETURN_IF_ERROR(ReadItemRange(loc, edge, length - 2 * edge, dest + (edge - begin)));
+  std::memcpy(dest + (length - edge - begin), archive + length - edge, end - (length - edge));
+  if (check_crc) {
+    const uint32_t actual = Crc32(dest, saved->data_length);
+    if (actual != saved->data_crc32) {
+      return DataLossError(StrCat("zip archive ", what, ": the tensor's storage entry has CRC-32 ",
+                                  actual, ", its header says ", saved->data_crc32));
+    }
+  }
+  return true;
+}
+
 Status DcpReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* stats,
                            const std::function<void(uint64_t, uint64_t)>& progress) {
   // 1. The chunks the requests touch, each once, with the parts of it each request needs, in
@@ -224,10 +292,13 @@ Status DcpReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* 
 
   // 2. One task per chunk: its archive read whole into staging (a DCP chunk is one rank's
   // shard, often far larger than what one box needs of it), checked, and copied out into every
-  // box that needs it. The archives held at once stay under the cap (engine/executor.h).
+  // box that needs it; or, where one box needs the whole chunk and holds it as one run, its
+  // tensor's bytes read straight there (ReadChunkInto). The archives held at once stay under
+  // the cap (engine/executor.h).
   const uint64_t bytes0 = kv_.bytes(), requests0 = kv_.requests();
   std::mutex mutex;
   uint64_t done = 0;
+  uint64_t direct = 0;
   Status status;
   uint64_t peak_staging = 0;
   {
@@ -237,25 +308,39 @@ Status DcpReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* 
       const Needed* n = &each;
       run.Run(meta_.tensors[n->id].chunks[n->chunk].location.length,
               [&, n](char* archive) -> Status {
-                TS_ASSIGN_OR_RETURN(uint64_t data_offset,
-                                    ReadChunk(n->id, n->chunk, options_.verify_checksums, archive));
                 const ArrayMetadata& a = metadata_[n->id];
                 const DcpChunk& chunk = meta_.tensors[n->id].chunks[n->chunk];
                 Box chunk_box;
                 chunk_box.origin = chunk.offsets;
                 chunk_box.shape = chunk.sizes;
+                bool read_into = false;
+                if (n->pieces.size() == 1 && n->pieces[0].part == chunk_box &&
+                    requests[n->pieces[0].request].dtype == a.dtype) {
+                  if (char* dest = ContiguousDest(requests[n->pieces[0].request], chunk_box,
+                                                  ItemSize(a.dtype))) {
+                    TS_ASSIGN_OR_RETURN(read_into, ReadChunkInto(n->id, n->chunk,
+                                                                 options_.verify_checksums,
+                                                                 archive, dest));
+                  }
+                }
                 uint64_t copied = 0;
-                for (const Piece& p : n->pieces) {
-                  const ReadRequest& req = requests[p.request];
-                  TS_RETURN_IF_ERROR(CopyBox(p.part, a.dtype, archive + data_offset, chunk_box,
-                                             req.dtype, req.dest, req.box, a.path));
-                  copied += static_cast<uint64_t>(p.part.num_elements()) * ItemSize(req.dtype);
+                if (read_into) {
+                  copied = static_cast<uint64_t>(chunk_box.num_elements()) * ItemSize(a.dtype);
+                } else {
+                  TS_ASSIGN_OR_RETURN(uint64_t data_offset,
+                                      ReadChunk(n->id, n->chunk, options_.verify_checksums,
+                                                archive));
+                  for (const Piece& p : n->pieces) {
+                    const ReadRequest& req = requests[p.request];
+                    TS_RETURN_IF_ERROR(CopyBox(p.part, a.dtype, archive + data_offset, chunk_box,
+                                               req.dtype, req.dest, req.box, a.path));
+                    copied += static_cast<uint64_t>(p.part.num_elements()) * ItemSize(req.dtype);
+                  }
                 }
-                if (progress) {
-                  std::lock_guard<std::mutex> lock(mutex);
-                  done += copied;
-                  progress(done, total);
-                }
+                std::lock_guard<std::mutex> lock(mutex);
+                if (read_into) ++direct;
+                done += copied;
+                if (progress) progress(done, total);
                 return OkStatus();
               });
     }
@@ -266,7 +351,8 @@ Status DcpReader::ReadMany(const std::vector<ReadRequest>& requests, ReadStats* 
   if (stats != nullptr) {
     stats->bytes_read += kv_.bytes() - bytes0;
     stats->requests += kv_.requests() - requests0;
-    stats->staged_chunks += needed.size();
+    stats->direct_chunks += direct;
+    stats->staged_chunks += needed.size() - direct;
     stats->peak_staging_bytes = std::max(stats->peak_staging_bytes, peak_staging);
   }
   return OkStatus();

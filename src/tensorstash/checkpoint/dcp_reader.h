@@ -7,7 +7,11 @@
 // safetensors. Tensors are arrays of their global shape; each DCP chunk (one rank's shard) is one
 // stored chunk, read whole (its torch.save archive, every entry's CRC-32 checked when
 // ReaderOptions::verify_checksums), so a restore onto any target reads only the chunks its boxes
-// touch, each once per ReadMany however many boxes need it. Chunks are read side by side on
+// touch, each once per ReadMany however many boxes need it. A chunk of 1 MiB or more that one
+// box needs whole, in its stored dtype, and holds as one run of its memory is read with its
+// tensor's bytes straight into that box (ReadStats::direct_chunks): only the archive's first and
+// last 64 KiB (its zip records, data.pkl) go through staging, and the tensor's CRC-32 is checked
+// where it landed. Chunks are read side by side on
 // ReaderOptions::io_threads threads, their archives held at once within
 // ReaderOptions::max_inflight_bytes (a chunk larger than that is read alone). Bytes items (non-tensor values, torch.save'd) become tree leaves when they are plain
 // values (None, bool, int, float, str, bytes, and lists, tuples and str-keyed dicts of them);
@@ -64,8 +68,17 @@ class DcpReader final : public StepSource {
   // Reads chunk `c` of tensor `id` (its whole archive) into `archive`, of the chunk's
   // location.length bytes; returns where the tensor's bytes are in it.
   Result<uint64_t> ReadChunk(size_t id, size_t c, bool check_crc, char* archive);
-  // Reads the item at `loc` into `dest` (loc.length bytes).
-  Status ReadItem(const DcpItemLocation& loc, char* dest);
+  // Reads chunk `c` of tensor `id` with its tensor's bytes straight into `dest` (the chunk's
+  // bytes, C order): only the archive's first and last bytes (its zip records, data.pkl) go
+  // into `archive`. false, having written nothing into `dest`, where the archive is not laid
+  // out for it (small, or the tensor is not its storage entry whole): read it whole then.
+  Result<bool> ReadChunkInto(size_t id, size_t c, bool check_crc, char* archive, char* dest);
+  // Reads `length` bytes at `at` of the item at `loc` into `dest` (DataLoss for an item past
+  // the end of its file).
+  Status ReadItem(const DcpItemLocation& loc, char* dest) {
+    return ReadItemRange(loc, 0, loc.length, dest);
+  }
+  Status ReadItemRange(const DcpItemLocation& loc, uint64_t at, uint64_t length, char* dest);
 
   CountingKvStore kv_;
   const std::string path_;

@@ -34,12 +34,22 @@ Result<DType> DTypeOfStorage(std::string_view storage, std::string_view what) {
 }  // namespace
 
 Result<TorchSavedTensor> ReadTorchSavedTensor(std::string_view archive, std::string_view what,
-                                              bool check_crc) {
+                                              bool check_crc, ZipHole hole) {
   auto loss = [&](const auto&... parts) {
     return DataLossError(StrCat("torch.save archive ", what, ": ", parts...));
   };
-  TS_ASSIGN_OR_RETURN(std::vector<ZipEntry> entries, ReadStoredZip(archive, what, check_crc));
+  TS_ASSIGN_OR_RETURN(std::vector<ZipEntry> entries,
+                      ReadStoredZip(archive, what, check_crc, hole));
+  const ZipEntry* in_hole = nullptr;  // the entry whose bytes were not read, if any
+  for (const ZipEntry& e : entries) {
+    if (e.covers_hole) in_hole = &e;
+  }
+  auto unread = [&](const ZipEntry* e) {
+    return OutOfRangeError(StrCat("torch.save archive ", what, ": entry '", e->name,
+                                  "' lies in bytes not read"));
+  };
   if (const ZipEntry* order = FindTorchZipEntry(entries, "byteorder"); order != nullptr) {
+    if (order == in_hole) return unread(order);
     std::string_view value = archive.substr(order->data_offset, order->size);
     if (value != "little") {
       return UnimplementedError(
@@ -48,6 +58,7 @@ Result<TorchSavedTensor> ReadTorchSavedTensor(std::string_view archive, std::str
   }
   const ZipEntry* pkl = FindTorchZipEntry(entries, "data.pkl");
   if (pkl == nullptr) return loss("no data.pkl entry");
+  if (pkl == in_hole) return unread(pkl);
   TS_ASSIGN_OR_RETURN(PickleTree tree,
                       DecodePickle(archive.substr(pkl->data_offset, pkl->size),
                                    DcpPickleGlobals(), StrCat(what, "/data.pkl")));
@@ -87,6 +98,7 @@ Result<TorchSavedTensor> ReadTorchSavedTensor(std::string_view archive, std::str
   const std::string key = pid->items[2]->text;
   const ZipEntry* data = FindTorchZipEntry(entries, StrCat("data/", key));
   if (data == nullptr) return loss("no entry data/", key, " for the tensor's storage");
+  if (in_hole != nullptr && in_hole != data) return unread(in_hole);
   uint64_t storage_bytes = static_cast<uint64_t>(pid->items[4]->integer);
   if (!untyped && __builtin_mul_overflow(storage_bytes, item, &storage_bytes)) {
     return loss("storage size overflows");
@@ -130,6 +142,8 @@ Result<TorchSavedTensor> ReadTorchSavedTensor(std::string_view archive, std::str
   }
   out.data_offset = data->data_offset + (elements == 0 ? 0 : begin);
   out.data_length = length;
+  out.whole_entry = out.data_offset == data->data_offset && out.data_length == data->size;
+  out.data_crc32 = data->crc32;
   return out;
 }
 

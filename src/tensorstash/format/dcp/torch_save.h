@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "tensorstash/array/dtype.h"
+#include "tensorstash/format/dcp/torch_zip.h"
 #include "tensorstash/util/status.h"
 
 namespace tensorstash {
@@ -24,6 +25,10 @@ struct TorchSavedTensor {
   // from the archive's first byte.
   uint64_t data_offset = 0;
   uint64_t data_length = 0;
+  // With a hole (ReadTorchSavedTensor): whether the tensor's bytes are its storage entry's,
+  // all of them (then `data_crc32`, the entry's CRC-32, is to be checked against them).
+  bool whole_entry = false;
+  uint32_t data_crc32 = 0;
 };
 
 // Locates the tensor in the torch.save archive `archive` (its whole bytes; `what` names it in
@@ -31,9 +36,11 @@ struct TorchSavedTensor {
 // ReadStoredZip and DecodePickle; DataLoss for an archive that is not one saved tensor (no
 // data.pkl, a storage entry missing or shorter than the tensor needs, a malformed call);
 // Unimplemented for a tensor that is not stored contiguously in C order, big-endian bytes, or a
-// storage type or dtype tensorstash lacks.
+// storage type or dtype tensorstash lacks. With a `hole` (ReadStoredZip's: bytes not read, which
+// only the tensor's storage entry may cover; OutOfRange otherwise) the storage entry's CRC is not
+// checked: the caller checks `data_crc32` once it has read the bytes.
 Result<TorchSavedTensor> ReadTorchSavedTensor(std::string_view archive, std::string_view what,
-                                              bool check_crc = true);
+                                              bool check_crc = true, ZipHole hole = {});
 
 }  // namespace tensorstash
 

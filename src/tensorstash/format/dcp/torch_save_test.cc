@@ -227,3 +227,51 @@ TEST(TorchSave, RefusesWhatIsNotOneContiguousTensor) {
 
 }  // namespace
 }  // namespace tensorstash
+
+namespace tensorstash {
+namespace {
+
+// A hole (bytes not read) inside the storage entry: located without looking at it, the entry's
+// CRC left to the caller; a hole over anything else is OutOfRange, never a read of its bytes
+// (the hole is filled with garbage here, which a read of it would take for damage).
+TEST(TorchSave, LocatesATensorAroundAHoleInItsBytes) {
+  Result<DcpMetadata> md =
+      ParseDcpMetadata(ReadFileToString(Dir("two_ranks") + "/.metadata"), "two");
+  TS_ASSERT_OK(md.status());
+  const DcpChunk& second = md->tensors[0].chunks[1];  // rows 5-9 of arange(40).reshape(10, 4)
+  std::string file = ReadFileToString(Dir("two_ranks") + "/" + second.location.relative_path);
+  const std::string archive = file.substr(second.location.offset, second.location.length);
+  Result<TorchSavedTensor> whole = ReadTorchSavedTensor(archive, "x");
+  TS_ASSERT_OK(whole.status());
+  EXPECT_TRUE(whole->whole_entry);
+  const uint64_t begin = whole->data_offset, end = begin + whole->data_length;
+  auto with_hole = [&](uint64_t hole_begin, uint64_t hole_end) {
+    std::string holed = archive;
+    for (uint64_t i = hole_begin; i < hole_end; ++i) holed[i] = static_cast<char>(0xA5);
+    return ReadTorchSavedTensor(holed, "x", /*check_crc=*/true, ZipHole{hole_begin, hole_end});
+  };
+  Result<TorchSavedTensor> around = with_hole(begin + 8, end - 8);
+  TS_ASSERT_OK(around.status());
+  EXPECT_EQ(around->data_offset, begin);
+  EXPECT_EQ(around->data_length, whole->data_length);
+  EXPECT_TRUE(around->whole_entry);
+  EXPECT_EQ(around->data_crc32, whole->data_crc32);
+  EXPECT_EQ(around->data_crc32,
+            static_cast<uint32_t>(crc32(0, reinterpret_cast<const Bytef*>(archive.data() + begin),
+                                        static_cast<uInt>(end - begin))));
+  // The whole entry may be the hole.
+  TS_EXPECT_OK(with_hole(begin, end).status());
+  // Past the entry's ends (into the next local header, or the previous), over data.pkl, over
+  // the central directory: OutOfRange.
+  EXPECT_TRUE(absl::IsOutOfRange(with_hole(begin + 8, end + 1).status()));
+  EXPECT_TRUE(absl::IsOutOfRange(with_hole(begin - 1, end - 8).status()));
+  EXPECT_TRUE(absl::IsOutOfRange(with_hole(40, 60).status()));
+  EXPECT_TRUE(absl::IsOutOfRange(with_hole(archive.size() - 30, archive.size() - 20).status()));
+  // Without a hole, the same garbage is a CRC mismatch.
+  std::string damaged = archive;
+  damaged[begin + 8] ^= 1;
+  EXPECT_TRUE(absl::IsDataLoss(ReadTorchSavedTensor(damaged, "x").status()));
+}
+
+}  // namespace
+}  // namespace tensorstash

@@ -27,17 +27,27 @@ constexpr size_t kLocalSize = 30;
 }  // namespace
 
 Result<std::vector<ZipEntry>> ReadStoredZip(std::string_view archive, std::string_view what,
-                                            bool check_crc) {
+                                            bool check_crc, ZipHole hole) {
   auto fail = [&](const auto&... parts) {
     return DataLossError(StrCat("zip archive ", what, ": ", parts...));
   };
   const uint64_t size = archive.size();
   const char* base = archive.data();
+  // Whether [at, at + n) (inside the archive) misses the hole.
+  const bool has_hole = hole.begin < hole.end;
+  auto readable = [&](uint64_t at, uint64_t n) {
+    return !has_hole || at + n <= hole.begin || at >= hole.end;
+  };
+  auto unread = [&](const auto&... parts) {
+    return OutOfRangeError(StrCat("zip archive ", what, ": ", parts..., " lies in bytes not read"));
+  };
   // The end record: the last signature within the comment's reach (torch writes no comment).
   if (size < kEndSize) return fail("shorter than a zip end record (", size, " bytes)");
   uint64_t end = size - kEndSize;
   uint64_t lowest = size - kEndSize > 0xffff ? size - kEndSize - 0xffff : 0;
-  while (GetLE32(base + end) != kEndSig || end + kEndSize + GetLE16(base + end + 20) != size) {
+  while (true) {
+    if (!readable(end, kEndSize)) return unread("the end record");
+    if (GetLE32(base + end) == kEndSig && end + kEndSize + GetLE16(base + end + 20) == size) break;
     if (end == lowest) return fail("no zip end record");
     --end;
   }
@@ -50,10 +60,16 @@ Result<std::vector<ZipEntry>> ReadStoredZip(std::string_view archive, std::strin
   uint64_t dir_size = GetLE32(base + end + 12);
   uint64_t dir_offset = GetLE32(base + end + 16);
   if (count == 0xffff || dir_size == 0xffffffff || dir_offset == 0xffffffff) {
+    if (end >= kZip64LocatorSize && !readable(end - kZip64LocatorSize, kZip64LocatorSize)) {
+      return unread("the zip64 end locator");
+    }
     if (end < kZip64LocatorSize || GetLE32(base + end - kZip64LocatorSize) != kZip64LocatorSig) {
       return fail("zip64 fields without a zip64 end locator");
     }
     uint64_t rec = GetLE64(base + end - kZip64LocatorSize + 8);
+    if (rec <= size && size - rec >= kZip64EndSize && !readable(rec, kZip64EndSize)) {
+      return unread("the zip64 end record");
+    }
     if (rec > size || size - rec < kZip64EndSize || GetLE32(base + rec) != kZip64EndSig) {
       return fail("the zip64 end record is not at offset ", rec);
     }
@@ -68,7 +84,9 @@ Result<std::vector<ZipEntry>> ReadStoredZip(std::string_view archive, std::strin
     return fail("the central directory (", dir_offset, " + ", dir_size, ") is past the end (",
                 size, " bytes)");
   }
+  if (!readable(dir_offset, dir_size)) return unread("the central directory");
   std::vector<ZipEntry> entries;
+  bool hole_covered = false;
   uint64_t pos = dir_offset;
   const uint64_t dir_end = dir_offset + dir_size;
   // Each entry takes at least kCentralSize bytes of the directory: a hostile count allocates
@@ -121,6 +139,9 @@ Result<std::vector<ZipEntry>> ReadStoredZip(std::string_view archive, std::strin
     if (csize != usize) {
       return fail("stored entry '", e.name, "' has sizes ", csize, " and ", usize);
     }
+    if (local <= size && size - local >= kLocalSize && !readable(local, kLocalSize)) {
+      return unread("the local header of entry '", e.name, "'");
+    }
     if (local > size || size - local < kLocalSize || GetLE32(base + local) != kLocalSig) {
       return fail("entry '", e.name, "': no local header at offset ", local);
     }
@@ -131,6 +152,15 @@ Result<std::vector<ZipEntry>> ReadStoredZip(std::string_view archive, std::strin
       return fail("entry '", e.name, "' (", usize, " bytes at ", data, ") is past the end (",
                   size, " bytes)");
     }
+    if (!readable(local, kLocalSize + lname)) {
+      return unread("the local header of entry '", e.name, "'");
+    }
+    if (!readable(data, usize)) {
+      if (hole_covered || data > hole.begin || data + usize < hole.end) {
+        return unread("part of entry '", e.name, "'");
+      }
+      hole_covered = e.covers_hole = true;
+    }
     if (std::string_view(base + local + kLocalSize, lname) != e.name) {
       return fail("entry '", e.name, "': the local header names another entry");
     }
@@ -140,7 +170,7 @@ Result<std::vector<ZipEntry>> ReadStoredZip(std::string_view archive, std::strin
     e.data_offset = data;
     e.size = usize;
     e.crc32 = crc;
-    if (check_crc) {
+    if (check_crc && !e.covers_hole) {
       uint32_t actual = Crc32(archive.data() + data, usize);
       if (actual != crc) {
         return fail("entry '", e.name, "' has CRC-32 ", actual, ", its header says ", crc);
