@@ -465,3 +465,38 @@ def test_manager_saves_in_full_with_a_warning_when_its_base_cannot_be_opened(
     # A one-off save against such a base fails, naming it.
     with pytest.raises(OSError, match="0000000001"):
         tensorstash.save(step_dir(tmp_path, 4), trees[3], base=step_dir(tmp_path, 1))
+
+
+def test_one_off_save_against_a_base_this_process_saved_skips_hashing_its_arrays(
+        tmp_path, monkeypatch):
+    # On CPU devices jax.Arrays are host memory, never trusted by a one-off save; as if they
+    # were off the host (where nothing but JAX can change their buffers):
+    from tensorstash import jax as tjax
+    shards_of = tjax.JaxAdapter.save_shards
+    monkeypatch.setattr(tjax.JaxAdapter, "save_shards",
+                        lambda self, x, *a: (*shards_of(self, x, *a)[:2], True))
+    first = jax_lora_like(1)
+    second = jax_lora_like(2, first["base"])
+    s1, s2, s3 = (str(tmp_path / f"000000000{i}") for i in (1, 2, 3))
+    tensorstash.save(s1, first, chunk_bytes=CHUNK, record_digests=True, sync=False)
+    stats = tensorstash.save(s2, second, chunk_bytes=CHUNK, base=s1, sync=False)
+    assert stats["unhashed_chunks"] == FROZEN_CHUNKS
+    assert stats["referenced_chunks"] == FROZEN_CHUNKS
+    assert_trees_equal(tensorstash.restore(s2), second)
+    # Step 1 saved again from other arrays (equal values): the record is of that save now.
+    __import__("shutil").rmtree(s2)
+    tensorstash.save(s1, jax_lora_like(3), chunk_bytes=CHUNK, record_digests=True, sync=False,
+                     overwrite=True)
+    stats = tensorstash.save(s3, second, chunk_bytes=CHUNK, base=s1, sync=False)
+    assert stats["unhashed_chunks"] == 0
+    assert stats["referenced_chunks"] == FROZEN_CHUNKS  # equal bytes, found by hashing
+    # A base written by someone else (not recorded here) is hashed.
+    other = str(tmp_path / "other")
+    os.makedirs(other)
+    tensorstash.save(os.path.join(other, "0000000001"), first, chunk_bytes=CHUNK,
+                     record_digests=True, sync=False)
+    __import__("shutil").copytree(s1, os.path.join(other, "0000000002"))
+    stats = tensorstash.save(os.path.join(other, "0000000003"), second, chunk_bytes=CHUNK,
+                             base=os.path.join(other, "0000000002"), sync=False)
+    assert stats["unhashed_chunks"] == 0
+    assert stats["referenced_chunks"] == FROZEN_CHUNKS
