@@ -32,6 +32,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -65,6 +66,9 @@ nb::dict StatsDict(const SaveStats& stats) {
   result["stored_bytes"] = stats.stored_bytes;
   result["blocking_seconds"] = stats.blocking_seconds;
   result["total_seconds"] = stats.total_seconds;
+  result["referenced_chunks"] = stats.referenced_chunks;
+  result["unhashed_chunks"] = stats.unhashed_chunks;
+  result["base_unreadable"] = stats.base_unreadable;
   return result;
 }
 
@@ -147,13 +151,24 @@ class Manager {
                   const std::optional<std::string>& tree_json, const std::string& metadata_json,
                   const std::optional<nb::bytes>& process_state,
                   const std::map<std::string, double>& metrics, const std::string& codec,
-                  int zstd_level, bool async_save, bool force) {
+                  int zstd_level, bool async_save, bool force,
+                  const std::vector<std::string>& same_as_base,
+                  std::optional<int64_t> same_as_step) {
     CheckpointManager& manager = Get();
     // References to the shard buffers, so that they outlive the copy (or the whole sync save)
     // even if another thread drops the caller's list while the GIL is released.
     std::vector<ReadOnlyBytes> buffers;
     SaveRequest request = SaveRequestFromPython(arrays, tree_json, metadata_json, process_state,
                                                 metrics, codec, zstd_level, &buffers);
+    if (same_as_step.has_value() && !same_as_base.empty()) {
+      const std::set<std::string, std::less<>> unchanged(same_as_base.begin(),
+                                                          same_as_base.end());
+      for (ArrayToSave& array : request.arrays) {
+        if (unchanged.count(array.spec.path) == 0) continue;
+        for (ShardData& shard : array.shards) shard.same_as_base = true;
+      }
+      request.same_as_step = same_as_step;
+    }
     SaveStats stats;
     stats.step = -1;
     Status status;
@@ -521,14 +536,16 @@ void DefineManager(nb::module_& m) {
            nb::arg("process_state").none() = nb::none(),
            nb::arg("metrics") = std::map<std::string, double>(), nb::arg("codec") = "none",
            nb::arg("zstd_level") = ArraySpec{}.zstd_level, nb::arg("async_save") = true,
-           nb::arg("force") = false,
+           nb::arg("force") = false, nb::arg("same_as_base") = std::vector<std::string>(),
+           nb::arg("same_as_step").none() = nb::none(),
            nb::sig("def save(self, step: int, arrays: list[tuple[str, str, "
                    "collections.abc.Sequence[int], list[tuple[collections.abc.Sequence[int], "
                    "collections.abc.Sequence[int], numpy.typing.NDArray[numpy.uint8], int, "
                    "int]], bool]], *, tree_json: str | None = None, metadata_json: str = '', "
                    "process_state: bytes | None = None, metrics: dict[str, float] = {}, "
                    "codec: str = 'none', zstd_level: int = 3, async_save: bool = True, "
-                   "force: bool = False) "
+                   "force: bool = False, same_as_base: list[str] = [], "
+                   "same_as_step: int | None = None) "
                    "-> dict[str, int | float | bool] | None"),
            "Saves `step` on the tiers it is due on (every tier with `force`; without a local "
            "tier, on the persistent one in any case): arrays as (path, dtype, shape, shards, stable) with shards as in "
@@ -538,7 +555,11 @@ void DefineManager(nb::module_& m) {
            "written from where they are and referenced until the save ends; "
            "otherwise returns the save's statistics once it is committed. Raises the error of "
            "an earlier background save first, if any (without saving), FileExistsError when "
-           "the step is complete, ValueError for bad arrays, metadata or metrics.")
+           "the step is complete, ValueError for bad arrays, metadata or metrics. "
+           "Incremental managers: `same_as_base` names arrays whose shards are the very buffers "
+           "(of immutable arrays, still alive) that this manager's save of `same_as_step` read; "
+           "when that step is the base, their chunks are referenced without hashing "
+           "(SaveRequest::same_as_step).")
       .def("all_steps", &Manager::AllSteps, "Complete steps, ascending.")
       .def("latest_step", &Manager::LatestStep, "The newest complete step, or None.")
       .def("run_id", &Manager::RunId,

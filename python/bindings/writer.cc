@@ -31,6 +31,8 @@
 #include "gc_slots.h"
 #include "save_args.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/checkpoint/materialize.h"
+#include "tensorstash/kvstore/registry.h"
 #include "tensorstash/format/tree.h"
 #include "tensorstash/kvstore/kvstore.h"
 #include "tensorstash/util/str_util.h"
@@ -61,11 +63,13 @@ class Writer {
 
   void AddArray(const std::string& path, const std::string& dtype,
                 const std::vector<int64_t>& shape, const std::vector<ShardTuple>& shards,
-                const std::string& codec, int zstd_level, int64_t target_chunk_bytes) {
+                const std::string& codec, int zstd_level, int64_t target_chunk_bytes,
+                bool same_as_base) {
     ThrowIfError(CheckUsable());
     std::vector<ReadOnlyBytes> buffers;
     ArrayToSave array = ArrayToSaveFromPython(path, dtype, shape, shards, codec, zstd_level,
                                               target_chunk_bytes, &buffers);
+    for (ShardData& shard : array.shards) shard.same_as_base = same_as_base;
     ThrowIfError(writer_->AddArray(std::move(array.spec), std::move(array.shards)));
     for (ReadOnlyBytes& buffer : buffers) shard_arrays_.push_back(std::move(buffer));
   }
@@ -139,6 +143,8 @@ class Writer {
     result["data_files"] = stats.data_files;
     result["referenced_chunks"] = stats.referenced_chunks;
     result["referenced_bytes"] = stats.referenced_bytes;
+    result["unhashed_chunks"] = stats.unhashed_chunks;
+    result["commit_id"] = stats.commit_id;
     result["seconds"] = stats.seconds;
     return result;
   }
@@ -163,13 +169,15 @@ void InitWriter(Writer* self, const std::string& root, const std::string& step,
                 int64_t target_chunk_bytes, int64_t target_data_file_bytes,
                 int64_t max_inflight_bytes, int io_threads, bool sync, bool overwrite,
                 bool split_replicated_writes, nb::object coordinator,
-                double coordination_timeout_s, const std::string& base, bool record_digests) {
+                double coordination_timeout_s, const std::string& base, bool record_digests,
+                const std::string& base_commit_id) {
   WriterOptions options =
       WriterOptionsFromPython(target_chunk_bytes, target_data_file_bytes, max_inflight_bytes,
                               io_threads, sync, overwrite, coordination_timeout_s);
   options.split_replicated_writes = split_replicated_writes;
   options.base = base;
   options.record_digests = record_digests;
+  options.base_commit_id = base_commit_id;
   SaveTarget target = OpenSaveTarget(root, std::move(coordinator));
   std::unique_ptr<CheckpointWriter> writer = ValueOrThrow(
       CheckpointWriter::Create(target.kv.get(), step, options, target.coordinator.get()));
@@ -179,6 +187,29 @@ void InitWriter(Writer* self, const std::string& root, const std::string& step,
 }  // namespace
 
 void DefineWriter(nb::module_& m) {
+  m.def(
+      "materialize",
+      [](const std::string& src, const std::string& dst, bool overwrite, bool sync) {
+        const StepUrl from = ValueOrThrow(SplitStepUrl(src));
+        const StepUrl to = ValueOrThrow(SplitStepUrl(dst));
+        Status status;
+        {
+          nb::gil_scoped_release release;
+          status = [&]() -> Status {
+            TS_ASSIGN_OR_RETURN(std::unique_ptr<KvStore> src_kv, OpenKvStore(from.root));
+            TS_ASSIGN_OR_RETURN(std::unique_ptr<KvStore> dst_kv,
+                                OpenKvStore(to.root, {.create = true}));
+            WriterOptions options;
+            options.overwrite = overwrite;
+            options.sync = sync;
+            return MaterializeStep(src_kv.get(), from.step, dst_kv.get(), to.step, options);
+          }();
+        }
+        ThrowIfError(status);
+      },
+      nb::arg("src"), nb::arg("dst"), nb::kw_only(), nb::arg("overwrite") = false,
+      nb::arg("sync") = true,
+      "Copies step `src` to a self-contained step `dst` (checkpoint/materialize.h).");
   nb::class_<Writer>(m, "Writer",
                      "Saves sharded arrays (and a pytree around them) as one step of `root`.",
                      nb::type_slots(GcSlots<Writer>()))
@@ -189,24 +220,29 @@ void DefineWriter(nb::module_& m) {
            nb::arg("io_threads") = 0, nb::arg("sync") = true, nb::arg("overwrite") = false,
            nb::arg("split_replicated_writes") = true, nb::arg("coordinator").none() = nb::none(),
            nb::arg("coordination_timeout_s") = kDefaultCoordinationTimeoutSeconds,
-           nb::arg("base") = "", nb::arg("record_digests") = false)
+           nb::arg("base") = "", nb::arg("record_digests") = false,
+           nb::arg("base_commit_id") = "")
       .def("add_array", &Writer::AddArray, nb::arg("path"), nb::arg("dtype"), nb::arg("shape"),
            nb::arg("shards"), nb::kw_only(), nb::arg("codec") = "none",
            nb::arg("zstd_level") = ArraySpec{}.zstd_level, nb::arg("target_chunk_bytes") = 0,
+           nb::arg("same_as_base") = false,
            nb::sig("def add_array(self, path: str, dtype: str, "
                    "shape: collections.abc.Sequence[int], "
                    "shards: list[tuple[collections.abc.Sequence[int], "
                    "collections.abc.Sequence[int], numpy.typing.NDArray[numpy.uint8], int, int]], "
-                   "*, codec: str = 'none', zstd_level: int = 3, target_chunk_bytes: int = 0) "
-                   "-> None"),
+                   "*, codec: str = 'none', zstd_level: int = 3, target_chunk_bytes: int = 0, "
+                   "same_as_base: bool = False) -> None"),
            "Adds an array and this process's shards of it: (origin, shape, data, replica_id, "
            "num_replicas), data a C-contiguous CPU uint8 array of the shard's bytes in C order. "
-           "The arrays are read during commit() and must not change before it returns.")
+           "The arrays are read during commit() and must not change before it returns. "
+           "`same_as_base`: the caller promises the shards are the buffers the save with commit "
+           "id `base_commit_id` read, unchanged (ShardData::same_as_base).")
       .def("set_tree", &Writer::SetTree, nb::arg("tree_json"),
            "Replaces the default tree with a node in the \"tree\" schema of docs/format.md.")
       .def("commit", &Writer::Commit, nb::sig("def commit(self) -> dict[str, int | float]"),
            "Writes the chunks and commits the step; returns raw_bytes, stored_bytes, chunks, "
-           "data_files and seconds. May be called once.")
+           "data_files, referenced_chunks, referenced_bytes, unhashed_chunks, commit_id (with "
+           "record_digests; else '') and seconds. May be called once.")
       .def("write_part", &Writer::WritePart, nb::sig("def write_part(self) -> bytes"),
            "Phase 1 of a save, instead of commit(), on every process together: writes this "
            "process's chunks and files and returns what it wrote, as bytes to carry to the "

@@ -17,7 +17,8 @@ KeyError (a target leaf the checkpoint lacks), ValueError (bad shapes, an incomp
 TypeError (unsupported leaves), OSError (corrupt or unreadable data), MemoryError.
 
 The package's modules, each small and none importing another in a circle:
-    _save.py      save (native and Orbax formats)
+    _save.py      save (native and Orbax formats), materialize
+    _identity.py  incremental saves' identity shortcut (arrays saved again from their buffers)
     _restore.py   restore, metadata (the engine plans and reads every box in one call)
     _export.py    export_safetensors (any step to a Hugging Face safetensors folder)
     manager.py    CheckpointManager, SaveStats, RestoreStats
@@ -35,13 +36,13 @@ from ._adapters import register_adapter
 from ._export import export_safetensors
 from ._paths import configure_gcs, configure_s3
 from ._restore import ArrayMetadata, metadata, restore
-from ._save import save
+from ._save import materialize, save
 from .manager import CheckpointManager, RestoreStats, SaveStats
 
 __version__ = _ext.__version__
 __all__ = ["save", "restore", "metadata", "ArrayMetadata", "CheckpointManager", "SaveStats",
            "RestoreStats", "store_schemes", "configure_s3", "configure_gcs", "register_adapter",
-           "export_safetensors",
+           "export_safetensors", "materialize",
            "__version__"]
 
 

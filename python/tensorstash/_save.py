@@ -8,7 +8,7 @@ import logging
 import os
 from typing import Any
 
-from . import _adapters, _ext, _gc, _options, _paths, _tree
+from . import _adapters, _ext, _gc, _identity, _options, _paths, _tree
 
 
 def default_coordinator() -> Any:
@@ -17,8 +17,8 @@ def default_coordinator() -> Any:
     return _adapters.default_coordinator()
 
 
-def arrays_to_save(tree: Any, coordinator: Any, *,
-                   trust_immutable: bool = False) -> tuple[list[tuple], str]:
+def arrays_to_save(tree: Any, coordinator: Any, *, trust_immutable: bool = False,
+                   leaves_out: list | None = None) -> tuple[list[tuple], str]:
     """The arrays of `tree` as the engine saves them, and the tree around them.
 
     Returns ([(array path, dtype name, shape, shards, stable)], tree JSON), with shards as
@@ -39,19 +39,22 @@ def arrays_to_save(tree: Any, coordinator: Any, *,
     framework forbids changing it (the adapter's immutable(), true for jax.Arrays) is stable,
     as JAX's rules (and Orbax) take it to be. Raises TypeError for unsupported leaves and
     abstract arrays (jax.ShapeDtypeStruct), ValueError for text that is not valid Unicode and
-    trees nested too deeply.
+    trees nested too deeply. `leaves_out`, when given, receives the (array path, leaf) of
+    each array, in the same order.
     """
     process_index = coordinator.process_index() if coordinator is not None else 0
     process_count = coordinator.process_count() if coordinator is not None else 1
     with _gc.paused():
-        return _arrays_to_save(tree, process_index, process_count, trust_immutable)
+        return _arrays_to_save(tree, process_index, process_count, trust_immutable, leaves_out)
 
 
 def _arrays_to_save(tree: Any, process_index: int, process_count: int,
-                    trust_immutable: bool) -> tuple[list[tuple], str]:
+                    trust_immutable: bool, leaves_out: list | None) -> tuple[list[tuple], str]:
     """arrays_to_save's work, done with the garbage collector paused."""
     leaves: list[tuple[str, Any]] = []
     node = _tree.encode(tree, lambda p, x: leaves.append((p, x)))
+    if leaves_out is not None:
+        leaves_out.extend(leaves)
     adapters = []
     by_adapter: dict[int, list[int]] = {}  # the leaves of each adapter, by index
     for i, (array_path, x) in enumerate(leaves):
@@ -133,9 +136,16 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     missing file and its step). Only a base saved with digests (`record_digests=True`, or
     itself saved with a base) has chunks to match; `base` implies `record_digests`. Such steps
     are format version 2 (index 2.0), which tensorstash before incremental steps refuses.
+    A jax.Array that this process saved into `base` (in this session, one of its last four
+    such saves) and saves again, the same array (or the same device buffers) still alive and not
+    deleted, is taken as unchanged without hashing its bytes, as long as `base` is still the
+    step that save committed. This applies to arrays off the host; on CPU devices a jax.Array's
+    memory may be a NumPy array's, which may have changed, so those are hashed, as NumPy
+    arrays always are.
 
     Returns the engine's statistics for this process (raw_bytes, stored_bytes, chunks,
-    data_files, referenced_chunks, referenced_bytes, seconds). Raises FileExistsError when the step is already complete and not
+    data_files, referenced_chunks, referenced_bytes, unhashed_chunks: of those referenced, how
+    many without hashing, commit_id, seconds). Raises FileExistsError when the step is already complete and not
     `overwrite`, TypeError for unsupported leaves, ValueError for a tree nested more deeply
     and for text (keys, strings, the path) that is not valid Unicode, OSError for storage
     errors. On error nothing new is visible at `path`.
@@ -159,20 +169,52 @@ def save(path: str | os.PathLike, tree: Any, *, overwrite: bool = False, codec: 
     made = coordinator is None
     if made:
         coordinator = default_coordinator()
-    arrays, tree_json = arrays_to_save(tree, coordinator)
+    leaves: list[tuple[str, Any]] = []
+    arrays, tree_json = arrays_to_save(tree, coordinator, leaves_out=leaves)
+    # The identity shortcut (_identity.py): arrays this process saved into `base` from the
+    # same buffers, still alive, are not hashed again (if base still holds what it saved).
+    base_commit_id, unchanged = "", set()
+    if base is not None:
+        recalled = _identity.recalled(_step_key(base_root, base_step))
+        if recalled is not None:
+            base_commit_id = recalled[0]
+            unchanged = set(recalled[1].unchanged(leaves, arrays))
     writer = _ext.Writer(root, step, target_chunk_bytes=chunk_bytes,
                          target_data_file_bytes=data_file_bytes,
                          max_inflight_bytes=max_inflight_bytes, io_threads=io_threads, sync=sync,
                          overwrite=overwrite, coordinator=coordinator, base=base_step,
-                         record_digests=record_digests)
+                         record_digests=record_digests, base_commit_id=base_commit_id)
     for array_path, dtype, shape, shards, _stable in arrays:
         writer.add_array(array_path, dtype, shape, shards, codec=codec or "none",
-                         zstd_level=zstd_level)
+                         zstd_level=zstd_level, same_as_base=array_path in unchanged)
     writer.set_tree(tree_json)
     stats = writer.commit()
+    if stats.get("commit_id"):
+        _identity.remember(_step_key(root, step), stats["commit_id"],
+                           _identity.SavedArrays(leaves, arrays))
     if made:
         _close_coordinator(coordinator)
     return stats
+
+
+def materialize(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False,
+                sync: bool = True) -> None:
+    """Copies the native step `src` into a self-contained step `dst`, as `tensorstash convert
+    --materialize` does: an incremental step's chunks that lie in the steps it depends on are
+    copied in (docs/format.md 6.1), so that `dst` restores without them. Every array keeps its
+    codec and chunk size, and the step's metadata, metrics and per-process state are copied;
+    every chunk's CRC is checked on the way. `dst` may be in another folder or store.
+
+    Raises FileNotFoundError when `src` is missing, OSError naming the chunk, or the file and
+    the step it lies in, for damaged or missing data (nothing is written then), FileExistsError
+    when `dst` is a complete step and not `overwrite`. On error nothing new is visible at `dst`.
+    """
+    _ext.materialize(_paths.abspath(src), _paths.abspath(dst), overwrite=overwrite, sync=sync)
+
+
+def _step_key(root: str, step: str) -> str:
+    """One name for a step folder however its root was spelled (relative or absolute)."""
+    return _paths.abspath(root or ".") + "\0" + step
 
 
 def _same_root(a: str, b: str) -> bool:

@@ -188,6 +188,16 @@ class JaxAdapter:
     def immutable(self, x: Any) -> bool:
         return True  # jax.Arrays are immutable; see in_host_memory for the exception
 
+    def identity(self, x: Any) -> Any:
+        """What names `x`'s buffers (incremental saves' identity shortcut, _identity.py): its
+        shape, dtype, sharding and each addressable shard's device and buffer address; None
+        for a deleted (donated) array."""
+        if x.is_deleted():
+            return None
+        buffers = tuple((s.device.id, s.data.unsafe_buffer_pointer())
+                        for s in x.addressable_shards)
+        return (tuple(x.shape), str(x.dtype), x.sharding, buffers)
+
     def save_shards(self, x: Any, process_index: int, process_count: int):
         if isinstance(x, _HostCopy):  # a copy made for this save: nothing else changes it
             return tuple(x.array.shape), shards_of(x.array), True

@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import _adapters, _ext, _options, _orbax_steps, _paths, _tree
+from . import _adapters, _ext, _identity, _options, _orbax_steps, _paths, _tree
 from . import numpy as _tnp
 from ._progress import format_bytes as _format_bytes
 from . import _restore as _restore_module
@@ -70,6 +70,10 @@ class SaveStats:
     stored_bytes: int
     blocking_s: float
     total_s: float
+    # Incremental saves: chunks recorded as references to earlier steps, and of those the
+    # chunks of arrays saved again from the same buffers, referenced without hashing them.
+    referenced_chunks: int = 0
+    unhashed_chunks: int = 0
 
     @property
     def gbps(self) -> float:
@@ -272,7 +276,14 @@ class CheckpointManager:
     state costs a hash per chunk and no write). Retention still decides what all_steps() lists;
     a dropped step that a listed step refers to stays on storage, unlisted (retired_steps()),
     and is deleted once none does, in this session or a later one. With local_dir the
-    persistent tier saves incrementally; the local tier does not.
+    persistent tier saves incrementally; the local tier does not. When the base cannot be
+    opened (removed or damaged by hand), the save is made in full, with a warning naming the
+    base (a one-off save(base=...) fails instead). A jax.Array saved again
+    from the same buffers as the previous save (the same array, or one over the same device
+    buffers, the earlier one still alive and not deleted) is unchanged without hashing it
+    (SaveStats.unhashed_chunks), when that save committed and is the new one's base; for
+    jax.Arrays in host memory only with copy_host_jax_arrays=False, which then also asks that
+    a NumPy array whose memory such an array adopted never change while the array lives.
 
     `share_reads` (True, False, or None: on for s3:// and gs:// roots when the job has more than
     one process): restore() reads each stored chunk that several processes need once, by one of
@@ -414,6 +425,10 @@ class CheckpointManager:
             max_inflight_bytes=max_inflight_bytes, io_threads=io_threads, sync=sync,
             coordination_timeout_s=coordination_timeout, incremental=bool(incremental), **local)
         self._multi = local_dir is not None
+        self.incremental = bool(incremental)
+        # The step of the last persistent save handed to the engine and the arrays it read
+        # (incremental saves' identity shortcut).
+        self._last_saved: tuple[int, _identity.SavedArrays] | None = None
         # What the last multi-tier restore of a step read besides the arrays, by step.
         self._restored_from_tiers: dict[int, _ext.TieredRestore] = {}
         self._last_latest: int | None = None  # what latest_step() last found, with local_dir
@@ -447,8 +462,18 @@ class CheckpointManager:
         step = _check_step(step)
         if not force and not self._ext.should_save(step):
             return False
+        leaves: list[tuple[str, Any]] = []
         arrays, tree_json = _arrays_to_save(state, self._coordinator,
-                                            trust_immutable=not self.copy_host_jax_arrays)
+                                            trust_immutable=not self.copy_host_jax_arrays,
+                                            leaves_out=leaves)
+        # The identity shortcut (_identity.py): the arrays of the last save handed to the
+        # engine that are the same buffers now; the engine keeps the promise only when that
+        # step committed and is this save's base.
+        same_as_base: list[str] = []
+        same_as_step = None
+        if self.incremental and self._last_saved is not None:
+            same_as_step, saved = self._last_saved
+            same_as_base = saved.unchanged(leaves, arrays)
         try:
             metadata_json = "" if metadata is None else json.dumps(metadata)
         except (TypeError, ValueError) as e:
@@ -467,10 +492,13 @@ class CheckpointManager:
         try:
             self._ext.save(step, arrays, tree_json=tree_json, metadata_json=metadata_json,
                            process_state=process_state, metrics=metrics_dict, codec=self.codec,
-                           zstd_level=self.zstd_level, async_save=self.async_save, force=force)
+                           zstd_level=self.zstd_level, async_save=self.async_save, force=force,
+                           same_as_base=same_as_base, same_as_step=same_as_step)
         except BaseException:
             self._pre_engine_s.pop(step, None)
             raise
+        if self.incremental and persistent_due:
+            self._last_saved = (step, _identity.SavedArrays(leaves, arrays))
         return True
 
     def _committed(self, engine: dict) -> None:
@@ -481,8 +509,14 @@ class CheckpointManager:
             stats = SaveStats(step=step, async_save=bool(engine["async"]),
                               raw_bytes=engine["raw_bytes"], stored_bytes=engine["stored_bytes"],
                               blocking_s=before + engine["blocking_seconds"],
-                              total_s=before + engine["total_seconds"])
+                              total_s=before + engine["total_seconds"],
+                              referenced_chunks=engine.get("referenced_chunks", 0),
+                              unhashed_chunks=engine.get("unhashed_chunks", 0))
             self.last_save_stats = stats
+            if engine.get("base_unreadable"):
+                self.logger.warning("tensorstash: step %d of %s was saved in full, not "
+                                    "incrementally: %s", step, self.root,
+                                    engine["base_unreadable"])
             self.logger.info("saved step %d: %s in %.2f s (%.2f GB/s), blocked %.0f ms", step,
                              _format_bytes(stats.raw_bytes), stats.total_s, stats.gbps,
                              stats.blocking_s * 1e3)

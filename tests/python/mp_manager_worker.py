@@ -8,7 +8,9 @@ default), saves steps 1..4 of a state sharded over all 8 devices of the job in t
 each with its own per_process value (JSON in even processes, bytes in odd ones), asks
 reached_preemption at every step (collective), and checks retention and its own items.
 With --layout incremental the manager saves incrementally and "w" stays the same at every step:
-steps 2-4 refer to step 1 for it, and retention retires step 1 instead of deleting it.
+steps 2-4 refer to step 1 for it, and retention retires step 1 instead of deleting it. "w" is
+then the same jax.Array every step (copy_host_jax_arrays=False), so that each process refers to
+its shards' chunks without hashing them (SaveStats.unhashed_chunks).
 restore: a new job (a restart) opens managers on ROOT again, restores the latest step onto
 another mesh, and reads back every process's per_process value. Exits 0 when all is well, 1
 with a traceback otherwise.
@@ -56,13 +58,17 @@ def run(args) -> None:
     if args.phase == "save":
         mesh = Mesh(np.array(devices).reshape(2, 4), ("x", "y"))
         specs = {"w": P("x", "y"), "b": P("y"), "e": P(("x", "y"))}
-        with tensorstash.CheckpointManager(root, max_to_keep=2, incremental=incremental) as mgr:
+        frozen = {}
+        with tensorstash.CheckpointManager(root, max_to_keep=2, incremental=incremental,
+                                           copy_host_jax_arrays=not incremental) as mgr:
             assert mgr.all_steps() == [], mgr.all_steps()
             for step in STEPS:
-                state = {"params": {k: jax.make_array_from_callback(
-                             v.shape, NamedSharding(mesh, specs[k]), lambda idx, v=v: v[idx])
-                             for k, v in values(step).items()},
-                         "step": step}
+                params = {k: jax.make_array_from_callback(
+                              v.shape, NamedSharding(mesh, specs[k]), lambda idx, v=v: v[idx])
+                          for k, v in values(step).items()}
+                if incremental:
+                    params["w"] = frozen.setdefault("w", params["w"])
+                state = {"params": params, "step": step}
                 assert mgr.save(step, state, metadata={"step": step, "nproc": args.nproc},
                                 per_process=per_process_value(args.pid, step),
                                 metrics={"loss": 1.0 / step})
@@ -74,6 +80,8 @@ def run(args) -> None:
             assert mgr.per_process(4) == per_process_value(args.pid, 4)
             last = mgr.last_save_stats
             assert last is not None and last.step == 4 and last.async_save, last
+            if incremental:  # this process's chunks of "w", the only ones referenced
+                assert 0 < last.unhashed_chunks == last.referenced_chunks, last
         print(f"process {args.pid}: saved {STEPS}, kept [3, 4]", flush=True)
         return
 

@@ -184,3 +184,26 @@ def test_gpu_scripts_on_the_cpu(tmp_path, script, args, rows):
     assert len(results["rows"]) == rows, [r["name"] for r in results["rows"]]
     assert all(r["median_s"] > 0 for r in results["rows"])
     assert not (tmp_path / "data").exists()
+
+
+def test_incremental_quick(tmp_path):
+    """bench/incremental.py at a tiny size: every local scenario runs, incremental saves write
+    a fraction of full ones where little changed (the jax leaves without hashing), all of it
+    where everything changed, and the storage folders are removed."""
+    out = tmp_path / "incremental.json"
+    run_script("incremental.py", "--mib", "4", "--runs", "1", "--steps", "3",
+               "--scenarios", "lora,embedding,changing,restore", "--dir", str(tmp_path / "data"),
+               "--out", str(out), timeout=300)
+    with open(out) as f:
+        results = json.load(f)
+    for leaves in ("numpy", "jax"):
+        lora = results["lora"][leaves]
+        assert lora["incremental"]["written_bytes"] < 0.1 * lora["full"]["written_bytes"], leaves
+    assert results["lora"]["jax"]["incremental"]["unhashed_chunks"] > 0
+    assert results["lora"]["numpy"]["incremental"]["unhashed_chunks"] == 0
+    changing = results["changing"]
+    assert changing["incremental"]["written_bytes"] == changing["full"]["written_bytes"]
+    assert set(results["embedding"]) == {"default chunks", "256 KiB chunks"}
+    assert results["restore"]["incremental_s"] > 0 and results["restore"]["full_s"] > 0
+    assert not os.path.exists(tmp_path / "data")
+    assert not os.path.exists(str(tmp_path / "data") + "-full")

@@ -293,3 +293,210 @@ def test_ls_shows_owned_and_borrowed_bytes_and_materialize_makes_a_self_containe
     bad = subprocess.run([cli_path(), "convert", "--materialize", "--to", "orbax", copy,
                           str(tmp_path / "x")], capture_output=True, text=True)
     assert bad.returncode != 0 and "--materialize" in bad.stderr
+
+
+def jax_lora_like(adapter_seed: int, frozen=None) -> dict:
+    """lora_like as jax.Arrays, the frozen part `frozen` (jax.Arrays of an earlier state) when
+    given, else made afresh (new buffers, equal values)."""
+    import jax.numpy as jnp
+    tree = lora_like(np.random.default_rng(0), adapter_seed)
+    if frozen is None:
+        # + 0 makes buffers of XLA's own, not adopted from the NumPy arrays.
+        frozen = {k: {n: jnp.asarray(v) + 0 for n, v in layer.items()}
+                  for k, layer in tree["base"].items()}
+    return {"base": frozen,
+            "lora": {k: {n: jnp.asarray(v) for n, v in layer.items()}
+                     for k, layer in tree["lora"].items()},
+            "step": tree["step"]}
+
+
+FROZEN_CHUNKS = 4 * (4 + 1)  # each layer: w of 256 KiB in 64 KiB chunks, and b
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_manager_references_jax_arrays_saved_again_from_the_same_buffers_without_hashing(
+        tmp_path, async_save):
+    saved: list[tensorstash.SaveStats] = []
+    first = jax_lora_like(1)
+    trees = {1: first, 2: jax_lora_like(2, first["base"]), 3: jax_lora_like(3)}
+    with tensorstash.CheckpointManager(tmp_path, incremental=True, chunk_bytes=CHUNK, sync=False,
+                                       async_save=async_save, copy_host_jax_arrays=False,
+                                       on_save=saved.append) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, trees[step])
+        mgr.wait_until_finished()
+        by_step = {s.step: s for s in saved}
+        assert by_step[1].referenced_chunks == 0
+        # Step 2: the same frozen jax.Arrays as step 1's, referenced without hashing.
+        assert by_step[2].unhashed_chunks == FROZEN_CHUNKS
+        assert by_step[2].referenced_chunks == FROZEN_CHUNKS
+        # Step 3: equal values in other buffers: found equal by hashing.
+        assert by_step[3].unhashed_chunks == 0
+        assert by_step[3].referenced_chunks == FROZEN_CHUNKS
+        for step in (1, 2, 3):
+            assert_trees_equal(mgr.restore(step), trees[step])
+
+
+def test_manager_hashes_when_the_base_is_not_the_save_the_arrays_were_recorded_for(tmp_path):
+    saved: list[tensorstash.SaveStats] = []
+    first = jax_lora_like(1)
+    with tensorstash.CheckpointManager(tmp_path, incremental=True, chunk_bytes=CHUNK, sync=False,
+                                       async_save=False, copy_host_jax_arrays=False,
+                                       on_save=saved.append) as mgr:
+        mgr.save(1, first)
+        mgr.save(3, jax_lora_like(3, first["base"]))
+        # Step 2's base is step 1, not step 3 (the save its arrays were last seen in).
+        mgr.save(2, jax_lora_like(2, first["base"]))
+        assert [(s.step, s.unhashed_chunks) for s in saved] == [(1, 0), (3, FROZEN_CHUNKS), (2, 0)]
+        assert saved[2].referenced_chunks == FROZEN_CHUNKS
+
+
+def test_manager_hashes_host_jax_arrays_that_may_share_memory_with_numpy(tmp_path):
+    # By default a jax.Array on a CPU device may be a NumPy array's memory, changed since.
+    import jax
+    saved: list[tensorstash.SaveStats] = []
+    frozen_np = np.arange(CHUNK // 4 * 2, dtype=np.float32)
+    frozen = jax.device_put(frozen_np)
+    with tensorstash.CheckpointManager(tmp_path, incremental=True, chunk_bytes=CHUNK, sync=False,
+                                       async_save=False, on_save=saved.append) as mgr:
+        mgr.save(1, {"frozen": frozen, "n": np.arange(3)})
+        frozen_np[0] = -1.0  # may show through `frozen` (XLA's CPU client adopts the memory)
+        mgr.save(2, {"frozen": frozen, "n": np.arange(3)})
+        assert saved[1].unhashed_chunks == 0
+        np.testing.assert_array_equal(mgr.restore(2)["frozen"], np.asarray(frozen))
+
+
+def test_an_array_freed_since_is_hashed_even_if_a_new_one_has_its_buffer(tmp_path):
+    import gc
+    import jax.numpy as jnp
+    saved: list[tensorstash.SaveStats] = []
+    with tensorstash.CheckpointManager(tmp_path, incremental=True, chunk_bytes=CHUNK, sync=False,
+                                       async_save=False, copy_host_jax_arrays=False,
+                                       on_save=saved.append) as mgr:
+        old = jnp.zeros(CHUNK // 4, jnp.float32) + 1
+        mgr.save(1, {"w": old})
+        del old
+        gc.collect()
+        new = jnp.zeros(CHUNK // 4, jnp.float32) + 2  # may reuse the freed buffer
+        mgr.save(2, {"w": new})
+        assert saved[1].unhashed_chunks == 0
+        assert saved[1].referenced_chunks == 0
+        np.testing.assert_array_equal(mgr.restore(2)["w"], np.full(CHUNK // 4, 2, np.float32))
+        # A deleted (e.g. donated) array's buffers are gone too.
+        kept = jnp.zeros(CHUNK // 4, jnp.float32) + 3
+        mgr.save(3, {"w": kept})
+        same = kept + 0
+        kept.delete()
+        mgr.save(4, {"w": same})
+        assert saved[3].unhashed_chunks == 0
+        assert saved[3].referenced_chunks == 1  # equal bytes, found by hashing
+
+
+def test_materialize_makes_a_self_contained_copy_keeping_codecs_and_files(tmp_path):
+    import shutil
+    rng = np.random.default_rng(9)
+    trees = {step: lora_like(rng, step) for step in (1, 2)}
+    root = tmp_path / "run"
+    with tensorstash.CheckpointManager(root, incremental=True, chunk_bytes=CHUNK, sync=False,
+                                       codec="zstd") as mgr:
+        for step in (1, 2):
+            mgr.save(step, trees[step], metadata={"step": step}, per_process={"pos": step})
+    copy = str(tmp_path / "elsewhere" / "0000000002")
+    tensorstash.materialize(step_dir(root, 2), copy)
+    with pytest.raises(FileExistsError):
+        tensorstash.materialize(step_dir(root, 2), copy)
+    tensorstash.materialize(step_dir(root, 2), copy, overwrite=True)
+    meta = tensorstash.metadata(copy)
+    shutil.rmtree(root)  # the bases are gone: the copy restores alone
+    assert_trees_equal(tensorstash.restore(copy), trees[2])
+    with tensorstash.CheckpointManager(tmp_path / "elsewhere") as mgr:
+        assert mgr.metadata(2) == {"step": 2}
+        assert mgr.per_process(2) == {"pos": 2}
+    assert meta is not None
+    with pytest.raises(FileNotFoundError):
+        tensorstash.materialize(step_dir(root, 2), str(tmp_path / "x" / "0000000002"))
+
+
+def test_materialize_of_a_step_whose_base_file_is_gone_fails_naming_it(tmp_path):
+    rng = np.random.default_rng(10)
+    root = tmp_path / "run"
+    with tensorstash.CheckpointManager(root, incremental=True, chunk_bytes=CHUNK,
+                                       sync=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, lora_like(rng, step))
+    data = os.path.join(step_dir(root, 1), "state", "data")
+    for name in os.listdir(data):
+        os.remove(os.path.join(data, name))
+    dst = str(tmp_path / "copy" / "0000000002")
+    with pytest.raises(OSError, match="0000000001"):
+        tensorstash.materialize(step_dir(root, 2), dst)
+    assert not os.path.exists(os.path.join(dst, "COMMIT"))
+
+
+@pytest.mark.parametrize("damage", ["data file removed", "COMMIT unreadable"])
+def test_manager_saves_in_full_with_a_warning_when_its_base_cannot_be_opened(
+        tmp_path, caplog, damage):
+    import logging
+    rng = np.random.default_rng(11)
+    trees = {step: lora_like(rng, step) for step in (1, 2, 3)}
+    saved: list[tensorstash.SaveStats] = []
+    with tensorstash.CheckpointManager(tmp_path, incremental=True, chunk_bytes=CHUNK, sync=False,
+                                       on_save=saved.append) as mgr:
+        mgr.save(1, trees[1])
+        mgr.wait_until_finished()
+        if damage == "data file removed":
+            data = os.path.join(step_dir(tmp_path, 1), "state", "data")
+            os.remove(os.path.join(data, sorted(os.listdir(data))[0]))
+        else:
+            with open(os.path.join(step_dir(tmp_path, 1), "COMMIT"), "w") as f:
+                f.write("{not json")
+        with caplog.at_level(logging.WARNING, logger="tensorstash"):
+            mgr.save(2, trees[2])
+            mgr.wait_until_finished()
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("saved in full" in m and "0000000001" in m for m in warned), warned
+        assert saved[-1].referenced_chunks == 0
+        assert depends_on(tmp_path, 2) == []
+        assert_trees_equal(mgr.restore(2), trees[2])
+        mgr.save(3, trees[3])  # against step 2 again
+        mgr.wait_until_finished()
+        assert depends_on(tmp_path, 3) == ["0000000002"]
+        assert_trees_equal(mgr.restore(3), trees[3])
+    # A one-off save against such a base fails, naming it.
+    with pytest.raises(OSError, match="0000000001"):
+        tensorstash.save(step_dir(tmp_path, 4), trees[3], base=step_dir(tmp_path, 1))
+
+
+def test_one_off_save_against_a_base_this_process_saved_skips_hashing_its_arrays(
+        tmp_path, monkeypatch):
+    # On CPU devices jax.Arrays are host memory, never trusted by a one-off save; as if they
+    # were off the host (where nothing but JAX can change their buffers):
+    from tensorstash import jax as tjax
+    shards_of = tjax.JaxAdapter.save_shards
+    monkeypatch.setattr(tjax.JaxAdapter, "save_shards",
+                        lambda self, x, *a: (*shards_of(self, x, *a)[:2], True))
+    first = jax_lora_like(1)
+    second = jax_lora_like(2, first["base"])
+    s1, s2, s3 = (str(tmp_path / f"000000000{i}") for i in (1, 2, 3))
+    tensorstash.save(s1, first, chunk_bytes=CHUNK, record_digests=True, sync=False)
+    stats = tensorstash.save(s2, second, chunk_bytes=CHUNK, base=s1, sync=False)
+    assert stats["unhashed_chunks"] == FROZEN_CHUNKS
+    assert stats["referenced_chunks"] == FROZEN_CHUNKS
+    assert_trees_equal(tensorstash.restore(s2), second)
+    # Step 1 saved again from other arrays (equal values): the record is of that save now.
+    __import__("shutil").rmtree(s2)
+    tensorstash.save(s1, jax_lora_like(3), chunk_bytes=CHUNK, record_digests=True, sync=False,
+                     overwrite=True)
+    stats = tensorstash.save(s3, second, chunk_bytes=CHUNK, base=s1, sync=False)
+    assert stats["unhashed_chunks"] == 0
+    assert stats["referenced_chunks"] == FROZEN_CHUNKS  # equal bytes, found by hashing
+    # A base written by someone else (not recorded here) is hashed.
+    other = str(tmp_path / "other")
+    os.makedirs(other)
+    tensorstash.save(os.path.join(other, "0000000001"), first, chunk_bytes=CHUNK,
+                     record_digests=True, sync=False)
+    __import__("shutil").copytree(s1, os.path.join(other, "0000000002"))
+    stats = tensorstash.save(os.path.join(other, "0000000003"), second, chunk_bytes=CHUNK,
+                             base=os.path.join(other, "0000000002"), sync=False)
+    assert stats["unhashed_chunks"] == 0
+    assert stats["referenced_chunks"] == FROZEN_CHUNKS

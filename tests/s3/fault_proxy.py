@@ -121,6 +121,8 @@ class _Handler(BaseHTTPRequestHandler):
             if not piece:
                 raise _ClientGone("client closed inside the body")
             n -= len(piece)
+            with self.proxy._lock:
+                self.proxy.request_bytes += len(piece)
             yield piece
 
     def _send_raw(self, data: bytes) -> None:
@@ -309,7 +311,8 @@ class FaultProxy:
     """See the module docstring. start() binds 127.0.0.1:port (0: a free one) and serves in a
     background thread; stop() shuts it down. Counters (all updated before the client sees the
     answer): requests (all non-control requests), served (forwarded, upstream answered, no fault
-    injected), injected_503, injected_resets, upstream_errors (502 sent); seen_requests() lists
+    injected), injected_503, injected_resets, upstream_errors (502 sent), request_bytes (the
+    Content-Length framed request bodies received); seen_requests() lists
     the (method, path) of every non-control request, in arrival order."""
 
     def __init__(self, target_endpoint: str, p_503: float = 0.10, p_reset: float = 0.02,
@@ -332,6 +335,7 @@ class FaultProxy:
         self.set_probabilities(p_503, p_reset)
         self.requests = self.served = self.injected_503 = self.injected_resets = 0
         self.upstream_errors = 0
+        self.request_bytes = 0  # request bodies received (Content-Length framed)
         self.seen: list[tuple[str, str]] = []  # (method, path) of each non-control request
         self._httpd: Optional[_Server] = None
         self._thread: Optional[threading.Thread] = None
@@ -360,7 +364,7 @@ class FaultProxy:
                     "seed": self.seed, "p_503": self.p_503, "p_reset": self.p_reset,
                     "requests": self.requests, "served": self.served,
                     "injected_503": self.injected_503, "injected_resets": self.injected_resets,
-                    "upstream_errors": self.upstream_errors}
+                    "upstream_errors": self.upstream_errors, "request_bytes": self.request_bytes}
 
     def seen_requests(self) -> list[tuple[str, str]]:
         with self._lock:

@@ -1,6 +1,7 @@
 // Incremental steps (docs/format.md, 6.1): a save against a base step references the base's
 // unchanged chunks instead of writing them; reads follow the references on every backend, check
 // every chunk's CRC wherever it lies, and name the step and file of a missing or bad one.
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -132,6 +133,63 @@ TEST_P(IncrementalTest, ChangedDtypeGridOrCodecIsWrittenAgain) {
   EXPECT_EQ(stats.referenced_chunks, 0u);
   EXPECT_EQ(stats.chunks, 2u + 2u + 1u);
   ExpectRestores(kv_.get(), "0000000002", second);
+}
+
+// Saves `arrays`, those whose path is in `promised` with their shards marked same_as_base.
+Status SavePromising(KvStore* kv, const std::string& dir, const std::vector<Array>& arrays,
+                     const std::vector<std::string>& promised, WriterOptions options,
+                     WriteStats* stats) {
+  options.sync = false;
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
+                      CheckpointWriter::Create(kv, dir, options));
+  for (const Array& a : arrays) {
+    ShardData shard{Box::FromShape(a.spec.shape), a.data.data(), 0, 1};
+    shard.same_as_base =
+        std::find(promised.begin(), promised.end(), a.spec.path) != promised.end();
+    TS_RETURN_IF_ERROR(writer->AddArray(a.spec, {shard}));
+  }
+  return writer->Commit(stats);
+}
+
+TEST_P(IncrementalTest, SameAsBasePromiseSkipsHashingOnlyAgainstTheCommitItNames) {
+  const std::vector<Array> first = State(10);
+  WriteStats stats;
+  TS_ASSERT_OK(Save(kv_.get(), "0000000001", first, {.record_digests = true}, &stats));
+  const std::string id1 = stats.commit_id;
+  ASSERT_EQ(id1.size(), 32u);
+  EXPECT_EQ(id1, StepCommitId(CheckpointReader::Open(kv_.get(), "0000000001")
+                                  .value()->commit_record()));
+  // Without record_digests no id is read back (the step cannot be a base).
+  TS_ASSERT_OK(Save(kv_.get(), "plain", first, {}, &stats));
+  EXPECT_EQ(stats.commit_id, "");
+
+  // frozen/w's buffer changed although the caller promises it did not: taken at its word, the
+  // chunks are referenced without their bytes being read (what makes the promise pay), so the
+  // step restores the base's bytes. lora/a, not promised, is hashed and written.
+  std::vector<Array> second = State(11);
+  second[0].data[0] ^= 1;
+  TS_ASSERT_OK(SavePromising(kv_.get(), "0000000002", second, {"frozen/w", "frozen/z"},
+                             {.base = "0000000001", .base_commit_id = id1}, &stats));
+  EXPECT_EQ(stats.unhashed_chunks, 4u + 2u);
+  EXPECT_EQ(stats.referenced_chunks, 6u);
+  EXPECT_EQ(stats.chunks, 1u);
+  std::vector<Array> expected = second;
+  expected[0].data = first[0].data;
+  ExpectRestores(kv_.get(), "0000000002", expected);
+
+  // The base saved again under its name (other bytes) has another id: the promise made for the
+  // old record is not kept, every chunk is hashed, and the changed one is written.
+  TS_ASSERT_OK(Save(kv_.get(), "0000000003", first,
+                    {.overwrite = true, .record_digests = true}, &stats));
+  const std::string id3 = stats.commit_id;
+  TS_ASSERT_OK(Save(kv_.get(), "0000000003", State(12),
+                    {.overwrite = true, .record_digests = true}, &stats));
+  EXPECT_NE(stats.commit_id, id3);
+  TS_ASSERT_OK(SavePromising(kv_.get(), "0000000004", second, {"frozen/w", "frozen/z"},
+                             {.base = "0000000003", .base_commit_id = id3}, &stats));
+  EXPECT_EQ(stats.unhashed_chunks, 0u);
+  EXPECT_EQ(stats.referenced_chunks, 5u);  // frozen/w's 3 unchanged chunks and frozen/z's 2
+  ExpectRestores(kv_.get(), "0000000004", second);
 }
 
 TEST_P(IncrementalTest, BaseWithoutDigestsIsWrittenInFull) {

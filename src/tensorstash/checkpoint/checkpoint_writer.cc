@@ -296,6 +296,10 @@ Result<WrittenPart> DecodeWrittenPart(std::string_view bytes, std::string_view w
   return part;
 }
 
+std::string StepCommitId(const CommitRecord& record) {
+  return DigestHex(Xxh3Digest(EncodeCommitRecord(record)));
+}
+
 struct CheckpointWriter::Impl {
   KvStore* kv;
   std::string dir;
@@ -319,6 +323,8 @@ struct CheckpointWriter::Impl {
   // base's array it may reference (-1: none: absent, or stored differently).
   std::unique_ptr<CheckpointReader> base_reader;
   std::vector<int64_t> base_array;
+  // The base opened is the step the shards' same_as_base promises refer to (base_commit_id).
+  bool base_promises_hold = false;
   bool parts_committed = false;           // CommitParts was called
 
   // The start both Commit and WritePart make: the only one a writer gets (FailedPrecondition
@@ -570,6 +576,12 @@ Status CheckpointWriter::Commit(WriteStats* stats,
                                        commit_or_clean_up);
   // A process that failed reports its own error, the others the first error of any process.
   const Status result = written.ok() ? verdict : written;
+  if (result.ok() && s.options.record_digests) {
+    // The record as readers see it (process 0 wrote it; the committer may have added to it).
+    // Not found again: the next save against this step hashes every chunk, nothing worse.
+    Result<CommitRecord> record = ReadStepCommitRecord(s.kv, s.dir);
+    if (record.ok()) local_stats.commit_id = StepCommitId(*record);
+  }
   local_stats.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (stats != nullptr) *stats = local_stats;
@@ -815,6 +827,8 @@ Status CheckpointWriter::Impl::OpenBase() {
   TS_RETURN_IF_ERROR(Annotate(opened.status(), StrCat("opening base step '", options.base,
                                                       "' of step '", dir, "'")));
   base_reader = *std::move(opened);
+  base_promises_hold = !options.base_commit_id.empty() &&
+                       StepCommitId(base_reader->commit_record()) == options.base_commit_id;
   const std::vector<ArrayMetadata>& base_arrays = base_reader->arrays();
   base_array.assign(arrays.size(), -1);
   for (size_t i = 0; i < arrays.size(); ++i) {
@@ -855,13 +869,23 @@ Status CheckpointWriter::Impl::MatchBase(std::vector<ChunkWrite>* writes, Thread
       candidate[w] = &*it;
     }
   }
+  // A chunk of a shard the caller promises unchanged since the base was saved from it is the
+  // base's chunk, without reading its bytes (the same box of the same immutable buffers).
+  std::vector<bool> promised(writes->size(), false);
+  if (base_promises_hold) {
+    for (size_t w = 0; w < writes->size(); ++w) {
+      const ChunkWrite& write = (*writes)[w];
+      promised[w] = candidate[w] != nullptr &&
+                    arrays[write.array_id].shards[write.shard].same_as_base;
+    }
+  }
   // Hash the candidates side by side, from where their bytes are (a chunk that is not one run
   // of its shard is gathered first, into a buffer of the task's own).
   std::vector<std::optional<CrcAndDigest>> hashed(writes->size());
   {
     TaskGroup group(pool);
     for (size_t w = 0; w < writes->size(); ++w) {
-      if (candidate[w] == nullptr) continue;
+      if (candidate[w] == nullptr || promised[w]) continue;
       group.Run([&, w]() -> Status {
         const ChunkWrite& write = (*writes)[w];
         const ArrayEntry& a = arrays[write.array_id];
@@ -916,10 +940,11 @@ Status CheckpointWriter::Impl::MatchBase(std::vector<ChunkWrite>* writes, Thread
   for (size_t w = 0; w < writes->size(); ++w) {
     ChunkWrite& write = (*writes)[w];
     const IndexEntry* base = candidate[w];
-    if (base != nullptr && hashed[w]->digest == base->digest) {
+    if (base != nullptr && (promised[w] || hashed[w]->digest == base->digest)) {
       TS_ASSIGN_OR_RETURN(uint32_t file_id, reference_id(base->file_id));
       references->push_back({write.array_id, file_id, static_cast<uint64_t>(write.chunk),
                              base->offset, base->length, base->crc32c, base->digest});
+      if (promised[w]) ++stats->unhashed_chunks;
       ++stats->referenced_chunks;
       stats->referenced_bytes += base->length;
       continue;
@@ -972,8 +997,12 @@ Status CheckpointWriter::Impl::WriteLocal(ChunkIndex* local, WriteStats* stats) 
     // An incremental save leaves out the chunks the base holds already, before any place in a
     // file is given out: its files hold only what changed.
     std::vector<std::optional<CrcAndDigest>> hashes;
-    if (!options.base.empty()) {
-      TS_RETURN_IF_ERROR(OpenBase());
+    Status base_opened = options.base.empty() ? OkStatus() : OpenBase();
+    if (!base_opened.ok() && options.full_save_if_base_unreadable) {
+      stats->base_unreadable = std::string(base_opened.message());
+      base_reader.reset();
+    } else if (!options.base.empty()) {
+      TS_RETURN_IF_ERROR(base_opened);
       ThreadPool hash_pool(options.io_threads);
       TS_RETURN_IF_ERROR(
           MatchBase(&writes, &hash_pool, &references, &reference_files, &hashes, stats));

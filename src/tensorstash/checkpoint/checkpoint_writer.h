@@ -95,6 +95,16 @@ struct WriterOptions {
   // chained), and COMMIT lists the steps referred to (`depends_on`). Implies record_digests.
   // Chunks of a base written without digests are written again. Not with `holding`.
   std::string base;
+  // The identity shortcut (ShardData::same_as_base): the commit id (WriteStats::commit_id) of
+  // the save that the caller's same_as_base promises refer to. They are kept only when the base
+  // opened has exactly this id; otherwise (the base was saved again since, or is another step)
+  // every chunk is hashed. Empty: no promise is kept.
+  std::string base_commit_id;
+  // With `base`: when the base cannot be opened (removed, its record or index unreadable, a
+  // data file of it missing), save every chunk in full instead of failing, and say why in
+  // WriteStats::base_unreadable. The manager's incremental saves do this; a one-off save
+  // against a base fails (the error names the base).
+  bool full_save_if_base_unreadable = false;
 };
 
 struct ArraySpec {
@@ -115,6 +125,10 @@ struct ShardData {
   // The caller promises that `data` neither changes nor goes away until Commit returns (e.g. a
   // view of an immutable jax.Array): copy_sources writes it from where it is, uncopied.
   bool stable = false;
+  // The caller promises that these bytes are those the shard held when the save with commit id
+  // WriterOptions::base_commit_id read it (the same immutable jax.Array's buffers, still
+  // alive): a chunk the base holds with a digest is then referenced without reading its bytes.
+  bool same_as_base = false;
 };
 
 struct WriteStats {
@@ -126,6 +140,16 @@ struct WriteStats {
   // instead of written; not counted in `chunks`, `raw_bytes` or `stored_bytes`.
   uint64_t referenced_chunks = 0;
   uint64_t referenced_bytes = 0;
+  // Of referenced_chunks, those referenced on the caller's promise (ShardData::same_as_base)
+  // without hashing their bytes. Not carried in a WrittenPart's bytes.
+  uint64_t unhashed_chunks = 0;
+  // With record_digests, after Commit succeeded: the id of the committed step's record
+  // (StepCommitId), for a later save's WriterOptions::base_commit_id; empty when it could not
+  // be read back (the next save then hashes every chunk). Not carried in a WrittenPart's bytes.
+  std::string commit_id;
+  // With full_save_if_base_unreadable: why the base could not be opened (naming it) when this
+  // process saved in full instead; empty otherwise. Not carried in a WrittenPart's bytes.
+  std::string base_unreadable;
   // The most bytes this process held at once in staging buffers (gathers, copies, chunks
   // pulled from a ChunkSource, codec output): at most max(max_inflight_bytes, largest chunk).
   uint64_t peak_staged_bytes = 0;
@@ -153,6 +177,10 @@ Result<std::string> EncodeWrittenPart(const WrittenPart& part);
 // The inverse. InvalidArgument naming `where` for bytes that are not a written part or one of a
 // newer major version; DataLoss naming `where` for a corrupt or truncated one.
 Result<WrittenPart> DecodeWrittenPart(std::string_view bytes, std::string_view where);
+
+// The identity of a committed step's record: XXH3-128 of its encoding, 32 hex digits. A step
+// saved again under the same name gets another (its creation time, index CRC and sizes differ).
+std::string StepCommitId(const CommitRecord& record);
 
 // The largest file AddFile takes (metadata and per-process state are meant to be small).
 inline constexpr uint64_t kMaxStepFileBytes = uint64_t{64} << 20;

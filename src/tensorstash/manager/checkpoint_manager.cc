@@ -122,6 +122,9 @@ struct CheckpointManager::Impl {
   // What the steps refer to (process 0). Used by Prepare and by retention, which never run at
   // once (every call joins the worker first).
   std::unique_ptr<StepDependencies> dependencies;
+  // The last step this manager committed and its record's id (WriteStats::commit_id), for the
+  // identity shortcut of the next save (SaveRequest::same_as_step). Guarded by mutex.
+  std::optional<std::pair<int64_t, std::string>> last_commit;
 
   // The staging buffers of async saves, kept from one save to the next (under
   // max_staging_bytes): mapping them afresh for every save cost a page fault and a page
@@ -158,6 +161,14 @@ struct CheckpointManager::Impl {
   Status DeleteStep(int64_t step);
   // Joins the worker and returns (and clears) its error.
   Status JoinWorker();
+  void RememberCommit(int64_t step, const WriteStats& written) {
+    std::lock_guard<std::mutex> guard(mutex);
+    if (written.commit_id.empty()) {
+      last_commit.reset();
+    } else {
+      last_commit.emplace(step, written.commit_id);
+    }
+  }
   Status CheckOpen() const {
     return closed ? FailedPreconditionError("the checkpoint manager is closed") : OkStatus();
   }
@@ -346,9 +357,15 @@ Result<SaveJob> CheckpointManager::Impl::Prepare(int64_t step, SaveRequest reque
     // Against the newest listed step below this one: committed, and never one being deleted
     // (retention unlists a step before it deletes it, and every save joins the deletions).
     writer_options.record_digests = true;
+    writer_options.full_save_if_base_unreadable = true;
     std::lock_guard<std::mutex> guard(mutex);
     if (auto below = steps.lower_bound(step); below != steps.begin()) {
-      TS_ASSIGN_OR_RETURN(writer_options.base, StepDir(*std::prev(below)));
+      const int64_t base = *std::prev(below);
+      TS_ASSIGN_OR_RETURN(writer_options.base, StepDir(base));
+      if (request.same_as_step == base && last_commit.has_value() &&
+          last_commit->first == base) {
+        writer_options.base_commit_id = last_commit->second;
+      }
     }
   }
   if (is_leader()) TS_RETURN_IF_ERROR(ReclaimUnlisted(step));
@@ -525,7 +542,9 @@ Status CheckpointManager::Save(int64_t step, SaveRequest request, SaveStats* sta
   TS_ASSIGN_OR_RETURN(SaveJob job, s.Prepare(step, std::move(request), /*async=*/false));
   WriteStats written;
   TS_RETURN_IF_ERROR(job.writer->Commit(&written));
-  SaveStats local{step, false, written.raw_bytes, written.stored_bytes, 0, 0};
+  SaveStats local{step, false, written.raw_bytes, written.stored_bytes, 0, 0,
+                  written.referenced_chunks, written.unhashed_chunks, written.base_unreadable};
+  s.RememberCommit(step, written);
   local.total_seconds = local.blocking_seconds = SecondsSince(job.start);
   if (stats != nullptr) *stats = local;
   TS_ASSIGN_OR_RETURN(std::vector<int64_t> doomed, s.Committed(job, local));
@@ -559,7 +578,10 @@ Status CheckpointManager::SaveAsync(int64_t step, SaveRequest request) {
     if (status.ok()) {
       SaveStats stats{shared_job->step,  true,
                       written.raw_bytes, written.stored_bytes,
-                      blocking->load(),  SecondsSince(shared_job->start)};
+                      blocking->load(),  SecondsSince(shared_job->start),
+                      written.referenced_chunks, written.unhashed_chunks,
+                      written.base_unreadable};
+      impl->RememberCommit(shared_job->step, written);
       Result<std::vector<int64_t>> doomed = impl->Committed(*shared_job, stats);
       status = doomed.ok() ? impl->DeleteSteps(*doomed) : doomed.status();
     }

@@ -54,6 +54,13 @@ struct SaveStats {
   uint64_t stored_bytes = 0;    // bytes this process wrote to data files
   double blocking_seconds = 0;  // how long the caller was blocked (Save: until the commit)
   double total_seconds = 0;     // from the call until the step was committed
+  // Incremental saves: chunks recorded as references to earlier steps, and of those the ones
+  // taken on the caller's promise without hashing (SaveRequest::same_as_step).
+  uint64_t referenced_chunks = 0;
+  uint64_t unhashed_chunks = 0;
+  // Incremental saves: why the base (named) could not be opened, when this process saved the
+  // step in full instead (WriterOptions::full_save_if_base_unreadable); empty otherwise.
+  std::string base_unreadable;
 };
 
 struct ManagerOptions {
@@ -87,7 +94,9 @@ struct ManagerOptions {
   // Incremental steps (docs/format.md 6.1): every step records its chunks' digests, and each
   // save is made against the newest listed step below it (writer.base): a chunk that did not
   // change is recorded as a reference to where its bytes already lie instead of being written
-  // again. Retention then keeps on storage, unlisted ("retired", RetiredSteps), each dropped
+  // again. A base that cannot be opened (removed or damaged by hand) makes the save a full one
+  // (SaveStats::base_unreadable says why). Retention then keeps on storage, unlisted
+  // ("retired", RetiredSteps), each dropped
   // step that a kept step still refers to, and deletes it once none does (in this session or
   // a later one). Not with writer.holding.
   bool incremental = false;
@@ -121,6 +130,11 @@ struct SaveRequest {
   // e.g. the owner of the buffers of shards marked `stable`, which an async save reads while
   // the caller goes on.
   std::shared_ptr<void> keep_alive;
+  // Incremental managers: the step whose save (by this manager, in this session) read the
+  // shards marked ShardData::same_as_base, unchanged since. The promise is kept only when that
+  // step is this save's base and its record is the one that save committed; otherwise every
+  // chunk is hashed.
+  std::optional<int64_t> same_as_step;
 };
 
 // The names of the files a manager's steps hold besides the arrays (kMetadataFileName,

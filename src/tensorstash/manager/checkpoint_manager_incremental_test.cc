@@ -194,6 +194,73 @@ TEST_P(ManagerIncrementalTest, AsyncSavesAreIncrementalToo) {
   TS_ASSERT_OK(mgr->Close());
 }
 
+TEST_P(ManagerIncrementalTest, SameAsStepSkipsHashingOnlyWhenThatStepIsTheBase) {
+  auto mgr = Open(Incremental(0));
+  ASSERT_NE(mgr, nullptr);
+  TS_ASSERT_OK(SaveStep(mgr.get(), 1, 7));
+  // The frozen buffer is promised unchanged since step 1's save (it is not: taken at its word,
+  // its chunks are step 1's without being read).
+  State changed = MakeState(2, 7);
+  changed.frozen[0] ^= 1;
+  auto promised = [](const State& state, int64_t since) {
+    SaveRequest request = Request(state);
+    for (ShardData& shard : request.arrays[0].shards) shard.same_as_base = true;
+    request.same_as_step = since;
+    return request;
+  };
+  SaveStats stats;
+  TS_ASSERT_OK(mgr->Save(2, promised(changed, 1), &stats));
+  EXPECT_EQ(stats.unhashed_chunks, 8u);
+  EXPECT_EQ(stats.referenced_chunks, 8u);
+  ExpectStep(kv_.get(), 2, 7);
+  // Step 3's base is step 2, not the step named: every chunk is hashed, the changed one written.
+  TS_ASSERT_OK(mgr->Save(3, promised(changed, 1), &stats));
+  EXPECT_EQ(stats.unhashed_chunks, 0u);
+  EXPECT_EQ(stats.referenced_chunks, 7u + 1u);  // the other frozen chunks, the same adapter
+  // A step this manager did not save (another session's) is never taken on a promise.
+  TS_ASSERT_OK(mgr->Close());
+  mgr = Open(Incremental(0));
+  ASSERT_NE(mgr, nullptr);
+  TS_ASSERT_OK(mgr->Save(4, promised(changed, 3), &stats));
+  EXPECT_EQ(stats.unhashed_chunks, 0u);
+  TS_ASSERT_OK(mgr->Close());
+}
+
+TEST_P(ManagerIncrementalTest, AnUnreadableBaseMakesTheNextSaveAFullOneSayingWhy) {
+  auto mgr = Open(Incremental(0));
+  ASSERT_NE(mgr, nullptr);
+  TS_ASSERT_OK(SaveStep(mgr.get(), 1, 7));
+  TS_ASSERT_OK(SaveStep(mgr.get(), 2, 7));
+  // Step 2's own data file removed by hand: the next save is made in full.
+  std::vector<std::string> keys = kv_->List(Dir(2) + "/").value();
+  int removed = 0;
+  for (const std::string& key : keys) {
+    if (key.find("state/data/") != std::string::npos) {
+      TS_ASSERT_OK(kv_->Delete(key));
+      ++removed;
+    }
+  }
+  ASSERT_GT(removed, 0);
+  SaveStats stats;
+  TS_ASSERT_OK(SaveStep(mgr.get(), 3, 7, false, &stats));
+  EXPECT_THAT(stats.base_unreadable, HasSubstr("0000000002"));
+  EXPECT_EQ(stats.referenced_chunks, 0u);
+  EXPECT_EQ(stats.raw_bytes, 64u * 64 * 4 + 8 * 16 * 4);
+  EXPECT_THAT(DependsOn(kv_.get(), 3), IsEmpty());
+  ExpectStep(kv_.get(), 3, 7);
+  // Step 3's COMMIT made unreadable: the same, asynchronously.
+  TS_ASSERT_OK(kv_->Write(Dir(3) + "/" + kCommitFileName, "not a commit record"));
+  TS_ASSERT_OK(SaveStep(mgr.get(), 4, 7, /*async=*/true));
+  TS_ASSERT_OK(mgr->WaitUntilFinished());
+  EXPECT_THAT(DependsOn(kv_.get(), 4), IsEmpty());
+  ExpectStep(kv_.get(), 4, 7);
+  // With a readable base again, saves are incremental.
+  TS_ASSERT_OK(SaveStep(mgr.get(), 5, 7, false, &stats));
+  EXPECT_EQ(stats.base_unreadable, "");
+  EXPECT_THAT(DependsOn(kv_.get(), 5), ElementsAre("0000000004"));
+  TS_ASSERT_OK(mgr->Close());
+}
+
 TEST_P(ManagerIncrementalTest, ARetiredStepStaysUnlistedAcrossSessionsAndGoesWhenUnneeded) {
   {
     auto mgr = Open(Incremental(2));
