@@ -27,6 +27,7 @@
 #include "common.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/checkpoint/materialize.h"
 #include "tensorstash/checkpoint/orbax_writer.h"
 #include "tensorstash/checkpoint/safetensors_export.h"
 #include "tensorstash/engine/step_folder.h"
@@ -119,6 +120,7 @@ class StepConvertSource final : public ConvertSource {
   const std::vector<SourceArray>& arrays() const override { return arrays_; }
   StepFormat format() const { return step_->format(); }
   StepSource* step() const { return step_.get(); }
+  const StepLocation& location() const { return location_; }
   Status Read(size_t id, const Box& box, void* dest) override {
     if (g_interrupted != 0) return Interrupted();
     return step_->ReadMany({{arrays_[id].path, box, arrays_[id].dtype, dest}}, nullptr, nullptr);
@@ -205,31 +207,30 @@ std::optional<uint64_t> FreeBytesAt(std::string_view dst) {
   return static_cast<uint64_t>(fs.f_bavail) * static_cast<uint64_t>(fs.f_frsize);
 }
 
-// `materialize_from`: a native step copied whole (--materialize): each array keeps its codec and
-// chunk size, and the step's committed files (metadata, metrics, per-process state) are copied.
+// What the arrays of `total` bytes need at `dst_dir`, checked against the space free at a local
+// DST, so that a hostile shape of fill values fails at once instead of filling the disk.
+Status CheckFreeSpace(uint64_t total, std::optional<uint64_t> free_at_dst,
+                      const std::string& dst_dir) {
+  if (free_at_dst.has_value() && total > *free_at_dst) {
+    return ResourceExhaustedError(StrCat("the source's arrays claim ", total,
+                                         " bytes, more than the ", *free_at_dst,
+                                         " bytes free at '", dst_dir, "'"));
+  }
+  return OkStatus();
+}
+
 Status WriteNative(ConvertSource* source, StepLocation* dst, bool overwrite,
-                   std::optional<uint64_t> free_at_dst,
-                   const CheckpointReader* materialize_from = nullptr) {
+                   std::optional<uint64_t> free_at_dst) {
   WriterOptions options;
   options.overwrite = overwrite;
   TS_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
                       CheckpointWriter::Create(dst->kv.get(), dst->key, options));
-  if (materialize_from != nullptr) {
-    for (const auto& [name, file] : materialize_from->commit_record().files) {
-      TS_ASSIGN_OR_RETURN(std::string contents, materialize_from->ReadFile(name));
-      TS_RETURN_IF_ERROR(writer->AddFile(name, std::move(contents)));
-    }
-  }
   // Each chunk is read from the source when the writer writes it (a chunk source): at most
   // max_inflight_bytes of the checkpoint is in memory at once, however large it is. What the
   // metadata claims is checked first against the space free at a local DST, so that a hostile
   // shape of fill values fails at once instead of filling the disk.
   const uint64_t total = TotalBytes(*source);
-  if (free_at_dst.has_value() && total > *free_at_dst) {
-    return ResourceExhaustedError(StrCat("the source's arrays claim ", total,
-                                         " bytes, more than the ", *free_at_dst,
-                                         " bytes free at '", dst->key, "'"));
-  }
+  TS_RETURN_IF_ERROR(CheckFreeSpace(total, free_at_dst, dst->key));
   ProgressBar bar("convert", total);
   std::mutex progress_mutex;  // chunks are read from several threads
   uint64_t done = 0;
@@ -240,11 +241,6 @@ Status WriteNative(ConvertSource* source, StepLocation* dst, bool overwrite,
     spec.path = a.path;
     spec.dtype = a.dtype;
     spec.shape = a.shape;
-    if (materialize_from != nullptr) {
-      spec.codec = a.codec;
-      spec.zstd_level = a.zstd_level;
-      spec.target_chunk_bytes = a.chunk_bytes;
-    }
     ChunkSource read = [&, id](const Box& box, void* dest) {
       TS_RETURN_IF_ERROR(source->Read(id, box, dest));
       std::lock_guard<std::mutex> lock(progress_mutex);
@@ -359,17 +355,27 @@ int RunConvert(const std::string& src, const std::string& dst, const std::string
   Status status;
   {
     InterruptGuard guard;
-    // A native step's reader, for --materialize (its committed files).
-    const CheckpointReader* native = nullptr;
     if (materialize) {
-      native = static_cast<StepConvertSource*>(source.get())->step()->native();
-      if (native == nullptr) status = InternalError("--materialize: the source is not native");
-    }
-    if (status.ok()) {
+      // A self-contained copy (checkpoint/materialize.h): each array keeps its codec and
+      // chunks, and the step's committed files (metadata, metrics, per-process state) come too.
+      const StepLocation& from = static_cast<StepConvertSource*>(source.get())->location();
+      status = CheckFreeSpace(TotalBytes(*source), FreeBytesAt(dst), destination->key);
+      ProgressBar bar("convert", TotalBytes(*source));
+      WriterOptions options;
+      options.overwrite = overwrite;
+      if (status.ok()) {
+        status = MaterializeStep(from.kv.get(), from.key, destination->kv.get(),
+                                 destination->key, options,
+                                 [&](uint64_t done, uint64_t) -> Status {
+                                   if (g_interrupted != 0) return Interrupted();
+                                   bar.Update(done);
+                                   return OkStatus();
+                                 });
+      }
+    } else {
       status = target == Format::kOrbax
                    ? WriteOrbax(source.get(), &*destination, overwrite, item)
-                   : WriteNative(source.get(), &*destination, overwrite, FreeBytesAt(dst),
-                                 native);
+                   : WriteNative(source.get(), &*destination, overwrite, FreeBytesAt(dst));
     }
     if (status.ok() && g_interrupted != 0) status = OkStatus();  // it finished all the same
   }

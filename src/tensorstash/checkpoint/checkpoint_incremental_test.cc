@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
+#include "tensorstash/checkpoint/materialize.h"
 #include "tensorstash/format/index_format.h"
 #include "tensorstash/testing/checkpoint_test_util.h"
 #include "tensorstash/testing/in_process_coordinator.h"
@@ -190,6 +191,41 @@ TEST_P(IncrementalTest, SameAsBasePromiseSkipsHashingOnlyAgainstTheCommitItNames
   EXPECT_EQ(stats.unhashed_chunks, 0u);
   EXPECT_EQ(stats.referenced_chunks, 5u);  // frozen/w's 3 unchanged chunks and frozen/z's 2
   ExpectRestores(kv_.get(), "0000000004", second);
+}
+
+TEST_P(IncrementalTest, MaterializeReportsProgressAndStopsOnItsError) {
+  const std::vector<Array> first = State(10);
+  const std::vector<Array> second = State(11);
+  TS_ASSERT_OK(Save(kv_.get(), "run/0000000001", first, {.record_digests = true}));
+  TS_ASSERT_OK(Save(kv_.get(), "run/0000000002", second, {.base = "run/0000000001"}));
+  const uint64_t total = (64 * 64 + 32 * 64 + 16 * 64) * 4;
+
+  // Stopped by its progress callback after the first chunk: the error, and nothing at dst.
+  int calls = 0;
+  Status stopped = MaterializeStep(kv_.get(), "run/0000000002", kv_.get(), "copy/0000000002",
+                                   {}, [&](uint64_t, uint64_t) -> Status {
+                                     ++calls;
+                                     return CancelledError("stop here");
+                                   });
+  EXPECT_TRUE(absl::IsCancelled(stopped)) << stopped;
+  EXPECT_THAT(stopped.message(), HasSubstr("stop here"));
+  EXPECT_GE(calls, 1);
+  EXPECT_FALSE(CheckpointReader::Open(kv_.get(), "copy/0000000002").ok());
+
+  // Run to the end: every byte reported once, the copy self-contained and exact.
+  uint64_t last = 0, seen_total = 0;
+  TS_ASSERT_OK(MaterializeStep(kv_.get(), "run/0000000002", kv_.get(), "copy/0000000002", {},
+                               [&](uint64_t done, uint64_t of) -> Status {
+                                 EXPECT_GT(done, last);
+                                 last = done;
+                                 seen_total = of;
+                                 return OkStatus();
+                               }));
+  EXPECT_EQ(seen_total, total);
+  EXPECT_EQ(last, total);
+  ExpectRestores(kv_.get(), "copy/0000000002", second);
+  auto copy = CheckpointReader::Open(kv_.get(), "copy/0000000002").value();
+  EXPECT_TRUE(copy->commit_record().depends_on.empty());
 }
 
 TEST_P(IncrementalTest, BaseWithoutDigestsIsWrittenInFull) {

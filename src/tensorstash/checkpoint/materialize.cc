@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <mutex>
 #include <utility>
 
 #include "tensorstash/checkpoint/checkpoint_reader.h"
@@ -10,7 +11,8 @@
 namespace tensorstash {
 
 Status MaterializeStep(KvStore* src, const std::string& src_dir, KvStore* dst,
-                       const std::string& dst_dir, WriterOptions options) {
+                       const std::string& dst_dir, WriterOptions options,
+                       const std::function<Status(uint64_t done, uint64_t total)>& progress) {
   if (!options.base.empty() || options.holding) {
     return InvalidArgumentError("a materialized step is self-contained: no base, no holding");
   }
@@ -23,6 +25,12 @@ Status MaterializeStep(KvStore* src, const std::string& src_dir, KvStore* dst,
     TS_RETURN_IF_ERROR(writer->AddFile(name, std::move(contents)));
   }
   CheckpointReader* from = reader.get();
+  uint64_t total = 0;
+  for (const ArrayMetadata& a : reader->arrays()) {
+    total += static_cast<uint64_t>(Box::FromShape(a.shape()).num_elements()) * ItemSize(a.dtype);
+  }
+  std::mutex progress_mutex;  // chunks are read from the writer's threads
+  uint64_t done = 0;
   for (const ArrayMetadata& a : reader->arrays()) {
     ArraySpec spec;
     spec.path = a.path;
@@ -36,8 +44,14 @@ Status MaterializeStep(KvStore* src, const std::string& src_dir, KvStore* dst,
     spec.target_chunk_bytes = chunk_elements * static_cast<int64_t>(ItemSize(a.dtype));
     const std::string path = a.path;
     const DType dtype = a.dtype;
-    ChunkSource read = [from, path, dtype](const Box& box, void* dest) {
-      return from->Read({path, box, dtype, dest});
+    ChunkSource read = [&, from, path, dtype](const Box& box, void* dest) -> Status {
+      TS_RETURN_IF_ERROR(from->Read({path, box, dtype, dest}));
+      if (progress) {
+        std::lock_guard<std::mutex> lock(progress_mutex);
+        done += static_cast<uint64_t>(box.num_elements()) * ItemSize(dtype);
+        TS_RETURN_IF_ERROR(progress(done, total));
+      }
+      return OkStatus();
     };
     TS_RETURN_IF_ERROR(writer->AddArrayFromSource(std::move(spec), std::move(read)));
   }

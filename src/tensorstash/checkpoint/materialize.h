@@ -8,6 +8,8 @@
 #ifndef TENSORSTASH_CHECKPOINT_MATERIALIZE_H_
 #define TENSORSTASH_CHECKPOINT_MATERIALIZE_H_
 
+#include <cstdint>
+#include <functional>
 #include <string>
 
 #include "tensorstash/checkpoint/checkpoint_writer.h"
@@ -20,12 +22,15 @@ namespace tensorstash {
 // references, no digests): the same tree, every array with its codec, zstd level and chunk
 // size, and the step's committed files (metadata, metrics, per-process state). Each chunk is
 // read (CRC-checked, wherever it lies) as the writer writes it, so memory stays at
-// `options.max_inflight_bytes`. On success `dst_dir` is committed. Errors: the reader's for
+// `options.max_inflight_bytes`. `progress`, when given, is called after each chunk is read (from
+// the writer's threads, never two calls at once) with the bytes read so far and the total; an
+// error it returns stops the copy with that error. On success `dst_dir` is committed. Errors: the reader's for
 // `src_dir` (NotFound, DataLoss naming the bad chunk or the missing file and its step); the
 // writer's for `dst_dir` (AlreadyExists unless options.overwrite); InvalidArgument when
 // `options` asks for a base or a holding. On error nothing new is visible at `dst_dir`.
 Status MaterializeStep(KvStore* src, const std::string& src_dir, KvStore* dst,
-                       const std::string& dst_dir, WriterOptions options = {});
+                       const std::string& dst_dir, WriterOptions options = {},
+                       const std::function<Status(uint64_t done, uint64_t total)>& progress = {});
 
 }  // namespace tensorstash
 
