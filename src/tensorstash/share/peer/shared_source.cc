@@ -130,10 +130,6 @@ struct SharedStepSource::Impl final : public ChunkRouter {
       } else if (Crc32c(bytes->data(), bytes->size()) != r.crc) {
         // The receivers then read it themselves, and meet the damage as any read would.
         server->PublishFailure(r.name, StrCat("CRC-32C mismatch in ", r.what, " as stored"));
-      } else if (share.corrupt_served_for_testing) {
-        auto bad = std::make_shared<std::string>(*bytes);
-        if (!bad->empty()) (*bad)[bad->size() / 2] ^= 0x5a;
-        server->Publish(r.name, std::move(bad));
       } else {
         server->Publish(r.name, bytes);
       }

@@ -49,8 +49,6 @@ struct ShareOptions {
   std::string bind_address = "127.0.0.1";
   int pump_threads = 4;
   int server_threads = 4;
-  // Testing: the chunks this process serves are published with one byte flipped.
-  bool corrupt_served_for_testing = false;
 };
 
 struct ShareStats {

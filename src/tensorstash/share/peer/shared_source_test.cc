@@ -8,12 +8,14 @@
 #include <cstring>
 #include <mutex>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/http/http_client.h"
@@ -96,20 +98,27 @@ struct ProcessResult {
   ShareStats stats;
 };
 
+// A process's coordinator, given the one it would have (which outlives it).
+using CoordinatorOf = std::function<std::unique_ptr<Coordinator>(int, Coordinator*)>;
+
 // Process p reads boxes[p] of both arrays; `tweak` adjusts its options, `store_of` (when set)
-// gives its store.
+// gives its store, `coordinator_of` (when set) its coordinator.
 std::vector<ProcessResult> RunJob(KvStore* kv, const std::vector<std::vector<Box>>& boxes,
                                   const std::function<void(int, ShareOptions&)>& tweak = nullptr,
                                   int dead = -1,
                                   const std::function<KvStore*(int)>& store_of = nullptr,
-                                  const std::function<void(int)>& read_done = nullptr) {
+                                  const std::function<void(int)>& read_done = nullptr,
+                                  const CoordinatorOf& coordinator_of = nullptr) {
   const int n = static_cast<int>(boxes.size());
   auto group = std::make_shared<InProcessCoordinatorGroup>(n);
   std::vector<ProcessResult> results(n);
   std::vector<std::thread> threads;
   for (int p = 0; p < n; ++p) {
     threads.emplace_back([&, p] {
-      InProcessCoordinator coordinator(group, p);
+      InProcessCoordinator in_process(group, p);
+      std::unique_ptr<Coordinator> wrapped =
+          coordinator_of ? coordinator_of(p, &in_process) : nullptr;
+      Coordinator& coordinator = wrapped ? *wrapped : in_process;
       ShareOptions share;
       share.key_prefix = "test/";
       share.timeout = std::chrono::milliseconds(3000);
@@ -205,11 +214,67 @@ TEST(SharedStepSource, UnevenOverlappingBoxesShareTheChunksTheyHaveInCommon) {
   EXPECT_EQ(storage, StoredDataBytes(kv.get()));
 }
 
+// A coordinator that publishes, instead of this process's peer server ("<prefix>peer/<p>"),
+// `fake`'s address and secret; everything else goes to `inner`.
+class PeerSwappingCoordinator final : public Coordinator {
+ public:
+  PeerSwappingCoordinator(Coordinator* inner, std::string fake) : inner_(inner), fake_(fake) {}
+  int process_index() const override { return inner_->process_index(); }
+  int process_count() const override { return inner_->process_count(); }
+  Status Barrier(std::string_view name, std::chrono::milliseconds timeout) override {
+    return inner_->Barrier(name, timeout);
+  }
+  Status KeyValueSet(std::string_view key, std::string_view value) override {
+    const bool peer = key.ends_with("peer/" + std::to_string(process_index()));
+    return inner_->KeyValueSet(key, peer ? std::string_view(fake_) : value);
+  }
+  Result<std::string> KeyValueGet(std::string_view key,
+                                  std::chrono::milliseconds timeout) override {
+    return inner_->KeyValueGet(key, timeout);
+  }
+  Result<std::optional<std::string>> KeyValueTryGet(std::string_view key) override {
+    return inner_->KeyValueTryGet(key);
+  }
+
+ private:
+  Coordinator* inner_;
+  std::string fake_;
+};
+
+// A peer server that serves every stored chunk of the step under its /v1/shared/ name, one
+// byte flipped: what a process with bad memory or a bad link would send.
+std::unique_ptr<PeerServer> CorruptPeer(KvStore* kv, PeerServerOptions options) {
+  std::unique_ptr<PeerServer> server = PeerServer::Start("", options).value();
+  std::unique_ptr<CheckpointReader> reader = CheckpointReader::Open(kv, kStep, {}).value();
+  for (const IndexEntry& e : reader->index().entries) {
+    auto bytes = std::make_shared<std::string>(e.length, '\0');
+    EXPECT_TRUE(kv->ReadRange(reader->DataFileKey(e.file_id), e.offset, e.length, bytes->data())
+                    .ok());
+    (*bytes)[bytes->size() / 2] ^= 0x5a;
+    server->Publish(std::to_string(e.array_id) + "/" + std::to_string(e.chunk), bytes);
+  }
+  return server;
+}
+
 TEST(SharedStepSource, ACorruptPeerIsCaughtAndItsChunksReadFromStorage) {
   auto kv = WriteStep();
+  PeerServerOptions fake;
+  fake.secret = "0123456789abcdef0123456789abcdef";
+  std::unique_ptr<PeerServer> corrupt = CorruptPeer(kv.get(), fake);
   const std::vector<std::vector<Box>> boxes(3, {Rows(0, 8)});
+  // Process 1 publishes the corrupt server as its own: the others receive its chunks from it.
+  // (Its own server is then never asked: its Finish waits out its short timeout.)
   const std::vector<ProcessResult> results = RunJob(
-      kv.get(), boxes, [](int p, ShareOptions& o) { o.corrupt_served_for_testing = p == 1; });
+      kv.get(), boxes,
+      [](int p, ShareOptions& o) {
+        if (p == 1) o.timeout = std::chrono::milliseconds(500);
+      },
+      -1, nullptr, nullptr,
+      [&](int p, Coordinator* inner) -> std::unique_ptr<Coordinator> {
+        if (p != 1) return nullptr;
+        return std::make_unique<PeerSwappingCoordinator>(
+            inner, corrupt->url() + " " + fake.secret);
+      });
   for (int p = 0; p < 3; ++p) {
     TS_ASSERT_OK(results[p].status);
     ExpectExact(results[p], boxes[p]);
