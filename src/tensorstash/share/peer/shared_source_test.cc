@@ -9,6 +9,7 @@
 #include <mutex>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -372,6 +373,97 @@ TEST(SharedStepSource, AStalledPeerCostsOneTimeoutThenItsChunksComeFromStorage) 
     EXPECT_THAT(results[p].stats.fallbacks,
                 Each(AllOf(HasSubstr("process 2"), HasSubstr("read from storage"))));
     EXPECT_THAT(results[p].stats.fallbacks[0], HasSubstr("within 1500 ms"));
+  }
+}
+
+// A store that counts the ReadRange calls (the pump's requests) on the step's data files.
+class CountingKvStore final : public ForwardingKvStore {
+ public:
+  CountingKvStore(KvStore* base, std::set<std::string> data_keys)
+      : ForwardingKvStore(base), data_keys_(std::move(data_keys)) {}
+  Status ReadRange(std::string_view key, uint64_t offset, size_t size, void* dest) override {
+    if (data_keys_.contains(std::string(key))) ++requests;
+    return ForwardingKvStore::ReadRange(key, offset, size, dest);
+  }
+  std::atomic<int> requests{0};
+
+ private:
+  std::set<std::string> data_keys_;
+};
+
+std::set<std::string> DataKeys(KvStore* kv) {
+  std::unique_ptr<CheckpointReader> reader = CheckpointReader::Open(kv, kStep, {}).value();
+  std::set<std::string> keys;
+  for (uint32_t f = 0; f < reader->index().files.size(); ++f) keys.insert(reader->DataFileKey(f));
+  return keys;
+}
+
+std::string Layout(KvStore* kv) {
+  std::unique_ptr<CheckpointReader> reader = CheckpointReader::Open(kv, kStep, {}).value();
+  std::string out;
+  for (const IndexEntry& e : reader->index().entries) {
+    out += std::to_string(e.array_id) + "/" + std::to_string(e.chunk) + " file " +
+           std::to_string(e.file_id) + " @" + std::to_string(e.offset) + "+" +
+           std::to_string(e.length) + "; ";
+  }
+  return out;
+}
+
+TEST(SharedStepSource, TheServerReadsNeighbouringChunksInOneRequest) {
+  auto kv = WriteStep();
+  const std::set<std::string> keys = DataKeys(kv.get());
+  // Two replicas: each serves a run of neighbouring chunks of "w" (4 chunks of 48 bytes, 64
+  // bytes apart in one data file: alignment) and of "b". With a cap of 1 byte, one request per
+  // chunk.
+  for (const uint64_t cap : {uint64_t{32} << 20, uint64_t{1}}) {
+    SCOPED_TRACE(cap);
+    std::vector<std::unique_ptr<CountingKvStore>> stores;
+    for (int p = 0; p < 2; ++p) stores.push_back(std::make_unique<CountingKvStore>(kv.get(), keys));
+    const std::vector<std::vector<Box>> boxes(2, {Rows(0, 8)});
+    // (RunJob opens with default ReaderOptions; the cap is a ReaderOptions field.)
+    auto group = std::make_shared<InProcessCoordinatorGroup>(2);
+    std::vector<ProcessResult> results(2);
+    std::vector<std::thread> threads;
+    for (int p = 0; p < 2; ++p) {
+      threads.emplace_back([&, p] {
+        InProcessCoordinator coordinator(group, p);
+        ShareOptions share;
+        share.key_prefix = "count/";
+        share.timeout = std::chrono::milliseconds(3000);
+        ReaderOptions options;
+        options.max_request_bytes = cap;
+        auto source =
+            SharedStepSource::Open(stores[p].get(), kStep, options, &coordinator, share).value();
+        ProcessResult& r = results[p];
+        std::vector<ReadRequest> requests;
+        for (const std::string path : {"w", "b"}) {
+          r.data.emplace_back(Rows(0, 8).num_elements() * 4);
+          requests.push_back({path, Rows(0, 8), DType::kFloat32, r.data.back().data()});
+        }
+        r.status = source->Share(requests);
+        if (r.status.ok()) r.status = source->ReadMany(requests, nullptr, nullptr);
+        r.finish = source->Finish();
+        r.stats = source->share_stats();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int p = 0; p < 2; ++p) {
+      TS_ASSERT_OK(results[p].status);
+      TS_EXPECT_OK(results[p].finish);
+      ExpectExact(results[p], boxes[p]);
+      const int served = static_cast<int>(results[p].stats.served_chunks);
+      ASSERT_GE(served, 2);
+      if (cap == 1) {
+        EXPECT_EQ(stores[p]->requests.load(), served) << "process " << p;
+      } else {
+        // One run of "w" and one of "b" (whatever the files), not one request per chunk.
+        EXPECT_LE(stores[p]->requests.load(), 2)
+            << "process " << p << " served " << served << ": " << Layout(kv.get());
+        EXPECT_LT(stores[p]->requests.load(), served) << "process " << p;
+      }
+    }
+    EXPECT_EQ(results[0].stats.storage_bytes + results[1].stats.storage_bytes,
+              StoredDataBytes(kv.get()));
   }
 }
 
