@@ -2,6 +2,11 @@
 // in-memory store and an in-process coordinator, each with its own peer server on loopback.
 #include "tensorstash/share/peer/shared_source.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -477,6 +482,44 @@ TEST(SharedStepSource, OneProcessReadsAsWithoutSharing) {
   EXPECT_EQ(results[0].stats.peer_bytes, 0u);
 }
 
+// A chunk counts as served once its last byte has been sent, not when its answer is queued: a
+// publisher that stops once everything is served must not cut a transfer on the wire.
+TEST(PeerServerShared, AChunkIsServedOnceSentWhole) {
+  PeerServerOptions options;
+  options.secret = "0123456789abcdef0123";
+  std::unique_ptr<PeerServer> server = PeerServer::Start("", options).value();
+  const size_t size = size_t{64} << 20;  // far more than the sockets' buffers hold
+  server->Publish("0/1", std::make_shared<const std::string>(size, 'x'));
+  const std::string url = server->url();  // http://127.0.0.1:PORT
+  const int port = std::stoi(url.substr(url.rfind(':') + 1));
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  const std::string request = std::string("GET /v1/shared/0/1 HTTP/1.1\r\nHost: x\r\n") +
+                              kPeerSecretHeader + ": " + options.secret + "\r\n\r\n";
+  ASSERT_EQ(::send(fd, request.data(), request.size(), 0), static_cast<ssize_t>(request.size()));
+  std::vector<char> buffer(1 << 20);
+  const ssize_t first = ::recv(fd, buffer.data(), buffer.size(), 0);  // the answer has begun
+  ASSERT_GT(first, 0);
+  // Not served while most of it has not left the server.
+  EXPECT_THAT(server->WaitServed({{"0/1", 1}},
+                                 std::chrono::steady_clock::now() + std::chrono::milliseconds(300)),
+              SizeIs(1));
+  size_t received = static_cast<size_t>(first);  // (with the headers: done at `size`)
+  for (ssize_t n; (n = ::recv(fd, buffer.data(), buffer.size(), 0)) > 0;) {
+    received += static_cast<size_t>(n);
+    if (received >= size) break;
+  }
+  EXPECT_THAT(server->WaitServed({{"0/1", 1}},
+                                 std::chrono::steady_clock::now() + std::chrono::seconds(10)),
+              IsEmpty());
+  ::close(fd);
+}
+
 TEST(PeerServerShared, NotYetThenTheBytesThenGone) {
   PeerServerOptions options;
   options.secret = "0123456789abcdef0123";
@@ -494,7 +537,10 @@ TEST(PeerServerShared, NotYetThenTheBytesThenGone) {
   const HttpResponse ok = get("0/1", options.secret);
   EXPECT_EQ(ok.status, 200);
   EXPECT_EQ(ok.body, "chunk bytes");
-  EXPECT_THAT(server->WaitServed({{"0/1", 1}}, std::chrono::steady_clock::now()), IsEmpty());
+  // (Counted once the last byte has gone, which may be a moment after the client has it.)
+  EXPECT_THAT(server->WaitServed({{"0/1", 1}},
+                                 std::chrono::steady_clock::now() + std::chrono::seconds(10)),
+              IsEmpty());
   EXPECT_THAT(server->WaitServed({{"0/1", 2}}, std::chrono::steady_clock::now()), SizeIs(1));
   server->PublishFailure("0/1", "unreadable");
   const HttpResponse failed = get("0/1", options.secret);
