@@ -42,8 +42,7 @@ nanobind::object ReaderFromSource(std::unique_ptr<KvStore> kv, std::shared_ptr<S
 // `key_prefix`. Needs the GIL. (reader.cc)
 nanobind::object SharedReader(std::unique_ptr<KvStore> owned, KvStore* kv, const std::string& dir,
                               const ReaderOptions& options, nanobind::object coordinator,
-                              const std::string& key_prefix, double timeout_s,
-                              bool corrupt_for_testing);
+                              const std::string& key_prefix, double timeout_s);
 
 // ReaderOptions from the arguments every reading call of the module takes; ValueError (raised)
 // for max_inflight_bytes <= 0. (reader.cc)

@@ -247,11 +247,10 @@ class Manager {
         ReadOptionsFromPython(verify_checksums, max_inflight_bytes, io_threads, map_spans);
     const std::string dir = ValueOrThrow(CheckpointManager::StepDir(step));
     if (!share.is_none()) {
-      // (coordinator, key prefix, timeout in seconds, corrupt_for_testing)
-      auto [coordinator, key_prefix, timeout_s, corrupt] =
-          nb::cast<std::tuple<nb::object, std::string, double, bool>>(share);
-      return SharedReader(nullptr, kv_.get(), dir, options, coordinator, key_prefix, timeout_s,
-                          corrupt);
+      // (coordinator, key prefix, timeout in seconds)
+      auto [coordinator, key_prefix, timeout_s] =
+          nb::cast<std::tuple<nb::object, std::string, double>>(share);
+      return SharedReader(nullptr, kv_.get(), dir, options, coordinator, key_prefix, timeout_s);
     }
     Result<std::unique_ptr<StepSource>> source = [&] {
       nb::gil_scoped_release release;
@@ -580,8 +579,8 @@ void DefineManager(nb::module_& m) {
            nb::arg("io_threads") = 0, nb::arg("map_spans") = true,
            nb::arg("share").none() = nb::none(),
            "A Reader of `step` on the store the manager opened. FileNotFoundError when the "
-           "step is absent. share: None, or (coordinator, key_prefix, timeout_s, "
-           "corrupt_for_testing) for a shared reader (Reader.shared).")
+           "step is absent. share: None, or (coordinator, key_prefix, timeout_s) "
+           "for a shared reader (Reader.shared).")
       .def_prop_ro("multi_tier", &Manager::multi_tier, "Whether a local tier is open.")
       .def("local_steps", &Manager::LocalSteps,
            "Steps this node's local tier holds (any process's folder), ascending.")

@@ -591,14 +591,12 @@ ReaderOptions ReadOptionsFromPython(bool verify_checksums, int64_t max_inflight_
 
 nb::object SharedReader(std::unique_ptr<KvStore> owned, KvStore* kv, const std::string& dir,
                         const ReaderOptions& options, nb::object coordinator,
-                        const std::string& key_prefix, double timeout_s,
-                        bool corrupt_for_testing) {
+                        const std::string& key_prefix, double timeout_s) {
   auto open = std::make_shared<OpenStep>();
   open->coordinator.reset(ValueOrThrow(PyCoordinator::Create(std::move(coordinator))).release());
   ShareOptions share;
   share.key_prefix = key_prefix;
   share.timeout = std::chrono::milliseconds(static_cast<int64_t>(std::max(0.001, timeout_s) * 1e3));
-  share.corrupt_served_for_testing = corrupt_for_testing;
   open->kv = std::move(owned);
   Result<std::unique_ptr<StepSource>> source = [&]() -> Result<std::unique_ptr<StepSource>> {
     nb::gil_scoped_release release;
@@ -647,7 +645,7 @@ void DefineReader(nb::module_& m) {
           "shared",
           [](const std::string& root, const std::string& step, nb::object coordinator,
              const std::string& key_prefix, double timeout_s, bool verify_checksums,
-             int64_t max_inflight_bytes, int io_threads, bool corrupt_for_testing) {
+             int64_t max_inflight_bytes, int io_threads) {
             const ReaderOptions options =
                 ReadOptionsFromPython(verify_checksums, max_inflight_bytes, io_threads, false);
             std::unique_ptr<KvStore> kv = ValueOrThrow([&] {
@@ -656,12 +654,12 @@ void DefineReader(nb::module_& m) {
             }());
             KvStore* base = kv.get();
             return SharedReader(std::move(kv), base, step, options, std::move(coordinator),
-                                key_prefix, timeout_s, corrupt_for_testing);
+                                key_prefix, timeout_s);
           },
           nb::arg("root"), nb::arg("step"), nb::arg("coordinator"), nb::kw_only(),
           nb::arg("key_prefix"), nb::arg("timeout_s") = 60.0, nb::arg("verify_checksums") = true,
           nb::arg("max_inflight_bytes") = int64_t(ReaderOptions{}.max_inflight_bytes),
-          nb::arg("io_threads") = 0, nb::arg("corrupt_for_testing") = false,
+          nb::arg("io_threads") = 0,
           "A reader of a native step whose chunks needed by several processes of the job are "
           "read from storage by one of them and sent to the others over the peer transport "
           "(share/peer/shared_source.h): call share(requests) on every process with all the "

@@ -88,8 +88,6 @@ _OBJECT_STORE_SCHEMES = ("s3://", "gs://")
 # processes of a job, which restore the same steps in the same order, agree on them.
 _share_counts: dict[int, int] = {}
 _share_lock = threading.Lock()
-# Testing: a shared restore publishes the chunks it serves with a byte flipped.
-_CORRUPT_SHARED_FOR_TESTING = False
 
 
 def _share_setup(path: Any, share_reads: bool | None, coordinator: Any) -> tuple | None:
@@ -118,8 +116,7 @@ def _open_shared(path, share: tuple, verify_checksums: bool, max_inflight_bytes:
     return _ext.Reader.shared(root, step, coordinator, key_prefix=prefix,
                               timeout_s=_options.COORDINATION_TIMEOUT_S,
                               verify_checksums=verify_checksums,
-                              max_inflight_bytes=max_inflight_bytes, io_threads=io_threads,
-                              corrupt_for_testing=_CORRUPT_SHARED_FOR_TESTING)
+                              max_inflight_bytes=max_inflight_bytes, io_threads=io_threads)
 
 
 def _open(path, verify_checksums: bool, max_inflight_bytes: int, io_threads: int,

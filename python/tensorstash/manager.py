@@ -654,8 +654,7 @@ class CheckpointManager:
             share = _share_setup(self.step_path(candidate), kwargs["share_reads"],
                                  kwargs["coordinator"] or self._coordinator)
             if share is not None:
-                share = (*share, self._coordination_timeout,
-                         _restore_module._CORRUPT_SHARED_FOR_TESTING)
+                share = (*share, self._coordination_timeout)
             # Through the store the manager opened, not by reopening the root's path.
             with contextlib.closing(self._ext.open_step(
                     candidate, verify_checksums=kwargs["verify_checksums"],

@@ -4,7 +4,9 @@
 
 MODE: "replicated" (every process restores the whole step as NumPy), "reshard" (each process
 its own rows of "w" over the job's devices, in blocks that cut the stored chunks unevenly, and
-"b" replicated), "corrupt" (replicated; process 0 serves its chunks with a byte flipped),
+"b" replicated), "corrupt" (replicated; the others receive process 0's chunks with a byte flipped: process 0
+publishes, through the coordinator, the address of a proxy in front of its peer server that
+flips a byte of every chunk it forwards),
 "kill" (replicated; process 1 SIGKILLs itself once its first read has landed), "default"
 (replicated, share_reads left at its default: on for an s3:// step). Every process
 but a killed one checks its arrays bit for bit, and writes restore()'s stats to
@@ -13,12 +15,64 @@ share-<MODE>-<pid>.json in the working folder before leaving the job.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
 import sys
+import threading
+import urllib.error
+import urllib.request
 
 import mp_worker
+
+
+class CorruptingProxy:
+    """An HTTP server on loopback that forwards each GET to `upstream` (headers included) and
+    answers with what came back, one byte of every 200 answer flipped."""
+
+    def __init__(self, upstream: str) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - the http.server name
+                request = urllib.request.Request(upstream + self.path, headers={
+                    k: v for k, v in self.headers.items() if k.lower().startswith("x-")})
+                try:
+                    with urllib.request.urlopen(request, timeout=30) as answer:
+                        status, body = answer.status, bytearray(answer.read())
+                except urllib.error.HTTPError as e:
+                    status, body = e.code, bytearray(e.read())
+                if status == 200 and body:
+                    body[len(body) // 2] ^= 0x5A
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(bytes(body))
+
+            def log_message(self, *a):  # quiet
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+class CorruptingCoordinator:
+    """The job's coordinator, but the peer address this process publishes for a shared restore
+    ("<url> <secret>" under ".../peer/<pid>") is a CorruptingProxy's in front of the real one."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.proxies: list[CorruptingProxy] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def key_value_set(self, key: str, value: str) -> None:
+        if key.endswith(f"/peer/{self.inner.process_index()}"):
+            url, secret = value.split(" ", 1)
+            self.proxies.append(CorruptingProxy(url))
+            value = f"{self.proxies[-1].url} {secret}"
+        self.inner.key_value_set(key, value)
 
 
 def run(args) -> None:
@@ -27,15 +81,17 @@ def run(args) -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import tensorstash
-    from tensorstash import _options, _restore
+    import tensorstash.jax
+    from tensorstash import _options
     from tshelpers import assert_same_array, pattern
 
     values = {"w": pattern((16, 24), np.float32, seed=1), "b": pattern((10, 6), np.int32, seed=2)}
     # Short, so that a dead process costs seconds (the default is half an hour).
     mode = args.layout
     _options.COORDINATION_TIMEOUT_S = 4.0 if mode == "kill" else 8.0
+    extra = {}
     if mode == "corrupt" and args.pid == 0:
-        _restore._CORRUPT_SHARED_FOR_TESTING = True
+        extra["coordinator"] = CorruptingCoordinator(tensorstash.jax.default_coordinator())
     progress = None
     if mode == "kill" and args.pid == 1:
         def progress(done, total):  # noqa: ARG001 - the first call: a read has landed
@@ -52,7 +108,7 @@ def run(args) -> None:
                 assert_same_array(np.asarray(s.data), values[k][s.index], f"{k} {s.index}")
     else:
         share = {} if mode == "default" else {"share_reads": True}
-        got = tensorstash.restore(args.step, stats=stats, progress=progress, **share)
+        got = tensorstash.restore(args.step, stats=stats, progress=progress, **share, **extra)
         for k in values:
             assert_same_array(got[k], values[k], k)
     assert stats["shared"], stats

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <utility>
 
@@ -255,24 +256,73 @@ Result<SharedReadPlan> PlanSharedReads(const std::vector<SharedArray>& arrays,
   plan.array_begin_.push_back(plan.shared_.size());
   lists_begin.push_back(lists.size());
 
-  // Largest first; ties by (array, chunk), which is the order of shared_.
-  std::vector<uint32_t> order(plan.shared_.size());
-  std::iota(order.begin(), order.end(), 0u);
-  std::stable_sort(order.begin(), order.end(), [&](uint32_t x, uint32_t y) {
-    return plan.shared_[x].bytes > plan.shared_[y].bytes;
-  });
-  for (uint32_t s : order) {
-    int32_t best = -1;
-    for (size_t k = lists_begin[s]; k < lists_begin[s + 1]; ++k) {
-      for (int32_t p : members[lists[k]]) {
-        if (best < 0 || plan.storage_bytes_[p] < plan.storage_bytes_[best] ||
-            (plan.storage_bytes_[p] == plan.storage_bytes_[best] && p < best)) {
-          best = p;
-        }
-      }
+  // Chunks needed by the same lists form a group. Each group's chunks, in (array, chunk) order
+  // (the order they lie in in the data files), are cut into runs, one per needer at most, that
+  // bring its needers' loads as close to even as its bytes allow (least loaded first): a
+  // process reads runs of neighbouring chunks (one request for several, and the storage's
+  // read-ahead past a chunk reads what the same process reads next), and the bytes stay even.
+  std::vector<std::vector<uint32_t>> groups;  // shared_ indices, in order
+  {
+    std::map<std::vector<uint32_t>, uint32_t> ids;
+    std::vector<uint32_t> key;
+    for (size_t s = 0; s < plan.shared_.size(); ++s) {
+      key.assign(lists.begin() + static_cast<ptrdiff_t>(lists_begin[s]),
+                 lists.begin() + static_cast<ptrdiff_t>(lists_begin[s + 1]));
+      auto [it, added] = ids.emplace(key, static_cast<uint32_t>(groups.size()));
+      if (added) groups.emplace_back();
+      groups[it->second].push_back(static_cast<uint32_t>(s));
     }
-    plan.shared_[s].reader = best;
-    plan.storage_bytes_[best] += plan.shared_[s].bytes;
+  }
+  std::vector<uint64_t> group_bytes(groups.size(), 0);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (uint32_t s : groups[g]) group_bytes[g] += plan.shared_[s].bytes;
+  }
+  // Largest groups first; ties by their first chunk.
+  std::vector<uint32_t> order(groups.size());
+  std::iota(order.begin(), order.end(), 0u);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](uint32_t x, uint32_t y) { return group_bytes[x] > group_bytes[y]; });
+  std::vector<int32_t> needers;
+  for (uint32_t g : order) {
+    const std::vector<uint32_t>& chunks = groups[g];
+    needers.clear();
+    for (size_t k = lists_begin[chunks[0]]; k < lists_begin[chunks[0] + 1]; ++k) {
+      needers.insert(needers.end(), members[lists[k]].begin(), members[lists[k]].end());
+    }
+    std::sort(needers.begin(), needers.end(), [&](int32_t x, int32_t y) {
+      return plan.storage_bytes_[x] != plan.storage_bytes_[y]
+                 ? plan.storage_bytes_[x] < plan.storage_bytes_[y]
+                 : x < y;
+    });
+    // Water-filling: the m least loaded needers take the group's bytes, each up to the level
+    // (T + their loads) / m that they then all reach; a needer already above it takes none.
+    // In integers: needer j's run ends at (j + 1) * (T + S_m) / m - S_(j+1) bytes into the
+    // group, S_i the load of the i least loaded.
+    // (128 bits: the products of bytes and process counts exceed 64 bits past ~1e19.)
+    __extension__ typedef unsigned __int128 u128;
+    const u128 total = group_bytes[g];
+    size_t m = needers.size();
+    u128 loads = 0;  // S_m
+    for (size_t i = 0; i < m; ++i) loads += plan.storage_bytes_[needers[i]];
+    while (m > 1 && u128{plan.storage_bytes_[needers[m - 1]]} * m >= total + loads) {
+      loads -= plan.storage_bytes_[needers[--m]];
+    }
+    size_t j = 0;
+    u128 loads_through_j = plan.storage_bytes_[needers[0]];  // S_(j+1)
+    u128 before = 0;  // bytes of the group's chunks before this one
+    for (uint32_t s : chunks) {
+      SharedChunk& chunk = plan.shared_[s];
+      // The run that holds the chunk's middle byte: 2 * middle * m < 2 * m * end_j.
+      const u128 middle2 = 2 * before + chunk.bytes;
+      while (j + 1 < m &&
+             middle2 * m >= 2 * ((j + 1) * (total + loads) - m * loads_through_j)) {
+        ++j;
+        loads_through_j += plan.storage_bytes_[needers[j]];
+      }
+      chunk.reader = needers[j];
+      before += chunk.bytes;
+    }
+    for (uint32_t s : chunks) plan.storage_bytes_[plan.shared_[s].reader] += plan.shared_[s].bytes;
   }
   return plan;
 }

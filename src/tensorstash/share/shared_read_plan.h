@@ -7,9 +7,14 @@
 // is sent. A stored chunk that two or more processes need is read from storage by one of them,
 // which hands it to the others; a chunk that one process needs is read by that process.
 //
-// The rule, deterministic: each process starts with the bytes of the chunks only it needs; the
-// shared chunks, largest first (ties by array, then chunk index), each go to the process among
-// those that need it with the fewest bytes assigned so far (ties by process index).
+// The rule, deterministic: each process starts with the bytes of the chunks only it needs. The
+// shared chunks needed by the same processes form a group; the groups, largest (in bytes)
+// first, ties by their first chunk, are each cut, in (array, chunk) order, into runs, one per
+// needer at most, whose bytes bring the needers that take one to one level (water-filling:
+// the least loaded first, ties by process index; a needer already above the level takes none;
+// a chunk goes to the run that holds its middle byte). Runs, not single chunks, so that what
+// a process reads lies back to back in the data files: one request for several chunks, and a
+// storage's read-ahead past a chunk reads what the same process reads next.
 //
 // Box lists travel encoded (EncodeNeeds/DecodeNeeds: varints, the ranks known from the step).
 // Processes that need the same boxes (data-parallel replicas) have the same encoding, which the

@@ -82,41 +82,64 @@ TEST(SharedReadPlanTest, ReplicasSplitTheReadsEvenly) {
   EXPECT_EQ(plan->storage_bytes(1), 64u);
   EXPECT_EQ(plan->total_storage_bytes(), 128u);
   EXPECT_EQ(plan->unshared_storage_bytes(), 256u);
-  // Equal sizes: by (array, chunk) order, alternating, ties to the lower process index.
+  // Equal sizes: one group of two needers, cut into two runs of neighbouring chunks.
   std::vector<int> readers;
   for (const SharedChunk& c : plan->shared()) readers.push_back(c.reader);
-  EXPECT_EQ(readers, (std::vector<int>{0, 1, 0, 1}));
+  EXPECT_EQ(readers, (std::vector<int>{0, 0, 1, 1}));
   const ProcessShare p1 = plan->ForProcess(job, arrays, 1);
   EXPECT_EQ(p1.serves.size(), 2u);
   EXPECT_EQ(p1.receives.size(), 2u);
   EXPECT_TRUE(p1.alone.empty());
 }
 
-// The rule, step by step: largest first, to the needer with the fewest bytes so far (the bytes it
-// reads alone included), ties by process index.
-TEST(SharedReadPlanTest, LargestFirstToTheLeastLoadedNeeder) {
-  // One row per chunk: chunk sizes 10, 7, 5, 3 (x 1 byte) and one more chunk of 8.
+// The rule, step by step: groups of chunks with the same needers, largest first, each cut into
+// runs of about equal bytes that go to the least loaded needers first (the bytes they read
+// alone included), ties by process index.
+TEST(SharedReadPlanTest, GroupsCutIntoRunsForTheLeastLoadedNeeders) {
+  // One row per chunk: chunk sizes 10, 7, 5, 3, 8, 4, 6.
   SharedArray a;
   a.path = "a";
-  a.grid = ChunkGrid{{5}, {1}, {1}};
-  a.chunk_bytes = {10, 7, 5, 3, 8};
+  a.grid = ChunkGrid{{7}, {1}, {1}};
+  a.chunk_bytes = {10, 7, 5, 3, 8, 4, 6};
   const std::vector<SharedArray> arrays = {a};
-  // Both need chunks 0..3; process 1 alone needs chunk 4 (8 bytes).
-  const JobNeeds job = GroupNeeds({Needs({{Box({0}, {4})}}), Needs({{Box({0}, {5})}})});
+  // p0 and p1 need chunks 0..3 (25 bytes, one group); p1 alone needs chunk 4 (8 bytes); p1 and
+  // p2 need chunks 5..6 (10 bytes, another group).
+  const JobNeeds job = GroupNeeds({Needs({{Box({0}, {4})}}), Needs({{Box({0}, {7})}}),
+                                   Needs({{Box({5}, {2})}})});
   auto plan = PlanSharedReads(arrays, job);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  // 10 -> p0 (0 < 8); 7 -> p1 (8 < 10); 5 -> p0 (10 < 15); 3 -> p0 (15 == 15, lower index).
-  ASSERT_EQ(plan->shared().size(), 4u);
+  ASSERT_EQ(plan->shared().size(), 6u);
+  // Group {p0, p1} (25 bytes) first: loads 0 and 8, level (25 + 8) / 2 = 16.5, so p0's run
+  // ends 16.5 bytes into the group. Chunk middles 5, 13.5 (p0), 19.5, 23.5 (p1).
   EXPECT_EQ(plan->Find(0, 0)->reader, 0);
-  EXPECT_EQ(plan->Find(0, 1)->reader, 1);
-  EXPECT_EQ(plan->Find(0, 2)->reader, 0);
-  EXPECT_EQ(plan->Find(0, 3)->reader, 0);
+  EXPECT_EQ(plan->Find(0, 1)->reader, 0);
+  EXPECT_EQ(plan->Find(0, 2)->reader, 1);
+  EXPECT_EQ(plan->Find(0, 3)->reader, 1);
   EXPECT_EQ(plan->Find(0, 4), nullptr);  // needed by one process only
-  EXPECT_EQ(plan->storage_bytes(0), 18u);
-  EXPECT_EQ(plan->storage_bytes(1), 15u);
+  // Group {p1, p2} (10 bytes): loads 16 and 0; p1 is above the level (10 + 16) / 2 = 13, so
+  // p2 takes the whole group.
+  EXPECT_EQ(plan->Find(0, 5)->reader, 2);
+  EXPECT_EQ(plan->Find(0, 6)->reader, 2);
+  EXPECT_EQ(plan->storage_bytes(0), 17u);
+  EXPECT_EQ(plan->storage_bytes(1), 16u);
+  EXPECT_EQ(plan->storage_bytes(2), 10u);
   const ProcessShare p1 = plan->ForProcess(job, arrays, 1);
   ASSERT_EQ(p1.alone.size(), 1u);
   EXPECT_EQ(p1.alone[0], (std::pair<uint32_t, int64_t>(0, 4)));
+}
+
+// Replicas of several arrays: each reads one run of neighbouring chunks, the bytes even.
+TEST(SharedReadPlanTest, ReplicasReadRunsOfNeighbouringChunks) {
+  const std::vector<SharedArray> arrays = {MakeArray("a", {16, 4}, {2, 4}),
+                                           MakeArray("b", {8, 4}, {2, 4})};  // 8 + 4 chunks
+  const ProcessNeeds all = Needs({{Box({0, 0}, {16, 4})}, {Box({0, 0}, {8, 4})}});
+  const JobNeeds job = GroupNeeds({all, all, all, all});
+  auto plan = PlanSharedReads(arrays, job);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<int> readers;
+  for (const SharedChunk& c : plan->shared()) readers.push_back(c.reader);
+  EXPECT_EQ(readers, (std::vector<int>{0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3}));
+  for (int p = 0; p < 4; ++p) EXPECT_EQ(plan->storage_bytes(p), 3 * 32u) << p;
 }
 
 // A brute-force model: every chunk any process needs is read from storage once in all, by a

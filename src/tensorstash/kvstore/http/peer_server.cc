@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <system_error>
@@ -306,7 +307,7 @@ struct PeerServer::Impl {
     return queued;
   }
 
-  MHD_Result ServeShared(MHD_Connection* connection, std::string_view key) {
+  MHD_Result ServeShared(MHD_Connection* connection, std::string_view key, void** request) {
     std::shared_ptr<const std::string> bytes;
     std::string why;
     {
@@ -322,12 +323,21 @@ struct PeerServer::Impl {
     }
     if (bytes == nullptr) return Answer(connection, MHD_HTTP_GONE, why);
     const MHD_Result queued = Answer(connection, MHD_HTTP_OK, *bytes, "application/octet-stream");
-    if (queued == MHD_YES) {
-      std::lock_guard<std::mutex> lock(published_mu);
-      ++published[std::string(key)].served;
-      served_cv.notify_all();
-    }
+    // Served once the last byte has gone (Completed), not when queued: a publisher that stops
+    // its server once everything is served must not cut a transfer still on the wire.
+    if (queued == MHD_YES) *request = new std::string(key);
     return queued;
+  }
+
+  static void Completed(void* cls, MHD_Connection* /*connection*/, void** request,
+                        MHD_RequestTerminationCode toe) {
+    std::unique_ptr<std::string> key(static_cast<std::string*>(*request));
+    *request = nullptr;
+    if (key == nullptr || toe != MHD_REQUEST_TERMINATED_COMPLETED_OK) return;
+    Impl& self = *static_cast<Impl*>(cls);
+    std::lock_guard<std::mutex> lock(self.published_mu);
+    ++self.published[*key].served;
+    self.served_cv.notify_all();
   }
 
   MHD_Result ServeList(MHD_Connection* connection) const {
@@ -360,7 +370,7 @@ struct PeerServer::Impl {
 
   static MHD_Result Handle(void* cls, MHD_Connection* connection, const char* url,
                            const char* method, const char* /*version*/, const char* /*upload_data*/,
-                           size_t* upload_data_size, void** /*con_cls*/) {
+                           size_t* upload_data_size, void** con_cls) {
     Impl& self = *static_cast<Impl*>(cls);
     const char* secret =
         MHD_lookup_connection_value(connection, MHD_HEADER_KIND, kPeerSecretHeader);
@@ -375,7 +385,7 @@ struct PeerServer::Impl {
     // `url` arrives percent-decoded, so "%2e%2e" is checked as "..".
     const std::string_view path(url);
     if (path.starts_with(kSharedPath)) {
-      return self.ServeShared(connection, path.substr(std::strlen(kSharedPath)));
+      return self.ServeShared(connection, path.substr(std::strlen(kSharedPath)), con_cls);
     }
     if (self.root_fd < 0) return Answer(connection, MHD_HTTP_NOT_FOUND, "no files served\n");
     if (path.starts_with(kObjectPath)) {
@@ -433,7 +443,8 @@ Result<std::unique_ptr<PeerServer>> PeerServer::Start(std::string root, PeerServ
       static_cast<unsigned int>(impl->options.max_connections_per_address),
       MHD_OPTION_CONNECTION_TIMEOUT,
       static_cast<unsigned int>(impl->options.header_timeout.count()),
-      MHD_OPTION_NOTIFY_CONNECTION, &Impl::NotifyConnection, impl.get(), MHD_OPTION_END);
+      MHD_OPTION_NOTIFY_CONNECTION, &Impl::NotifyConnection, impl.get(),
+      MHD_OPTION_NOTIFY_COMPLETED, &Impl::Completed, impl.get(), MHD_OPTION_END);
   if (impl->daemon == nullptr) {
     return UnavailableError(StrCat("cannot serve peers on ", impl->options.bind_address, ":",
                                    impl->options.port, " (address in use or not of this host)"));

@@ -102,7 +102,7 @@ class PeerServer {
   // earlier one); PublishFailure makes it 410 with `why` (the publisher could not read them).
   void Publish(const std::string& key, std::shared_ptr<const std::string> bytes);
   void PublishFailure(const std::string& key, const std::string& why);
-  // Waits until each (key, n) of `wanted` has been answered with its bytes n times (its
+  // Waits until each (key, n) of `wanted` has been sent whole n times (its
   // receivers have asked for it), or until `deadline`. Returns the keys still short.
   std::vector<std::string> WaitServed(const std::vector<std::pair<std::string, int>>& wanted,
                                       std::chrono::steady_clock::time_point deadline);

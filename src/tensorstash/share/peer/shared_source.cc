@@ -85,6 +85,21 @@ struct SharedStepSource::Impl final : public ChunkRouter {
     bool done = false;
   };
   std::vector<Pumped> pumped;
+  // The pump's requests: runs of served chunks that are neighbours in one data file (slots
+  // [first, first + count) of `pumped`): no chunk another process serves between them, at most
+  // `gap_bytes` between two (alignment padding, or a chunk no process shares), the span at
+  // most `max_request_bytes`; each read in one request.
+  struct PumpRun {
+    std::string key;
+    size_t first = 0;
+    size_t count = 0;
+    uint64_t offset = 0;
+    uint64_t length = 0;       // of the span
+    uint64_t chunk_bytes = 0;  // of its chunks (what the stats count)
+  };
+  std::vector<PumpRun> pump_runs;
+  uint64_t max_request_bytes = 0;
+  uint64_t gap_bytes = 0;
   std::mutex pump_mu;
   std::condition_variable pump_cv;
   std::atomic<size_t> pump_next{0};
@@ -117,35 +132,41 @@ struct SharedStepSource::Impl final : public ChunkRouter {
   }
 
   void Pump() {
-    for (size_t i = pump_next++; i < pumped.size() && !stopping; i = pump_next++) {
-      Pumped& p = pumped[i];
-      const ChunkRoute& r = *p.route;
-      auto bytes = std::make_shared<std::string>(r.length, '\0');
+    for (size_t i = pump_next++; i < pump_runs.size() && !stopping; i = pump_next++) {
+      const PumpRun& run = pump_runs[i];
+      std::string span(run.length, '\0');
       const auto start = Clock::now();
-      Status status = base->ReadRange(p.key, r.offset, r.length, bytes->data());
-      AccountStorage(status.ok() ? r.length : 0, SecondsSince(start));
+      const Status status = base->ReadRange(run.key, run.offset, run.length, span.data());
+      AccountStorage(status.ok() ? run.chunk_bytes : 0, SecondsSince(start));
       if (stopping) break;  // (Finish or the destructor: no one reads it any more)
-      if (!status.ok()) {
-        server->PublishFailure(r.name, StrCat("reading ", r.what, ": ", status.message()));
-      } else if (Crc32c(bytes->data(), bytes->size()) != r.crc) {
-        // The receivers then read it themselves, and meet the damage as any read would.
-        server->PublishFailure(r.name, StrCat("CRC-32C mismatch in ", r.what, " as stored"));
-      } else if (share.corrupt_served_for_testing) {
-        auto bad = std::make_shared<std::string>(*bytes);
-        if (!bad->empty()) (*bad)[bad->size() / 2] ^= 0x5a;
-        server->Publish(r.name, std::move(bad));
-      } else {
-        server->Publish(r.name, bytes);
+      for (size_t slot = run.first; slot < run.first + run.count; ++slot) {
+        Pumped& p = pumped[slot];
+        const ChunkRoute& r = *p.route;
+        std::shared_ptr<std::string> bytes;
+        Status chunk_status = status;
+        if (!status.ok()) {
+          server->PublishFailure(r.name, StrCat("reading ", r.what, ": ", status.message()));
+        } else {
+          bytes = run.count == 1
+                      ? std::make_shared<std::string>(std::move(span))
+                      : std::make_shared<std::string>(span, r.offset - run.offset, r.length);
+          if (Crc32c(bytes->data(), bytes->size()) != r.crc) {
+            // The receivers then read it themselves, and meet the damage as any read would.
+            server->PublishFailure(r.name, StrCat("CRC-32C mismatch in ", r.what, " as stored"));
+          } else {
+            server->Publish(r.name, bytes);
+          }
+        }
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          ++stats.served_chunks;
+        }
+        std::lock_guard<std::mutex> lock(pump_mu);
+        p.bytes = std::move(bytes);
+        p.status = std::move(chunk_status);
+        p.done = true;
+        pump_cv.notify_all();
       }
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        ++stats.served_chunks;
-      }
-      std::lock_guard<std::mutex> lock(pump_mu);
-      p.bytes = std::move(bytes);
-      p.status = std::move(status);
-      p.done = true;
-      pump_cv.notify_all();
     }
   }
 
@@ -442,10 +463,25 @@ Status SharedStepSource::Impl::Share(const std::vector<ReadRequest>& requests) {
   for (auto& [key, list] : routes) {
     std::sort(list.begin(), list.end(),
               [](const ChunkRoute& a, const ChunkRoute& b) { return a.offset < b.offset; });
+    bool extend = false;  // the route before this one was served, and in the last run
     for (ChunkRoute& r : list) {
-      if (!r.serve) continue;
+      if (!r.serve) {
+        extend = false;
+        continue;
+      }
       r.slot = pumped.size();
       pumped.push_back(Pumped{&r, key, nullptr, OkStatus(), false});
+      PumpRun* last = extend ? &pump_runs.back() : nullptr;
+      const uint64_t end = last == nullptr ? 0 : last->offset + last->length;
+      if (last != nullptr && r.offset >= end && r.offset - end <= gap_bytes &&
+          r.offset + r.length - last->offset <= max_request_bytes) {
+        last->length = r.offset + r.length - last->offset;
+        last->chunk_bytes += r.length;
+        ++last->count;
+      } else {
+        pump_runs.push_back(PumpRun{key, r.slot, 1, r.offset, r.length, r.length});
+      }
+      extend = true;
     }
   }
   {
@@ -453,8 +489,8 @@ Status SharedStepSource::Impl::Share(const std::vector<ReadRequest>& requests) {
     stats.active = true;
   }
   active = true;
-  const int threads = std::max(1, std::min<int>(share.pump_threads, pumped.size()));
-  for (int t = 0; t < threads && !pumped.empty(); ++t) {
+  const int threads = std::max(1, std::min<int>(share.pump_threads, pump_runs.size()));
+  for (int t = 0; t < threads && !pump_runs.empty(); ++t) {
     pump_threads.emplace_back([this] { Pump(); });
   }
   return OkStatus();
@@ -472,9 +508,12 @@ Result<std::unique_ptr<SharedStepSource>> SharedStepSource::Open(KvStore* kv, st
   impl->coordinator = coordinator;
   impl->share = std::move(share);
   impl->routing = std::make_unique<RoutingKvStore>(kv, impl.get());
+  impl->max_request_bytes = options.max_request_bytes;
+  impl->gap_bytes = options.coalesce_gap_bytes;
   // Spans of neighbouring chunks only, no bytes between them: a span then holds nothing but
   // chunks the read needs, so that each shared chunk is fetched once, and no byte of a chunk
-  // that another process reads is read from storage as a gap.
+  // that another process reads is read from storage as a gap. (The pump, which knows which
+  // chunks are whose, spans the gaps between its own.)
   options.coalesce_gap_bytes = 0;
   TS_ASSIGN_OR_RETURN(impl->reader,
                       CheckpointReader::Open(impl->routing.get(), std::move(dir), options));

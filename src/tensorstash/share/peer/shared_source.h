@@ -10,7 +10,8 @@
 // Share publishes this process's peer server (its URL and a secret of its own, through the
 // coordinator), exchanges the boxes each process needs (ExchangeNeeds) and computes the plan
 // (PlanSharedReads), which every process computes alike. Then a pump reads the chunks this
-// process serves from storage, checks their CRC-32C and publishes them on its server
+// process serves from storage (neighbouring chunks of a data file in one request of at most
+// ReaderOptions::max_request_bytes), checks their CRC-32C and publishes them on its server
 // (/v1/shared/<array>/<chunk>). Reads go through the ordinary CheckpointReader over a store
 // that routes each chunk's bytes: a chunk it serves comes from the pump, a chunk another
 // process serves from that process (polled: 503 until it is there, 1 to 20 ms apart), every
@@ -49,8 +50,6 @@ struct ShareOptions {
   std::string bind_address = "127.0.0.1";
   int pump_threads = 4;
   int server_threads = 4;
-  // Testing: the chunks this process serves are published with one byte flipped.
-  bool corrupt_served_for_testing = false;
 };
 
 struct ShareStats {

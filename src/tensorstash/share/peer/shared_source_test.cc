@@ -2,18 +2,26 @@
 // in-memory store and an in-process coordinator, each with its own peer server on loopback.
 #include "tensorstash/share/peer/shared_source.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tensorstash/checkpoint/checkpoint_reader.h"
 #include "tensorstash/checkpoint/checkpoint_writer.h"
 #include "tensorstash/kvstore/forwarding_kvstore.h"
 #include "tensorstash/kvstore/http/http_client.h"
@@ -96,20 +104,27 @@ struct ProcessResult {
   ShareStats stats;
 };
 
+// A process's coordinator, given the one it would have (which outlives it).
+using CoordinatorOf = std::function<std::unique_ptr<Coordinator>(int, Coordinator*)>;
+
 // Process p reads boxes[p] of both arrays; `tweak` adjusts its options, `store_of` (when set)
-// gives its store.
+// gives its store, `coordinator_of` (when set) its coordinator.
 std::vector<ProcessResult> RunJob(KvStore* kv, const std::vector<std::vector<Box>>& boxes,
                                   const std::function<void(int, ShareOptions&)>& tweak = nullptr,
                                   int dead = -1,
                                   const std::function<KvStore*(int)>& store_of = nullptr,
-                                  const std::function<void(int)>& read_done = nullptr) {
+                                  const std::function<void(int)>& read_done = nullptr,
+                                  const CoordinatorOf& coordinator_of = nullptr) {
   const int n = static_cast<int>(boxes.size());
   auto group = std::make_shared<InProcessCoordinatorGroup>(n);
   std::vector<ProcessResult> results(n);
   std::vector<std::thread> threads;
   for (int p = 0; p < n; ++p) {
     threads.emplace_back([&, p] {
-      InProcessCoordinator coordinator(group, p);
+      InProcessCoordinator in_process(group, p);
+      std::unique_ptr<Coordinator> wrapped =
+          coordinator_of ? coordinator_of(p, &in_process) : nullptr;
+      Coordinator& coordinator = wrapped ? *wrapped : in_process;
       ShareOptions share;
       share.key_prefix = "test/";
       share.timeout = std::chrono::milliseconds(3000);
@@ -205,11 +220,67 @@ TEST(SharedStepSource, UnevenOverlappingBoxesShareTheChunksTheyHaveInCommon) {
   EXPECT_EQ(storage, StoredDataBytes(kv.get()));
 }
 
+// A coordinator that publishes, instead of this process's peer server ("<prefix>peer/<p>"),
+// `fake`'s address and secret; everything else goes to `inner`.
+class PeerSwappingCoordinator final : public Coordinator {
+ public:
+  PeerSwappingCoordinator(Coordinator* inner, std::string fake) : inner_(inner), fake_(fake) {}
+  int process_index() const override { return inner_->process_index(); }
+  int process_count() const override { return inner_->process_count(); }
+  Status Barrier(std::string_view name, std::chrono::milliseconds timeout) override {
+    return inner_->Barrier(name, timeout);
+  }
+  Status KeyValueSet(std::string_view key, std::string_view value) override {
+    const bool peer = key.ends_with("peer/" + std::to_string(process_index()));
+    return inner_->KeyValueSet(key, peer ? std::string_view(fake_) : value);
+  }
+  Result<std::string> KeyValueGet(std::string_view key,
+                                  std::chrono::milliseconds timeout) override {
+    return inner_->KeyValueGet(key, timeout);
+  }
+  Result<std::optional<std::string>> KeyValueTryGet(std::string_view key) override {
+    return inner_->KeyValueTryGet(key);
+  }
+
+ private:
+  Coordinator* inner_;
+  std::string fake_;
+};
+
+// A peer server that serves every stored chunk of the step under its /v1/shared/ name, one
+// byte flipped: what a process with bad memory or a bad link would send.
+std::unique_ptr<PeerServer> CorruptPeer(KvStore* kv, PeerServerOptions options) {
+  std::unique_ptr<PeerServer> server = PeerServer::Start("", options).value();
+  std::unique_ptr<CheckpointReader> reader = CheckpointReader::Open(kv, kStep, {}).value();
+  for (const IndexEntry& e : reader->index().entries) {
+    auto bytes = std::make_shared<std::string>(e.length, '\0');
+    EXPECT_TRUE(kv->ReadRange(reader->DataFileKey(e.file_id), e.offset, e.length, bytes->data())
+                    .ok());
+    (*bytes)[bytes->size() / 2] ^= 0x5a;
+    server->Publish(std::to_string(e.array_id) + "/" + std::to_string(e.chunk), bytes);
+  }
+  return server;
+}
+
 TEST(SharedStepSource, ACorruptPeerIsCaughtAndItsChunksReadFromStorage) {
   auto kv = WriteStep();
+  PeerServerOptions fake;
+  fake.secret = "0123456789abcdef0123456789abcdef";
+  std::unique_ptr<PeerServer> corrupt = CorruptPeer(kv.get(), fake);
   const std::vector<std::vector<Box>> boxes(3, {Rows(0, 8)});
+  // Process 1 publishes the corrupt server as its own: the others receive its chunks from it.
+  // (Its own server is then never asked: its Finish waits out its short timeout.)
   const std::vector<ProcessResult> results = RunJob(
-      kv.get(), boxes, [](int p, ShareOptions& o) { o.corrupt_served_for_testing = p == 1; });
+      kv.get(), boxes,
+      [](int p, ShareOptions& o) {
+        if (p == 1) o.timeout = std::chrono::milliseconds(500);
+      },
+      -1, nullptr, nullptr,
+      [&](int p, Coordinator* inner) -> std::unique_ptr<Coordinator> {
+        if (p != 1) return nullptr;
+        return std::make_unique<PeerSwappingCoordinator>(
+            inner, corrupt->url() + " " + fake.secret);
+      });
   for (int p = 0; p < 3; ++p) {
     TS_ASSERT_OK(results[p].status);
     ExpectExact(results[p], boxes[p]);
@@ -310,6 +381,97 @@ TEST(SharedStepSource, AStalledPeerCostsOneTimeoutThenItsChunksComeFromStorage) 
   }
 }
 
+// A store that counts the ReadRange calls (the pump's requests) on the step's data files.
+class CountingKvStore final : public ForwardingKvStore {
+ public:
+  CountingKvStore(KvStore* base, std::set<std::string> data_keys)
+      : ForwardingKvStore(base), data_keys_(std::move(data_keys)) {}
+  Status ReadRange(std::string_view key, uint64_t offset, size_t size, void* dest) override {
+    if (data_keys_.contains(std::string(key))) ++requests;
+    return ForwardingKvStore::ReadRange(key, offset, size, dest);
+  }
+  std::atomic<int> requests{0};
+
+ private:
+  std::set<std::string> data_keys_;
+};
+
+std::set<std::string> DataKeys(KvStore* kv) {
+  std::unique_ptr<CheckpointReader> reader = CheckpointReader::Open(kv, kStep, {}).value();
+  std::set<std::string> keys;
+  for (uint32_t f = 0; f < reader->index().files.size(); ++f) keys.insert(reader->DataFileKey(f));
+  return keys;
+}
+
+std::string Layout(KvStore* kv) {
+  std::unique_ptr<CheckpointReader> reader = CheckpointReader::Open(kv, kStep, {}).value();
+  std::string out;
+  for (const IndexEntry& e : reader->index().entries) {
+    out += std::to_string(e.array_id) + "/" + std::to_string(e.chunk) + " file " +
+           std::to_string(e.file_id) + " @" + std::to_string(e.offset) + "+" +
+           std::to_string(e.length) + "; ";
+  }
+  return out;
+}
+
+TEST(SharedStepSource, TheServerReadsNeighbouringChunksInOneRequest) {
+  auto kv = WriteStep();
+  const std::set<std::string> keys = DataKeys(kv.get());
+  // Two replicas: each serves a run of neighbouring chunks of "w" (4 chunks of 48 bytes, 64
+  // bytes apart in one data file: alignment) and of "b". With a cap of 1 byte, one request per
+  // chunk.
+  for (const uint64_t cap : {uint64_t{32} << 20, uint64_t{1}}) {
+    SCOPED_TRACE(cap);
+    std::vector<std::unique_ptr<CountingKvStore>> stores;
+    for (int p = 0; p < 2; ++p) stores.push_back(std::make_unique<CountingKvStore>(kv.get(), keys));
+    const std::vector<std::vector<Box>> boxes(2, {Rows(0, 8)});
+    // (RunJob opens with default ReaderOptions; the cap is a ReaderOptions field.)
+    auto group = std::make_shared<InProcessCoordinatorGroup>(2);
+    std::vector<ProcessResult> results(2);
+    std::vector<std::thread> threads;
+    for (int p = 0; p < 2; ++p) {
+      threads.emplace_back([&, p] {
+        InProcessCoordinator coordinator(group, p);
+        ShareOptions share;
+        share.key_prefix = "count/";
+        share.timeout = std::chrono::milliseconds(3000);
+        ReaderOptions options;
+        options.max_request_bytes = cap;
+        auto source =
+            SharedStepSource::Open(stores[p].get(), kStep, options, &coordinator, share).value();
+        ProcessResult& r = results[p];
+        std::vector<ReadRequest> requests;
+        for (const std::string path : {"w", "b"}) {
+          r.data.emplace_back(Rows(0, 8).num_elements() * 4);
+          requests.push_back({path, Rows(0, 8), DType::kFloat32, r.data.back().data()});
+        }
+        r.status = source->Share(requests);
+        if (r.status.ok()) r.status = source->ReadMany(requests, nullptr, nullptr);
+        r.finish = source->Finish();
+        r.stats = source->share_stats();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int p = 0; p < 2; ++p) {
+      TS_ASSERT_OK(results[p].status);
+      TS_EXPECT_OK(results[p].finish);
+      ExpectExact(results[p], boxes[p]);
+      const int served = static_cast<int>(results[p].stats.served_chunks);
+      ASSERT_GE(served, 2);
+      if (cap == 1) {
+        EXPECT_EQ(stores[p]->requests.load(), served) << "process " << p;
+      } else {
+        // One run of "w" and one of "b" (whatever the files), not one request per chunk.
+        EXPECT_LE(stores[p]->requests.load(), 2)
+            << "process " << p << " served " << served << ": " << Layout(kv.get());
+        EXPECT_LT(stores[p]->requests.load(), served) << "process " << p;
+      }
+    }
+    EXPECT_EQ(results[0].stats.storage_bytes + results[1].stats.storage_bytes,
+              StoredDataBytes(kv.get()));
+  }
+}
+
 TEST(SharedStepSource, OneProcessReadsAsWithoutSharing) {
   auto kv = WriteStep();
   const std::vector<std::vector<Box>> boxes = {{Rows(1, 6)}};
@@ -318,6 +480,44 @@ TEST(SharedStepSource, OneProcessReadsAsWithoutSharing) {
   ExpectExact(results[0], boxes[0]);
   EXPECT_FALSE(results[0].stats.active);
   EXPECT_EQ(results[0].stats.peer_bytes, 0u);
+}
+
+// A chunk counts as served once its last byte has been sent, not when its answer is queued: a
+// publisher that stops once everything is served must not cut a transfer on the wire.
+TEST(PeerServerShared, AChunkIsServedOnceSentWhole) {
+  PeerServerOptions options;
+  options.secret = "0123456789abcdef0123";
+  std::unique_ptr<PeerServer> server = PeerServer::Start("", options).value();
+  const size_t size = size_t{64} << 20;  // far more than the sockets' buffers hold
+  server->Publish("0/1", std::make_shared<const std::string>(size, 'x'));
+  const std::string url = server->url();  // http://127.0.0.1:PORT
+  const int port = std::stoi(url.substr(url.rfind(':') + 1));
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  const std::string request = std::string("GET /v1/shared/0/1 HTTP/1.1\r\nHost: x\r\n") +
+                              kPeerSecretHeader + ": " + options.secret + "\r\n\r\n";
+  ASSERT_EQ(::send(fd, request.data(), request.size(), 0), static_cast<ssize_t>(request.size()));
+  std::vector<char> buffer(1 << 20);
+  const ssize_t first = ::recv(fd, buffer.data(), buffer.size(), 0);  // the answer has begun
+  ASSERT_GT(first, 0);
+  // Not served while most of it has not left the server.
+  EXPECT_THAT(server->WaitServed({{"0/1", 1}},
+                                 std::chrono::steady_clock::now() + std::chrono::milliseconds(300)),
+              SizeIs(1));
+  size_t received = static_cast<size_t>(first);  // (with the headers: done at `size`)
+  for (ssize_t n; (n = ::recv(fd, buffer.data(), buffer.size(), 0)) > 0;) {
+    received += static_cast<size_t>(n);
+    if (received >= size) break;
+  }
+  EXPECT_THAT(server->WaitServed({{"0/1", 1}},
+                                 std::chrono::steady_clock::now() + std::chrono::seconds(10)),
+              IsEmpty());
+  ::close(fd);
 }
 
 TEST(PeerServerShared, NotYetThenTheBytesThenGone) {
@@ -337,7 +537,10 @@ TEST(PeerServerShared, NotYetThenTheBytesThenGone) {
   const HttpResponse ok = get("0/1", options.secret);
   EXPECT_EQ(ok.status, 200);
   EXPECT_EQ(ok.body, "chunk bytes");
-  EXPECT_THAT(server->WaitServed({{"0/1", 1}}, std::chrono::steady_clock::now()), IsEmpty());
+  // (Counted once the last byte has gone, which may be a moment after the client has it.)
+  EXPECT_THAT(server->WaitServed({{"0/1", 1}},
+                                 std::chrono::steady_clock::now() + std::chrono::seconds(10)),
+              IsEmpty());
   EXPECT_THAT(server->WaitServed({{"0/1", 2}}, std::chrono::steady_clock::now()), SizeIs(1));
   server->PublishFailure("0/1", "unreadable");
   const HttpResponse failed = get("0/1", options.secret);
