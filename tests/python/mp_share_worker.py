@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -116,7 +117,14 @@ def run(args) -> None:
         json.dump(stats, f)
     print(f"process {args.pid}: {json.dumps(stats)}", flush=True)
     if mode == "kill":
-        # Not jax.distributed.shutdown: it would wait for the dead process.
+        # Not jax.distributed.shutdown: it would wait for the dead process. Process 0 hosts
+        # JAX's coordination service, whose end makes JAX kill the processes still in the job:
+        # it leaves only once the other survivors have written their stats (or a deadline).
+        if args.pid == 0:
+            others = [f"share-{mode}-{p}.json" for p in range(2, args.nproc)]
+            deadline = time.monotonic() + 60
+            while not all(os.path.exists(f) for f in others) and time.monotonic() < deadline:
+                time.sleep(0.05)
         sys.stdout.flush()
         os._exit(0)
 
