@@ -58,7 +58,8 @@ long MaxRssKib() {
   return usage.ru_maxrss;
 }
 
-class CheckpointCorruptionTest : public test::TempDirTest {
+// A file store in a fresh folder, and its files' raw bytes, for tests that damage them by hand.
+class StepFilesTest : public test::TempDirTest {
  protected:
   void SetUp() override {
     test::TempDirTest::SetUp();
@@ -66,6 +67,28 @@ class CheckpointCorruptionTest : public test::TempDirTest {
     Result<std::unique_ptr<FileKvStore>> store = FileKvStore::Open(root_);
     TS_ASSERT_OK(store.status());
     kv_ = *std::move(store);
+  }
+  std::string PathOf(const std::string& key) const { return root_ + "/" + key; }
+  std::string ReadRaw(const std::string& key) const {
+    std::ifstream in(PathOf(key), std::ios::binary);
+    std::stringstream contents;
+    contents << in.rdbuf();
+    return contents.str();
+  }
+  void WriteRaw(const std::string& key, const std::string& bytes) const {
+    std::ofstream out(PathOf(key), std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    ASSERT_TRUE(out.good()) << key;
+  }
+
+  std::string root_;
+  std::unique_ptr<FileKvStore> kv_;
+};
+
+class CheckpointCorruptionTest : public StepFilesTest {
+ protected:
+  void SetUp() override {
+    StepFilesTest::SetUp();
     WriterOptions options;
     options.sync = false;
     options.target_chunk_bytes = 1024;
@@ -87,18 +110,6 @@ class CheckpointCorruptionTest : public test::TempDirTest {
     ASSERT_GE(index_.files.size(), 3u);
   }
 
-  std::string PathOf(const std::string& key) const { return root_ + "/" + key; }
-  std::string ReadRaw(const std::string& key) const {
-    std::ifstream in(PathOf(key), std::ios::binary);
-    std::stringstream contents;
-    contents << in.rdbuf();
-    return contents.str();
-  }
-  void WriteRaw(const std::string& key, const std::string& bytes) const {
-    std::ofstream out(PathOf(key), std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    ASSERT_TRUE(out.good()) << key;
-  }
   std::string FileKey(uint32_t file_id) const {
     return StrCat(kItem, "/", index_.files[file_id].name);
   }
@@ -163,8 +174,6 @@ class CheckpointCorruptionTest : public test::TempDirTest {
   }
 
   const std::vector<TestArray> arrays_ = Arrays();
-  std::string root_;
-  std::unique_ptr<FileKvStore> kv_;
   ChunkIndex index_;
   TreeFile tree_;
 };
@@ -626,14 +635,10 @@ TEST_F(CheckpointCorruptionTest, DuplicateAndUnsortedIndexEntries) {
 // Chunks of most of a MiB read into sub-boxes that cut every dimension come back exact, and a
 // flipped byte anywhere in such a chunk (its first, middle or last byte) fails a read that needs
 // only a small part of it: the whole chunk is checked, not only the bytes copied out.
-class LargeChunkScatterTest : public test::TempDirTest {
+class LargeChunkScatterTest : public StepFilesTest {
  protected:
   void SetUp() override {
-    test::TempDirTest::SetUp();
-    root_ = temp_dir() + "/root";
-    Result<std::unique_ptr<FileKvStore>> store = FileKvStore::Open(root_);
-    TS_ASSERT_OK(store.status());
-    kv_ = *std::move(store);
+    StepFilesTest::SetUp();
     WriterOptions options;
     options.sync = false;
     options.target_chunk_bytes = 64 << 20;  // each shard one chunk: 2 x 0.79 MiB
@@ -655,8 +660,6 @@ class LargeChunkScatterTest : public test::TempDirTest {
   }
 
   const ArraySpec spec_{"big", DType::kFloat32, {6, 96, 700}};
-  std::string root_;
-  std::unique_ptr<FileKvStore> kv_;
 };
 
 TEST_F(LargeChunkScatterTest, SubBoxesAcrossSlabsReadExactly) {
@@ -676,17 +679,11 @@ TEST_F(LargeChunkScatterTest, AFlipInAnySlabOfALargeChunkIsCaught) {
   ASSERT_EQ(index.entries.size(), 2u);
   const IndexEntry victim = index.entries[1];  // rows 3..5
   const std::string file = StrCat(kItem, "/", index.files[victim.file_id].name);
-  std::ifstream in(root_ + "/" + file, std::ios::binary);
-  std::stringstream contents;
-  contents << in.rdbuf();
-  const std::string intact = contents.str();
+  const std::string intact = ReadRaw(file);
   for (const uint64_t at : {uint64_t{0}, victim.length / 2, victim.length - 1}) {
     std::string bytes = intact;
     bytes[victim.offset + at] = static_cast<char>(bytes[victim.offset + at] ^ 0x20);
-    {
-      std::ofstream out(root_ + "/" + file, std::ios::binary | std::ios::trunc);
-      out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    }
+    WriteRaw(file, bytes);
     std::vector<char> got;
     // A box that needs only part of the damaged chunk: the whole chunk is still checked.
     const Status status = ReadBox(Box({4, 10, 10}, {1, 20, 20}), &got);
