@@ -231,8 +231,12 @@ Result<bool> DcpReader::ReadChunkInto(size_t id, size_t c, bool check_crc, char*
                                 DTypeName(t.dtype), " chunk"));
   }
   if (!saved->whole_entry) return false;
-  // The storage entry covers the hole: it starts in the head and ends in the tail.
+  // Only a storage entry that covers the hole (starts in the head, ends in the tail) is read
+  // this way. The zip parser refuses any other entry in the hole, but a hole of bytes no entry
+  // claims, with the tensor's entry in the head or the tail, passes it: copying the edges into
+  // `dest` would then write past the tensor's bytes. Such an archive is read whole instead.
   const uint64_t begin = saved->data_offset, end = begin + saved->data_length;
+  if (begin > edge || end < length - edge || end > length) return false;
   std::memcpy(dest, archive + begin, edge - begin);
   TS_RETURN_IF_ERROR(ReadItemRange(loc, edge, length - 2 * edge, dest + (edge - begin)));
   std::memcpy(dest + (length - edge - begin), archive + length - edge, end - (length - edge));
